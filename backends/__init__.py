@@ -1,0 +1,63 @@
+"""Storage backends, one module per service, found by URI scheme.
+
+``open_backend("dir:/srv/a", "metasync")`` returns a :class:`Backend` bound to the
+namespace ``metasync`` at that location. A bare absolute path means ``dir:``.
+"""
+
+from __future__ import annotations
+
+from metasync.backends.base import Backend, Capabilities, check_key, check_prefix
+from metasync.errors import UsageError
+
+_REGISTRY: dict[str, type[Backend]] = {}
+
+
+def register(cls: type[Backend]) -> type[Backend]:
+    """Class decorator: make ``cls`` handle URIs of ``cls.scheme``."""
+    _REGISTRY[cls.scheme] = cls
+    return cls
+
+
+def scheme_of(uri: str) -> str:
+    """The URI's scheme; a bare absolute path is ``dir``."""
+    if uri.startswith("/"):
+        return "dir"
+    scheme, sep, _ = uri.partition(":")
+    if not sep or not scheme:
+        raise UsageError(
+            f"not a backend URI: {uri!r}; use dir:/absolute/path (or a bare absolute path)"
+        )
+    return scheme
+
+
+def normalize_uri(uri: str) -> str:
+    """Canonical form of a backend URI (``/x`` becomes ``dir:/x``)."""
+    return f"dir:{uri}" if uri.startswith("/") else uri
+
+
+def open_backend(uri: str, namespace: str) -> Backend:
+    """Open the backend for ``uri`` bound to ``namespace``. Does not touch the service."""
+    _load_builtin()
+    scheme = scheme_of(uri)
+    cls = _REGISTRY.get(scheme)
+    if cls is None:
+        known = ", ".join(sorted(f"{s}:" for s in _REGISTRY))
+        raise UsageError(f"unknown backend scheme {scheme!r} in {uri!r}; known schemes: {known}")
+    return cls(normalize_uri(uri), namespace)
+
+
+def _load_builtin() -> None:
+    # Imported lazily so that importing this package stays cheap and cycle-free.
+    from metasync.backends import local  # noqa: F401
+
+
+__all__ = [
+    "Backend",
+    "Capabilities",
+    "check_key",
+    "check_prefix",
+    "normalize_uri",
+    "open_backend",
+    "register",
+    "scheme_of",
+]

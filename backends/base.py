@@ -1,0 +1,148 @@
+"""The storage-service abstraction (paper Table 2) every backend implements.
+
+A backend instance is bound to one repository namespace on one storage service:
+all keys are relative to ``<service location>/<namespace>/``. Keys are
+``/``-separated, each part matching ``[A-Za-z0-9._-]+`` and not ``.`` or ``..``;
+:func:`check_key` enforces this so a key can never escape the namespace.
+
+Error contract (every method):
+- a missing key raises :class:`ObjectNotFound`;
+- an unreachable service raises :class:`BackendUnavailable`;
+- other failures raise :class:`BackendError` (``transient=True`` if a retry may help).
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from metasync.errors import InvalidKey
+
+_KEY_PART = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative key, else raise :class:`InvalidKey`."""
+    if not key or key.startswith("/") or key.endswith("/"):
+        raise InvalidKey(f"invalid backend key {key!r}")
+    for part in key.split("/"):
+        if part in (".", "..") or not _KEY_PART.match(part):
+            raise InvalidKey(f"invalid backend key {key!r}")
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """Like :func:`check_key` for a listing prefix; ``""`` (everything) is allowed."""
+    if prefix == "":
+        return prefix
+    return check_key(prefix.rstrip("/"))
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, declared once per backend class.
+
+    The conformance suite skips tests whose capability is missing and records why.
+    """
+
+    #: ``put_if_absent`` is atomic (exclusive create) on the service itself.
+    conditional_create: bool = False
+    #: Compare-and-swap on an object's version (If-Match / revision); used by later issues.
+    compare_and_swap: bool = False
+    #: ``get_range`` reads part of an object without transferring the rest.
+    range_reads: bool = True
+    #: Largest object the service accepts, in bytes (``None``: no practical limit).
+    max_object_size: int | None = None
+    #: Keys differing only in case are distinct objects.
+    case_sensitive: bool = True
+    #: ``poll`` can block until a change (long-poll) rather than only compare tokens.
+    long_poll: bool = False
+
+
+class Backend(ABC):
+    """One storage service, bound to one repository namespace."""
+
+    #: Declared by each implementation; the single place its abilities are stated.
+    capabilities: Capabilities = Capabilities()
+    #: URI scheme this class handles, e.g. ``"dir"``.
+    scheme: str = ""
+
+    def __init__(self, uri: str, namespace: str) -> None:
+        self.uri = uri
+        self.namespace = namespace
+
+    @property
+    def name(self) -> str:
+        """A short human name for messages (the URI)."""
+        return self.uri
+
+    # --- lifecycle --------------------------------------------------------------
+    @abstractmethod
+    def exists(self) -> bool:
+        """True if the namespace exists on the service (a repository may live there)."""
+
+    @abstractmethod
+    def create(self) -> None:
+        """Create the namespace. The service location itself must already exist
+        (raise :class:`BackendUnavailable` naming it if not)."""
+
+    # --- storage abstraction (Table 2a) ------------------------------------------
+    @abstractmethod
+    def put(self, key: str, data: bytes | BinaryIO) -> None:
+        """Store ``data`` at ``key``, replacing any previous object atomically:
+        readers see the old object or the whole new one, never a part.
+        A file-like ``data`` is streamed, never read whole into memory."""
+
+    @abstractmethod
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if absent, atomically; return False if it existed.
+        Backends without ``conditional_create`` may emulate this best-effort."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes:
+        """Return the whole object at ``key``."""
+
+    @abstractmethod
+    def open(self, key: str) -> BinaryIO:
+        """Return a readable stream of the object at ``key`` (caller closes it)."""
+
+    @abstractmethod
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """Return ``length`` bytes from ``offset``; raise :class:`BackendError` if the
+        object is shorter than ``offset + length`` (a truncated copy)."""
+
+    @abstractmethod
+    def size(self, key: str) -> int:
+        """Size of the object at ``key`` in bytes."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``. Deleting a missing key raises :class:`ObjectNotFound`."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> Iterator[str]:
+        """Yield every key under ``prefix`` (a folder-like prefix, ``""`` for all), in
+        no particular order. Temporary files of in-progress writes are never listed."""
+
+    @abstractmethod
+    def poll(self, key: str) -> str | None:
+        """Return a token that changes whenever the object at ``key`` changes, or
+        ``None`` if it does not exist. Comparing tokens tells a client to re-read."""
+
+    # --- synchronization abstraction (Table 2b) --------------------------------------
+    @abstractmethod
+    def append(self, log: str, message: bytes) -> int:
+        """Append ``message`` to the append-only list ``log`` atomically, even with
+        concurrent appenders in other processes; return its position (0-based).
+        No entry is lost or duplicated and every reader sees one order."""
+
+    @abstractmethod
+    def fetch(self, log: str, start: int = 0) -> list[tuple[int, bytes]]:
+        """Return ``(position, message)`` for every entry at ``position >= start`` in
+        order. A missing log is empty, not an error."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections. The default does nothing."""

@@ -1,0 +1,313 @@
+"""The ``metasync`` command: a thin layer over :class:`metasync.Repository`.
+
+Every failure the user can cause ends in one line on stderr and a non-zero exit;
+a traceback appears only with ``--debug``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from metasync.errors import MetasyncError, UsageError
+from metasync.repository import DEFAULT_NAMESPACE, Repository
+
+
+class _State:
+    debug = False
+    quiet = False
+
+
+STATE = _State()
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    click.echo(f"metasync: error: {message}", err=True)
+    sys.exit(code)
+
+
+class RichReporter:
+    """Progress bars (bytes, rate, ETA) on a terminal's stderr."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self._progress: Any = None
+        self._task: Any = None
+
+    def start(self, label: str, total: int) -> None:
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self.finish()
+        if total <= 0:
+            return
+        self._progress = Progress(
+            f"[bold]{label}",
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=True,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(label, total=total)
+
+    def advance(self, amount: int) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task, amount)
+
+    def finish(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def note(self, message: str) -> None:
+        self.console.print(message)
+
+
+class PlainReporter:
+    """No bars; notes go to stderr unless ``--quiet``."""
+
+    def start(self, label: str, total: int) -> None:
+        pass
+
+    def advance(self, amount: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        if not STATE.quiet:
+            click.echo(message, err=True)
+
+
+def _reporter() -> RichReporter | PlainReporter:
+    if not STATE.quiet and sys.stderr.isatty():
+        return RichReporter()
+    return PlainReporter()
+
+
+def _say(message: str) -> None:
+    if not STATE.quiet:
+        click.echo(message)
+
+
+def _passphrase_source(passphrase_file: str | None, confirm: bool) -> Callable[[], str]:
+    def read() -> str:
+        env = os.environ.get("METASYNC_PASSPHRASE")
+        if env:
+            return env
+        if passphrase_file:
+            try:
+                return Path(passphrase_file).read_text().rstrip("\r\n")
+            except OSError as exc:
+                raise UsageError(f"cannot read passphrase file {passphrase_file}: {exc.strerror}") from None
+        if not sys.stdin.isatty():
+            raise UsageError(
+                "this repository is encrypted: set METASYNC_PASSPHRASE or use --passphrase-file"
+            )
+        value: str = click.prompt("Passphrase", hide_input=True, confirmation_prompt=confirm, err=True)
+        return value
+
+    return read
+
+
+def _open() -> Repository:
+    return Repository.open(Path.cwd(), reporter=_reporter())
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
+@click.version_option(package_name="metasync")
+def cli(debug: bool, quiet: bool) -> None:
+    """Keep one folder in sync across several untrusted storage services."""
+    STATE.debug = debug
+    STATE.quiet = quiet
+
+
+passphrase_file_option = click.option(
+    "--passphrase-file",
+    type=click.Path(dir_okay=False),
+    help="Read the passphrase from this file (else METASYNC_PASSPHRASE, else a prompt).",
+)
+
+
+@cli.command()
+@click.argument("directory", required=False, default=".")
+@click.option("--backend", "backends", multiple=True, metavar="URI",
+              help="A storage location, e.g. dir:/mnt/usb/sync. Repeat for each backend.")
+@click.option("--replicas", type=int, default=None, help="Copies of each object (default 2, or 1 with one backend).")
+@click.option("--namespace", default=DEFAULT_NAMESPACE, show_default=True,
+              help="Folder name of this repository on every backend.")
+@click.option("--no-encrypt", is_flag=True, help="Store objects unencrypted (not recommended).")
+@passphrase_file_option
+def init(directory: str, backends: tuple[str, ...], replicas: int | None, namespace: str,
+         no_encrypt: bool, passphrase_file: str | None) -> None:
+    """Create a repository in DIRECTORY on the given backends."""
+    if not backends:
+        raise UsageError("give at least one --backend URI, e.g. --backend dir:/mnt/usb/sync")
+    r = replicas if replicas is not None else min(2, len(backends))
+    repo = Repository.init(
+        directory, list(backends), replicas=r, namespace=namespace, encrypt=not no_encrypt,
+        passphrase=None if no_encrypt else _passphrase_source(passphrase_file, confirm=True),
+        reporter=_reporter(),
+    )
+    with repo:
+        _say(f"Initialized metasync repository in {repo.root} on {len(backends)} backend(s), "
+             f"{r} replica(s), {'encrypted' if not no_encrypt else 'NOT encrypted'}")
+
+
+@cli.command()
+@click.argument("uri")
+@click.argument("directory", required=False)
+@click.option("--namespace", default=DEFAULT_NAMESPACE, show_default=True)
+@passphrase_file_option
+def clone(uri: str, directory: str | None, namespace: str, passphrase_file: str | None) -> None:
+    """Rebuild a repository from any one of its backends (URI) into DIRECTORY."""
+    target = directory or namespace
+    repo = Repository.clone(uri, target, namespace=namespace,
+                            passphrase=_passphrase_source(passphrase_file, confirm=False),
+                            reporter=_reporter())
+    with repo:
+        _say(f"Cloned version {repo.prev.number} into {repo.root}")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(as_json: bool) -> None:
+    """Show changes in the folder that are not committed yet."""
+    with _open() as repo:
+        st = repo.status()
+    if as_json:
+        click.echo(json.dumps(st.to_json(), indent=2))
+        return
+    _say(f"On version {st.version}" + (" (local commits not pushed)" if st.unpushed else ""))
+    if not st.changes:
+        _say("Nothing to commit, folder clean")
+    symbols = {"added": "A", "modified": "M", "deleted": "D"}
+    for c in st.changes:
+        suffix = "/" if c.type == "dir" else ""
+        _say(f"  {symbols[c.kind]} {c.path}{suffix}")
+
+
+@cli.command()
+@click.option("-m", "--message", default="", help="Commit message.")
+def commit(message: str) -> None:
+    """Record the folder's changes as a local commit."""
+    with _open() as repo:
+        result = repo.commit(message)
+    if result is None:
+        _say("Nothing to commit")
+    else:
+        _say(f"Committed {result.commit_id[:12]} ({sum(result.new_objects.values())} new objects)")
+
+
+@cli.command()
+@click.option("-m", "--message", default="", help="Message for the commit of pending changes.")
+def push(message: str) -> None:
+    """Commit pending changes and publish them as the new master."""
+    with _open() as repo:
+        result = repo.push(message)
+    if result.up_to_date:
+        _say("Everything up to date")
+    elif result.version is not None:
+        _say(f"Pushed version {result.version.number}: {result.objects_uploaded} objects, "
+             f"{_human(result.bytes_uploaded)} uploaded")
+    if result.missing_copies:
+        click.echo(f"warning: {result.missing_copies} object copies could not be written "
+                   "(a backend is unreachable); the next push retries them", err=True)
+
+
+@cli.command()
+def pull() -> None:
+    """Bring the latest master into the folder."""
+    with _open() as repo:
+        result = repo.pull()
+    if result.up_to_date:
+        _say("Already up to date")
+    else:
+        _say(f"Updated to version {result.version.number}: {result.written} written, "
+             f"{result.deleted} deleted, {len(result.conflicts)} conflict copies")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("-n", "--limit", type=int, default=None, help="Show at most this many commits.")
+def log(as_json: bool, limit: int | None) -> None:
+    """Show the history, newest first."""
+    with _open() as repo:
+        entries = repo.log(limit)
+    if as_json:
+        click.echo(json.dumps([e.to_json() for e in entries], indent=2))
+        return
+    for e in entries:
+        when = datetime.fromtimestamp(e.time_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
+        click.echo(f"commit {e.commit_id}\nDevice: {e.device}\nDate:   {when}\n\n    {e.message or '(no message)'}\n")
+
+
+@cli.command()
+def fsck() -> None:
+    """Download and verify every object reachable from master on every backend."""
+    with _open() as repo:
+        report = repo.fsck()
+        names = {b: repo.backend_name(b) for b in repo.backends}
+    for p in report.problems:
+        click.echo(f"{p.problem}: {p.kind} {p.object_id} on {names.get(p.backend, p.backend)}")
+    if report.ok:
+        _say(f"ok: {report.objects} objects, {report.checked_copies} copies verified")
+        return
+    click.echo(f"{len(report.problems)} problem(s) in {report.checked_copies} copies checked; "
+               "see above", err=True)
+    sys.exit(1)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        _fail("aborted", 130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except MetasyncError as exc:
+        if STATE.debug:
+            raise
+        _fail(str(exc), exc.exit_code)
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    except OSError as exc:
+        if STATE.debug:
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        _fail(f"{exc.strerror or exc}{where}; run with --debug for details")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

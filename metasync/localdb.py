@@ -1,0 +1,197 @@
+"""The client's local state in ``.metasync/state.db`` (SQLite, WAL).
+
+Holds what never goes to a backend as-is: the working-tree index (git's index:
+path, size, mtime, inode -> object), where each known object lives in which
+pack, a cache of metadata objects (trees, files, commits), the outbox of
+objects waiting for upload, and small settings (client id, head, prev).
+Every multi-row change runs in one transaction, so a crash leaves either the
+old or the new state.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from metasync.objects import PackEntry
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS worktree (
+    path TEXT PRIMARY KEY, type TEXT NOT NULL, ref TEXT NOT NULL, size INTEGER NOT NULL,
+    executable INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, ino INTEGER NOT NULL,
+    hashed_at_ns INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS locations (
+    object_id TEXT PRIMARY KEY, kind TEXT NOT NULL, pack_id TEXT NOT NULL,
+    offset INTEGER NOT NULL, length INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS locations_pack ON locations(pack_id);
+CREATE TABLE IF NOT EXISTS objects (object_id TEXT PRIMARY KEY, kind TEXT NOT NULL, data BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS indexes (index_id TEXT PRIMARY KEY, state TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS outbox (stored_id TEXT PRIMARY KEY, kind TEXT NOT NULL, seq INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS missing_copies (
+    stored_id TEXT NOT NULL, backend_id TEXT NOT NULL, PRIMARY KEY (stored_id, backend_id));
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class IndexRow:
+    """What the working-tree index remembers about one path."""
+
+    path: str
+    type: str
+    ref: str
+    size: int
+    executable: bool
+    mtime_ns: int
+    ino: int
+    hashed_at_ns: int
+
+
+class LocalDB:
+    """Thin typed wrapper over the SQLite file. Use from one thread."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.conn = sqlite3.connect(str(path), isolation_level=None)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=NORMAL")
+        self.conn.executescript(SCHEMA)
+        self._depth = 0
+
+    def close(self) -> None:
+        self.conn.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Nestable: only the outermost level begins and commits."""
+        if self._depth == 0:
+            self.conn.execute("BEGIN IMMEDIATE")
+        self._depth += 1
+        try:
+            yield
+        except BaseException:
+            self._depth -= 1
+            if self._depth == 0:
+                self.conn.execute("ROLLBACK")
+            raise
+        self._depth -= 1
+        if self._depth == 0:
+            self.conn.execute("COMMIT")
+
+    # --- settings -------------------------------------------------------------------
+    def get(self, key: str, default: Any = None) -> Any:
+        row = self.conn.execute("SELECT value FROM settings WHERE key=?", (key,)).fetchone()
+        return json.loads(row[0]) if row else default
+
+    def set(self, key: str, value: Any) -> None:
+        self.conn.execute(
+            "INSERT OR REPLACE INTO settings(key, value) VALUES (?, ?)", (key, json.dumps(value))
+        )
+
+    # --- working-tree index -----------------------------------------------------------
+    def index_rows(self) -> dict[str, IndexRow]:
+        cur = self.conn.execute(
+            "SELECT path, type, ref, size, executable, mtime_ns, ino, hashed_at_ns FROM worktree"
+        )
+        return {r[0]: IndexRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6], r[7]) for r in cur}
+
+    def replace_index(self, rows: Iterable[IndexRow]) -> None:
+        with self.transaction():
+            self.conn.execute("DELETE FROM worktree")
+            self.upsert_index(rows)
+
+    def upsert_index(self, rows: Iterable[IndexRow]) -> None:
+        self.conn.executemany(
+            "INSERT OR REPLACE INTO worktree VALUES (?,?,?,?,?,?,?,?)",
+            (
+                (r.path, r.type, r.ref, r.size, int(r.executable), r.mtime_ns, r.ino, r.hashed_at_ns)
+                for r in rows
+            ),
+        )
+
+    def delete_index(self, paths: Iterable[str]) -> None:
+        self.conn.executemany("DELETE FROM worktree WHERE path=?", ((p,) for p in paths))
+
+    # --- object locations -----------------------------------------------------------
+    def add_locations(self, pack_id: str, entries: Iterable[PackEntry]) -> None:
+        self.conn.executemany(
+            "INSERT OR IGNORE INTO locations VALUES (?,?,?,?,?)",
+            ((e.object_id, e.kind, pack_id, e.offset, e.length) for e in entries),
+        )
+
+    def location(self, object_id: str) -> tuple[str, PackEntry] | None:
+        row = self.conn.execute(
+            "SELECT kind, pack_id, offset, length FROM locations WHERE object_id=?", (object_id,)
+        ).fetchone()
+        if row is None:
+            return None
+        return row[1], PackEntry(object_id, row[0], row[2], row[3])
+
+    def known_ids(self, ids: Iterable[str]) -> set[str]:
+        """The subset of ``ids`` that already have a location (need no upload)."""
+        found: set[str] = set()
+        batch: list[str] = []
+        for object_id in ids:
+            batch.append(object_id)
+            if len(batch) == 500:
+                found |= self._known(batch)
+                batch = []
+        if batch:
+            found |= self._known(batch)
+        return found
+
+    def _known(self, batch: list[str]) -> set[str]:
+        marks = ",".join("?" * len(batch))
+        cur = self.conn.execute(f"SELECT object_id FROM locations WHERE object_id IN ({marks})", batch)
+        return {r[0] for r in cur}
+
+    def pack_ids(self) -> set[str]:
+        return {r[0] for r in self.conn.execute("SELECT DISTINCT pack_id FROM locations")}
+
+    # --- metadata object cache ----------------------------------------------------
+    def cache_object(self, object_id: str, kind: str, data: bytes) -> None:
+        self.conn.execute("INSERT OR IGNORE INTO objects VALUES (?,?,?)", (object_id, kind, data))
+
+    def cached_object(self, object_id: str) -> bytes | None:
+        row = self.conn.execute("SELECT data FROM objects WHERE object_id=?", (object_id,)).fetchone()
+        return bytes(row[0]) if row else None
+
+    # --- indexes ------------------------------------------------------------------------
+    def index_state(self, index_id: str) -> str | None:
+        row = self.conn.execute("SELECT state FROM indexes WHERE index_id=?", (index_id,)).fetchone()
+        return row[0] if row else None
+
+    def set_index_state(self, index_id: str, state: str) -> None:
+        self.conn.execute("INSERT OR REPLACE INTO indexes VALUES (?,?)", (index_id, state))
+
+    def local_indexes(self) -> list[str]:
+        return [r[0] for r in self.conn.execute("SELECT index_id FROM indexes WHERE state='local'")]
+
+    # --- outbox ---------------------------------------------------------------------
+    def add_outbox(self, stored_id: str, kind: str) -> None:
+        seq = self.conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM outbox").fetchone()[0]
+        self.conn.execute("INSERT OR IGNORE INTO outbox VALUES (?,?,?)", (stored_id, kind, seq))
+
+    def outbox(self) -> list[tuple[str, str]]:
+        """Pending uploads in the order they were made (data before what refers to it)."""
+        return [(r[0], r[1]) for r in self.conn.execute("SELECT stored_id, kind FROM outbox ORDER BY seq")]
+
+    def remove_outbox(self, stored_id: str) -> None:
+        self.conn.execute("DELETE FROM outbox WHERE stored_id=?", (stored_id,))
+
+    # --- copies that could not be written -------------------------------------------------
+    def add_missing_copy(self, stored_id: str, backend_id: str) -> None:
+        self.conn.execute("INSERT OR IGNORE INTO missing_copies VALUES (?,?)", (stored_id, backend_id))
+
+    def missing_copies(self) -> list[tuple[str, str]]:
+        return [(r[0], r[1]) for r in self.conn.execute("SELECT stored_id, backend_id FROM missing_copies")]
+
+    def remove_missing_copy(self, stored_id: str, backend_id: str) -> None:
+        self.conn.execute(
+            "DELETE FROM missing_copies WHERE stored_id=? AND backend_id=?", (stored_id, backend_id)
+        )

@@ -1,0 +1,428 @@
+"""The content-addressed object model (paper section 3.1).
+
+Logical objects are immutable and named by a hash of their kind and canonical
+bytes, so equal content has an equal id on every client:
+
+- ``Blob``: one chunk of file content (raw bytes);
+- ``FileObject``: the chunks of a file that needs more than one, with offsets;
+- ``Tree``: a directory: entries sorted by name (the paper's Dir);
+- ``Commit``: a snapshot: root tree, parents, author, message, and the indexes
+  that locate every object in packs;
+- ``Index``: which pack holds which object, at which offset;
+- ``Config``: the shared configuration (backends, capacities, R, H, format).
+
+With encryption on, ids are *keyed* BLAKE2b hashes (the key never leaves the
+client), so a backend cannot confirm a guess of a file's content. Every parser
+here treats its input as hostile: wrong types, bad names or bad ids raise
+:class:`CorruptObject`. ``docs/FORMAT.md`` is the normative description.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from metasync.errors import CorruptObject
+
+FORMAT_VERSION = 1
+
+ObjectKind = Literal["blob", "file", "tree", "commit", "index", "config", "pack"]
+KINDS: tuple[str, ...] = ("blob", "file", "tree", "commit", "index", "config", "pack")
+
+_ID = re.compile(r"^[0-9a-f]{64}$")
+
+
+def is_object_id(value: object) -> bool:
+    """True if ``value`` is a well-formed object id (64 lowercase hex digits)."""
+    return isinstance(value, str) and bool(_ID.match(value))
+
+
+class ObjectHasher:
+    """Names objects: BLAKE2b-256 over the canonical bytes, personalised by kind.
+
+    ``id_key`` (32 bytes) makes the hash keyed; ``None`` gives plain hashes for
+    unencrypted repositories. Both sides of a repository must use the same key.
+    """
+
+    def __init__(self, id_key: bytes | None) -> None:
+        self._key = id_key or b""
+
+    def new(self, kind: str) -> Any:
+        """A hashlib object for ``kind``, to feed incrementally."""
+        return hashlib.blake2b(digest_size=32, key=self._key, person=b"metasync:" + kind.encode())
+
+    def id_of(self, kind: str, data: bytes | memoryview) -> str:
+        """The id of an object of ``kind`` whose canonical bytes are ``data``."""
+        h = self.new(kind)
+        h.update(data)
+        return str(h.hexdigest())
+
+
+def canonical_json(value: Any) -> bytes:
+    """The one byte encoding of ``value`` used for ids: sorted keys, no spaces,
+    ASCII only (lone surrogates from undecodable file names are escaped, so any
+    POSIX name round-trips)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def parse_json(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptObject(f"{what} is not valid JSON") from exc
+
+
+def check_name(name: object) -> str:
+    """Return ``name`` if it is a safe single path component, else raise CorruptObject.
+
+    Names come from backends, which are untrusted: no ``/``, no NUL, not ``.`` or
+    ``..``, not empty, and not our own metadata folder.
+    """
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..", ".metasync")
+        or "/" in name
+        or "\x00" in name
+    ):
+        raise CorruptObject(f"unsafe entry name {name!r}")
+    return name
+
+
+def _want(cond: bool, what: str) -> None:
+    if not cond:
+        raise CorruptObject(what)
+
+
+def _want_id(value: object, what: str) -> str:
+    _want(is_object_id(value), f"{what} is not an object id")
+    assert isinstance(value, str)
+    return value
+
+
+def _want_int(value: object, what: str, minimum: int = 0) -> int:
+    _want(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, what)
+    assert isinstance(value, int)
+    return value
+
+
+# ----------------------------------------------------------------------------- file
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One Blob of a file: its id, where it starts in the file, and its length."""
+
+    blob_id: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class FileObject:
+    """A file made of more than one chunk. Chunks are contiguous from offset 0."""
+
+    kind: ClassVar[str] = "file"
+    size: int
+    chunks: tuple[Chunk, ...]
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(
+            {"size": self.size, "chunks": [[c.blob_id, c.offset, c.length] for c in self.chunks]}
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> FileObject:
+        raw = parse_json(data, "file object")
+        _want(isinstance(raw, dict) and set(raw) == {"size", "chunks"}, "malformed file object")
+        size = _want_int(raw["size"], "file size")
+        _want(isinstance(raw["chunks"], list), "file chunks")
+        chunks: list[Chunk] = []
+        expected = 0
+        for item in raw["chunks"]:
+            _want(isinstance(item, list) and len(item) == 3, "malformed chunk")
+            blob_id = _want_id(item[0], "chunk")
+            offset = _want_int(item[1], "chunk offset")
+            length = _want_int(item[2], "chunk length")
+            _want(offset == expected, "chunks are not contiguous")
+            expected += length
+            chunks.append(Chunk(blob_id, offset, length))
+        _want(expected == size, "chunk lengths do not add up to the file size")
+        return cls(size, tuple(chunks))
+
+
+# ----------------------------------------------------------------------------- tree
+
+EntryType = Literal["file", "chunked", "dir", "link"]
+ENTRY_TYPES: tuple[str, ...] = ("file", "chunked", "dir", "link")
+
+
+@dataclass(frozen=True)
+class TreeEntry:
+    """One name in a directory.
+
+    ``type``: ``file`` (content is the single Blob ``ref``), ``chunked`` (content
+    is the FileObject ``ref``), ``dir`` (``ref`` is a Tree), ``link`` (a symbolic
+    link; ``ref`` is its target, stored verbatim and never followed).
+    ``size`` is the content length in bytes (for a link, of the target's UTF-8).
+    """
+
+    name: str
+    type: EntryType
+    ref: str
+    size: int = 0
+    executable: bool = False
+
+    def sort_key(self) -> bytes:
+        return os.fsencode(self.name)
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A directory: entries in byte order of their names, names unique."""
+
+    kind: ClassVar[str] = "tree"
+    entries: tuple[TreeEntry, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def build(cls, entries: list[TreeEntry]) -> Tree:
+        return cls(tuple(sorted(entries, key=TreeEntry.sort_key)))
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(
+            [[e.name, e.type, e.ref, e.size, 1 if e.executable else 0] for e in self.entries]
+        )
+
+    def by_name(self) -> dict[str, TreeEntry]:
+        return {e.name: e for e in self.entries}
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Tree:
+        raw = parse_json(data, "tree")
+        _want(isinstance(raw, list), "malformed tree")
+        entries: list[TreeEntry] = []
+        previous: bytes | None = None
+        for item in raw:
+            _want(isinstance(item, list) and len(item) == 5, "malformed tree entry")
+            name = check_name(item[0])
+            etype = item[1]
+            _want(etype in ENTRY_TYPES, f"unknown entry type {etype!r}")
+            ref = item[2]
+            if etype == "link":
+                _want(isinstance(ref, str) and "\x00" not in ref and ref != "", "bad link target")
+            else:
+                _want_id(ref, "tree entry")
+            size = _want_int(item[3], "entry size")
+            _want(item[4] in (0, 1), "entry exec bit")
+            entry = TreeEntry(name, etype, ref, size, item[4] == 1)
+            key = entry.sort_key()
+            _want(previous is None or key > previous, "tree entries not sorted or not unique")
+            previous = key
+            entries.append(entry)
+        return cls(tuple(entries))
+
+
+# ----------------------------------------------------------------------------- commit
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A snapshot of the whole folder and how to find its objects."""
+
+    kind: ClassVar[str] = "commit"
+    tree: str
+    parents: tuple[str, ...]
+    client: str
+    device: str
+    time_ns: int
+    message: str
+    indexes: tuple[str, ...]
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(
+            {
+                "tree": self.tree,
+                "parents": list(self.parents),
+                "client": self.client,
+                "device": self.device,
+                "time_ns": self.time_ns,
+                "message": self.message,
+                "indexes": list(self.indexes),
+            }
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Commit:
+        raw = parse_json(data, "commit")
+        keys = {"tree", "parents", "client", "device", "time_ns", "message", "indexes"}
+        _want(isinstance(raw, dict) and set(raw) == keys, "malformed commit")
+        _want(isinstance(raw["parents"], list) and isinstance(raw["indexes"], list), "commit")
+        _want(all(isinstance(raw[k], str) for k in ("client", "device", "message")), "commit")
+        return cls(
+            tree=_want_id(raw["tree"], "commit tree"),
+            parents=tuple(_want_id(p, "commit parent") for p in raw["parents"]),
+            client=raw["client"],
+            device=raw["device"],
+            time_ns=_want_int(raw["time_ns"], "commit time"),
+            message=raw["message"],
+            indexes=tuple(_want_id(i, "commit index") for i in raw["indexes"]),
+        )
+
+
+# ----------------------------------------------------------------------------- index
+
+
+@dataclass(frozen=True)
+class PackEntry:
+    """Where one encoded object sits inside a pack."""
+
+    object_id: str
+    kind: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Index:
+    """Pack contents: ``packs[pack_id]`` lists the entries stored in that pack."""
+
+    kind: ClassVar[str] = "index"
+    packs: tuple[tuple[str, tuple[PackEntry, ...]], ...]
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(
+            [
+                [pack_id, [[e.object_id, e.kind, e.offset, e.length] for e in entries]]
+                for pack_id, entries in self.packs
+            ]
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Index:
+        raw = parse_json(data, "index")
+        _want(isinstance(raw, list), "malformed index")
+        packs = []
+        for item in raw:
+            _want(isinstance(item, list) and len(item) == 2, "malformed index pack")
+            pack_id = _want_id(item[0], "index pack")
+            _want(isinstance(item[1], list), "malformed index entries")
+            packs.append((pack_id, tuple(parse_pack_entry(e) for e in item[1])))
+        return cls(tuple(packs))
+
+
+def parse_pack_entry(item: object) -> PackEntry:
+    _want(isinstance(item, list) and len(item) == 4, "malformed pack entry")
+    assert isinstance(item, list)
+    kind = item[1]
+    _want(kind in ("blob", "file", "tree"), f"unexpected packed kind {kind!r}")
+    return PackEntry(
+        _want_id(item[0], "pack entry"),
+        kind,
+        _want_int(item[2], "pack entry offset"),
+        _want_int(item[3], "pack entry length", 1),
+    )
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One storage service in the shared configuration."""
+
+    id: str
+    uri: str
+    capacity: float
+
+
+@dataclass(frozen=True)
+class Config:
+    """The shared configuration, stored on every backend (paper 3.1 "shared data")."""
+
+    kind: ClassVar[str] = "config"
+    format: int
+    namespace: str
+    backends: tuple[BackendSpec, ...]
+    replicas: int
+    partitions: int
+    encryption: str
+    #: Backend ids acting as pPaxos acceptors (may differ from the storage set).
+    acceptors: tuple[str, ...]
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(
+            {
+                "format": self.format,
+                "namespace": self.namespace,
+                "backends": [
+                    {"id": b.id, "uri": b.uri, "capacity": b.capacity} for b in self.backends
+                ],
+                "replicas": self.replicas,
+                "partitions": self.partitions,
+                "encryption": self.encryption,
+                "acceptors": list(self.acceptors),
+            }
+        )
+
+    def backend(self, backend_id: str) -> BackendSpec:
+        for spec in self.backends:
+            if spec.id == backend_id:
+                return spec
+        raise KeyError(backend_id)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Config:
+        raw = parse_json(data, "config")
+        keys = {"format", "namespace", "backends", "replicas", "partitions", "encryption", "acceptors"}
+        _want(isinstance(raw, dict) and set(raw) == keys, "malformed config")
+        fmt = _want_int(raw["format"], "config format", 1)
+        _want(isinstance(raw["backends"], list) and raw["backends"], "config backends")
+        specs = []
+        for b in raw["backends"]:
+            _want(isinstance(b, dict) and set(b) == {"id", "uri", "capacity"}, "config backend")
+            _want(isinstance(b["id"], str) and isinstance(b["uri"], str), "config backend")
+            _want(isinstance(b["capacity"], int | float) and b["capacity"] > 0, "capacity")
+            specs.append(BackendSpec(b["id"], b["uri"], b["capacity"]))
+        _want(isinstance(raw["acceptors"], list), "config acceptors")
+        ids = {s.id for s in specs}
+        _want(all(a in ids for a in raw["acceptors"]), "acceptor is not a backend")
+        _want(isinstance(raw["namespace"], str) and isinstance(raw["encryption"], str), "config")
+        return cls(
+            format=fmt,
+            namespace=raw["namespace"],
+            backends=tuple(specs),
+            replicas=_want_int(raw["replicas"], "replicas", 1),
+            partitions=_want_int(raw["partitions"], "partitions", 1),
+            encryption=raw["encryption"],
+            acceptors=tuple(raw["acceptors"]),
+        )
+
+
+# ----------------------------------------------------------------------------- tuple
+
+
+@dataclass(frozen=True, order=True)
+class Version:
+    """The value pPaxos agrees on (paper 3.3): (version, master, config).
+
+    ``master`` is a Commit id (``None`` only for version 0, the empty repository).
+    """
+
+    number: int
+    master: str | None
+    config: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.number, "master": self.master, "config": self.config}
+
+    @classmethod
+    def from_json(cls, raw: object) -> Version:
+        _want(isinstance(raw, dict) and set(raw) == {"version", "master", "config"}, "version")
+        assert isinstance(raw, dict)
+        master = raw["master"]
+        if master is not None:
+            _want_id(master, "master")
+        return cls(_want_int(raw["version"], "version number"), master, _want_id(raw["config"], "config"))

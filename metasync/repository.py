@@ -1,0 +1,1305 @@
+"""``metasync.Repository``: the Python API the CLI is a thin layer over.
+
+A repository is a working folder with a ``.metasync`` folder inside, bound to
+a namespace on several backends. The flow of a change (paper Figure 3):
+``commit`` turns changed files into objects packed into the outbox; ``push``
+uploads the outbox to the mapped backends (data before anything refers to it),
+then runs pPaxos to make the new commit master; ``pull`` learns master and
+brings it into the folder without losing a local change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from metasync import localdb
+from metasync.backends import Backend, normalize_uri, open_backend
+from metasync.codec import Codec, FinishedPack, PackBuilder
+from metasync.consensus import Consensus
+from metasync.errors import (
+    BackendError,
+    BackendUnavailable,
+    Conflict,
+    CorruptObject,
+    FormatError,
+    MasterMoved,
+    MetasyncError,
+    NotARepository,
+    ObjectNotFound,
+    ObjectUnavailable,
+    UsageError,
+)
+from metasync.keys import MasterKey, unwrap, wrap
+from metasync.localdb import IndexRow, LocalDB
+from metasync.mapping import StableMapping
+from metasync.objects import (
+    FORMAT_VERSION,
+    BackendSpec,
+    Commit,
+    Config,
+    FileObject,
+    Index,
+    PackEntry,
+    Tree,
+    TreeEntry,
+    Version,
+    check_name,
+    is_object_id,
+)
+from metasync.progress import NullReporter, Reporter
+from metasync.store import RemoteStore, object_key
+from metasync.worktree import (
+    META_DIR,
+    Chunker,
+    FileChanged,
+    ScanEntry,
+    conflict_name,
+    file_mode,
+    remove_stale_temps,
+    scan,
+    temp_path_for,
+)
+
+DESCRIPTOR_KEY = "metasync.json"
+KEYFILE_KEY = "keys/master"
+DEFAULT_NAMESPACE = "metasync"
+DEFAULT_PARTITIONS = 16384
+#: An index entry is trusted only if the file's mtime is this much older than the
+#: moment it was hashed (a write within the filesystem's timestamp granularity
+#: could otherwise go unnoticed; git calls these entries "racily clean").
+RACY_NS = 2_000_000_000
+#: A commit lists at most this many index objects; beyond it they are merged.
+MAX_INDEXES = 64
+#: Files written by a checkout are flushed and renamed in batches of this many.
+WRITE_BATCH = 2000
+
+PassphraseSource = Callable[[], str]
+
+
+def _config_key(config_id: str) -> str:
+    return f"config/{config_id}"
+
+
+def _now_ns() -> int:
+    return time.time_ns()
+
+
+@dataclass(frozen=True)
+class Change:
+    path: str
+    kind: str  # "added", "modified", "deleted"
+    type: str
+
+
+@dataclass
+class Status:
+    """What ``metasync status`` reports: changes against the last local commit."""
+
+    changes: list[Change]
+    version: int
+    head: str | None
+    unpushed: bool
+    files_hashed: int
+
+    @property
+    def clean(self) -> bool:
+        return not self.changes and not self.unpushed
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "head": self.head,
+            "unpushed": self.unpushed,
+            "clean": self.clean,
+            "changes": [{"path": c.path, "change": c.kind, "type": c.type} for c in self.changes],
+        }
+
+
+@dataclass
+class CommitResult:
+    commit_id: str
+    tree_id: str
+    new_objects: dict[str, int]
+    packs: int
+    files_hashed: int
+
+
+@dataclass
+class PushResult:
+    version: Version | None
+    commit: CommitResult | None
+    objects_uploaded: int = 0
+    bytes_uploaded: int = 0
+    up_to_date: bool = False
+    missing_copies: int = 0
+
+
+@dataclass
+class PullResult:
+    version: Version
+    written: int = 0
+    deleted: int = 0
+    conflicts: list[str] = field(default_factory=list)
+    up_to_date: bool = False
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    commit_id: str
+    device: str
+    client: str
+    time_ns: int
+    message: str
+    parents: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "commit": self.commit_id,
+            "device": self.device,
+            "client": self.client,
+            "time": datetime.fromtimestamp(self.time_ns / 1e9).astimezone().isoformat(),
+            "message": self.message,
+            "parents": list(self.parents),
+        }
+
+
+@dataclass(frozen=True)
+class FsckProblem:
+    backend: str
+    kind: str
+    object_id: str
+    problem: str  # "missing", "corrupt", "unreachable"
+
+
+@dataclass
+class FsckReport:
+    checked_copies: int = 0
+    objects: int = 0
+    problems: list[FsckProblem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _same(a: TreeEntry | None, b: TreeEntry | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    if a.type == "dir" or b.type == "dir":
+        return a.type == b.type
+    return (a.type, a.ref, a.executable) == (b.type, b.ref, b.executable)
+
+
+class _KnownIds:
+    """Which object ids already have a location, answered from any thread."""
+
+    def __init__(self, db_path: Path) -> None:
+        self._path = db_path
+        self._local = threading.local()
+        self._new: set[str] = set()
+        self._lock = threading.Lock()
+
+    def claim(self, object_id: str) -> bool:
+        """True exactly once per id that is not yet stored anywhere."""
+        with self._lock:
+            if object_id in self._new:
+                return False
+            self._new.add(object_id)
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            import sqlite3
+
+            conn = self._local.conn = sqlite3.connect(f"file:{self._path}?mode=ro", uri=True)
+        row = conn.execute("SELECT 1 FROM locations WHERE object_id=?", (object_id,)).fetchone()
+        return row is None
+
+
+class Repository:
+    """A metasync working folder. Open with :meth:`open`, :meth:`init` or :meth:`clone`."""
+
+    def __init__(
+        self,
+        root: Path,
+        db: LocalDB,
+        config: Config,
+        key: MasterKey | None,
+        backends: dict[str, Backend],
+        reporter: Reporter | None = None,
+    ) -> None:
+        self.root = root
+        self.meta = root / META_DIR
+        self.db = db
+        self.config = config
+        self.codec = Codec(key)
+        self.backends = backends
+        self.store = RemoteStore(config, self.codec, backends)
+        self.client_id: str = db.get("client_id")
+        self.device: str = db.get("device")
+        acceptors = {b: backends[b] for b in config.acceptors}
+        self.consensus = Consensus(acceptors, self.codec, self.client_id, self.store.executor)
+        self.chunker = Chunker(self.codec.hasher)
+        self.reporter: Reporter = reporter or NullReporter()
+        #: Files whose content was read in the last scan (the index saves the rest).
+        self.files_hashed = 0
+
+    # ============================================================== lifecycle
+    @classmethod
+    def init(
+        cls,
+        root: str | Path,
+        backend_uris: list[str],
+        *,
+        replicas: int = 2,
+        namespace: str = DEFAULT_NAMESPACE,
+        encrypt: bool = True,
+        passphrase: PassphraseSource | None = None,
+        capacities: list[float] | None = None,
+        reporter: Reporter | None = None,
+    ) -> Repository:
+        """Create a repository in ``root`` on the given backends.
+
+        Validates everything before writing anything: a bad URI, a missing backend
+        folder, a backend that already holds this namespace, or a folder that is
+        already a repository fails with nothing written.
+        """
+        root = Path(root).absolute()
+        if (root / META_DIR).exists():
+            raise UsageError(f"{root} is already a metasync repository")
+        if root.exists() and not root.is_dir():
+            raise UsageError(f"{root} exists and is not a folder")
+        if not root.parent.is_dir():
+            raise UsageError(f"parent folder {root.parent} does not exist; create it first")
+        check_namespace(namespace)
+        if not backend_uris:
+            raise UsageError("give at least one backend: --backend dir:/absolute/path")
+        uris = [normalize_uri(u) for u in backend_uris]
+        if len(set(uris)) != len(uris):
+            raise UsageError("the same backend is given twice; each --backend must be distinct")
+        if not 1 <= replicas <= len(uris):
+            raise UsageError(
+                f"--replicas {replicas} needs between 1 and {len(uris)} (the number of backends)"
+            )
+        caps = capacities or [1.0] * len(uris)
+        if len(caps) != len(uris) or any(c <= 0 for c in caps):
+            raise UsageError("give one positive capacity per backend")
+        backends = [open_backend(u, namespace) for u in uris]
+        for b in backends:
+            _check_backend_free(b)
+        key = MasterKey.generate() if encrypt else None
+        keyfile = wrap(key, _ask(passphrase)) if key is not None else None
+
+        ids = [secrets.token_hex(4) for _ in uris]
+        config = Config(
+            format=FORMAT_VERSION,
+            namespace=namespace,
+            backends=tuple(BackendSpec(i, u, c) for i, u, c in zip(ids, uris, caps, strict=True)),
+            replicas=replicas,
+            partitions=DEFAULT_PARTITIONS,
+            encryption="aes-256-gcm" if encrypt else "none",
+            acceptors=tuple(ids),
+        )
+        codec = Codec(key)
+        config_bytes = config.to_bytes()
+        config_id = codec.id_of("config", config_bytes)
+        stored_config = codec.encode("config", config_id, config_bytes)
+        # Write the descriptor last on each backend: its presence marks a complete repository.
+        for backend_id, backend in zip(ids, backends, strict=True):
+            backend.create()
+            if keyfile is not None:
+                backend.put(KEYFILE_KEY, keyfile)
+            backend.put(_config_key(config_id), stored_config)
+            backend.put(DESCRIPTOR_KEY, _descriptor(config, config_id, backend_id))
+        by_id = dict(zip(ids, backends, strict=True))
+        return cls._create_local(root, config, config_id, key, by_id, {}, reporter)
+
+    @classmethod
+    def _create_local(
+        cls,
+        root: Path,
+        config: Config,
+        config_id: str,
+        key: MasterKey | None,
+        backends: dict[str, Backend],
+        uri_overrides: dict[str, str],
+        reporter: Reporter | None,
+    ) -> Repository:
+        root.mkdir(exist_ok=True)
+        meta = root / META_DIR
+        staging = root / f"{META_DIR}.new-{secrets.token_hex(4)}"
+        staging.mkdir(mode=0o700)
+        try:
+            if key is not None:
+                _write_private(staging / "key", key.to_hex().encode())
+            db = LocalDB(staging / "state.db")
+            with db.transaction():
+                db.set("format", FORMAT_VERSION)
+                db.set("client_id", secrets.token_hex(8))
+                db.set("device", _device_name())
+                db.set("namespace", config.namespace)
+                db.set("config", config_id)
+                db.set("config_doc", config.to_bytes().decode())
+                db.set("uri_overrides", uri_overrides)
+                db.set("prev", Version(0, None, config_id).to_json())
+                db.set("head", None)
+            db.close()
+            (staging / "outbox").mkdir()
+            os.rename(staging, meta)  # the repository appears whole or not at all
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return cls._load(root, reporter)
+
+    @classmethod
+    def open(cls, path: str | Path = ".", reporter: Reporter | None = None) -> Repository:
+        """Open the repository containing ``path`` (searching upwards, as git does)."""
+        start = Path(path).absolute()
+        for candidate in (start, *start.parents):
+            if (candidate / META_DIR / "state.db").is_file():
+                return cls._load(candidate, reporter)
+        raise NotARepository(
+            f"{start} is not inside a metasync repository; run `metasync init` or `metasync clone`"
+        )
+
+    @classmethod
+    def _load(cls, root: Path, reporter: Reporter | None) -> Repository:
+        meta = root / META_DIR
+        db = LocalDB(meta / "state.db")
+        fmt = db.get("format")
+        if fmt != FORMAT_VERSION:
+            db.close()
+            raise FormatError(
+                f"{meta} has format {fmt}; this metasync reads {FORMAT_VERSION}; upgrade metasync"
+            )
+        config = Config.from_bytes(db.get("config_doc").encode())
+        key_path = meta / "key"
+        key = MasterKey.from_hex(key_path.read_text()) if key_path.exists() else None
+        if (config.encryption != "none") != (key is not None):
+            db.close()
+            raise FormatError(f"{key_path} is missing; clone the repository again")
+        overrides: dict[str, str] = db.get("uri_overrides", {})
+        backends = {
+            spec.id: open_backend(overrides.get(spec.id, spec.uri), config.namespace)
+            for spec in config.backends
+        }
+        (meta / "outbox").mkdir(exist_ok=True)
+        return cls(root, db, config, key, backends, reporter)
+
+    @classmethod
+    def clone(
+        cls,
+        uri: str,
+        root: str | Path,
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        passphrase: PassphraseSource | None = None,
+        reporter: Reporter | None = None,
+    ) -> Repository:
+        """Rebuild the folder from any one backend of a repository into ``root``.
+
+        Everything that can fail on bad input (not a repository, wrong passphrase,
+        ``root`` not empty) is checked before anything is written.
+        """
+        root = Path(root).absolute()
+        if root.exists() and (not root.is_dir() or any(root.iterdir())):
+            raise UsageError(f"{root} is not empty; clone into a new or empty folder")
+        if not root.parent.is_dir():
+            raise UsageError(f"parent folder {root.parent} does not exist; create it first")
+        check_namespace(namespace)
+        entry = open_backend(uri, namespace)
+        try:
+            raw_descriptor = entry.get(DESCRIPTOR_KEY)
+        except ObjectNotFound:
+            raise NotARepository(
+                f"no metasync repository at {uri} (namespace {namespace!r}); check the URI"
+            ) from None
+        except BackendUnavailable as exc:
+            raise NotARepository(f"cannot read {uri}: {exc}") from None
+        descriptor = _parse_descriptor(raw_descriptor, uri)
+        key: MasterKey | None = None
+        if descriptor["encryption"] != "none":
+            try:
+                keyfile = entry.get(KEYFILE_KEY)
+            except ObjectNotFound:
+                raise FormatError(f"{uri} has no key file; clone from another backend") from None
+            key = unwrap(keyfile, _ask(passphrase))
+        codec = Codec(key)
+        config_id = descriptor["config"]
+        config = Config.from_bytes(
+            codec.decode("config", config_id, entry.get(_config_key(config_id)))
+        )
+        _check_format(config.format)
+        entry_id = descriptor["backend"]
+        overrides = {}
+        if entry_id in {b.id for b in config.backends} and config.backend(entry_id).uri != entry.uri:
+            overrides[entry_id] = entry.uri
+        backends = {
+            spec.id: entry if spec.id == entry_id else open_backend(spec.uri, namespace)
+            for spec in config.backends
+        }
+        created = not root.exists()
+        repo = cls._create_local(root, config, config_id, key, backends, overrides, reporter)
+        try:
+            repo.pull()
+        except BaseException:
+            repo.close()
+            # Leave no half-cloned folder behind on a failure we can report.
+            if created:
+                shutil.rmtree(root, ignore_errors=True)
+            else:
+                shutil.rmtree(root / META_DIR, ignore_errors=True)
+            raise
+        return repo
+
+    def close(self) -> None:
+        self.store.close()
+        self.db.close()
+        for b in self.backends.values():
+            b.close()
+
+    def __enter__(self) -> Repository:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ============================================================== state
+    @property
+    def prev(self) -> Version:
+        return Version.from_json(self.db.get("prev"))
+
+    @property
+    def head(self) -> str | None:
+        head: str | None = self.db.get("head")
+        return head
+
+    def _head_commit(self) -> Commit | None:
+        return self.load_commit(self.head) if self.head else None
+
+    # ============================================================== objects
+    def load_commit(self, commit_id: str) -> Commit:
+        data = self.db.cached_object(commit_id)
+        if data is None:
+            data = self.store.get_standalone("commit", commit_id)
+            self.db.cache_object(commit_id, "commit", data)
+        return Commit.from_bytes(data)
+
+    def _load_index(self, index_id: str) -> None:
+        if self.db.index_state(index_id) is not None:
+            return
+        index = Index.from_bytes(self.store.get_standalone("index", index_id))
+        with self.db.transaction():
+            for pack_id, entries in index.packs:
+                self.db.add_locations(pack_id, entries)
+            self.db.set_index_state(index_id, "remote")
+
+    def _load_indexes(self, commit: Commit) -> None:
+        missing = [i for i in commit.indexes if self.db.index_state(i) is None]
+        for index_id in missing:
+            self._load_index(index_id)
+
+    def _fetch_packed(self, ids: Iterable[str]) -> dict[str, bytes]:
+        """Plaintexts of packed metadata objects (trees, files), cached locally."""
+        result: dict[str, bytes] = {}
+        by_pack: dict[str, list[PackEntry]] = {}
+        for object_id in ids:
+            data = self.db.cached_object(object_id)
+            if data is not None:
+                result[object_id] = data
+                continue
+            loc = self.db.location(object_id)
+            if loc is None:
+                raise ObjectUnavailable(f"object {object_id[:12]} is in no known pack")
+            by_pack.setdefault(loc[0], []).append(loc[1])
+        futures = [
+            self.store.executor.submit(self.store.read_entries, pack_id, entries)
+            for pack_id, entries in by_pack.items()
+        ]
+        with self.db.transaction():
+            for fut in futures:
+                for object_id, data in fut.result().items():
+                    entry = self.db.location(object_id)
+                    kind = entry[1].kind if entry else "tree"
+                    self.db.cache_object(object_id, kind, data)
+                    result[object_id] = data
+        return result
+
+    def flatten(self, tree_id: str | None) -> dict[str, TreeEntry]:
+        """Every path in a tree (folders included), fetching trees level by level."""
+        flat: dict[str, TreeEntry] = {}
+        if tree_id is None:
+            return flat
+        level: list[tuple[str, str]] = [("", tree_id)]
+        while level:
+            fetched = self._fetch_packed(t for _, t in level)
+            nxt: list[tuple[str, str]] = []
+            for prefix, tid in level:
+                tree = Tree.from_bytes(fetched[tid])
+                for entry in tree.entries:
+                    path = f"{prefix}/{entry.name}" if prefix else entry.name
+                    flat[path] = entry
+                    if entry.type == "dir":
+                        nxt.append((path, entry.ref))
+            level = nxt
+        return flat
+
+    def _file_chunks(self, entry: TreeEntry) -> list[tuple[str, int]]:
+        """(blob id, length) of a file entry's content, in order."""
+        if entry.type == "file":
+            return [(entry.ref, entry.size)]
+        obj = FileObject.from_bytes(self._fetch_packed([entry.ref])[entry.ref])
+        if obj.size != entry.size:
+            raise CorruptObject(f"file object {entry.ref[:12]} size differs from its entry")
+        return [(c.blob_id, c.length) for c in obj.chunks]
+
+    # ============================================================== scanning
+    def _scan(
+        self, sink: Callable[[str, str, bytes], None] | None
+    ) -> tuple[dict[str, TreeEntry], set[str], list[IndexRow], list[str]]:
+        """Scan the folder; return (file and link entries, folders, refreshed index
+        rows, paths skipped because they changed while being read)."""
+        entries = scan(self.root)
+        rows = self.db.index_rows()
+        files: dict[str, TreeEntry] = {}
+        dirs: set[str] = set()
+        to_hash: list[ScanEntry] = []
+        for path, e in entries.items():
+            name = path.rpartition("/")[2]
+            try:
+                check_name(name)
+            except CorruptObject:
+                continue
+            if e.type == "dir":
+                dirs.add(path)
+            elif e.type == "link":
+                files[path] = TreeEntry(name, "link", e.target, e.size)
+            else:
+                row = rows.get(path)
+                if (
+                    row is not None
+                    and row.size == e.size
+                    and row.mtime_ns == e.mtime_ns
+                    and row.ino == e.ino
+                    and row.mtime_ns + RACY_NS < row.hashed_at_ns
+                ):
+                    files[path] = TreeEntry(name, row.type, row.ref, e.size, e.executable)  # type: ignore[arg-type]
+                else:
+                    to_hash.append(e)
+        refreshed: list[IndexRow] = []
+        skipped: list[str] = []
+        self.files_hashed = len(to_hash)
+        if to_hash:
+            hashed_at = _now_ns()
+            workers = min(len(to_hash), (os.cpu_count() or 2) + 1)
+            with ThreadPoolExecutor(workers, thread_name_prefix="metasync-hash") as pool:
+                results = pool.map(lambda e: self._hash_one(e, sink), to_hash)
+                for e, result in zip(to_hash, results, strict=True):
+                    name = e.path.rpartition("/")[2]
+                    if result is None:
+                        skipped.append(e.path)
+                        old = rows.get(e.path)
+                        if old is not None:  # keep the last known version of a busy file
+                            files[e.path] = TreeEntry(name, old.type, old.ref, old.size, old.executable)  # type: ignore[arg-type]
+                        continue
+                    files[e.path] = TreeEntry(name, result[0], result[1], e.size, e.executable)  # type: ignore[arg-type]
+                    refreshed.append(
+                        IndexRow(e.path, result[0], result[1], e.size, e.executable, e.mtime_ns, e.ino, hashed_at)
+                    )
+        return files, dirs, refreshed, skipped
+
+    def _hash_one(
+        self, e: ScanEntry, sink: Callable[[str, str, bytes], None] | None
+    ) -> tuple[str, str] | None:
+        for _ in range(3):
+            try:
+                hashed = self.chunker.hash_file(self.root / e.path, e, sink)
+                return hashed.type, hashed.ref
+            except FileChanged:
+                try:
+                    st = os.lstat(self.root / e.path)
+                except FileNotFoundError:
+                    return None
+                e = ScanEntry(e.path, e.type, st.st_size, st.st_mtime_ns, st.st_ino, e.executable)
+            except (FileNotFoundError, PermissionError, IsADirectoryError):
+                return None
+        return None
+
+    def _build_trees(
+        self, files: dict[str, TreeEntry], dirs: set[str]
+    ) -> tuple[str, dict[str, bytes]]:
+        """Root tree id and every tree's canonical bytes, built bottom-up."""
+        children: dict[str, list[TreeEntry]] = {d: [] for d in dirs}
+        children[""] = []
+        for path, entry in files.items():
+            parent = path.rpartition("/")[0]
+            children.setdefault(parent, []).append(entry)
+        trees: dict[str, bytes] = {}
+        order = sorted((d for d in children if d), key=lambda p: p.count("/"), reverse=True)
+        root_id = ""
+        for d in [*order, ""]:
+            data = Tree.build(children[d]).to_bytes()
+            tid = self.codec.id_of("tree", data)
+            trees[tid] = data
+            if d:
+                parent, _, name = d.rpartition("/")
+                children.setdefault(parent, []).append(TreeEntry(name, "dir", tid))
+            else:
+                root_id = tid
+        return root_id, trees
+
+    # ============================================================== status
+    def status(self) -> Status:
+        """Changes in the folder against the last commit; reads only files whose
+        size, mtime or inode changed since they were last hashed."""
+        files, dirs, refreshed, _ = self._scan(None)
+        if refreshed:
+            with self.db.transaction():
+                self.db.upsert_index(refreshed)
+        head = self._head_commit()
+        base = self.flatten(head.tree if head else None)
+        current: dict[str, TreeEntry] = dict(files)
+        for d in dirs:
+            current[d] = TreeEntry(d.rpartition("/")[2], "dir", "0" * 64)
+        changes: list[Change] = []
+        for path in sorted(set(base) | set(current)):
+            b, c = base.get(path), current.get(path)
+            if c is None and b is not None:
+                changes.append(Change(path, "deleted", b.type))
+            elif b is None and c is not None:
+                changes.append(Change(path, "added", c.type))
+            elif b is not None and c is not None and not _same(b, c):
+                changes.append(Change(path, "modified", c.type))
+        return Status(
+            changes=changes,
+            version=self.prev.number,
+            head=self.head,
+            unpushed=self.head is not None and self.head != self.prev.master,
+            files_hashed=self.files_hashed,
+        )
+
+    # ============================================================== commit
+    def commit(self, message: str = "") -> CommitResult | None:
+        """Record the folder as a new local commit; ``None`` if nothing changed.
+
+        New objects are packed, encrypted and written to the outbox (flushed to
+        disk) before the commit that refers to them is recorded.
+        """
+        outbox = self.meta / "outbox"
+        known = _KnownIds(self.meta / "state.db")
+        builder = PackBuilder(self.codec)
+        finished: list[FinishedPack] = []
+        finished_lock = threading.Lock()
+        counts: dict[str, int] = {}
+
+        def keep(pack: FinishedPack | None) -> None:
+            if pack is None:
+                return
+            _write_durable(outbox / pack.pack_id, pack.data)
+            with finished_lock:
+                finished.append(pack)
+
+        def sink(kind: str, object_id: str, data: bytes) -> None:
+            if known.claim(object_id):
+                with finished_lock:
+                    counts[kind] = counts.get(kind, 0) + 1
+                keep(builder.add(kind, object_id, data))
+
+        files, dirs, refreshed, skipped = self._scan(sink)
+        for path in skipped:
+            self.reporter.note(f"skipped {path}: it changed while being read; it is committed next time")
+        root_id, trees = self._build_trees(files, dirs)
+        head = self._head_commit()
+        if head is not None and head.tree == root_id:
+            keep(builder.flush())
+            self._record_packs(finished, refreshed)
+            return None
+        if head is None and not files and not dirs and self.prev.master is None:
+            return None
+        for tid, data in trees.items():
+            sink("tree", tid, data)
+        keep(builder.flush())
+
+        new_index: str | None = None
+        stored: list[tuple[str, str, bytes]] = []  # (kind, id, plaintext) standalone objects
+        if finished:
+            index = Index(tuple((p.pack_id, tuple(p.entries)) for p in finished))
+            index_bytes = index.to_bytes()
+            new_index = self.codec.id_of("index", index_bytes)
+            stored.append(("index", new_index, index_bytes))
+        parent = head or (self.load_commit(self.prev.master) if self.prev.master else None)
+        indexes = set(parent.indexes if parent else ()) | set(self.db.local_indexes())
+        if new_index:
+            indexes.add(new_index)
+        commit = Commit(
+            tree=root_id,
+            parents=(self.head,) if self.head else (),
+            client=self.client_id,
+            device=self.device,
+            time_ns=_now_ns(),
+            message=message,
+            indexes=tuple(sorted(indexes)),
+        )
+        commit_bytes = commit.to_bytes()
+        commit_id = self.codec.id_of("commit", commit_bytes)
+        stored.append(("commit", commit_id, commit_bytes))
+        for kind, object_id, plaintext in stored:
+            _write_durable(outbox / object_id, self.codec.encode(kind, object_id, plaintext))
+
+        with self.db.transaction():
+            self._record_packs(finished, refreshed)
+            for tid, data in trees.items():
+                self.db.cache_object(tid, "tree", data)
+            for kind, object_id, plaintext in stored:
+                self.db.cache_object(object_id, kind, plaintext)
+                self.db.add_outbox(object_id, kind)
+            if new_index:
+                self.db.set_index_state(new_index, "local")
+            self.db.set("head", commit_id)
+        return CommitResult(commit_id, root_id, counts, len(finished), self.files_hashed)
+
+    def _record_packs(self, packs: list[FinishedPack], refreshed: list[IndexRow]) -> None:
+        with self.db.transaction():
+            for pack in packs:
+                self.db.add_locations(pack.pack_id, pack.entries)
+                self.db.add_outbox(pack.pack_id, "pack")
+            self.db.upsert_index(refreshed)
+
+    # ============================================================== push
+    def push(self, message: str = "") -> PushResult:
+        """Commit pending changes, upload what is missing, and make the local head
+        master through pPaxos. Refuses (:class:`MasterMoved`) if master moved
+        since the last pull."""
+        result = self.commit(message)
+        prev = self.prev
+        latest = self.consensus.latest(prev)
+        if latest.number > prev.number:
+            raise MasterMoved(
+                f"master has moved to version {latest.number} since your last pull "
+                f"(version {prev.number}); run `metasync pull` first"
+            )
+        uploaded = self._flush_outbox()
+        self._repair_missing_copies()
+        missing = len(self.db.missing_copies())
+        head = self.head
+        if head is None or head == prev.master:
+            return PushResult(prev, result, *uploaded, up_to_date=True, missing_copies=missing)
+        proposal = Version(prev.number + 1, head, prev.config)
+        chosen = self.consensus.propose(proposal.number, proposal)
+        if chosen != proposal:
+            raise MasterMoved(
+                f"another client made version {proposal.number} first; run `metasync pull` first"
+            )
+        with self.db.transaction():
+            self.db.set("prev", chosen.to_json())
+            for index_id in self.db.local_indexes():
+                self.db.set_index_state(index_id, "remote")
+        self.consensus.write_hint(chosen)
+        self._publish_client_state()
+        return PushResult(chosen, result, *uploaded, missing_copies=missing)
+
+    def _flush_outbox(self) -> tuple[int, int]:
+        """Upload queued objects: all packs, then indexes, then commits, so nothing
+        on a backend ever refers to an object that is not there yet."""
+        pending = self.db.outbox()
+        total = 0
+        count = 0
+        sizes = {sid: (self.meta / "outbox" / sid).stat().st_size for sid, _ in pending}
+        self.reporter.start("upload", sum(sizes.values()) * self.config.replicas)
+        try:
+            for phase in ("pack", "index", "commit"):
+                items = [(sid, self._outbox_loader(sid)) for sid, kind in pending if kind == phase]
+                if not items:
+                    continue
+
+                def done(stored_id: str, size: int, failures: dict[str, str]) -> None:
+                    nonlocal total, count
+                    with self.db.transaction():
+                        for backend_id in failures:
+                            self.db.add_missing_copy(stored_id, backend_id)
+                        self.db.remove_outbox(stored_id)
+                    (self.meta / "outbox" / stored_id).unlink(missing_ok=True)
+                    total += size * (self.config.replicas - len(failures))
+                    count += 1
+                    self.reporter.advance(size * self.config.replicas)
+
+                self.store.upload(items, done)
+        finally:
+            self.reporter.finish()
+        return count, total
+
+    def _outbox_loader(self, stored_id: str) -> Callable[[], bytes]:
+        path = self.meta / "outbox" / stored_id
+        return path.read_bytes
+
+    def _repair_missing_copies(self) -> None:
+        """Retry copies a backend refused earlier, taking the data from a good copy."""
+        for stored_id, backend_id in self.db.missing_copies():
+            if backend_id in self.store.down:
+                continue
+            data: bytes | None = None
+            for other in self.store.holders(stored_id):
+                if other == backend_id:
+                    continue
+                try:
+                    data = self.backends[other].get(object_key(stored_id))
+                    break
+                except BackendError:
+                    continue
+            if data is not None and self.store.put_copy(backend_id, stored_id, data) is None:
+                with self.db.transaction():
+                    self.db.remove_missing_copy(stored_id, backend_id)
+
+    def _publish_client_state(self) -> None:
+        """Per-client data (paper 3.1): this client's head and prev on every backend."""
+        doc = json.dumps({"head": self.head, "prev": self.prev.to_json()}).encode()
+        name = f"clients/{self.client_id}"
+        data = self.codec.encode("client", name, doc)
+
+        def one(backend: Backend) -> None:
+            try:
+                backend.put(name, data)
+            except MetasyncError:
+                pass
+
+        list(self.store.executor.map(one, self.backends.values()))
+
+    # ============================================================== pull
+    def pull(self) -> PullResult:
+        """Bring master into the folder.
+
+        Three-way at the file level between the last synced tree (base), the folder
+        (local) and master (remote): remote changes apply where the local file is
+        unchanged; where both changed, the local file is kept as a conflict copy;
+        a remote delete of a locally modified file keeps the file. Local changes
+        stay in the folder as uncommitted changes, to be pushed on top of master.
+        """
+        remove_stale_temps(self.root)
+        prev = self.prev
+        latest = self.consensus.latest(prev)
+        pending = self.db.get("checkout_pending")
+        if latest.number == prev.number and pending is None:
+            return PullResult(prev, up_to_date=True)
+        if latest.master is None:
+            with self.db.transaction():
+                self.db.set("prev", latest.to_json())
+            return PullResult(latest, up_to_date=True)
+        if latest.config != prev.config:
+            raise FormatError(
+                "the repository configuration changed; this metasync cannot follow it yet"
+            )
+        commit = self.load_commit(latest.master)
+        self._load_indexes(commit)
+        base_commit = self.load_commit(prev.master) if prev.master else None
+        base = self.flatten(base_commit.tree if base_commit else None)
+        remote = self.flatten(commit.tree)
+        result = self._checkout(base, remote, latest)
+        with self.db.transaction():
+            self.db.set("prev", latest.to_json())
+            self.db.set("head", latest.master)
+            self.db.set("checkout_pending", None)
+            for index_id in self.db.local_indexes():
+                if index_id in commit.indexes:
+                    self.db.set_index_state(index_id, "remote")
+        self._publish_client_state()
+        return result
+
+    def _checkout(
+        self, base: dict[str, TreeEntry], remote: dict[str, TreeEntry], target: Version
+    ) -> PullResult:
+        with self.db.transaction():
+            self.db.set("checkout_pending", target.to_json())
+        files, dirs, refreshed, _ = self._scan(None)
+        local: dict[str, TreeEntry] = dict(files)
+        for d in dirs:
+            local[d] = TreeEntry(d.rpartition("/")[2], "dir", "0" * 64)
+        scanned = {e.path: e for e in refreshed}
+        result = PullResult(target)
+        stamp = datetime.now().strftime("%Y-%m-%d %H%M%S")
+
+        writes: list[tuple[str, TreeEntry]] = []
+        deletes: list[str] = []
+        for path in sorted(set(base) | set(remote)):
+            b, n, loc = base.get(path), remote.get(path), local.get(path)
+            if (n is not None and n.type == "dir") or (b is not None and b.type == "dir"):
+                continue  # folders are handled below
+            if _same(n, b) or _same(loc, n):
+                continue
+            if _same(loc, b):
+                if n is None:
+                    deletes.append(path)
+                else:
+                    writes.append((path, n))
+            elif n is None:
+                self.reporter.note(f"kept {path}: deleted remotely but changed here")
+            else:
+                if loc is not None and loc.type != "dir":
+                    copy = self._conflict_copy(path, stamp)
+                    result.conflicts.append(copy)
+                    self.reporter.note(f"conflict: your version of {path} is now {copy}")
+                writes.append((path, n))
+
+        for path in deletes:
+            target_path = self.root / path
+            try:
+                if target_path.is_dir() and not target_path.is_symlink():
+                    continue
+                target_path.unlink()
+                result.deleted += 1
+            except FileNotFoundError:
+                pass
+        # Folders deleted remotely go if nothing local remains in them, deepest first.
+        for path in sorted((p for p, e in base.items() if e.type == "dir" and p not in remote),
+                           key=lambda p: p.count("/"), reverse=True):
+            try:
+                (self.root / path).rmdir()
+            except OSError:
+                pass
+        for path in sorted((p for p, e in remote.items() if e.type == "dir"), key=lambda p: p.count("/")):
+            self._ensure_dir(path, stamp, result)
+        rows = self._write_files(writes, stamp, result, scanned)
+        with self.db.transaction():
+            self.db.delete_index(deletes)
+            self.db.upsert_index(rows)
+            self.db.upsert_index(r for r in refreshed if r.path not in {w[0] for w in writes})
+        return result
+
+    def _conflict_copy(self, path: str, stamp: str) -> str:
+        parent, _, name = path.rpartition("/")
+        new_name = conflict_name(name, self.device, stamp)
+        new_path = f"{parent}/{new_name}" if parent else new_name
+        n = 2
+        while os.path.lexists(self.root / new_path):
+            alt = conflict_name(name, f"{self.device} {n}", stamp)
+            new_path = f"{parent}/{alt}" if parent else alt
+            n += 1
+        os.rename(self.root / path, self.root / new_path)
+        return new_path
+
+    def _ensure_dir(self, path: str, stamp: str, result: PullResult) -> None:
+        """Make ``path`` a real folder; a file or link in the way becomes a conflict copy."""
+        current = self.root
+        for part in path.split("/"):
+            current = current / part
+            try:
+                st = os.lstat(current)
+            except FileNotFoundError:
+                current.mkdir()
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                rel = str(current.relative_to(self.root))
+                copy = self._conflict_copy(rel, stamp)
+                result.conflicts.append(copy)
+                self.reporter.note(f"conflict: {rel} is in the way of a folder; moved to {copy}")
+                current.mkdir()
+
+    def _write_files(
+        self,
+        writes: list[tuple[str, TreeEntry]],
+        stamp: str,
+        result: PullResult,
+        scanned: dict[str, IndexRow],
+    ) -> list[IndexRow]:
+        """Write files and links through temporary files, in flushed batches."""
+        rows: list[IndexRow] = []
+        plans: list[tuple[str, TreeEntry, list[tuple[str, int]]]] = []
+        total = 0
+        for path, entry in writes:
+            parent = path.rpartition("/")[0]
+            if parent:
+                self._ensure_dir(parent, stamp, result)
+            chunks = [] if entry.type == "link" else self._file_chunks(entry)
+            total += entry.size
+            plans.append((path, entry, chunks))
+        self.reporter.start("download", total)
+        try:
+            for start in range(0, len(plans), WRITE_BATCH):
+                batch = plans[start : start + WRITE_BATCH]
+                temps = list(self.store.executor.map(self._write_temp, batch))
+                os.sync()  # one flush for the batch instead of an fsync per file
+                written_at = _now_ns()
+                for (path, entry, _), tmp in zip(batch, temps, strict=True):
+                    final = self.root / path
+                    if os.path.isdir(final) and not os.path.islink(final):
+                        try:
+                            final.rmdir()
+                        except OSError:
+                            copy = self._conflict_copy(path, stamp)
+                            result.conflicts.append(copy)
+                    os.replace(tmp, final)
+                    st = os.lstat(final)
+                    result.written += 1
+                    if entry.type != "link":
+                        rows.append(IndexRow(path, entry.type, entry.ref, st.st_size,
+                                             entry.executable, st.st_mtime_ns, st.st_ino, written_at))
+        finally:
+            self.reporter.finish()
+        return rows
+
+    def _write_temp(self, plan: tuple[str, TreeEntry, list[tuple[str, int]]]) -> Path:
+        path, entry, chunks = plan
+        final = self.root / path
+        tmp = temp_path_for(final)
+        if entry.type == "link":
+            os.symlink(entry.ref, tmp)
+            return tmp
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, file_mode(entry.executable))
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                written = 0
+                for group in _chunk_groups(chunks):
+                    data = self._read_blobs(group)
+                    for blob_id, length in group:
+                        piece = data[blob_id]
+                        if len(piece) != length:
+                            raise CorruptObject(f"blob {blob_id[:12]} has the wrong length")
+                        fh.write(piece)
+                        written += length
+                        self.reporter.advance(length)
+            os.chmod(tmp, file_mode(entry.executable))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
+    def _read_blobs(self, group: list[tuple[str, int]]) -> dict[str, bytes]:
+        by_pack: dict[str, list[PackEntry]] = {}
+        for blob_id, _ in group:
+            loc = self.db_location(blob_id)
+            by_pack.setdefault(loc[0], []).append(loc[1])
+        data: dict[str, bytes] = {}
+        for pack_id, entries in by_pack.items():
+            unique = list({e.object_id: e for e in entries}.values())
+            data.update(self.store.read_entries(pack_id, unique))
+        return data
+
+    def db_location(self, object_id: str) -> tuple[str, PackEntry]:
+        """Location lookup usable from worker threads (own read-only connection)."""
+        conn = getattr(_thread_conns, "conn", None)
+        if conn is None or getattr(_thread_conns, "path", None) != self.db.path:
+            import sqlite3
+
+            conn = sqlite3.connect(f"file:{self.db.path}?mode=ro", uri=True)
+            _thread_conns.conn, _thread_conns.path = conn, self.db.path
+        row = conn.execute(
+            "SELECT kind, pack_id, offset, length FROM locations WHERE object_id=?", (object_id,)
+        ).fetchone()
+        if row is None:
+            raise ObjectUnavailable(f"object {object_id[:12]} is in no known pack")
+        return row[1], PackEntry(object_id, row[0], row[2], row[3])
+
+    # ============================================================== log
+    def log(self, limit: int | None = None) -> list[LogEntry]:
+        """Commits from head back to the first, newest first."""
+        out: list[LogEntry] = []
+        current = self.head or self.prev.master
+        while current and (limit is None or len(out) < limit):
+            c = self.load_commit(current)
+            out.append(LogEntry(current, c.device, c.client, c.time_ns, c.message, c.parents))
+            current = c.parents[0] if c.parents else None
+        return out
+
+    # ============================================================== fsck
+    def fsck(self) -> FsckReport:
+        """Download and verify every object reachable from master on every backend
+        that should hold it; report what is missing or corrupt."""
+        report = FsckReport()
+        latest = self.consensus.latest(self.prev)
+        commits: list[tuple[str, Commit]] = []
+        current = latest.master
+        seen_commits: set[str] = set()
+        while current and current not in seen_commits:
+            seen_commits.add(current)
+            commit = self.load_commit(current)
+            commits.append((current, commit))
+            current = commit.parents[0] if commit.parents else None
+        standalone = [("commit", cid) for cid, _ in commits]
+        indexes = sorted({i for _, c in commits for i in c.indexes})
+        standalone += [("index", i) for i in indexes]
+        for _, c in commits:
+            self._load_indexes(c)
+        # Every packed object reachable from any commit in history.
+        reachable: set[str] = set()
+        for _, c in commits:
+            for entry in self.flatten(c.tree).values():
+                if entry.type == "dir":
+                    reachable.add(entry.ref)
+                elif entry.type == "file":
+                    reachable.add(entry.ref)
+                elif entry.type == "chunked":
+                    reachable.add(entry.ref)
+                    reachable.update(b for b, _ in self._file_chunks(entry))
+            reachable.add(c.tree)
+        packs: set[str] = set()
+        for object_id in reachable:
+            loc = self.db.location(object_id)
+            if loc is None:
+                report.problems.append(FsckProblem("-", "object", object_id, "unindexed"))
+            else:
+                packs.add(loc[0])
+        jobs = [(kind, oid, b) for kind, oid in standalone for b in self.store.mapping.locate(oid)]
+        jobs += [("pack", p, b) for p in sorted(packs) for b in self.store.mapping.locate(p)]
+        report.objects = len(standalone) + len(packs)
+        self.reporter.start("verify", len(jobs))
+        try:
+            for problem in self.store.executor.map(lambda j: self._verify_copy(*j), jobs):
+                report.checked_copies += 1
+                self.reporter.advance(1)
+                if problem is not None:
+                    report.problems.append(problem)
+        finally:
+            self.reporter.finish()
+        return report
+
+    def _verify_copy(self, kind: str, object_id: str, backend_id: str) -> FsckProblem | None:
+        backend = self.backends[backend_id]
+        try:
+            data = backend.get(object_key(object_id))
+        except ObjectNotFound:
+            return FsckProblem(backend_id, kind, object_id, "missing")
+        except BackendError as exc:
+            return FsckProblem(backend_id, kind, object_id, f"unreadable: {exc}")
+        try:
+            if kind == "pack":
+                self.codec.pack_entries(object_id, data)
+            else:
+                self.codec.decode(kind, object_id, data)
+        except CorruptObject:
+            return FsckProblem(backend_id, kind, object_id, "corrupt")
+        return None
+
+    def backend_name(self, backend_id: str) -> str:
+        return self.backends[backend_id].uri
+
+
+_thread_conns = threading.local()
+
+
+def _chunk_groups(chunks: list[tuple[str, int]], budget: int = 8 * 1024 * 1024) -> list[list[tuple[str, int]]]:
+    """Split a file's chunks into groups of about ``budget`` bytes (bounded memory)."""
+    groups: list[list[tuple[str, int]]] = [[]]
+    size = 0
+    for blob_id, length in chunks:
+        if groups[-1] and size + length > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append((blob_id, length))
+        size += length
+    return [g for g in groups if g] or [[]]
+
+
+def check_namespace(namespace: str) -> None:
+    from metasync.backends import check_key
+
+    try:
+        check_key(namespace)
+    except MetasyncError:
+        raise UsageError(f"invalid namespace {namespace!r}; use letters, digits, '.', '_' or '-'") from None
+    if "/" in namespace:
+        raise UsageError(f"invalid namespace {namespace!r}; it cannot contain '/'")
+
+
+def _check_format(fmt: int) -> None:
+    if fmt != FORMAT_VERSION:
+        raise FormatError(
+            f"repository format {fmt} is not supported (this metasync reads {FORMAT_VERSION}); "
+            "upgrade metasync"
+        )
+
+
+def _check_backend_free(backend: Backend) -> None:
+    try:
+        taken = backend.exists() and _has_descriptor(backend)
+    except BackendUnavailable as exc:
+        raise UsageError(str(exc)) from None
+    if taken:
+        raise UsageError(
+            f"{backend.uri} already holds a metasync repository (namespace "
+            f"{backend.namespace!r}); use `metasync clone {backend.uri}` or another --namespace"
+        )
+
+
+def _has_descriptor(backend: Backend) -> bool:
+    try:
+        backend.size(DESCRIPTOR_KEY)
+        return True
+    except ObjectNotFound:
+        return False
+
+
+def _descriptor(config: Config, config_id: str, backend_id: str) -> bytes:
+    doc = {
+        "format": FORMAT_VERSION,
+        "encryption": config.encryption,
+        "config": config_id,
+        "backend": backend_id,
+    }
+    return json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n"
+
+
+def _parse_descriptor(raw: bytes, uri: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+        fmt = doc["format"]
+        ok = (
+            isinstance(fmt, int)
+            and doc["encryption"] in ("none", "aes-256-gcm")
+            and is_object_id(doc["config"])
+            and isinstance(doc["backend"], str)
+        )
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise NotARepository(f"{uri} holds a damaged {DESCRIPTOR_KEY}; clone from another backend")
+    _check_format(doc["format"])
+    result: dict[str, Any] = doc
+    return result
+
+
+def _ask(passphrase: PassphraseSource | None) -> str:
+    if passphrase is None:
+        raise UsageError(
+            "this repository is encrypted: set METASYNC_PASSPHRASE or use --passphrase-file"
+        )
+    value = passphrase()
+    if not value:
+        raise UsageError("the passphrase is empty")
+    return value
+
+
+def _device_name() -> str:
+    name = socket.gethostname().split(".")[0] or "device"
+    return "".join(ch for ch in name if ch.isalnum() or ch in "-_") or "device"
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    """Temp file, fsync, rename: ``path`` holds all of ``data`` or does not exist."""
+    tmp = path.with_name(f".tmp-{secrets.token_hex(6)}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+# Keep the mapping import visible to type checkers of callers that use it.
+__all__ = ["Repository", "StableMapping"]

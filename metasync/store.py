@@ -1,0 +1,205 @@
+"""The replicated, untrusted object store: mapping + translators + backends.
+
+Every stored object (pack, index, commit) lives at ``objects/<id[:2]>/<id>`` on
+the R backends the stable mapping names for its id. Writes go to all of them
+concurrently; reads try them in order of health and fall back on any error,
+missing copy or failed check, so one corrupt or vanished backend costs a retry,
+never data. Nothing read from a backend is used before it is verified.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from metasync.backends import Backend
+from metasync.codec import Codec
+from metasync.errors import BackendError, CorruptObject, MetasyncError, ObjectUnavailable
+from metasync.mapping import StableMapping
+from metasync.objects import Config, PackEntry
+
+#: Entries closer than this in one pack are fetched with one range request.
+COALESCE_GAP = 256 * 1024
+
+
+def object_key(stored_id: str) -> str:
+    """Backend key of a stored object (fanned out by the first two hex digits)."""
+    return f"objects/{stored_id[:2]}/{stored_id}"
+
+
+@dataclass
+class TransferStats:
+    """Counters for reports and tests (what really crossed the wire)."""
+
+    objects_put: int = 0
+    bytes_put: int = 0
+    objects_got: int = 0
+    bytes_got: int = 0
+    corrupt_copies: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_put(self, size: int) -> None:
+        with self.lock:
+            self.objects_put += 1
+            self.bytes_put += size
+
+    def add_get(self, size: int) -> None:
+        with self.lock:
+            self.objects_got += 1
+            self.bytes_got += size
+
+
+class RemoteStore:
+    """Objects on the backends of one configuration."""
+
+    def __init__(
+        self,
+        config: Config,
+        codec: Codec,
+        backends: dict[str, Backend],
+        *,
+        workers: int = 8,
+    ) -> None:
+        self.config = config
+        self.codec = codec
+        self.backends = backends
+        self.mapping = StableMapping(
+            [(b.id, b.capacity) for b in config.backends], config.replicas, config.partitions
+        )
+        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="metasync-io")
+        #: Backends that failed as unreachable in this session, with the reason.
+        self.down: dict[str, str] = {}
+        self.stats = TransferStats()
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+
+    # --- placement ----------------------------------------------------------------
+    def holders(self, stored_id: str) -> tuple[str, ...]:
+        """Backend ids that should hold ``stored_id``, reachable ones first."""
+        ids = self.mapping.locate(stored_id)
+        return tuple(sorted(ids, key=lambda b: b in self.down))
+
+    def _backend(self, backend_id: str) -> Backend:
+        return self.backends[backend_id]
+
+    # --- writes -------------------------------------------------------------------
+    def put_copy(self, backend_id: str, stored_id: str, data: bytes) -> str | None:
+        """Write one copy; return None on success or the reason it failed."""
+        try:
+            self._backend(backend_id).put(object_key(stored_id), data)
+        except MetasyncError as exc:
+            self.down.setdefault(backend_id, str(exc))
+            return str(exc)
+        self.stats.add_put(len(data))
+        return None
+
+    def upload(
+        self,
+        items: Iterable[tuple[str, Callable[[], bytes]]],
+        on_done: Callable[[str, int, dict[str, str]], None],
+    ) -> None:
+        """Upload every ``(stored_id, load)`` to all its holders, many at once.
+
+        ``on_done(stored_id, size, failures)`` runs in the caller's thread as each
+        object finishes; ``failures`` maps backend id to reason. Raises
+        :class:`ObjectUnavailable` if some object reached no backend at all.
+        """
+
+        def task(stored_id: str, load: Callable[[], bytes]) -> tuple[str, int, dict[str, str]]:
+            data = load()
+            failures: dict[str, str] = {}
+            for backend_id in self.mapping.locate(stored_id):
+                reason = self.put_copy(backend_id, stored_id, data)
+                if reason is not None:
+                    failures[backend_id] = reason
+            return stored_id, len(data), failures
+
+        futures = [self.executor.submit(task, sid, load) for sid, load in items]
+        unplaced: list[str] = []
+        first_error: BaseException | None = None
+        for fut in futures:
+            try:
+                stored_id, size, failures = fut.result()
+            except BaseException as exc:  # keep draining so no task is left running
+                first_error = first_error or exc
+                continue
+            if len(failures) == len(self.mapping.locate(stored_id)):
+                unplaced.append(stored_id)
+            on_done(stored_id, size, failures)
+        if first_error is not None:
+            raise first_error
+        if unplaced:
+            reasons = "; ".join(sorted(set(self.down.values())))
+            raise ObjectUnavailable(
+                f"could not store {len(unplaced)} object(s) on any backend ({reasons}); "
+                "they stay queued and the next push retries"
+            )
+
+    # --- reads --------------------------------------------------------------------
+    def get_standalone(self, kind: str, object_id: str) -> bytes:
+        """Plaintext of a standalone object, from the first holder with a good copy."""
+        reasons: list[str] = []
+        for backend_id in self.holders(object_id):
+            try:
+                stored = self._backend(backend_id).get(object_key(object_id))
+                self.stats.add_get(len(stored))
+                return self.codec.decode(kind, object_id, stored)
+            except CorruptObject as exc:
+                self.stats.corrupt_copies += 1
+                reasons.append(f"{backend_id}: {exc}")
+            except BackendError as exc:
+                reasons.append(f"{backend_id}: {exc}")
+        raise ObjectUnavailable(f"no good copy of {kind} {object_id[:12]} ({'; '.join(reasons)})")
+
+    def read_entries(self, pack_id: str, entries: list[PackEntry]) -> dict[str, bytes]:
+        """Plaintexts of ``entries`` of one pack, by object id.
+
+        Nearby entries are fetched with one range read; an entry that fails its
+        check on one holder is fetched again from the next.
+        """
+        wanted = sorted(entries, key=lambda e: e.offset)
+        result: dict[str, bytes] = {}
+        reasons: list[str] = []
+        for backend_id in self.holders(pack_id):
+            if not wanted:
+                break
+            backend = self._backend(backend_id)
+            still: list[PackEntry] = []
+            for run in _coalesce(wanted):
+                start = run[0].offset
+                end = run[-1].offset + run[-1].length
+                try:
+                    data = backend.get_range(object_key(pack_id), start, end - start)
+                except BackendError as exc:
+                    reasons.append(f"{backend_id}: {exc}")
+                    still.extend(run)
+                    continue
+                self.stats.add_get(len(data))
+                for entry in run:
+                    piece = data[entry.offset - start : entry.offset - start + entry.length]
+                    try:
+                        result[entry.object_id] = self.codec.decode(entry.kind, entry.object_id, piece)
+                    except CorruptObject as exc:
+                        self.stats.corrupt_copies += 1
+                        reasons.append(f"{backend_id}: {exc}")
+                        still.append(entry)
+            wanted = still
+        if wanted:
+            detail = "; ".join(reasons[-3:])
+            raise ObjectUnavailable(
+                f"no good copy of {len(wanted)} object(s) in pack {pack_id[:12]} ({detail})"
+            )
+        return result
+
+
+def _coalesce(entries: list[PackEntry]) -> list[list[PackEntry]]:
+    runs: list[list[PackEntry]] = []
+    for entry in entries:
+        if runs and entry.offset - (runs[-1][-1].offset + runs[-1][-1].length) <= COALESCE_GAP:
+            runs[-1].append(entry)
+        else:
+            runs.append([entry])
+    return runs
