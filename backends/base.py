@@ -13,6 +13,7 @@ Error contract (every method):
 
 from __future__ import annotations
 
+import builtins
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -29,7 +30,8 @@ def check_key(key: str) -> str:
     if not key or key.startswith("/") or key.endswith("/"):
         raise InvalidKey(f"invalid backend key {key!r}")
     for part in key.split("/"):
-        if part in (".", "..") or not _KEY_PART.match(part):
+        # ".tmp-" names are reserved for in-progress writes, which are never listed.
+        if part in (".", "..") or part.startswith(".tmp-") or not _KEY_PART.match(part):
             raise InvalidKey(f"invalid backend key {key!r}")
     return key
 
@@ -83,6 +85,10 @@ class Backend(ABC):
     @abstractmethod
     def exists(self) -> bool:
         """True if the namespace exists on the service (a repository may live there)."""
+
+    def probe(self) -> None:  # noqa: B027 - optional hook
+        """Raise :class:`BackendUnavailable` (naming the location and the fix) if the
+        service location cannot be reached. Never writes. The default checks nothing."""
 
     @abstractmethod
     def create(self) -> None:
@@ -140,7 +146,7 @@ class Backend(ABC):
         No entry is lost or duplicated and every reader sees one order."""
 
     @abstractmethod
-    def fetch(self, log: str, start: int = 0) -> list[tuple[int, bytes]]:
+    def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
         """Return ``(position, message)`` for every entry at ``position >= start`` in
         order. A missing log is empty, not an error."""
 

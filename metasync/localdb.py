@@ -10,6 +10,7 @@ old or the new state.
 
 from __future__ import annotations
 
+import builtins
 import json
 import sqlite3
 from collections.abc import Iterable, Iterator
@@ -132,9 +133,9 @@ class LocalDB:
             return None
         return row[1], PackEntry(object_id, row[0], row[2], row[3])
 
-    def known_ids(self, ids: Iterable[str]) -> set[str]:
+    def known_ids(self, ids: Iterable[str]) -> builtins.set[str]:
         """The subset of ``ids`` that already have a location (need no upload)."""
-        found: set[str] = set()
+        found: builtins.set[str] = builtins.set()
         batch: list[str] = []
         for object_id in ids:
             batch.append(object_id)
@@ -145,12 +146,12 @@ class LocalDB:
             found |= self._known(batch)
         return found
 
-    def _known(self, batch: list[str]) -> set[str]:
+    def _known(self, batch: list[str]) -> builtins.set[str]:
         marks = ",".join("?" * len(batch))
         cur = self.conn.execute(f"SELECT object_id FROM locations WHERE object_id IN ({marks})", batch)
         return {r[0] for r in cur}
 
-    def pack_ids(self) -> set[str]:
+    def pack_ids(self) -> builtins.set[str]:
         return {r[0] for r in self.conn.execute("SELECT DISTINCT pack_id FROM locations")}
 
     # --- metadata object cache ----------------------------------------------------

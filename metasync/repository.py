@@ -25,14 +25,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from metasync import localdb
 from metasync.backends import Backend, normalize_uri, open_backend
 from metasync.codec import Codec, FinishedPack, PackBuilder
 from metasync.consensus import Consensus
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
-    Conflict,
     CorruptObject,
     FormatError,
     MasterMoved,
@@ -83,6 +81,8 @@ DEFAULT_PARTITIONS = 16384
 RACY_NS = 2_000_000_000
 #: A commit lists at most this many index objects; beyond it they are merged.
 MAX_INDEXES = 64
+#: Pack entries per index object (keeps each well under the readers' size limit).
+INDEX_ENTRIES = 100_000
 #: Files written by a checkout are flushed and renamed in batches of this many.
 WRITE_BATCH = 2000
 
@@ -499,8 +499,10 @@ class Repository:
     def _load_index(self, index_id: str) -> None:
         if self.db.index_state(index_id) is not None:
             return
-        index = Index.from_bytes(self.store.get_standalone("index", index_id))
+        data = self.store.get_standalone("index", index_id)
+        index = Index.from_bytes(data)
         with self.db.transaction():
+            self.db.cache_object(index_id, "index", data)
             for pack_id, entries in index.packs:
                 self.db.add_locations(pack_id, entries)
             self.db.set_index_state(index_id, "remote")
@@ -721,27 +723,29 @@ class Repository:
             self.reporter.note(f"skipped {path}: it changed while being read; it is committed next time")
         root_id, trees = self._build_trees(files, dirs)
         head = self._head_commit()
-        if head is not None and head.tree == root_id:
-            keep(builder.flush())
-            self._record_packs(finished, refreshed)
-            return None
-        if head is None and not files and not dirs and self.prev.master is None:
-            return None
-        for tid, data in trees.items():
-            sink("tree", tid, data)
+        unchanged = (head is not None and head.tree == root_id) or (
+            head is None and not files and not dirs and self.prev.master is None
+        )
+        if not unchanged:
+            for tid, data in trees.items():
+                sink("tree", tid, data)
         keep(builder.flush())
-
-        new_index: str | None = None
-        stored: list[tuple[str, str, bytes]] = []  # (kind, id, plaintext) standalone objects
-        if finished:
-            index = Index(tuple((p.pack_id, tuple(p.entries)) for p in finished))
-            index_bytes = index.to_bytes()
-            new_index = self.codec.id_of("index", index_bytes)
-            stored.append(("index", new_index, index_bytes))
+        # Every pack gets an index, even without a commit (a busy file may have left
+        # new blobs): a later commit that reuses them must be able to list them.
+        stored = self._index_objects([(p.pack_id, tuple(p.entries)) for p in finished])
+        if unchanged:
+            self._store_standalone(stored)
+            with self.db.transaction():
+                self._record_packs(finished, refreshed)
+                self._record_standalone(stored)
+            return None
         parent = head or (self.load_commit(self.prev.master) if self.prev.master else None)
         indexes = set(parent.indexes if parent else ()) | set(self.db.local_indexes())
-        if new_index:
-            indexes.add(new_index)
+        indexes |= {object_id for _, object_id, _ in stored}
+        if len(indexes) > MAX_INDEXES:
+            merged = self._index_objects(self._merged_index_packs(indexes))
+            stored += merged
+            indexes = {object_id for _, object_id, _ in merged}
         commit = Commit(
             tree=root_id,
             parents=(self.head,) if self.head else (),
@@ -754,20 +758,60 @@ class Repository:
         commit_bytes = commit.to_bytes()
         commit_id = self.codec.id_of("commit", commit_bytes)
         stored.append(("commit", commit_id, commit_bytes))
-        for kind, object_id, plaintext in stored:
-            _write_durable(outbox / object_id, self.codec.encode(kind, object_id, plaintext))
+        self._store_standalone(stored)
 
         with self.db.transaction():
             self._record_packs(finished, refreshed)
             for tid, data in trees.items():
                 self.db.cache_object(tid, "tree", data)
-            for kind, object_id, plaintext in stored:
-                self.db.cache_object(object_id, kind, plaintext)
-                self.db.add_outbox(object_id, kind)
-            if new_index:
-                self.db.set_index_state(new_index, "local")
+            self._record_standalone(stored)
             self.db.set("head", commit_id)
         return CommitResult(commit_id, root_id, counts, len(finished), self.files_hashed)
+
+    def _index_objects(
+        self, packs: list[tuple[str, tuple[PackEntry, ...]]]
+    ) -> list[tuple[str, str, bytes]]:
+        """Index objects listing ``packs``, each at most INDEX_ENTRIES entries so no
+        index exceeds what readers accept."""
+        out: list[tuple[str, str, bytes]] = []
+        group: list[tuple[str, tuple[PackEntry, ...]]] = []
+        count = 0
+        for pack_id, entries in packs:
+            if group and count + len(entries) > INDEX_ENTRIES:
+                out.append(self._index_object(group))
+                group, count = [], 0
+            group.append((pack_id, entries))
+            count += len(entries)
+        if group:
+            out.append(self._index_object(group))
+        return out
+
+    def _index_object(self, packs: list[tuple[str, tuple[PackEntry, ...]]]) -> tuple[str, str, bytes]:
+        data = Index(tuple(packs)).to_bytes()
+        return "index", self.codec.id_of("index", data), data
+
+    def _merged_index_packs(self, index_ids: set[str]) -> list[tuple[str, tuple[PackEntry, ...]]]:
+        """The union of the packs the given indexes list (to merge many into few)."""
+        packs: dict[str, tuple[PackEntry, ...]] = {}
+        for index_id in sorted(index_ids):
+            data = self.db.cached_object(index_id)
+            if data is None:
+                data = self.store.get_standalone("index", index_id)
+            for pack_id, entries in Index.from_bytes(data).packs:
+                packs.setdefault(pack_id, entries)
+        return sorted(packs.items())
+
+    def _store_standalone(self, stored: list[tuple[str, str, bytes]]) -> None:
+        outbox = self.meta / "outbox"
+        for kind, object_id, plaintext in stored:
+            _write_durable(outbox / object_id, self.codec.encode(kind, object_id, plaintext))
+
+    def _record_standalone(self, stored: list[tuple[str, str, bytes]]) -> None:
+        for kind, object_id, plaintext in stored:
+            self.db.cache_object(object_id, kind, plaintext)
+            self.db.add_outbox(object_id, kind)
+            if kind == "index":
+                self.db.set_index_state(object_id, "local")
 
     def _record_packs(self, packs: list[FinishedPack], refreshed: list[IndexRow]) -> None:
         with self.db.transaction():
@@ -1133,9 +1177,7 @@ class Repository:
         reachable: set[str] = set()
         for _, c in commits:
             for entry in self.flatten(c.tree).values():
-                if entry.type == "dir":
-                    reachable.add(entry.ref)
-                elif entry.type == "file":
+                if entry.type == "dir" or entry.type == "file":
                     reachable.add(entry.ref)
                 elif entry.type == "chunked":
                     reachable.add(entry.ref)
@@ -1220,6 +1262,7 @@ def _check_format(fmt: int) -> None:
 
 def _check_backend_free(backend: Backend) -> None:
     try:
+        backend.probe()
         taken = backend.exists() and _has_descriptor(backend)
     except BackendUnavailable as exc:
         raise UsageError(str(exc)) from None

@@ -2,7 +2,7 @@
 
 Every stored object (pack, index, commit) lives at ``objects/<id[:2]>/<id>`` on
 the R backends the stable mapping names for its id. Writes go to all of them
-concurrently; reads try them in order of health and fall back on any error,
+(many objects at once); reads try them in order of health and fall back on any error,
 missing copy or failed check, so one corrupt or vanished backend costs a retry,
 never data. Nothing read from a backend is used before it is verified.
 """
@@ -104,7 +104,9 @@ class RemoteStore:
         """Upload every ``(stored_id, load)`` to all its holders, many at once.
 
         ``on_done(stored_id, size, failures)`` runs in the caller's thread as each
-        object finishes; ``failures`` maps backend id to reason. Raises
+        object reaches at least one holder; ``failures`` maps backend id to reason
+        for the holders it did not reach. The copies of one object are written one
+        after another; different objects (and so different backends) in parallel. Raises
         :class:`ObjectUnavailable` if some object reached no backend at all.
         """
 
@@ -127,7 +129,8 @@ class RemoteStore:
                 first_error = first_error or exc
                 continue
             if len(failures) == len(self.mapping.locate(stored_id)):
-                unplaced.append(stored_id)
+                unplaced.append(stored_id)  # not reported done: it stays queued
+                continue
             on_done(stored_id, size, failures)
         if first_error is not None:
             raise first_error

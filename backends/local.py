@@ -1,0 +1,618 @@
+"""The ``dir:`` backend: a folder on a local disk, USB stick or mounted share.
+
+``dir:/srv/store`` with namespace ``ns`` keeps everything under ``/srv/store/ns/``;
+a key ``a/b`` is the file ``/srv/store/ns/a/b``. The location folder is never
+created by metasync (only the namespace folder inside it, by :meth:`create`), so
+an unmounted disk shows up as :class:`BackendUnavailable` instead of a fresh,
+empty folder silently filling the wrong disk.
+
+Crash safety relies on three POSIX guarantees:
+
+- ``rename`` over an existing file is atomic (``put``);
+- ``link`` fails with ``EEXIST`` if the name exists, and publishes a complete
+  file in one step (``put_if_absent`` and ``append``);
+- after ``fsync`` of a file and of its folder, both survive power loss.
+
+Every write first goes to a temporary ``.tmp-<random>`` file in the destination
+folder; a writer that crashes leaves one behind, which is never listed nor read
+as a log entry. Names starting with ``.tmp-`` are therefore reserved: keys
+containing such a part are rejected with :class:`InvalidKey`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import os
+import re
+import secrets
+import stat
+from collections.abc import Iterator, Sequence
+from typing import BinaryIO
+
+from metasync.backends import register
+from metasync.backends.base import Backend, Capabilities, check_key, check_prefix
+from metasync.errors import (
+    BackendError,
+    BackendUnavailable,
+    InvalidKey,
+    ObjectNotFound,
+    UsageError,
+)
+
+#: Streams are copied in pieces of this size, so memory use does not grow with the object.
+CHUNK_SIZE = 1 << 20
+#: Prefix of in-progress writes; never listed, never a log entry.
+TEMP_PREFIX = ".tmp-"
+
+# Log entries are named by their zero-padded position. Exactly the canonical
+# spelling counts: an entry must have one name, or two names could claim a position.
+_ENTRY_NAME = re.compile(r"^[0-9]{10,}$")
+
+
+def _errnos(*names: str) -> frozenset[int]:
+    # Not every platform defines every errno; take the ones that exist.
+    return frozenset(getattr(errno, n) for n in names if hasattr(errno, n))
+
+
+# The filesystem itself is gone (dead network mount, FUSE daemon exited).
+_UNREACHABLE = _errnos("ENOTCONN", "ESTALE", "ENODEV", "ENXIO", "EHOSTDOWN", "EHOSTUNREACH")
+# A retry may well succeed.
+_TRANSIENT = _errnos("EAGAIN", "EBUSY", "EINTR", "ETIMEDOUT", "EIO")
+# link() is not supported by this filesystem (FAT, exFAT, some FUSE/SMB mounts).
+_NO_HARDLINKS = _errnos("EPERM", "ENOTSUP", "EOPNOTSUPP", "ENOSYS", "EXDEV")
+# fsync on a folder is not supported everywhere; durability is then best effort.
+_FSYNC_DIR_UNSUPPORTED = _errnos("EINVAL", "ENOTSUP", "EOPNOTSUPP", "EBADF", "EACCES", "EPERM")
+
+
+def _entry_name(position: int) -> str:
+    return f"{position:010d}"
+
+
+def _entry_position(name: str) -> int | None:
+    """The position a log entry file name stands for, or None for any other name."""
+    if not _ENTRY_NAME.match(name):
+        return None
+    position = int(name)
+    return position if _entry_name(position) == name else None
+
+
+def _is_valid_name(name: str) -> bool:
+    """True if ``name`` may be one part of a key this backend lists."""
+    if name.startswith(TEMP_PREFIX):
+        return False
+    try:
+        check_key(name)
+    except InvalidKey:
+        return False
+    return True
+
+
+def _fsync_dir(path: str) -> None:
+    """Make the folder's entries (creates, renames, links, unlinks) durable."""
+    if os.name == "nt":  # Windows cannot open a folder as a file; NTFS journals metadata.
+        return
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _FSYNC_DIR_UNSUPPORTED:
+            raise
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    # Cleanup of our own temporary file; a failure here must not hide the real outcome.
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    # os.write may write less than asked (signals, pipes, some FUSE filesystems).
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _link_exclusive(source: str, target: str) -> bool:
+    """Give the complete file ``source`` the additional name ``target`` unless it exists.
+
+    Returns False if ``target`` already exists. The link count check is the classic
+    NFS-safe exclusive create: a retransmitted ``link`` may report ``EEXIST`` (or
+    another error) although the first transmission succeeded.
+    """
+    try:
+        os.link(source, target)
+        return True
+    except OSError as exc:
+        try:
+            linked = os.stat(source).st_nlink == 2
+        except OSError:
+            linked = False
+        if linked:
+            return True
+        if isinstance(exc, FileExistsError):
+            return False
+        raise
+
+
+@register
+class LocalBackend(Backend):
+    """A folder on a filesystem, URI ``dir:/absolute/path``.
+
+    ``case_sensitive`` is declared True, which holds on the usual Linux filesystems;
+    on case-insensitive ones (macOS APFS/HFS+ by default, Windows, FAT) keys that
+    differ only in case name the same file.
+    """
+
+    scheme = "dir"
+    capabilities = Capabilities(
+        conditional_create=True,
+        compare_and_swap=False,
+        range_reads=True,
+        max_object_size=None,
+        case_sensitive=True,
+        long_poll=False,
+    )
+
+    def __init__(self, uri: str, namespace: str) -> None:
+        """Bind to ``<path>/<namespace>/``. Touches nothing on disk.
+
+        Raises :class:`UsageError` for a relative path or an invalid namespace.
+        """
+        super().__init__(uri, namespace)
+        path = uri[len("dir:") :] if uri.startswith("dir:") else uri
+        # A relative path would depend on the current folder of whichever client
+        # runs, and the URI is stored in the shared configuration.
+        if not path or not os.path.isabs(path):
+            raise UsageError(f"backend path must be absolute: {path!r}; use dir:/absolute/path")
+        try:
+            check_key(namespace)
+        except InvalidKey as exc:
+            raise UsageError(
+                f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
+            ) from exc
+        #: The folder named in the URI; it must exist before :meth:`create`.
+        self.location: str = os.path.normpath(path)
+        #: The namespace folder holding every key.
+        self.root: str = os.path.join(self.location, *namespace.split("/"))
+
+    # --- helpers -------------------------------------------------------------------
+    def _key(self, key: str) -> str:
+        """Validate ``key``: :func:`check_key` plus this backend's reserved temp names."""
+        check_key(key)
+        self._check_reserved(key)
+        return key
+
+    def _check_reserved(self, key: str) -> None:
+        if any(part.startswith(TEMP_PREFIX) for part in key.split("/")):
+            raise InvalidKey(
+                f"invalid backend key {key!r}: names starting with {TEMP_PREFIX!r} are reserved"
+            )
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/"))
+
+    def _unavailable(self, exc: OSError | None = None) -> BackendUnavailable:
+        detail = f" ({exc.strerror})" if exc is not None and exc.strerror else ""
+        return BackendUnavailable(
+            f"backend folder {self.root} is missing or unreachable{detail}; "
+            "is the disk mounted, or was the folder deleted?"
+        )
+
+    def _require_root(self) -> None:
+        """Raise :class:`BackendUnavailable` unless the namespace folder exists.
+
+        Checked before every operation: a deleted or unmounted folder must never be
+        mistaken for an empty repository, nor recreated by a write.
+        """
+        try:
+            st = os.stat(self.root)
+        except OSError as exc:
+            raise self._unavailable(exc) from exc
+        if not stat.S_ISDIR(st.st_mode):
+            raise BackendUnavailable(f"backend folder {self.root} is not a folder")
+
+    def _error(self, exc: OSError, key: str, action: str, *, not_found: bool) -> BackendError:
+        """Translate ``exc`` from an operation on ``key`` into the backend error contract.
+
+        ``not_found``: a missing path means the key is missing (reads). Otherwise a
+        missing path is a plain failure (e.g. a folder removed under a write).
+        """
+        if exc.errno in _UNREACHABLE or not os.path.isdir(self.root):
+            return self._unavailable(exc)
+        if not_found and isinstance(
+            exc, FileNotFoundError | NotADirectoryError | IsADirectoryError
+        ):
+            return ObjectNotFound(f"no object {key!r} on {self.name}")
+        hint = ""
+        if isinstance(exc, NotADirectoryError | FileExistsError | IsADirectoryError):
+            hint = "; a key cannot be both an object and a folder of other keys"
+        return BackendError(
+            f"cannot {action} {key!r} on {self.name}: {exc.strerror or exc}{hint}",
+            transient=exc.errno in _TRANSIENT,
+        )
+
+    def _make_dirs(self, parts: Sequence[str]) -> None:
+        """Create ``root/parts[0]/parts[1]/...`` as needed, never ``root`` itself.
+
+        One ``mkdir`` per level (rather than ``os.makedirs``) so that a vanished
+        namespace folder fails instead of being recreated.
+        """
+        parent = self.root
+        for part in parts:
+            path = os.path.join(parent, part)
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                pass
+            else:
+                _fsync_dir(parent)  # the new folder's name must survive a crash too
+            parent = path
+
+    def _write_temp(self, folder: str, key: str, data: bytes | BinaryIO) -> str:
+        """Write ``data`` to a new fsynced temp file in ``folder``; return its path.
+
+        Errors of the filesystem become :class:`BackendError`; errors raised by the
+        caller's stream propagate unchanged. The temp file is removed on failure.
+        """
+        while True:
+            tmp = os.path.join(folder, TEMP_PREFIX + secrets.token_hex(8))
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+            try:
+                fd = os.open(tmp, flags | getattr(os, "O_CLOEXEC", 0), 0o666)
+                break
+            except FileExistsError:
+                continue  # 64 random bits collided; pick another name
+            except OSError as exc:
+                raise self._error(exc, key, "write", not_found=False) from exc
+        complete = False
+        try:
+            if isinstance(data, bytes | bytearray | memoryview):
+                self._write_chunk(fd, key, data)
+            else:
+                while True:
+                    chunk = data.read(CHUNK_SIZE)
+                    if not chunk:
+                        break
+                    self._write_chunk(fd, key, chunk)
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                raise self._error(exc, key, "write", not_found=False) from exc
+            complete = True
+        finally:
+            os.close(fd)
+            if not complete:
+                _unlink_quietly(tmp)
+        return tmp
+
+    def _write_chunk(self, fd: int, key: str, chunk: bytes | bytearray | memoryview) -> None:
+        try:
+            _write_all(fd, chunk)
+        except OSError as exc:
+            raise self._error(exc, key, "write", not_found=False) from exc
+
+    def _create_exclusive(self, key: str, data: bytes, folder: str, name: str) -> bool:
+        """Publish ``data`` as ``folder/name`` if absent: complete or not at all."""
+        tmp = self._write_temp(folder, key, data)
+        try:
+            created = _link_exclusive(tmp, os.path.join(folder, name))
+        except OSError as exc:
+            if exc.errno in _NO_HARDLINKS:
+                raise BackendError(
+                    f"cannot create {key!r} on {self.name}: the filesystem does not support "
+                    "hard links, which the dir: backend needs for exclusive creates"
+                ) from exc
+            raise self._error(exc, key, "create", not_found=False) from exc
+        finally:
+            _unlink_quietly(tmp)
+        return created
+
+    # --- lifecycle -----------------------------------------------------------------
+    def exists(self) -> bool:
+        """True if the namespace folder exists."""
+        return os.path.isdir(self.root)
+
+    def create(self) -> None:
+        """Create the namespace folder (idempotent) inside the existing location folder.
+
+        Raises :class:`BackendUnavailable` naming the location if it does not exist:
+        creating it could silently write onto the wrong disk when a drive is unmounted.
+        """
+        self.probe()
+        self._create_namespace(self.location)
+
+    def probe(self) -> None:
+        """Raise :class:`BackendUnavailable` unless the location folder exists."""
+        try:
+            st = os.stat(self.location)
+        except FileNotFoundError as exc:
+            raise BackendUnavailable(
+                f"backend location {self.location} does not exist; create that folder first"
+            ) from exc
+        except OSError as exc:
+            raise BackendUnavailable(
+                f"backend location {self.location} cannot be reached ({exc.strerror})"
+            ) from exc
+        if not stat.S_ISDIR(st.st_mode):
+            raise BackendUnavailable(f"backend location {self.location} is not a folder")
+
+    def _create_namespace(self, parent: str) -> None:
+        for part in self.namespace.split("/"):
+            path = os.path.join(parent, part)
+            try:
+                os.mkdir(path)
+                _fsync_dir(parent)
+            except FileExistsError:
+                pass
+            except FileNotFoundError as exc:
+                raise BackendUnavailable(
+                    f"backend location {self.location} vanished while creating {self.root}"
+                ) from exc
+            except OSError as exc:
+                raise BackendError(f"cannot create {path}: {exc.strerror or exc}") from exc
+            parent = path
+        if not os.path.isdir(self.root):
+            raise BackendError(f"cannot create {self.root}: a file of that name is in the way")
+
+    # --- storage -------------------------------------------------------------------
+    def put(self, key: str, data: bytes | BinaryIO) -> None:
+        """Store ``data`` at ``key`` atomically (temp file, fsync, rename, fsync folder).
+
+        Readers see the previous object or the complete new one. A file-like ``data``
+        is copied in :data:`CHUNK_SIZE` pieces. Missing parent folders are created.
+        """
+        self._key(key)
+        self._require_root()
+        parts = key.split("/")
+        folder = os.path.join(self.root, *parts[:-1])
+        try:
+            self._make_dirs(parts[:-1])
+        except OSError as exc:
+            raise self._error(exc, key, "write", not_found=False) from exc
+        tmp = self._write_temp(folder, key, data)
+        try:
+            os.replace(tmp, self._path(key))
+            _fsync_dir(folder)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            raise self._error(exc, key, "write", not_found=False) from exc
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` holding ``data`` unless it exists; True if this call created it.
+
+        Atomic among concurrent processes (``link`` of a complete temp file), and a
+        reader never sees the object partially written.
+        """
+        self._key(key)
+        self._require_root()
+        parts = key.split("/")
+        folder = os.path.join(self.root, *parts[:-1])
+        try:
+            self._make_dirs(parts[:-1])
+            created = self._create_exclusive(key, data, folder, parts[-1])
+            if created:
+                _fsync_dir(folder)
+        except OSError as exc:
+            raise self._error(exc, key, "create", not_found=False) from exc
+        return created
+
+    def get(self, key: str) -> bytes:
+        """The whole object at ``key``; :class:`ObjectNotFound` if absent."""
+        self._key(key)
+        self._require_root()
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise self._error(exc, key, "read", not_found=True) from exc
+
+    def open(self, key: str) -> BinaryIO:
+        """An open binary file of the object at ``key``; the caller closes it.
+
+        The file stays readable (and unchanged) even if ``key`` is overwritten or
+        deleted meanwhile, because writes replace the file rather than modify it.
+        """
+        self._key(key)
+        self._require_root()
+        try:
+            return open(self._path(key), "rb")
+        except OSError as exc:
+            raise self._error(exc, key, "read", not_found=True) from exc
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` of ``key``.
+
+        Raises :class:`BackendError` if the object is shorter than ``offset + length``
+        and :class:`ValueError` for a negative ``offset`` or ``length``.
+        """
+        if offset < 0 or length < 0:
+            raise ValueError(f"get_range needs offset >= 0 and length >= 0, got {offset}, {length}")
+        self._key(key)
+        self._require_root()
+        try:
+            with open(self._path(key), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                f.seek(offset)
+                data = f.read(length) if size >= offset + length else b""
+        except OSError as exc:
+            raise self._error(exc, key, "read", not_found=True) from exc
+        # Check the size too: a zero-length range past the end is out of bounds as well.
+        if size < offset + length or len(data) != length:
+            raise BackendError(
+                f"object {key!r} on {self.name} is {size} bytes, shorter than the "
+                f"{offset + length} bytes needed (a truncated copy?)"
+            )
+        return data
+
+    def size(self, key: str) -> int:
+        """Size of the object at ``key`` in bytes; :class:`ObjectNotFound` if absent."""
+        self._key(key)
+        self._require_root()
+        try:
+            st = os.stat(self._path(key))
+        except OSError as exc:
+            raise self._error(exc, key, "stat", not_found=True) from exc
+        if not stat.S_ISREG(st.st_mode):  # a folder of other keys is not an object
+            raise ObjectNotFound(f"no object {key!r} on {self.name}")
+        return st.st_size
+
+    def delete(self, key: str) -> None:
+        """Remove ``key``; :class:`ObjectNotFound` if absent.
+
+        Emptied folders are left in place: removing them would race with a
+        concurrent ``put`` that has just created them for a new key.
+        """
+        self._key(key)
+        self._require_root()
+        path = self._path(key)
+        try:
+            # unlink() of a folder fails differently per OS (EISDIR, EPERM); check first.
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                raise ObjectNotFound(f"no object {key!r} on {self.name}")
+            os.unlink(path)
+            _fsync_dir(os.path.dirname(path))
+        except OSError as exc:
+            raise self._error(exc, key, "delete", not_found=True) from exc
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        """Yield every key under the folder ``prefix`` (``""``: all keys), recursively.
+
+        Temp files and names that are not valid key parts (stray files put there by
+        hand) are skipped. A missing prefix folder yields nothing. The namespace
+        folder is checked when ``list`` is called, not when iteration starts.
+        """
+        prefix = check_prefix(prefix)
+        if prefix:
+            self._check_reserved(prefix)
+        self._require_root()
+        return self._walk(prefix)
+
+    def _walk(self, prefix: str) -> Iterator[str]:
+        stack = [(self._path(prefix) if prefix else self.root, prefix)]
+        while stack:
+            folder, rel = stack.pop()
+            try:
+                with os.scandir(folder) as it:
+                    entries = list(it)
+            except (FileNotFoundError, NotADirectoryError) as exc:
+                # The prefix names no folder (or a folder vanished mid-listing): no keys.
+                if not os.path.isdir(self.root):
+                    raise self._unavailable(exc) from exc
+                continue
+            except OSError as exc:
+                raise self._error(exc, rel, "list", not_found=False) from exc
+            for entry in entries:
+                if not _is_valid_name(entry.name):
+                    continue
+                key = f"{rel}/{entry.name}" if rel else entry.name
+                try:
+                    # Not following folder symlinks keeps a symlink loop from hanging us.
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append((entry.path, key))
+                    elif entry.is_file():
+                        yield key
+                except OSError:
+                    continue  # removed while we were listing
+
+    def poll(self, key: str) -> str | None:
+        """A token of (mtime_ns, size, inode), or None if ``key`` does not exist.
+
+        ``put`` always installs a new inode, so the token changes on every overwrite
+        even when size and timestamp (coarse on some filesystems) stay equal.
+        """
+        self._key(key)
+        self._require_root()
+        try:
+            st = os.stat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            if not os.path.isdir(self.root):
+                raise self._unavailable(exc) from exc
+            return None
+        except OSError as exc:
+            raise self._error(exc, key, "poll", not_found=False) from exc
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return f"{st.st_mtime_ns}:{st.st_size}:{st.st_ino}"
+
+    # --- synchronization -----------------------------------------------------------
+    def append(self, log: str, message: bytes) -> int:
+        """Append ``message`` to the log folder ``log/``; return its position.
+
+        Entry ``n`` is the file ``log/%010d``. The message is written once to a temp
+        file, then linked under the first free position after the highest existing
+        one; if another process takes that position first (``EEXIST``) the next one
+        is tried. Entries are only ever created complete, never modified or deleted,
+        and a position is only taken when the one before it exists, so positions
+        stay contiguous and every reader sees the same order.
+        """
+        self._key(log)
+        self._require_root()
+        parts = log.split("/")
+        folder = self._path(log)
+        try:
+            self._make_dirs(parts)
+            tmp = self._write_temp(folder, log, message)
+            try:
+                # Listed after the slow part (writing), so the guess is as fresh as possible.
+                position = self._next_position(folder)
+                while not _link_exclusive(tmp, os.path.join(folder, _entry_name(position))):
+                    position += 1
+            finally:
+                _unlink_quietly(tmp)
+            _fsync_dir(folder)
+        except OSError as exc:
+            if exc.errno in _NO_HARDLINKS:
+                raise BackendError(
+                    f"cannot append to {log!r} on {self.name}: the filesystem does not support "
+                    "hard links, which the dir: backend needs for atomic appends"
+                ) from exc
+            raise self._error(exc, log, "append to", not_found=False) from exc
+        return position
+
+    def _next_position(self, folder: str) -> int:
+        """One past the highest entry in ``folder`` (0 for an empty log)."""
+        highest = -1
+        with os.scandir(folder) as it:
+            for entry in it:
+                position = _entry_position(entry.name)
+                if position is not None and position > highest:
+                    highest = position
+        return highest + 1
+
+    def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
+        """``(position, message)`` for each entry of ``log`` at ``position >= start``,
+        in position order. A missing log is ``[]``; temp files and other names in the
+        log folder are ignored."""
+        if start < 0:
+            raise ValueError(f"fetch needs start >= 0, got {start}")
+        self._key(log)
+        self._require_root()
+        folder = self._path(log)
+        try:
+            names = os.listdir(folder)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            if not os.path.isdir(self.root):
+                raise self._unavailable(exc) from exc
+            return []
+        except OSError as exc:
+            raise self._error(exc, log, "read", not_found=False) from exc
+        positions = sorted(
+            position
+            for position in map(_entry_position, names)
+            if position is not None and position >= start
+        )
+        entries: builtins.list[tuple[int, bytes]] = []
+        for position in positions:
+            try:
+                with open(os.path.join(folder, _entry_name(position)), "rb") as f:
+                    entries.append((position, f.read()))
+            except OSError as exc:
+                # Entries are never removed by metasync, so a vanished one is an error.
+                raise self._error(exc, log, "read", not_found=False) from exc
+        return entries

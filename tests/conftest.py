@@ -1,0 +1,107 @@
+"""Shared fixtures: sample trees, tree comparison, and running the real CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+PASSPHRASE = "correct horse battery staple"
+METASYNC = str(Path(sys.executable).with_name("metasync"))
+
+
+def run_cli(
+    *args: str, cwd: Path | None = None, passphrase: str | None = PASSPHRASE, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """Run the installed ``metasync`` console script as a separate process."""
+    env = {k: v for k, v in os.environ.items() if k != "METASYNC_PASSPHRASE"}
+    if passphrase is not None:
+        env["METASYNC_PASSPHRASE"] = passphrase
+    proc = subprocess.run(
+        [METASYNC, *args], cwd=cwd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"metasync {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+def snapshot(root: Path) -> dict[str, tuple[str, ...]]:
+    """Everything that must round-trip: type, content hash, exec bit, link target,
+    and empty folders. ``.metasync`` is excluded."""
+    result: dict[str, tuple[str, ...]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        dirnames[:] = [d for d in dirnames if not (rel_dir == "." and d == ".metasync")]
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                result[rel] = ("link", os.readlink(path))
+            elif stat.S_ISDIR(st.st_mode):
+                result[rel] = ("dir",)
+                if path.is_symlink():
+                    dirnames.remove(name)
+            else:
+                digest = hashlib.blake2b(path.read_bytes()).hexdigest()
+                result[rel] = ("file", digest, str(bool(st.st_mode & stat.S_IXUSR)))
+    return result
+
+
+def make_tree(root: Path, *, small_files: int = 200, big_mb: int = 0, seed: int = 7) -> None:
+    """A tree with every kind of thing metasync must keep: empty files and folders,
+    unicode names, exec bits, symlinks (inside and pointing outside), many small
+    files across folders, and optionally one big incompressible file."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "empty-file").write_bytes(b"")
+    (root / "empty-dir" / "nested-empty").mkdir(parents=True)
+    (root / "ünïcödé — 名前").mkdir()
+    (root / "ünïcödé — 名前" / "résumé ☃.txt").write_text("snow man\n")
+    script = root / "bin" / "run.sh"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\necho run\n")
+    script.chmod(0o755)
+    os.symlink("bin/run.sh", root / "link-to-script")
+    os.symlink("/etc/hostname", root / "link-outside")
+    os.symlink("does-not-exist", root / "dangling")
+    for i in range(small_files):
+        folder = root / "small" / f"d{i % 37:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        size = rng.choice([0, 1, 17, 300, 2000, 9000])
+        (folder / f"f{i:05d}.txt").write_bytes(rng.randbytes(size))
+    if big_mb:
+        with open(root / "big.bin", "wb") as fh:
+            for _ in range(big_mb):
+                fh.write(rng.randbytes(1024 * 1024))
+
+
+@pytest.fixture
+def backends(tmp_path: Path) -> list[Path]:
+    """Three empty backend folders."""
+    dirs = [tmp_path / f"backend{i}" for i in range(3)]
+    for d in dirs:
+        d.mkdir()
+    return dirs
+
+
+@pytest.fixture
+def passphrase() -> Callable[[], str]:
+    return lambda: PASSPHRASE
+
+
+def copy_backends(src: list[Path], dst_root: Path) -> list[Path]:
+    dst = []
+    for i, d in enumerate(src):
+        target = dst_root / f"backend{i}"
+        shutil.copytree(d, target, symlinks=True)
+        dst.append(target)
+    return dst
