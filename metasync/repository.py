@@ -254,6 +254,7 @@ class Repository:
         self.reporter: Reporter = reporter or NullReporter()
         #: Files whose content was read in the last scan (the index saves the rest).
         self.files_hashed = 0
+        self._last_scan: dict[str, ScanEntry] = {}
 
     # ============================================================== lifecycle
     @classmethod
@@ -573,6 +574,7 @@ class Repository:
         """Scan the folder; return (file and link entries, folders, refreshed index
         rows, paths skipped because they changed while being read)."""
         entries = scan(self.root)
+        self._last_scan = entries
         rows = self.db.index_rows()
         files: dict[str, TreeEntry] = {}
         dirs: set[str] = set()
@@ -999,6 +1001,9 @@ class Repository:
             try:
                 if target_path.is_dir() and not target_path.is_symlink():
                     continue
+                if self._changed_since_scan(path):
+                    self.reporter.note(f"kept {path}: it changed during the pull")
+                    continue
                 target_path.unlink()
                 result.deleted += 1
             except FileNotFoundError:
@@ -1018,6 +1023,16 @@ class Repository:
             self.db.upsert_index(rows)
             self.db.upsert_index(r for r in refreshed if r.path not in {w[0] for w in writes})
         return result
+
+    def _changed_since_scan(self, path: str) -> bool:
+        """True if ``path`` exists now but differs in size or mtime from the scan the
+        pull planned with (or did not exist then): replacing it could lose an edit."""
+        try:
+            st = os.lstat(self.root / path)
+        except FileNotFoundError:
+            return False
+        seen = self._last_scan.get(path)
+        return seen is None or seen.size != st.st_size or seen.mtime_ns != st.st_mtime_ns
 
     def _conflict_copy(self, path: str, stamp: str) -> str:
         parent, _, name = path.rpartition("/")
@@ -1081,6 +1096,11 @@ class Repository:
                         except OSError:
                             copy = self._conflict_copy(path, stamp)
                             result.conflicts.append(copy)
+                    elif self._changed_since_scan(path):
+                        # Edited (or created) while we were downloading: keep it.
+                        copy = self._conflict_copy(path, stamp)
+                        result.conflicts.append(copy)
+                        self.reporter.note(f"conflict: {path} changed during the pull; kept as {copy}")
                     os.replace(tmp, final)
                     st = os.lstat(final)
                     result.written += 1

@@ -1,0 +1,206 @@
+"""pull and push through the Python API on a small repository: the rules that keep
+local changes safe, and recovery after an interrupted command."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from conftest import snapshot
+from metasync import Repository
+from metasync.errors import BackendError, MasterMoved, ObjectUnavailable
+from metasync.progress import NullReporter
+
+
+def _init(tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]) -> Repository:
+    src = tmp_path / "a"
+    src.mkdir()
+    (src / "doc.txt").write_text("v1\n")
+    (src / "keep.txt").write_text("keep\n")
+    repo = Repository.init(src, [f"dir:{b}" for b in backends], passphrase=passphrase)
+    repo.push("first")
+    return repo
+
+
+def _clone(tmp_path: Path, backends: list[Path], passphrase: Callable[[], str], name: str,
+           reporter: NullReporter | None = None) -> Repository:
+    return Repository.clone(f"dir:{backends[0]}", tmp_path / name, passphrase=passphrase,
+                            reporter=reporter)
+
+
+class EditDuringDownload(NullReporter):
+    """Edits a file at the moment the pull starts downloading (a user typing)."""
+
+    def __init__(self, path: Path, text: str) -> None:
+        super().__init__()
+        self.path, self.text = path, text
+
+    def start(self, label: str, total: int) -> None:
+        if label == "download" and self.path.exists():
+            self.path.write_text(self.text)
+
+
+def test_edit_during_pull_becomes_conflict_copy(tmp_path: Path, backends: list[Path],
+                                                passphrase: Callable[[], str]) -> None:
+    """A file edited after pull planned but before it replaced the file is kept as a
+    conflict copy, never overwritten."""
+    a = _init(tmp_path, backends, passphrase)
+    b = _clone(tmp_path, backends, passphrase, "b")
+    (a.root / "doc.txt").write_text("remote v2\n")
+    a.push("v2")
+    b.reporter = EditDuringDownload(b.root / "doc.txt", "typed during the pull\n")
+    result = b.pull()
+    assert (b.root / "doc.txt").read_text() == "remote v2\n"
+    assert len(result.conflicts) == 1
+    assert (b.root / result.conflicts[0]).read_text() == "typed during the pull\n"
+
+
+def test_remote_delete_of_locally_modified_file_keeps_it(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
+) -> None:
+    """Delete (remote) against modify (local) keeps the modified file."""
+    a = _init(tmp_path, backends, passphrase)
+    b = _clone(tmp_path, backends, passphrase, "b")
+    (a.root / "doc.txt").unlink()
+    a.push("delete")
+    (b.root / "doc.txt").write_text("local change\n")
+    b.pull()
+    assert (b.root / "doc.txt").read_text() == "local change\n"
+    b.push("keep my change")
+    a.pull()
+    assert (a.root / "doc.txt").read_text() == "local change\n"
+
+
+def test_local_delete_of_remotely_modified_file_restores_it(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
+) -> None:
+    """Modify (remote) against delete (local) keeps the modified file."""
+    a = _init(tmp_path, backends, passphrase)
+    b = _clone(tmp_path, backends, passphrase, "b")
+    (a.root / "doc.txt").write_text("modified\n")
+    a.push("modify")
+    (b.root / "doc.txt").unlink()
+    b.pull()
+    assert (b.root / "doc.txt").read_text() == "modified\n"
+
+
+def test_untracked_local_file_in_the_way_is_kept(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
+) -> None:
+    """A new local file where master adds a file of the same name survives as a
+    conflict copy; a local file where master adds a folder too."""
+    a = _init(tmp_path, backends, passphrase)
+    b = _clone(tmp_path, backends, passphrase, "b")
+    (a.root / "new.txt").write_text("remote\n")
+    (a.root / "folder").mkdir()
+    (a.root / "folder" / "inner.txt").write_text("inner\n")
+    a.push("adds")
+    (b.root / "new.txt").write_text("local\n")
+    (b.root / "folder").write_text("a file where a folder will be\n")
+    result = b.pull()
+    assert (b.root / "new.txt").read_text() == "remote\n"
+    assert (b.root / "folder" / "inner.txt").read_text() == "inner\n"
+    kept = sorted(p.read_text() for p in b.root.glob("* (conflict *)*"))
+    assert kept == ["a file where a folder will be\n", "local\n"]
+    assert len(result.conflicts) == 2
+
+
+def test_push_interrupted_before_proposal_is_completed_by_next_push(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A push that dies after uploading data but before pPaxos leaves master alone;
+    the next push completes it, and a clone sees exactly the new tree."""
+    a = _init(tmp_path, backends, passphrase)
+    (a.root / "doc.txt").write_text("v2\n")
+    original = a.consensus.propose
+
+    def crash(*args: object, **kwargs: object) -> object:
+        raise KeyboardInterrupt  # the process is killed here
+
+    monkeypatch.setattr(a.consensus, "propose", crash)
+    with pytest.raises(KeyboardInterrupt):
+        a.push("v2")
+    monkeypatch.setattr(a.consensus, "propose", original)
+    fresh = _clone(tmp_path, backends, passphrase, "before")
+    assert (fresh.root / "doc.txt").read_text() == "v1\n"  # master did not move
+    a.push()
+    c = _clone(tmp_path, backends, passphrase, "after")
+    assert snapshot(c.root) == snapshot(a.root)
+
+
+def test_unreachable_backends_keep_objects_queued(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
+) -> None:
+    """With every backend away the push fails cleanly (no quorum) and the commit's
+    objects stay in the outbox; once the backends return, the next push uploads them."""
+    a = _init(tmp_path, backends, passphrase)
+    (a.root / "doc.txt").write_text("v2\n")
+    hidden = [b.with_name(b.name + "-away") for b in backends]
+    for b, h in zip(backends, hidden, strict=True):
+        b.rename(h)
+    with pytest.raises(BackendError, match="acceptors answered"):
+        a.push("offline")
+    assert a.db.outbox(), "objects must stay queued"
+    for b, h in zip(backends, hidden, strict=True):
+        h.rename(b)
+    a.close()
+    a = Repository.open(a.root)
+    a.push()
+    assert not a.db.outbox()
+    c = _clone(tmp_path, backends, passphrase, "c")
+    assert (c.root / "doc.txt").read_text() == "v2\n"
+
+
+def test_one_backend_down_push_still_works(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
+) -> None:
+    """With one of three backends away, push succeeds (a quorum of acceptors and at
+    least one copy of each object); the missed copies are written once it is back."""
+    a = _init(tmp_path, backends, passphrase)
+    away = backends[2].with_name("away")
+    backends[2].rename(away)
+    (a.root / "doc.txt").write_text("while one is down\n")
+    result = a.push("degraded")
+    assert result.version is not None and result.version.number == 2
+    away.rename(backends[2])
+    a.close()
+    a = Repository.open(a.root)
+    (a.root / "more.txt").write_text("more\n")
+    a.push("healed")
+    assert not a.db.missing_copies()
+    assert a.fsck().ok
+
+
+def test_object_reaching_no_backend_stays_queued(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object none of whose holders accepts it is not dropped from the outbox
+    (the push fails); the next push uploads it and master then refers to it."""
+    a = _init(tmp_path, backends, passphrase)
+    (a.root / "doc.txt").write_text("v2\n")
+    real_put = a.store.put_copy
+    monkeypatch.setattr(a.store, "put_copy", lambda b, sid, data: "refused")
+    with pytest.raises(ObjectUnavailable):
+        a.push("v2")
+    assert len(a.db.outbox()) == 3  # pack, index, commit
+    assert all((a.meta / "outbox" / sid).exists() for sid, _ in a.db.outbox())
+    monkeypatch.setattr(a.store, "put_copy", real_put)
+    a.push()
+    assert not a.db.outbox()
+    c = _clone(tmp_path, backends, passphrase, "c")
+    assert (c.root / "doc.txt").read_text() == "v2\n"
+
+
+def test_master_moved_is_refused_by_api(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
+) -> None:
+    """Two clients at the same version: the second push raises MasterMoved."""
+    a = _init(tmp_path, backends, passphrase)
+    b = _clone(tmp_path, backends, passphrase, "b")
+    (a.root / "x").write_text("a\n")
+    a.push()
+    (b.root / "y").write_text("b\n")
+    with pytest.raises(MasterMoved):
+        b.push()
