@@ -62,7 +62,7 @@ class Message:
         if not (isinstance(rnd, list) and len(rnd) == 2 and isinstance(rnd[0], int)
                 and isinstance(rnd[1], str)):
             raise CorruptObject("bad pPaxos round")
-        value = Version.from_json(raw["value"]) if raw["type"] == "accept" else None
+        value = Version.from_json(raw.get("value")) if raw["type"] == "accept" else None
         if raw["type"] == "accept" and value is None:
             raise CorruptObject("accept without value")
         return cls(raw["type"], Round(rnd[0], rnd[1]), value)
@@ -162,7 +162,7 @@ class Consensus:
     def _decode(self, instance: int, data: bytes) -> Message | None:
         try:
             return Message.from_json(json.loads(self.codec.decode("log", str(instance), data)))
-        except (CorruptObject, ValueError):
+        except (CorruptObject, ValueError, RecursionError):
             return None
 
     def _append_all(self, instance: int, msg: Message) -> int:
@@ -265,7 +265,7 @@ class Consensus:
                 raw = self.codec.decode("hint", HINT_KEY, backend.get(HINT_KEY))
                 number = json.loads(raw)["version"]
                 return number if isinstance(number, int) else None
-            except (ObjectNotFound, MetasyncError, ValueError, KeyError, TypeError):
+            except (ObjectNotFound, MetasyncError, ValueError, KeyError, TypeError, RecursionError):
                 return None
 
         hints = [h for h in self.executor.map(one, self.acceptors.values()) if h is not None]

@@ -97,14 +97,16 @@ def unwrap(keyfile: bytes, passphrase: str) -> MasterKey:
             raise FormatError("key file uses an unknown KDF or cipher; upgrade metasync")
         n, r, p = int(kdf["n"]), int(kdf["r"]), int(kdf["p"])
         # Bound the cost a hostile key file can make us pay.
-        if not (2**10 <= n <= 2**20 and 1 <= r <= 32 and 1 <= p <= 16):
+        if not (2**10 <= n <= 2**20 and n & (n - 1) == 0 and 1 <= r <= 32 and 1 <= p <= 16):
             raise FormatError("key file has out-of-range scrypt parameters")
-        salt = base64.b64decode(kdf["salt"])
-        nonce = base64.b64decode(doc["nonce"])
-        wrapped = base64.b64decode(doc["wrapped"])
+        salt = base64.b64decode(kdf["salt"], validate=True)
+        nonce = base64.b64decode(doc["nonce"], validate=True)
+        wrapped = base64.b64decode(doc["wrapped"], validate=True)
+        if len(salt) < 16 or len(nonce) != 12 or len(wrapped) != 32 + 16:
+            raise ValueError("wrong salt, nonce or wrapped key length")
     except FormatError:
         raise
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
         raise FormatError("the key file is damaged; clone from another backend") from exc
     kek = _kek(passphrase, salt, n, r, p)
     try:

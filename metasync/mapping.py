@@ -10,21 +10,18 @@ Inputs: backends ``(backend_id, capacity)``, the replica count ``R`` and the num
 of partitions ``H`` (:data:`DEFAULT_PARTITIONS`; it never changes when backends are
 added or removed).
 
-1. *Virtual nodes.* Backend ``b`` owns the vnodes ``(b, 0) … (b, v_b - 1)`` where
-   ``v_b`` comes from :func:`vnode_counts`:
+1. *Virtual nodes.* Backend ``b`` owns the vnodes ``(b, 0) … (b, v_b - 1)``:
 
    a. Every capacity becomes an exact rational: an ``int`` as is, a ``float`` as its
       shortest round-trip decimal (``repr``), so ``0.1`` means exactly ``1/10``.
-   b. gcd normalisation: ``base_b = capacity_b / g`` where ``g`` is the largest
-      rational such that every ``capacity_b / g`` is an integer. ``base`` depends only
-      on the capacity *ratios*, so the unit (GB, TB, ...) does not matter and equal
-      capacities give equal counts. Example: A(1) B(2) C(2) D(1) -> 1, 2, 2, 1 (as in
-      Figure 8); 10, 10, 10 GB -> 1, 1, 1.
-   c. If ``sum(base) <= MAX_VNODES`` then ``v_b = base_b``. Otherwise, for
-      ``T = MAX_VNODES, MAX_VNODES - 1, …`` take the first ``T`` for which
-      ``v_b = max(1, round_half_up(base_b * T / sum(base)))`` (exact rational
-      arithmetic) gives ``sum(v) <= MAX_VNODES``. This always terminates (at ``T = 1``
-      every ``v_b`` is 1) because there are at most ``MAX_VNODES`` backends.
+   b. The *vnode unit* ``u`` (:func:`vnode_unit`) is chosen once, when the repository
+      is created, and stored in the config: ``g``, the largest rational such that
+      every ``capacity_b / g`` is an integer, if those integers sum to at most
+      ``MAX_VNODES``; else ``sum(capacity) / MAX_VNODES``. Example: A(1) B(2) C(2)
+      D(1) -> u = 1 (counts 1, 2, 2, 1 as in Figure 8); 10, 10, 10 GB -> u = 10.
+   c. Reconfigurations keep ``u`` (:meth:`StableMapping.reconfigured`).
+   d. ``v_b = max(1, round_half_up(capacity_b / u))`` (exact rational arithmetic), so
+      a backend's vnodes depend on nothing but its own capacity and ``u``.
 
 2. *Partition order.* In partition ``i`` (``0 <= i < H``) every vnode gets the key
    :func:`vnode_digest` ``(i, b, j)`` = ``blake2b(msg, digest_size=8)`` (no key, salt
@@ -52,26 +49,28 @@ Properties
 With ``R = 1`` each backend receives an expected share ``v_b / sum(v)`` of the
 objects (the first vnode of a uniformly random order is a uniformly random vnode).
 Removing backends keeps every surviving copy in place, and adding backends only
-places copies on the added backends, *as long as the surviving backends' vnode
-counts do not change* -- then the other backends' relative order is untouched in
-every partition. Step 1 changes the survivors' counts only if ``g`` changes (e.g.
-capacities 2, 3, 4 -> remove 3 -> 2, 4 halves them) or the ``MAX_VNODES`` scaling
-is in effect before or after; such reconfigurations move extra copies.
+places copies on the added backends, because the surviving backends' vnodes (their
+count fixed by step 1d) and so their relative order in every partition are
+untouched. A mapping built afresh from new capacities (a new unit) does not have
+this property; reconfigure with :meth:`StableMapping.reconfigured`.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import struct
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from fractions import Fraction
 from functools import lru_cache
 from hashlib import blake2b
+from operator import itemgetter
 from typing import Final
 
 __all__ = [
     "DEFAULT_PARTITIONS",
+    "HASH_TAG",
     "MAX_VNODES",
     "StableMapping",
     "minimum_moved_copies",
@@ -79,6 +78,7 @@ __all__ = [
     "movement",
     "vnode_counts",
     "vnode_digest",
+    "vnode_unit",
 ]
 
 #: H: number of partitions of the object-id space (format). 16384 keeps each
@@ -156,32 +156,48 @@ def _round_half_up(value: Fraction) -> int:
     return math.floor(value + Fraction(1, 2))
 
 
-def vnode_counts(capacities: Sequence[Fraction]) -> list[int]:
-    """Return the vnode count of each capacity, in the same order (format, step 1b-c).
+def vnode_unit(capacities: Sequence[Fraction]) -> Fraction:
+    """The capacity one vnode stands for (format, step 1b-c), fixed for good when a
+    repository is created and stored in its config.
 
-    Contract: ``capacities`` are positive exact rationals, at most ``MAX_VNODES`` of
-    them; every count is >= 1, the total is <= ``MAX_VNODES``, equal capacities get
-    equal counts, and the result is unchanged if every capacity is multiplied by the
-    same positive rational or the list is permuted (counts move with their capacity).
+    ``g`` = the largest rational such that every ``capacity / g`` is an integer. If
+    those integers sum to at most ``MAX_VNODES`` the unit is ``g`` (so Figure 8's
+    1, 2, 2, 1 give exactly 1, 2, 2, 1 vnodes and equal capacities give one vnode
+    each); otherwise it is ``sum(capacities) / MAX_VNODES``. Only capacity ratios
+    matter, so GB or TB give the same unit up to scale and the same counts.
     """
     if not capacities:
-        return []
+        raise ValueError("no capacities")
     if len(capacities) > MAX_VNODES:
         raise ValueError(f"at most {MAX_VNODES} backends are supported")
     if any(c <= 0 for c in capacities):
         raise ValueError("capacities must be > 0")
     common_denominator = math.lcm(*(c.denominator for c in capacities))
     scaled = [c.numerator * (common_denominator // c.denominator) for c in capacities]
-    unit = math.gcd(*scaled)
-    base = [s // unit for s in scaled]
-    total = sum(base)
-    if total <= MAX_VNODES:
-        return base
-    for target in range(MAX_VNODES, 0, -1):
-        counts = [max(1, _round_half_up(Fraction(b * target, total))) for b in base]
-        if sum(counts) <= MAX_VNODES:
-            return counts
-    raise AssertionError("unreachable: target 1 gives one vnode per backend")
+    g = Fraction(math.gcd(*scaled), common_denominator)
+    if sum(c / g for c in capacities) <= MAX_VNODES:
+        return g
+    return Fraction(sum(capacities), MAX_VNODES)
+
+
+def vnode_counts(capacities: Sequence[Fraction], unit: Fraction | None = None) -> list[int]:
+    """The vnode count of each capacity, in the same order (format, step 1d):
+    ``max(1, round_half_up(capacity / unit))`` with ``unit`` from :func:`vnode_unit`
+    when not given.
+
+    Contract: every count is >= 1; equal capacities get equal counts; a backend's
+    count depends only on its own capacity and the unit, so adding, removing or
+    resizing other backends never changes it (this is what keeps the mapping stable
+    across reconfigurations). With a fresh unit the total is at most
+    ``MAX_VNODES + len(capacities)``.
+    """
+    if unit is None:
+        unit = vnode_unit(capacities)
+    if unit <= 0:
+        raise ValueError("the vnode unit must be > 0")
+    if any(c <= 0 for c in capacities):
+        raise ValueError("capacities must be > 0")
+    return [max(1, _round_half_up(c / unit)) for c in capacities]
 
 
 _Vnodes = tuple[tuple[bytes, str, int], ...]
@@ -256,10 +272,17 @@ def _orders_for(vnodes: _Vnodes, partitions: int) -> _PartitionOrders:
 class StableMapping:
     """Deterministic, capacity-proportional, stable placement of objects on backends.
 
-    Pure: no I/O, no randomness, no global state; instances are immutable apart from
-    a private lazily filled per-partition cache. Two instances built from the same
-    set of ``(backend_id, capacity)`` pairs (in any order), the same ``replicas`` and
-    the same ``partitions`` return identical placements on every machine.
+    Pure: no I/O, no randomness; instances are immutable apart from lazily filled
+    caches (per instance, and a module-level memo of the partition orders of the 16
+    most recently used ``(vnodes, H)`` pairs, shared by instances that differ only in
+    R). Two instances built from the same set of ``(backend_id, capacity)`` pairs (in
+    any order), the same ``replicas`` and the same ``partitions`` return identical
+    placements on every machine.
+
+    Cost: a partition's order is computed on first use with one BLAKE2b call per vnode
+    (the backend with most vnodes usually needs only a few), so touching all H
+    partitions costs about ``H * total_vnodes`` hashes once per configuration; after
+    that ``locate`` is a dictionary lookup (~2.5 µs).
     """
 
     __slots__ = (
@@ -269,6 +292,7 @@ class StableMapping:
         "_orders",
         "_partitions",
         "_replicas",
+        "_unit",
         "_vnodes",
     )
 
@@ -277,6 +301,7 @@ class StableMapping:
         backends: Sequence[tuple[str, int | float]],
         replicas: int,
         partitions: int = DEFAULT_PARTITIONS,
+        unit: Fraction | None = None,
     ) -> None:
         """Build the mapping for ``backends`` = ``[(backend_id, capacity), ...]``.
 
@@ -308,14 +333,17 @@ class StableMapping:
             entries[backend_id] = (encoded, _exact_capacity(backend_id, capacity), capacity)
         # Canonical order: by UTF-8 bytes of the id (equals code-point order).
         ordered = sorted(entries.items(), key=lambda item: item[1][0])
-        counts = vnode_counts([exact for _, (_, exact, _) in ordered])
+        exacts = [exact for _, (_, exact, _) in ordered]
+        if len(exacts) > MAX_VNODES:
+            raise ValueError(f"at most {MAX_VNODES} backends are supported")
+        self._unit = unit if unit is not None else vnode_unit(exacts)
+        counts = vnode_counts(exacts, self._unit)
 
         self._replicas = replicas
         self._partitions = partitions
         self._backends: tuple[str, ...] = tuple(bid for bid, _ in ordered)
         self._capacities: dict[str, int | float] = {bid: raw for bid, (_, _, raw) in ordered}
         self._vnodes: dict[str, int] = {bid: n for (bid, _), n in zip(ordered, counts, strict=True)}
-        # Per backend: (encoded id, id, message suffix of each vnode).
         self._orders = _orders_for(
             tuple((enc, bid, n) for (bid, (enc, _, _)), n in zip(ordered, counts, strict=True)),
             partitions,
@@ -323,6 +351,21 @@ class StableMapping:
         self._cache: dict[int, tuple[str, ...]] = {}
 
     # -- configuration ---------------------------------------------------------
+
+    @property
+    def unit(self) -> Fraction:
+        """The capacity one vnode stands for; keep it across reconfigurations."""
+        return self._unit
+
+    def reconfigured(
+        self, backends: Sequence[tuple[str, int | float]], replicas: int | None = None
+    ) -> StableMapping:
+        """The mapping after adding, removing or resizing backends (or changing R):
+        same H and the same vnode unit, so unchanged backends keep their vnodes and
+        only the copies the change requires move."""
+        return StableMapping(
+            backends, self._replicas if replicas is None else replicas, self._partitions, self._unit
+        )
 
     @property
     def replicas(self) -> int:
@@ -399,20 +442,23 @@ class StableMapping:
         return self.partition_replicas(self.partition_of(object_id))
 
 
-_DELETE_HEX: Final = str.maketrans("", "", "0123456789abcdef")
+_FIRST_U64: Final = struct.Struct(">Q24x")  # first 8 of 32 bytes, unsigned big-endian
 
 
 def _partition_counts(mapping: StableMapping, object_ids: Iterable[str]) -> Counter[int]:
     """Return how many of ``object_ids`` fall in each partition (ValueError on a bad id)."""
     ids = object_ids if isinstance(object_ids, list | tuple) else list(object_ids)
-    h = mapping.partitions
-    # Fast path: validate all ids at once (all str of length 64, only lowercase hex).
-    if (
-        set(map(type, ids)) <= {str}
-        and set(map(len, ids)) <= {64}
-        and not "".join(ids).translate(_DELETE_HEX)
-    ):
-        return Counter(int(o[:16], 16) % h for o in ids)
+    # Fast path, same result as partition_of: all ids are str of 64 lowercase hex
+    # digits iff their concatenation round-trips through bytes.fromhex/hex.
+    if set(map(type, ids)) <= {str} and set(map(len, ids)) <= {64}:
+        joined = "".join(ids)
+        try:
+            raw = bytes.fromhex(joined)
+        except ValueError:
+            raw = b""
+        if raw.hex() == joined:
+            firsts = map(itemgetter(0), _FIRST_U64.iter_unpack(raw))
+            return Counter(map(mapping.partitions.__rmod__, firsts))
     return Counter(map(mapping.partition_of, ids))  # raises for the first bad id
 
 
@@ -421,13 +467,17 @@ def _per_object(old: StableMapping, new: StableMapping) -> Callable[[int, int], 
     removed = set(old.backend_ids).difference(new.backend_ids)
     added = set(new.backend_ids).difference(old.backend_ids)
     replicas = new.replicas
+    # Straight to the shared orders: callers visit each partition once, so the
+    # per-instance cache would only cost time (partitions are in range by construction).
+    old_order, old_r = old._orders.order, old.replicas
+    new_order = new._orders.order
 
     def f(old_partition: int, new_partition: int) -> tuple[int, int]:
-        old_set = old.partition_replicas(old_partition)
-        new_set = new.partition_replicas(new_partition)
-        moved = len(set(new_set).difference(old_set))
-        kept = sum(1 for b in old_set if b not in removed)
-        on_added = sum(1 for b in new_set if b in added)
+        old_set = set(old_order(old_partition)[:old_r])
+        new_set = new_order(new_partition)[:replicas]
+        moved = len(old_set.union(new_set)) - len(old_set)
+        kept = len(old_set.difference(removed))
+        on_added = len(added.intersection(new_set))
         return moved, max(replicas - kept, on_added, 0)
 
     return f

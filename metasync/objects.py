@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -72,8 +73,17 @@ def canonical_json(value: Any) -> bytes:
 def parse_json(data: bytes, what: str) -> Any:
     try:
         return json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CorruptObject(f"{what} is not valid JSON") from exc
+
+
+def _fs_roundtrips(text: str) -> bool:
+    """True if ``text`` is what ``os.fsdecode`` gives for its own bytes: no lone
+    surrogate that cannot be encoded, and no second spelling of the same bytes."""
+    try:
+        return os.fsdecode(os.fsencode(text)) == text
+    except UnicodeError:
+        return False
 
 
 def check_name(name: object) -> str:
@@ -87,6 +97,7 @@ def check_name(name: object) -> str:
         or name in ("", ".", "..", ".metasync")
         or "/" in name
         or "\x00" in name
+        or not _fs_roundtrips(name)
     ):
         raise CorruptObject(f"unsafe entry name {name!r}")
     return name
@@ -212,11 +223,14 @@ class Tree:
             _want(etype in ENTRY_TYPES, f"unknown entry type {etype!r}")
             ref = item[2]
             if etype == "link":
-                _want(isinstance(ref, str) and "\x00" not in ref and ref != "", "bad link target")
+                _want(
+                    isinstance(ref, str) and "\x00" not in ref and ref != "" and _fs_roundtrips(ref),
+                    "bad link target",
+                )
             else:
                 _want_id(ref, "tree entry")
             size = _want_int(item[3], "entry size")
-            _want(item[4] in (0, 1), "entry exec bit")
+            _want(type(item[4]) is int and item[4] in (0, 1), "entry exec bit")
             entry = TreeEntry(name, etype, ref, size, item[4] == 1)
             key = entry.sort_key()
             _want(previous is None or key > previous, "tree entries not sorted or not unique")
@@ -351,6 +365,9 @@ class Config:
     encryption: str
     #: Backend ids acting as pPaxos acceptors (may differ from the storage set).
     acceptors: tuple[str, ...]
+    #: Capacity one mapping vnode stands for, as (numerator, denominator); fixed at
+    #: init so reconfigurations move only what they must (see mapping.py).
+    vnode_unit: tuple[int, int] = (1, 1)
 
     def to_bytes(self) -> bytes:
         return canonical_json(
@@ -364,6 +381,7 @@ class Config:
                 "partitions": self.partitions,
                 "encryption": self.encryption,
                 "acceptors": list(self.acceptors),
+                "vnode_unit": list(self.vnode_unit),
             }
         )
 
@@ -376,28 +394,43 @@ class Config:
     @classmethod
     def from_bytes(cls, data: bytes) -> Config:
         raw = parse_json(data, "config")
-        keys = {"format", "namespace", "backends", "replicas", "partitions", "encryption", "acceptors"}
+        keys = {"format", "namespace", "backends", "replicas", "partitions", "encryption",
+                "acceptors", "vnode_unit"}
         _want(isinstance(raw, dict) and set(raw) == keys, "malformed config")
         fmt = _want_int(raw["format"], "config format", 1)
-        _want(isinstance(raw["backends"], list) and raw["backends"], "config backends")
+        _want(isinstance(raw["backends"], list) and bool(raw["backends"]), "config backends")
         specs = []
         for b in raw["backends"]:
             _want(isinstance(b, dict) and set(b) == {"id", "uri", "capacity"}, "config backend")
             _want(isinstance(b["id"], str) and isinstance(b["uri"], str), "config backend")
-            _want(isinstance(b["capacity"], int | float) and b["capacity"] > 0, "capacity")
+            _want(
+                isinstance(b["capacity"], int | float)
+                and not isinstance(b["capacity"], bool)
+                and (isinstance(b["capacity"], int) or math.isfinite(b["capacity"]))
+                and b["capacity"] > 0,
+                "capacity",
+            )
             specs.append(BackendSpec(b["id"], b["uri"], b["capacity"]))
         _want(isinstance(raw["acceptors"], list), "config acceptors")
         ids = {s.id for s in specs}
-        _want(all(a in ids for a in raw["acceptors"]), "acceptor is not a backend")
-        _want(isinstance(raw["namespace"], str) and isinstance(raw["encryption"], str), "config")
+        _want(all(isinstance(a, str) and a in ids for a in raw["acceptors"]), "acceptor is not a backend")
+        _want(isinstance(raw["namespace"], str) and raw["encryption"] in ("none", "aes-256-gcm"), "config")
+        _want(len(ids) == len(specs), "duplicate backend ids in config")
+        _want(bool(raw["acceptors"]) and len(set(raw["acceptors"])) == len(raw["acceptors"]), "acceptors")
+        unit = raw["vnode_unit"]
+        _want(isinstance(unit, list) and len(unit) == 2, "config vnode unit")
+        unit_pair = (_want_int(unit[0], "vnode unit", 1), _want_int(unit[1], "vnode unit", 1))
+        replicas = _want_int(raw["replicas"], "replicas", 1)
+        _want(replicas <= len(specs), "more replicas than backends")
         return cls(
             format=fmt,
             namespace=raw["namespace"],
             backends=tuple(specs),
-            replicas=_want_int(raw["replicas"], "replicas", 1),
+            replicas=replicas,
             partitions=_want_int(raw["partitions"], "partitions", 1),
             encryption=raw["encryption"],
             acceptors=tuple(raw["acceptors"]),
+            vnode_unit=unit_pair,
         )
 
 

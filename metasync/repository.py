@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ from metasync.errors import (
 )
 from metasync.keys import MasterKey, unwrap, wrap
 from metasync.localdb import IndexRow, LocalDB
-from metasync.mapping import StableMapping
+from metasync.mapping import StableMapping, vnode_unit
 from metasync.objects import (
     FORMAT_VERSION,
     BackendSpec,
@@ -293,7 +294,7 @@ class Repository:
             raise UsageError(
                 f"--replicas {replicas} needs between 1 and {len(uris)} (the number of backends)"
             )
-        caps = capacities or [1.0] * len(uris)
+        caps = [float(c) for c in capacities] if capacities else [1.0] * len(uris)
         if len(caps) != len(uris) or any(c <= 0 for c in caps):
             raise UsageError("give one positive capacity per backend")
         backends = [open_backend(u, namespace) for u in uris]
@@ -311,6 +312,7 @@ class Repository:
             partitions=DEFAULT_PARTITIONS,
             encryption="aes-256-gcm" if encrypt else "none",
             acceptors=tuple(ids),
+            vnode_unit=_unit_pair(vnode_unit([Fraction(repr(float(c))) for c in caps])),
         )
         codec = Codec(key)
         config_bytes = config.to_bytes()
@@ -1339,6 +1341,10 @@ def _ask(passphrase: PassphraseSource | None) -> str:
     if not value:
         raise UsageError("the passphrase is empty")
     return value
+
+
+def _unit_pair(unit: Fraction) -> tuple[int, int]:
+    return unit.numerator, unit.denominator
 
 
 def _device_name() -> str:

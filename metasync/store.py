@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from metasync.backends import Backend
 from metasync.codec import Codec
@@ -66,7 +67,10 @@ class RemoteStore:
         self.codec = codec
         self.backends = backends
         self.mapping = StableMapping(
-            [(b.id, b.capacity) for b in config.backends], config.replicas, config.partitions
+            [(b.id, b.capacity) for b in config.backends],
+            config.replicas,
+            config.partitions,
+            Fraction(*config.vnode_unit),
         )
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="metasync-io")
         #: Backends that failed as unreachable in this session, with the reason.

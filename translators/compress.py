@@ -58,6 +58,10 @@ class ZstdTranslator:
         if flag != ZSTD:
             raise CorruptObject(f"{ctx.kind} {ctx.id[:12]}: unknown compression flag {flag}")
         try:
+            # decompress() trusts a content size declared in the frame header over
+            # max_output_size, so check the declaration first (-1: not declared).
+            if zstandard.frame_content_size(payload) > MAX_DECOMPRESSED:
+                raise CorruptObject(f"{ctx.kind} {ctx.id[:12]}: would inflate beyond the limit")
             return self._decompressor().decompress(payload, max_output_size=MAX_DECOMPRESSED)
         except zstandard.ZstdError as exc:
             raise CorruptObject(f"{ctx.kind} {ctx.id[:12]}: bad zstd data") from exc
