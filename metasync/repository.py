@@ -86,8 +86,14 @@ MAX_INDEXES = 64
 INDEX_ENTRIES = 100_000
 #: Files written by a checkout are flushed and renamed in batches of this many.
 WRITE_BATCH = 2000
+#: Small files of one pack written by one worker task.
+JOB_FILES = 400
 
 PassphraseSource = Callable[[], str]
+#: A file to write: its path, its tree entry, and its content as (blob id, length).
+WritePlan = tuple[str, TreeEntry, list[tuple[str, int]]]
+#: A written temporary file: its plan, its path, and its stat (None for a link).
+WrittenTemp = tuple[WritePlan, Path, "os.stat_result | None"]
 
 
 def _config_key(config_id: str) -> str:
@@ -256,6 +262,9 @@ class Repository:
         #: Files whose content was read in the last scan (the index saves the rest).
         self.files_hashed = 0
         self._last_scan: dict[str, ScanEntry] = {}
+        # Read the umask once, here: os.umask can only be read by setting it, which
+        # must not race with worker threads creating files.
+        self._file_modes = {False: file_mode(False), True: file_mode(True)}
 
     # ============================================================== lifecycle
     @classmethod
@@ -1026,13 +1035,14 @@ class Repository:
             self.db.upsert_index(r for r in refreshed if r.path not in {w[0] for w in writes})
         return result
 
-    def _changed_since_scan(self, path: str) -> bool:
+    def _changed_since_scan(self, path: str, st: os.stat_result | None = None) -> bool:
         """True if ``path`` exists now but differs in size or mtime from the scan the
         pull planned with (or did not exist then): replacing it could lose an edit."""
-        try:
-            st = os.lstat(self.root / path)
-        except FileNotFoundError:
-            return False
+        if st is None:
+            try:
+                st = os.lstat(self.root / path)
+            except FileNotFoundError:
+                return False
         seen = self._last_scan.get(path)
         return seen is None or seen.size != st.st_size or seen.mtime_ns != st.st_mtime_ns
 
@@ -1072,72 +1082,159 @@ class Repository:
         result: PullResult,
         scanned: dict[str, IndexRow],
     ) -> list[IndexRow]:
-        """Write files and links through temporary files, in flushed batches."""
-        rows: list[IndexRow] = []
-        plans: list[tuple[str, TreeEntry, list[tuple[str, int]]]] = []
+        """Write files and links through temporary files, renamed in flushed batches.
+
+        Files whose content is one blob are grouped by the pack holding it, so a pack
+        of a thousand small files costs a few range reads, not a thousand.
+        """
+        ensured: set[str] = set()
+        by_pack: dict[str, list[WritePlan]] = {}
+        jobs: list[list[WritePlan]] = []
+        links: list[WritePlan] = []
         total = 0
         for path, entry in writes:
             parent = path.rpartition("/")[0]
-            if parent:
+            if parent and parent not in ensured:
                 self._ensure_dir(parent, stamp, result)
-            chunks = [] if entry.type == "link" else self._file_chunks(entry)
+                while parent and parent not in ensured:
+                    ensured.add(parent)
+                    parent = parent.rpartition("/")[0]
             total += entry.size
-            plans.append((path, entry, chunks))
+            if entry.type == "link":
+                links.append((path, entry, []))
+            elif entry.type == "file":
+                loc = self.db.location(entry.ref)
+                if loc is None:
+                    raise ObjectUnavailable(f"object {entry.ref[:12]} is in no known pack")
+                by_pack.setdefault(loc[0], []).append((path, entry, [(entry.ref, entry.size)]))
+            else:
+                jobs.append([(path, entry, self._file_chunks(entry))])
+        for plans in by_pack.values():
+            jobs.extend(plans[k : k + JOB_FILES] for k in range(0, len(plans), JOB_FILES))
+        if links:
+            jobs.append(links)
+
+        rows: list[IndexRow] = []
+        pending: list[WrittenTemp] = []
         self.reporter.start("download", total)
+        futures = [self.store.executor.submit(self._write_job, job) for job in jobs]
         try:
-            for start in range(0, len(plans), WRITE_BATCH):
-                batch = plans[start : start + WRITE_BATCH]
-                temps = list(self.store.executor.map(self._write_temp, batch))
-                os.sync()  # one flush for the batch instead of an fsync per file
-                written_at = _now_ns()
-                for (path, entry, _), tmp in zip(batch, temps, strict=True):
-                    final = self.root / path
-                    if os.path.isdir(final) and not os.path.islink(final):
-                        try:
-                            final.rmdir()
-                        except OSError:
-                            copy = self._conflict_copy(path, stamp)
-                            result.conflicts.append(copy)
-                    elif self._changed_since_scan(path):
-                        # Edited (or created) while we were downloading: keep it.
-                        copy = self._conflict_copy(path, stamp)
-                        result.conflicts.append(copy)
-                        self.reporter.note(f"conflict: {path} changed during the pull; kept as {copy}")
-                    os.replace(tmp, final)
-                    st = os.lstat(final)
-                    result.written += 1
-                    if entry.type != "link":
-                        rows.append(IndexRow(path, entry.type, entry.ref, st.st_size,
-                                             entry.executable, st.st_mtime_ns, st.st_ino, written_at))
+            for fut in futures:
+                pending.extend(fut.result())
+                if len(pending) >= WRITE_BATCH:
+                    rows += self._install(pending, stamp, result)
+                    pending = []
+            rows += self._install(pending, stamp, result)
+            pending = []
+        except BaseException:
+            for fut in futures:  # leave no temporary file behind
+                fut.cancel()
+                if not fut.cancelled() and fut.exception() is None:
+                    pending.extend(fut.result())
+            for _, tmp, _ in pending:
+                tmp.unlink(missing_ok=True)
+            raise
         finally:
             self.reporter.finish()
         return rows
 
-    def _write_temp(self, plan: tuple[str, TreeEntry, list[tuple[str, int]]]) -> Path:
+    def _install(
+        self, pending: list[WrittenTemp], stamp: str, result: PullResult
+    ) -> list[IndexRow]:
+        """Flush a batch of written temporary files once, then rename each into place."""
+        if not pending:
+            return []
+        os.sync()  # one flush for the batch instead of an fsync per file
+        written_at = _now_ns()
+
+        def fast(item: WrittenTemp) -> bool:
+            """Rename into a free or unchanged place; False leaves it to the slow path."""
+            (path, _, _), tmp, _ = item
+            final = os.path.join(self.root, path)
+            try:
+                existing = os.lstat(final)
+            except FileNotFoundError:
+                os.replace(tmp, final)
+                return True
+            if stat.S_ISDIR(existing.st_mode) or self._changed_since_scan(path, existing):
+                return False
+            os.replace(tmp, final)
+            return True
+
+        # Renames are independent system calls: run them in parallel.
+        done = list(self.store.executor.map(fast, pending))
+        rows: list[IndexRow] = []
+        for ((path, entry, _), tmp, st), ok in zip(pending, done, strict=True):
+            if not ok:
+                self._install_slow(path, tmp, stamp, result)
+            result.written += 1
+            if st is not None:  # renaming keeps the inode and mtime of the temporary file
+                rows.append(IndexRow(path, entry.type, entry.ref, st.st_size,
+                                     entry.executable, st.st_mtime_ns, st.st_ino, written_at))
+        return rows
+
+    def _install_slow(self, path: str, tmp: Path, stamp: str, result: PullResult) -> None:
+        """Put ``tmp`` at ``path`` where a folder or a changed file is in the way."""
+        final = os.path.join(self.root, path)
+        try:
+            existing: os.stat_result | None = os.lstat(final)
+        except FileNotFoundError:
+            existing = None
+        if existing is not None and stat.S_ISDIR(existing.st_mode):
+            try:
+                os.rmdir(final)
+            except OSError:
+                result.conflicts.append(self._conflict_copy(path, stamp))
+        elif existing is not None and self._changed_since_scan(path, existing):
+            # Edited (or created) while we were downloading: keep it.
+            copy = self._conflict_copy(path, stamp)
+            result.conflicts.append(copy)
+            self.reporter.note(f"conflict: {path} changed during the pull; kept as {copy}")
+        os.replace(tmp, final)
+
+    def _write_job(self, job: list[WritePlan]) -> list[WrittenTemp]:
+        """Write the temporary files of one job (runs in a worker thread)."""
+        prefetched: dict[str, bytes] | None = None
+        if len(job) > 1 and all(len(chunks) == 1 for _, _, chunks in job):
+            prefetched = self._read_blobs([chunks[0] for _, _, chunks in job])
+        done: list[WrittenTemp] = []
+        try:
+            for plan in job:
+                done.append((plan, *self._write_temp(plan, prefetched)))
+        except BaseException:
+            for _, tmp, _ in done:
+                tmp.unlink(missing_ok=True)
+            raise
+        return done
+
+    def _write_temp(
+        self, plan: WritePlan, prefetched: dict[str, bytes] | None = None
+    ) -> tuple[Path, os.stat_result | None]:
+        """Write one file or link to a temporary name beside its target; return the
+        name and, for a file, its final stat (size, mtime and inode survive the rename)."""
         path, entry, chunks = plan
-        final = self.root / path
-        tmp = temp_path_for(final)
+        tmp = temp_path_for(self.root / path)
         if entry.type == "link":
             os.symlink(entry.ref, tmp)
-            return tmp
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, file_mode(entry.executable))
+            return tmp, None
+        mode = self._file_modes[entry.executable]
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
         try:
             with os.fdopen(fd, "wb") as fh:
-                written = 0
                 for group in _chunk_groups(chunks):
-                    data = self._read_blobs(group)
+                    data = prefetched if prefetched is not None else self._read_blobs(group)
                     for blob_id, length in group:
                         piece = data[blob_id]
                         if len(piece) != length:
                             raise CorruptObject(f"blob {blob_id[:12]} has the wrong length")
                         fh.write(piece)
-                        written += length
                         self.reporter.advance(length)
-            os.chmod(tmp, file_mode(entry.executable))
+                fh.flush()
+                st = os.fstat(fh.fileno())
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return tmp
+        return tmp, st
 
     def _read_blobs(self, group: list[tuple[str, int]]) -> dict[str, bytes]:
         by_pack: dict[str, list[PackEntry]] = {}

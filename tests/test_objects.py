@@ -124,18 +124,22 @@ capacities = st.one_of(
 @st.composite
 def configs(draw: st.DrawFn) -> Config:
     specs = draw(
-        st.lists(st.builds(BackendSpec, id=any_text, uri=any_text, capacity=capacities), min_size=1, max_size=5)
+        st.lists(
+            st.builds(BackendSpec, id=any_text, uri=any_text, capacity=capacities),
+            min_size=1, max_size=5, unique_by=lambda s: s.id,
+        )
     )
     backend_ids = [s.id for s in specs]
-    acceptors = draw(st.lists(st.sampled_from(backend_ids), max_size=5))
+    acceptors = draw(st.lists(st.sampled_from(backend_ids), min_size=1, max_size=5, unique=True))
     return Config(
         format=draw(st.integers(min_value=1, max_value=10)),
         namespace=draw(any_text),
         backends=tuple(specs),
-        replicas=draw(st.integers(min_value=1, max_value=10)),
+        replicas=draw(st.integers(min_value=1, max_value=len(specs))),
         partitions=draw(st.integers(min_value=1, max_value=2**20)),
         encryption=draw(st.sampled_from(["aes-256-gcm", "none"])),
         acceptors=tuple(acceptors),
+        vnode_unit=draw(st.tuples(st.integers(1, 2**40), st.integers(1, 2**40))),
     )
 
 
@@ -244,7 +248,8 @@ def test_index_round_trip(index: Index) -> None:
 @ROUND
 @given(config=configs())
 def test_config_round_trip(config: Config) -> None:
-    """Config.from_bytes(c.to_bytes()) == c (int and float capacities alike)."""
+    """Config.from_bytes(c.to_bytes()) == c (int and float capacities alike, any
+    vnode unit)."""
     parsed = Config.from_bytes(config.to_bytes())
     assert parsed == config
     assert parsed.to_bytes() == config.to_bytes()
@@ -462,6 +467,7 @@ def _config(**changes: Any) -> bytes:
         "format": 1, "namespace": "ns",
         "backends": [{"id": "a", "uri": "dir:/a", "capacity": 1}],
         "replicas": 1, "partitions": 1, "encryption": "aes-256-gcm", "acceptors": ["a"],
+        "vnode_unit": [1, 1],
     }
     raw.update(changes)
     return json.dumps({k: v for k, v in raw.items() if v is not ...}).encode()
@@ -486,13 +492,26 @@ BAD_CONFIGS = {
     "partitions float": _config(partitions=1.0),
     "namespace null": _config(namespace=None),
     "missing key": _config(encryption=...),
+    "unknown encryption": _config(encryption="rot13"),
+    "duplicate backend id": _config(
+        backends=[{"id": "a", "uri": "u", "capacity": 1}, {"id": "a", "uri": "v", "capacity": 1}]
+    ),
+    "no acceptors": _config(acceptors=[]),
+    "duplicate acceptor": _config(acceptors=["a", "a"]),
+    "more replicas than backends": _config(replicas=2),
+    "vnode unit zero": _config(vnode_unit=[0, 1]),
+    "vnode unit float": _config(vnode_unit=[1, 1.5]),
+    "vnode unit short": _config(vnode_unit=[1]),
+    "vnode unit not list": _config(vnode_unit=1),
 }
 
 
 @pytest.mark.parametrize("data", BAD_CONFIGS.values(), ids=BAD_CONFIGS.keys())
 def test_config_rejects_hostile_input(data: bytes) -> None:
     """A config with impossible numbers (zero, negative, infinite or NaN capacity,
-    zero replicas), unknown acceptors or wrong JSON types is refused."""
+    zero replicas or more than backends, bad vnode unit), unknown, missing or
+    duplicate acceptors, duplicate backend ids, an unknown encryption or wrong
+    JSON types is refused."""
     Config.from_bytes(_config())  # the unmodified template parses
     with pytest.raises(CorruptObject):
         Config.from_bytes(data)
