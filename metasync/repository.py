@@ -55,7 +55,6 @@ from metasync.objects import (
     Tree,
     TreeEntry,
     Version,
-    check_name,
     is_object_id,
 )
 from metasync.progress import NullReporter, Reporter
@@ -591,11 +590,9 @@ class Repository:
         dirs: set[str] = set()
         to_hash: list[ScanEntry] = []
         for path, e in entries.items():
+            # Names from scandir are safe components by construction (scan skips
+            # .metasync), so the untrusted-name check is not needed here.
             name = path.rpartition("/")[2]
-            try:
-                check_name(name)
-            except CorruptObject:
-                continue
             if e.type == "dir":
                 dirs.add(path)
             elif e.type == "link":
@@ -618,9 +615,11 @@ class Repository:
         if to_hash:
             hashed_at = _now_ns()
             workers = min(len(to_hash), (os.cpu_count() or 2) + 1)
+            self.reporter.start("pack" if sink else "hash", sum(e.size for e in to_hash))
             with ThreadPoolExecutor(workers, thread_name_prefix="metasync-hash") as pool:
                 results = pool.map(lambda e: self._hash_one(e, sink), to_hash)
                 for e, result in zip(to_hash, results, strict=True):
+                    self.reporter.advance(e.size)
                     name = e.path.rpartition("/")[2]
                     if result is None:
                         skipped.append(e.path)
@@ -632,6 +631,7 @@ class Repository:
                     refreshed.append(
                         IndexRow(e.path, result[0], result[1], e.size, e.executable, e.mtime_ns, e.ino, hashed_at)
                     )
+            self.reporter.finish()
         return files, dirs, refreshed, skipped
 
     def _hash_one(
@@ -683,19 +683,13 @@ class Repository:
             with self.db.transaction():
                 self.db.upsert_index(refreshed)
         head = self._head_commit()
-        base = self.flatten(head.tree if head else None)
-        current: dict[str, TreeEntry] = dict(files)
-        for d in dirs:
-            current[d] = TreeEntry(d.rpartition("/")[2], "dir", "0" * 64)
+        root_id, trees = self._build_trees(files, dirs)
         changes: list[Change] = []
-        for path in sorted(set(base) | set(current)):
-            b, c = base.get(path), current.get(path)
-            if c is None and b is not None:
-                changes.append(Change(path, "deleted", b.type))
-            elif b is None and c is not None:
-                changes.append(Change(path, "added", c.type))
-            elif b is not None and c is not None and not _same(b, c):
-                changes.append(Change(path, "modified", c.type))
+        if head is None or head.tree != root_id:
+            # Descend only into folders whose tree ids differ: an unchanged subtree
+            # costs nothing, and an unchanged folder costs one comparison.
+            self._diff_trees(head.tree if head else None, root_id, trees, "", changes)
+        changes.sort(key=lambda c: c.path)
         return Status(
             changes=changes,
             version=self.prev.number,
@@ -703,6 +697,38 @@ class Repository:
             unpushed=self.head is not None and self.head != self.prev.master,
             files_hashed=self.files_hashed,
         )
+
+    def _diff_trees(
+        self,
+        old_id: str | None,
+        new_id: str | None,
+        new_trees: dict[str, bytes],
+        prefix: str,
+        out: list[Change],
+    ) -> None:
+        """Append the changes from tree ``old_id`` (stored) to ``new_id`` (just built)."""
+        old = Tree.from_bytes(self._fetch_packed([old_id])[old_id]).by_name() if old_id else {}
+        new = Tree.from_bytes(new_trees[new_id]).by_name() if new_id else {}
+        for name in old.keys() | new.keys():
+            path = f"{prefix}/{name}" if prefix else name
+            o, n = old.get(name), new.get(name)
+            if o is not None and n is not None and o.type == "dir" and n.type == "dir":
+                if o.ref != n.ref:
+                    self._diff_trees(o.ref, n.ref, new_trees, path, out)
+                continue
+            if o is not None and n is not None and _same(o, n):
+                continue
+            if o is not None:
+                if n is not None and o.type != "dir" and n.type != "dir":
+                    out.append(Change(path, "modified", n.type))
+                    continue
+                out.append(Change(path, "deleted", o.type))
+                if o.type == "dir":
+                    self._diff_trees(o.ref, None, new_trees, path, out)
+            if n is not None:
+                out.append(Change(path, "added", n.type))
+                if n.type == "dir":
+                    self._diff_trees(None, n.ref, new_trees, path, out)
 
     # ============================================================== commit
     def commit(self, message: str = "") -> CommitResult | None:

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+# Detailed assertion messages inside the shared backend suite, which lives in the package.
+pytest.register_assert_rewrite("metasync.backends.conformance")
+
 PASSPHRASE = "correct horse battery staple"
 METASYNC = str(Path(sys.executable).with_name("metasync"))
 

@@ -5,15 +5,10 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-if "metasync.backends.conformance" not in sys.modules:
-    # Detailed assert messages inside the shared suite (better placed in conftest.py).
-    pytest.register_assert_rewrite("metasync.backends.conformance")
 
 from metasync.backends import Backend, open_backend
 from metasync.backends.conformance import (
