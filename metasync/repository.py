@@ -469,8 +469,12 @@ class Repository:
             # Leave no half-cloned folder behind on a failure we can report.
             if created:
                 shutil.rmtree(root, ignore_errors=True)
-            else:
-                shutil.rmtree(root / META_DIR, ignore_errors=True)
+            else:  # it was empty before: empty it again
+                for child in root.iterdir():
+                    if child.is_dir() and not child.is_symlink():
+                        shutil.rmtree(child, ignore_errors=True)
+                    else:
+                        child.unlink(missing_ok=True)
             raise
         return repo
 
@@ -1015,8 +1019,15 @@ class Repository:
         deletes: list[str] = []
         for path in sorted(set(base) | set(remote)):
             b, n, loc = base.get(path), remote.get(path), local.get(path)
-            if (n is not None and n.type == "dir") or (b is not None and b.type == "dir"):
-                continue  # folders are handled below
+            if n is not None and n.type == "dir":
+                # Folders are created below. A file that master replaced by a folder
+                # goes if unchanged here; if changed, creating the folder keeps it as
+                # a conflict copy.
+                if b is not None and b.type != "dir" and _same(loc, b):
+                    deletes.append(path)
+                continue
+            if b is not None and b.type == "dir" and n is None:
+                continue  # a removed folder: its contents are paths of their own
             if _same(n, b) or _same(loc, n):
                 continue
             if _same(loc, b):

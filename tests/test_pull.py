@@ -3,6 +3,7 @@ local changes safe, and recovery after an interrupted command."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -204,3 +205,41 @@ def test_master_moved_is_refused_by_api(
     (b.root / "y").write_text("b\n")
     with pytest.raises(MasterMoved):
         b.push()
+
+
+def test_file_and_folder_swaps(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
+) -> None:
+    """A file that master turns into a folder, and a folder that master turns into a
+    file, are applied without conflict copies when the local side did not change them."""
+    a = _init(tmp_path, backends, passphrase)
+    (a.root / "box").mkdir()
+    (a.root / "box" / "inside.txt").write_text("inside\n")
+    a.push("folder box")
+    b = _clone(tmp_path, backends, passphrase, "b")
+    (a.root / "doc.txt").unlink()
+    (a.root / "doc.txt").mkdir()
+    (a.root / "doc.txt" / "now-a-folder").write_text("x\n")
+    shutil.rmtree(a.root / "box")
+    (a.root / "box").write_text("now a file\n")
+    a.push("swap")
+    result = b.pull()
+    assert result.conflicts == []
+    assert snapshot(b.root) == snapshot(a.root)
+
+
+def test_failed_clone_leaves_nothing(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
+) -> None:
+    """A clone that fails after it started writing (every object copy gone) reports
+    the missing objects and leaves no folder behind, or an empty folder empty."""
+    _init(tmp_path, backends, passphrase).close()
+    for b in backends:
+        shutil.rmtree(b / "metasync" / "objects")
+    with pytest.raises(ObjectUnavailable):
+        _clone(tmp_path, backends, passphrase, "new")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ObjectUnavailable):
+        _clone(tmp_path, backends, passphrase, "empty")
+    assert list((tmp_path / "empty").iterdir()) == []
