@@ -15,9 +15,8 @@ import json
 import sqlite3
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from metasync.objects import PackEntry
 
@@ -39,9 +38,9 @@ CREATE TABLE IF NOT EXISTS missing_copies (
 """
 
 
-@dataclass(frozen=True, slots=True)
-class IndexRow:
-    """What the working-tree index remembers about one path."""
+class IndexRow(NamedTuple):
+    """What the working-tree index remembers about one path. (A named tuple: status
+    loads one per file, so construction cost matters.)"""
 
     path: str
     type: str
@@ -99,7 +98,8 @@ class LocalDB:
         cur = self.conn.execute(
             "SELECT path, type, ref, size, executable, mtime_ns, ino, hashed_at_ns FROM worktree"
         )
-        return {r[0]: IndexRow(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6], r[7]) for r in cur}
+        make = IndexRow._make
+        return {r[0]: make(r) for r in cur}
 
     def replace_index(self, rows: Iterable[IndexRow]) -> None:
         with self.transaction():

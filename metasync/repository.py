@@ -786,7 +786,8 @@ class Repository:
         indexes = set(parent.indexes if parent else ()) | set(self.db.local_indexes())
         indexes |= {object_id for _, object_id, _ in stored}
         if len(indexes) > MAX_INDEXES:
-            merged = self._index_objects(self._merged_index_packs(indexes))
+            fresh = {object_id: data for _, object_id, data in stored}
+            merged = self._index_objects(self._merged_index_packs(indexes, fresh))
             stored += merged
             indexes = {object_id for _, object_id, _ in merged}
         commit = Commit(
@@ -833,11 +834,14 @@ class Repository:
         data = Index(tuple(packs)).to_bytes()
         return "index", self.codec.id_of("index", data), data
 
-    def _merged_index_packs(self, index_ids: set[str]) -> list[tuple[str, tuple[PackEntry, ...]]]:
-        """The union of the packs the given indexes list (to merge many into few)."""
+    def _merged_index_packs(
+        self, index_ids: set[str], fresh: dict[str, bytes]
+    ) -> list[tuple[str, tuple[PackEntry, ...]]]:
+        """The union of the packs the given indexes list (to merge many into few);
+        ``fresh`` holds indexes made by this commit, not yet recorded anywhere."""
         packs: dict[str, tuple[PackEntry, ...]] = {}
         for index_id in sorted(index_ids):
-            data = self.db.cached_object(index_id)
+            data = fresh.get(index_id) or self.db.cached_object(index_id)
             if data is None:
                 data = self.store.get_standalone("index", index_id)
             for pack_id, entries in Index.from_bytes(data).packs:

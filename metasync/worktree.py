@@ -15,6 +15,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from pyfastcdc import FastCDC
 
@@ -34,9 +35,9 @@ READ_SIZE = 1024 * 1024
 ObjectSink = Callable[[str, str, bytes], None]
 
 
-@dataclass(frozen=True, slots=True)
-class ScanEntry:
-    """One path found in the working tree (``path`` is ``/``-separated, relative)."""
+class ScanEntry(NamedTuple):
+    """One path found in the working tree (``path`` is ``/``-separated, relative).
+    A named tuple: a scan makes one per path."""
 
     path: str
     type: str  # "file", "dir" or "link"

@@ -243,3 +243,21 @@ def test_failed_clone_leaves_nothing(
     with pytest.raises(ObjectUnavailable):
         _clone(tmp_path, backends, passphrase, "empty")
     assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_many_pushes_merge_indexes(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past MAX_INDEXES index objects a commit merges them into a few; a clone then
+    finds every object through the merged indexes alone."""
+    from metasync import repository
+
+    monkeypatch.setattr(repository, "MAX_INDEXES", 3)
+    a = _init(tmp_path, backends, passphrase)
+    for i in range(6):
+        (a.root / f"file-{i}.txt").write_text(f"content {i}\n")
+        a.push(f"push {i}")
+        head = a.load_commit(a.head or "")
+        assert len(head.indexes) <= 3
+    c = _clone(tmp_path, backends, passphrase, "c")
+    assert snapshot(c.root) == snapshot(a.root)
