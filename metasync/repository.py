@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from metasync.backends import Backend, normalize_uri, open_backend
 from metasync.codec import Codec, FinishedPack, PackBuilder
@@ -752,6 +752,7 @@ class Repository:
             if pack is None:
                 return
             _write_durable(outbox / pack.pack_id, pack.data)
+            pack.data = b""  # on disk now: keep only the entries, so memory stays flat
             with finished_lock:
                 finished.append(pack)
 
@@ -930,9 +931,9 @@ class Repository:
             self.reporter.finish()
         return count, total
 
-    def _outbox_loader(self, stored_id: str) -> Callable[[], bytes]:
+    def _outbox_loader(self, stored_id: str) -> Callable[[], BinaryIO]:
         path = self.meta / "outbox" / stored_id
-        return path.read_bytes
+        return lambda: open(path, "rb")
 
     def _repair_missing_copies(self) -> None:
         """Retry copies a backend refused earlier, taking the data from a good copy."""

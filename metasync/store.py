@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import BinaryIO
 
 from metasync.backends import Backend
 from metasync.codec import Codec
@@ -90,22 +91,25 @@ class RemoteStore:
         return self.backends[backend_id]
 
     # --- writes -------------------------------------------------------------------
-    def put_copy(self, backend_id: str, stored_id: str, data: bytes) -> str | None:
-        """Write one copy; return None on success or the reason it failed."""
+    def put_copy(self, backend_id: str, stored_id: str, data: bytes | BinaryIO) -> str | None:
+        """Write one copy (a stream is read from its current position, in pieces);
+        return None on success or the reason it failed."""
+        start = 0 if isinstance(data, bytes) else data.tell()
         try:
             self._backend(backend_id).put(object_key(stored_id), data)
         except MetasyncError as exc:
             self.down.setdefault(backend_id, str(exc))
             return str(exc)
-        self.stats.add_put(len(data))
+        self.stats.add_put(len(data) if isinstance(data, bytes) else data.tell() - start)
         return None
 
     def upload(
         self,
-        items: Iterable[tuple[str, Callable[[], bytes]]],
+        items: Iterable[tuple[str, Callable[[], BinaryIO]]],
         on_done: Callable[[str, int, dict[str, str]], None],
     ) -> None:
-        """Upload every ``(stored_id, load)`` to all its holders, many at once.
+        """Upload every ``(stored_id, open)`` to all its holders, many at once;
+        ``open()`` returns a fresh readable, seekable stream of the stored bytes.
 
         ``on_done(stored_id, size, failures)`` runs in the caller's thread as each
         object reaches at least one holder; ``failures`` maps backend id to reason
@@ -114,14 +118,19 @@ class RemoteStore:
         :class:`ObjectUnavailable` if some object reached no backend at all.
         """
 
-        def task(stored_id: str, load: Callable[[], bytes]) -> tuple[str, int, dict[str, str]]:
-            data = load()
+        def task(stored_id: str, open_: Callable[[], BinaryIO]) -> tuple[str, int, dict[str, str]]:
             failures: dict[str, str] = {}
-            for backend_id in self.mapping.locate(stored_id):
-                reason = self.put_copy(backend_id, stored_id, data)
-                if reason is not None:
-                    failures[backend_id] = reason
-            return stored_id, len(data), failures
+            size = 0
+            # Streamed from the source for each copy: memory stays at a few pieces
+            # per worker however large the object.
+            with open_() as stream:
+                for backend_id in self.mapping.locate(stored_id):
+                    stream.seek(0)
+                    reason = self.put_copy(backend_id, stored_id, stream)
+                    if reason is not None:
+                        failures[backend_id] = reason
+                size = stream.seek(0, 2)
+            return stored_id, size, failures
 
         futures = [self.executor.submit(task, sid, load) for sid, load in items]
         unplaced: list[str] = []
