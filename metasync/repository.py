@@ -1203,8 +1203,9 @@ class Repository:
             os.replace(tmp, final)
             return True
 
-        # Renames are independent system calls: run them in parallel.
-        done = list(self.store.executor.map(fast, pending))
+        # Serial on purpose: renames into the same folders contend on the folder's
+        # lock, and measured slower when spread over threads.
+        done = [fast(item) for item in pending]
         rows: list[IndexRow] = []
         for ((path, entry, _), tmp, st), ok in zip(pending, done, strict=True):
             if not ok:
