@@ -303,15 +303,19 @@ class LocalBackend(Backend):
         try:
             created = _link_exclusive(tmp, os.path.join(folder, name))
         except OSError as exc:
-            if exc.errno in _NO_HARDLINKS:
-                raise BackendError(
-                    f"cannot create {key!r} on {self.name}: the filesystem does not support "
-                    "hard links, which the dir: backend needs for exclusive creates"
-                ) from exc
-            raise self._error(exc, key, "create", not_found=False) from exc
+            raise self._link_error(exc, key, "create", "exclusive creates") from exc
         finally:
             _unlink_quietly(tmp)
         return created
+
+    def _link_error(self, exc: OSError, key: str, action: str, needed_for: str) -> BackendError:
+        """The error for a failed exclusive link: a clear one if hard links are missing."""
+        if exc.errno in _NO_HARDLINKS:
+            return BackendError(
+                f"cannot {action} {key!r} on {self.name}: the filesystem does not support "
+                f"hard links, which the dir: backend needs for {needed_for}"
+            )
+        return self._error(exc, key, action, not_found=False)
 
     # --- lifecycle -----------------------------------------------------------------
     def exists(self) -> bool:
@@ -567,12 +571,7 @@ class LocalBackend(Backend):
                 _unlink_quietly(tmp)
             _fsync_dir(folder)
         except OSError as exc:
-            if exc.errno in _NO_HARDLINKS:
-                raise BackendError(
-                    f"cannot append to {log!r} on {self.name}: the filesystem does not support "
-                    "hard links, which the dir: backend needs for atomic appends"
-                ) from exc
-            raise self._error(exc, log, "append to", not_found=False) from exc
+            raise self._link_error(exc, log, "append to", "atomic appends") from exc
         return position
 
     def _next_position(self, folder: str) -> int:
