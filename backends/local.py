@@ -365,20 +365,24 @@ class LocalBackend(Backend):
             raise BackendError(f"cannot create {self.root}: a file of that name is in the way")
 
     # --- storage -------------------------------------------------------------------
+    def _parent_folder(self, key: str) -> tuple[str, str]:
+        """Validate ``key``, create its parent folders; return (folder, file name)."""
+        self._key(key)
+        self._require_root()
+        parts = key.split("/")
+        try:
+            self._make_dirs(parts[:-1])
+        except OSError as exc:
+            raise self._error(exc, key, "write", not_found=False) from exc
+        return os.path.join(self.root, *parts[:-1]), parts[-1]
+
     def put(self, key: str, data: bytes | BinaryIO) -> None:
         """Store ``data`` at ``key`` atomically (temp file, fsync, rename, fsync folder).
 
         Readers see the previous object or the complete new one. A file-like ``data``
         is copied in :data:`CHUNK_SIZE` pieces. Missing parent folders are created.
         """
-        self._key(key)
-        self._require_root()
-        parts = key.split("/")
-        folder = os.path.join(self.root, *parts[:-1])
-        try:
-            self._make_dirs(parts[:-1])
-        except OSError as exc:
-            raise self._error(exc, key, "write", not_found=False) from exc
+        folder, _ = self._parent_folder(key)
         tmp = self._write_temp(folder, key, data)
         try:
             os.replace(tmp, self._path(key))
@@ -393,13 +397,9 @@ class LocalBackend(Backend):
         Atomic among concurrent processes (``link`` of a complete temp file), and a
         reader never sees the object partially written.
         """
-        self._key(key)
-        self._require_root()
-        parts = key.split("/")
-        folder = os.path.join(self.root, *parts[:-1])
+        folder, name = self._parent_folder(key)
         try:
-            self._make_dirs(parts[:-1])
-            created = self._create_exclusive(key, data, folder, parts[-1])
+            created = self._create_exclusive(key, data, folder, name)
             if created:
                 _fsync_dir(folder)
         except OSError as exc:
