@@ -54,6 +54,9 @@ class Capabilities:
     conditional_create: bool = False
     #: Compare-and-swap on an object's version (If-Match / revision); used by later issues.
     compare_and_swap: bool = False
+    #: ``append_at`` is implemented: an atomic append at an exact log position, so
+    #: pPaxos learns the outcome of a write without reading the log back.
+    conditional_append: bool = False
     #: ``get_range`` reads part of an object without transferring the rest.
     range_reads: bool = True
     #: Largest object the service accepts, in bytes (``None``: no practical limit).
@@ -144,6 +147,12 @@ class Backend(ABC):
         """Append ``message`` to the append-only list ``log`` atomically, even with
         concurrent appenders in other processes; return its position (0-based).
         No entry is lost or duplicated and every reader sees one order."""
+
+    def append_at(self, log: str, position: int, message: bytes) -> bool:
+        """Add ``message`` as entry ``position`` of ``log`` only if the log has exactly
+        ``position`` entries, atomically against concurrent writers; return False
+        (writing nothing) otherwise. Only where ``capabilities.conditional_append``."""
+        raise NotImplementedError(f"{type(self).__name__} has no conditional appends")
 
     @abstractmethod
     def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:

@@ -308,6 +308,15 @@ def _put_if_absent_worker(barrier: Barrier, location: Location, key: str, worker
         backend.close()
 
 
+def _append_at_worker(barrier: Barrier, location: Location, log: str, worker: int) -> bool:
+    backend = open_backend(*location)
+    try:
+        _barrier_wait(barrier)
+        return backend.append_at(log, 1, f"racer={worker}".encode())
+    finally:
+        backend.close()
+
+
 def overwrite_worker(barrier: Barrier, location: Location, key: str, versions: int) -> int:
     """Child: overwrite ``key`` with :func:`versioned_payload` 1..``versions``.
 
@@ -720,6 +729,36 @@ class BackendConformance:
         assert other.append("log", b"b") == 1
         assert backend.append("log", b"c") == 2
         assert backend.fetch("log") == other.fetch("log") == [(0, b"a"), (1, b"b"), (2, b"c")]
+
+    def test_append_at_writes_only_at_the_end(self, backend: Backend) -> None:
+        """append_at succeeds exactly when the log has ``position`` entries: at the
+        end it writes; at a taken position or past the end it writes nothing."""
+        require_capability(backend, "conditional_append")
+        assert backend.append_at("log", 0, b"a") is True
+        assert backend.append_at("log", 0, b"x") is False  # taken
+        assert backend.append_at("log", 2, b"x") is False  # past the end
+        assert backend.append("log", b"b") == 1  # plain appends share the positions
+        assert backend.append_at("log", 1, b"x") is False
+        assert backend.append_at("log", 2, b"c") is True
+        assert backend.fetch("log") == [(0, b"a"), (1, b"b"), (2, b"c")]
+        assert backend.append_at("other", 0, b"") is True
+        assert backend.fetch("other") == [(0, b"")]
+
+    def test_append_at_race_has_one_winner(
+        self, backend: Backend, backend_location: Location
+    ) -> None:
+        """6 processes append_at the same position at once: exactly one succeeds and
+        the log then holds that one's message there, once."""
+        require_capability(backend, "conditional_append")
+        backend.append("race", b"first")
+        children = ChildProcesses(
+            _append_at_worker, [(backend_location, "race", w) for w in range(6)]
+        )
+        results = children.results()
+        assert sorted(results) == [False] * 5 + [True], results
+        entries = backend.fetch("race")
+        assert [p for p, _ in entries] == [0, 1]
+        assert entries[1][1] == f"racer={results.index(True)}".encode()
 
     def test_concurrent_appends_from_processes(
         self, backend: Backend, backend_location: Location, backend_factory: Callable[[], Backend]

@@ -153,6 +153,7 @@ class LocalBackend(Backend):
     capabilities = Capabilities(
         conditional_create=True,
         compare_and_swap=False,
+        conditional_append=True,
         range_reads=True,
         max_object_size=None,
         case_sensitive=True,
@@ -573,6 +574,30 @@ class LocalBackend(Backend):
         except OSError as exc:
             raise self._link_error(exc, log, "append to", "atomic appends") from exc
         return position
+
+    def append_at(self, log: str, position: int, message: bytes) -> bool:
+        """Link ``message`` as entry ``position`` if it is free and entry
+        ``position - 1`` exists (entries are never removed, so the log then has
+        exactly ``position`` entries); the exclusive link makes racers agree."""
+        if position < 0:
+            raise ValueError(f"append_at needs position >= 0, got {position}")
+        self._key(log)
+        self._require_root()
+        folder = self._path(log)
+        try:
+            self._make_dirs(log.split("/"))
+            if position > 0 and not os.path.exists(os.path.join(folder, _entry_name(position - 1))):
+                return False
+            tmp = self._write_temp(folder, log, message)
+            try:
+                written = _link_exclusive(tmp, os.path.join(folder, _entry_name(position)))
+            finally:
+                _unlink_quietly(tmp)
+            if written:
+                _fsync_dir(folder)
+        except OSError as exc:
+            raise self._link_error(exc, log, "append to", "atomic appends") from exc
+        return written
 
     def _next_position(self, folder: str) -> int:
         """One past the highest entry in ``folder`` (0 for an empty log)."""

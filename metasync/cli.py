@@ -143,11 +143,17 @@ def _human(n: float) -> str:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="SECONDS",
+              help="Longest wait for backends to agree before failing (default 30; "
+                   "also METASYNC_TIMEOUT).")
 @click.version_option(package_name="metasync")
-def cli(debug: bool, quiet: bool) -> None:
+def cli(debug: bool, quiet: bool, timeout: float | None) -> None:
     """Keep one folder in sync across several untrusted storage services."""
     STATE.debug = debug
     STATE.quiet = quiet
+    if timeout is not None:
+        os.environ["METASYNC_TIMEOUT"] = repr(timeout)
 
 
 passphrase_file_option = click.option(
@@ -165,15 +171,18 @@ passphrase_file_option = click.option(
 @click.option("--namespace", default=DEFAULT_NAMESPACE, show_default=True,
               help="Folder name of this repository on every backend.")
 @click.option("--no-encrypt", is_flag=True, help="Store objects unencrypted (not recommended).")
+@click.option("--bft", is_flag=True,
+              help="Tolerate backends that lie about their logs (needs 4+ backends: 3f+1).")
 @passphrase_file_option
 def init(directory: str, backends: tuple[str, ...], replicas: int | None, namespace: str,
-         no_encrypt: bool, passphrase_file: str | None) -> None:
+         no_encrypt: bool, bft: bool, passphrase_file: str | None) -> None:
     """Create a repository in DIRECTORY on the given backends."""
     if not backends:
         raise UsageError("give at least one --backend URI, e.g. --backend dir:/mnt/usb/sync")
     r = replicas if replicas is not None else min(2, len(backends))
     repo = Repository.init(
         directory, list(backends), replicas=r, namespace=namespace, encrypt=not no_encrypt,
+        byzantine=bft,
         passphrase=None if no_encrypt else _passphrase_source(passphrase_file, confirm=True),
         reporter=_reporter(),
     )
@@ -233,6 +242,8 @@ def push(message: str) -> None:
     """Commit pending changes and publish them as the new master."""
     with _open() as repo:
         result = repo.push(message)
+    for copy in result.conflicts:
+        _say(f"conflict: kept the other version as {copy}")
     if result.up_to_date:
         _say("Everything up to date")
     elif result.version is not None:

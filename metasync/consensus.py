@@ -1,284 +1,277 @@
-"""pPaxos (paper 3.3, Figure 5): agreeing on the next version through passive logs.
+"""The pPaxos I/O driver: runs the pure protocol of :mod:`metasync.paxos` on backends.
 
-Each acceptor is an append-only log on a backend (``log/<instance>``); one
-single-decree Paxos instance decides each version. The decision logic is pure:
-:func:`replay` turns one log's messages into that acceptor's state, and the
-``*_outcome`` functions decide from those states. :class:`Consensus` is the I/O
-driver: it appends and fetches, concurrently across acceptors.
+The driver only appends, fetches and reads or writes the hint, concurrently
+across acceptors (one round trip per batch), each request bounded by the
+configured wait. Everything it decides comes from the protocol generators.
 
 Messages are JSON, passed through the translator chain with the instance as
-associated data, so with encryption on a backend can neither read nor forge
-nor move a message between instances; a message that fails to decode is
-ignored, exactly like one never written.
+associated data: with encryption on (always, in Byzantine mode) each one is
+authenticated under the repository key, so a backend can neither read nor forge
+nor move a message between instances. A message that fails to decode is
+dropped, exactly like one never written.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import secrets
+import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 from metasync.backends import Backend
 from metasync.codec import Codec
-from metasync.errors import BackendError, CorruptObject, MetasyncError, ObjectNotFound
+from metasync.errors import (
+    BackendError,
+    BackendUnavailable,
+    CorruptObject,
+    MetasyncError,
+    ObjectNotFound,
+)
+from metasync.faults import crash_point
 from metasync.objects import Version
+from metasync.paxos import (
+    Append,
+    Backoff,
+    Contended,
+    Fetch,
+    Message,
+    NoQuorum,
+    Quorums,
+    ReadHint,
+    Reading,
+    Reply,
+    Request,
+    Run,
+    Setup,
+    WriteHint,
+    get_recent,
+    propose,
+    publish_hint,
+    read,
+)
 
 HINT_KEY = "latest"
+#: Default bound, in seconds, on how long consensus waits without progress.
+DEFAULT_TIMEOUT = 30.0
+
+T = TypeVar("T")
 
 
 def log_key(instance: int) -> str:
     return f"log/{instance:012d}"
 
 
-@dataclass(frozen=True, order=True)
-class Round:
-    """A proposal number: unique per client because the client id breaks ties."""
-
-    number: int
-    client: str
-
-
-@dataclass(frozen=True)
-class Message:
-    type: str  # "prepare" or "accept"
-    round: Round
-    value: Version | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"type": self.type, "round": [self.round.number, self.round.client]}
-        if self.value is not None:
-            doc["value"] = self.value.to_json()
-        return doc
-
-    @classmethod
-    def from_json(cls, raw: Any) -> Message:
-        if not isinstance(raw, dict) or raw.get("type") not in ("prepare", "accept"):
-            raise CorruptObject("bad pPaxos message")
-        rnd = raw.get("round")
-        if not (isinstance(rnd, list) and len(rnd) == 2 and isinstance(rnd[0], int)
-                and isinstance(rnd[1], str)):
-            raise CorruptObject("bad pPaxos round")
-        value = Version.from_json(raw.get("value")) if raw["type"] == "accept" else None
-        if raw["type"] == "accept" and value is None:
-            raise CorruptObject("accept without value")
-        return cls(raw["type"], Round(rnd[0], rnd[1]), value)
-
-
 @dataclass
-class AcceptorState:
-    """What an acceptor 'decided', reconstructed from its log (Figure 5 UPDATE)."""
-
-    promised: Round | None = None
-    accepted: tuple[Round, Version] | None = None
-    #: For each granted prepare: the value accepted before it (reported in the promise).
-    grants: dict[Round, tuple[Round, Version] | None] = field(default_factory=dict)
-    #: Accepts that took effect, by round.
-    accepts: dict[Round, Version] = field(default_factory=dict)
-    highest_seen: int = 0
-
-
-def replay(messages: list[Message]) -> AcceptorState:
-    """Process one log in order: a prepare is granted if its round exceeds every
-    earlier promise; an accept takes effect if its round is at least the promise."""
-    state = AcceptorState()
-    for msg in messages:
-        state.highest_seen = max(state.highest_seen, msg.round.number)
-        if msg.type == "prepare":
-            if state.promised is None or msg.round > state.promised:
-                state.promised = msg.round
-                state.grants[msg.round] = state.accepted
-        elif msg.value is not None and (state.promised is None or msg.round >= state.promised):
-            state.promised = msg.round
-            state.accepted = (msg.round, msg.value)
-            state.accepts[msg.round] = msg.value
-    return state
-
-
-def quorum(acceptors: int) -> int:
-    return acceptors // 2 + 1
-
-
-def decided(states: list[AcceptorState], needed: int) -> Version | None:
-    """The value accepted in one round by ``needed`` acceptors, if any."""
-    counts: dict[Round, int] = {}
-    values: dict[Round, Version] = {}
-    for s in states:
-        for rnd, value in s.accepts.items():
-            counts[rnd] = counts.get(rnd, 0) + 1
-            values[rnd] = value
-    for rnd, count in counts.items():
-        if count >= needed:
-            return values[rnd]
-    return None
-
-
-def prepare_outcome(
-    states: list[AcceptorState], rnd: Round, needed: int, own: Version | None
-) -> tuple[bool, Version | None]:
-    """After PREPARE: (granted by a quorum?, value to propose).
-
-    The value is the highest-round value any granting acceptor had accepted, else
-    ``own`` (which may be ``None`` when only completing an instance)."""
-    granted = [s.grants[rnd] for s in states if rnd in s.grants]
-    if len(granted) < needed:
-        return False, None
-    prior = [g for g in granted if g is not None]
-    if prior:
-        return True, max(prior, key=lambda g: g[0])[1]
-    return True, own
+class _Outcome:
+    reply: Reply = None
+    error: BaseException | None = None
 
 
 class Consensus:
-    """Runs pPaxos instances over the acceptor backends."""
+    """pPaxos over the acceptor backends (paper Table 1: ``propose``, ``get_recent``).
+
+    ``timeout`` bounds every wait: a request that has not answered by then counts
+    as failed, and an operation that goes that long without a quorum answering
+    fails with :class:`BackendUnavailable`. It also fails at once when more
+    acceptors report themselves unreachable than the quorums tolerate.
+    """
 
     def __init__(
         self,
         acceptors: dict[str, Backend],
         codec: Codec,
         client_id: str,
-        executor: ThreadPoolExecutor,
         *,
+        quorums: Quorums | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
         sleep: Callable[[float], None] = time.sleep,
-        max_attempts: int = 8,
+        rng: random.Random | None = None,
+        max_attempts: int = 10,
+        backoff: float = 0.05,
+        fast_path: bool = True,
+        conditional: bool = True,
+        names: dict[str, str] | None = None,
     ) -> None:
         self.acceptors = acceptors
         self.codec = codec
-        self.client_id = client_id
-        self.executor = executor
-        self.needed = quorum(len(acceptors))
+        self.quorums = quorums or Quorums.crash(len(acceptors))
+        # ``conditional=False`` ignores conditional appends (the paper's plain logs).
+        with_position = frozenset(
+            a for a, b in acceptors.items() if conditional and b.capabilities.conditional_append
+        )
+        # A fresh proposer id per session: a round is never reused, even by a
+        # client that crashed and restarted while one of its requests was in flight.
+        self.setup = Setup(
+            tuple(acceptors), with_position, self.quorums, f"{client_id}.{secrets.token_hex(4)}",
+            max_attempts=max_attempts, backoff=backoff, fast_path=fast_path,
+        )
+        self.timeout = timeout
         self.sleep = sleep
-        self.max_attempts = max_attempts
-        #: Round trips to acceptors made so far (one per concurrent append or fetch).
+        self.rng = rng or random.Random()
+        self.names = names or {a: b.name for a, b in acceptors.items()}
+        #: Round trips (batches of concurrent requests) and requests made so far.
         self.round_trips = 0
+        self.requests = 0
+        self._next: Reading | None = None
+        self._errors: dict[str, str] = {}
 
-    # --- I/O -----------------------------------------------------------------------
+    # --- the API ---------------------------------------------------------------------
+    def get_recent(self, known: Version) -> Version:
+        """The newest decided version at or after ``known``."""
+        version, reading = self.run(get_recent(self.setup, known, self.rng))
+        self._next = reading
+        return version
+
+    def propose(self, instance: int, value: Version | None) -> Version | None:
+        """Run ``instance`` to a decision; return the decided value (maybe another's).
+        Starts from the logs the last :meth:`get_recent` read, if of this instance."""
+        cached = self._next if self._next is not None and self._next.instance == instance else None
+        self._next = None
+        return self.run(
+            propose(self.setup, instance, value, self.rng, cached.logs if cached else None)
+        )
+
+    def learn(self, instance: int) -> Version | None:
+        """The value decided in ``instance``, if a quorum's logs show one."""
+        return self.run(read(self.setup, instance, self.rng)).decided
+
+    def publish(self, version: Version) -> None:
+        """Record ``version`` as the latest on every acceptor (best effort)."""
+        self.run(publish_hint(self.setup, version))
+
+    # --- driving -----------------------------------------------------------------------
+    def run(self, protocol: Run[T]) -> T:
+        """Drive a protocol generator to its result, doing its I/O."""
+        self._errors = {}
+        progress = time.monotonic()
+        replies: list[Reply] | None = None
+        try:
+            while True:
+                step = protocol.send(replies)
+                if isinstance(step, Backoff):
+                    self._check_stall(progress)
+                    self.sleep(min(step.seconds, max(0.0, progress + self.timeout - time.monotonic())))
+                    replies = None
+                    continue
+                replies = self._execute(step)
+                crash_point("paxos:batch")
+                answered = {r.acceptor for r, reply in zip(step, replies, strict=True)
+                            if reply is not None}
+                if len(answered) >= self.quorums.classic or len(answered) == len(
+                        {r.acceptor for r in step}):
+                    progress = time.monotonic()
+                self._check_down()
+        except StopIteration as stop:
+            result: T = stop.value
+            return result
+        except NoQuorum as exc:
+            raise self._unavailable(exc.answered) from None
+        except Contended as exc:
+            raise BackendError(
+                f"could not agree on version {exc.instance}: other clients kept "
+                f"committing at the same time; retry",
+                transient=True,
+            ) from None
+
+    def _check_stall(self, progress: float) -> None:
+        if time.monotonic() - progress > self.timeout:
+            answered = len(self.acceptors) - len(self._errors)
+            raise self._unavailable(answered)
+
+    def _check_down(self) -> None:
+        """Fail at once when more acceptors are unreachable than the quorums tolerate."""
+        if len(self._errors) > self.quorums.faults and all(
+            e.startswith("unreachable") for e in self._errors.values()
+        ):
+            raise self._unavailable(len(self.acceptors) - len(self._errors))
+
+    def _unavailable(self, answered: int) -> BackendUnavailable:
+        failing = sorted(self._errors.items())
+        names = ", ".join(self.names[a] for a, _ in failing)
+        first = f" ({failing[0][1]})" if failing else ""
+        return BackendUnavailable(
+            f"only {max(answered, 0)} of {len(self.acceptors)} backends answered and "
+            f"{self.quorums.classic} are needed to agree on a version; not answering: "
+            f"{names}{first}. Nothing was changed; retry when they are reachable"
+        )
+
+    def _execute(self, batch: Sequence[Request]) -> list[Reply]:
+        """Run one batch concurrently (one round trip); ``None`` for each request that
+        failed or did not answer within the timeout."""
+        self.round_trips += 1
+        self.requests += len(batch)
+        outcomes = [_Outcome() for _ in batch]
+        threads = [
+            # Daemon threads: a backend that never answers must not keep the process alive.
+            threading.Thread(target=self._one, args=(req, out), daemon=True)
+            for req, out in zip(batch, outcomes, strict=True)
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + self.timeout
+        replies: list[Reply] = []
+        for req, out, t in zip(batch, outcomes, threads, strict=True):
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                self._errors[req.acceptor] = f"no answer within {self.timeout:g} s"
+                replies.append(None)
+            elif out.error is not None:
+                err = out.error
+                why = "unreachable" if isinstance(err, BackendUnavailable) else "failed"
+                self._errors[req.acceptor] = f"{why}: {err}"
+                replies.append(None)
+            else:
+                self._errors.pop(req.acceptor, None)
+                replies.append(out.reply)
+        return replies
+
+    def _one(self, request: Request, out: _Outcome) -> None:
+        try:
+            out.reply = self._perform(request)
+        except BaseException as exc:  # reported per request, never raised in a thread
+            out.error = exc
+
+    def _perform(self, request: Request) -> Reply:
+        backend = self.acceptors[request.acceptor]
+        if isinstance(request, Fetch):
+            entries = backend.fetch(log_key(request.instance))
+            messages: list[Message] = []
+            for _, raw in sorted(entries, key=lambda e: e[0]):
+                msg = self._decode(request.instance, raw)
+                if msg is not None:
+                    messages.append(msg)
+            return messages
+        if isinstance(request, Append):
+            data = self._encode(request.instance, request.message)
+            if request.position is None:
+                backend.append(log_key(request.instance), data)
+                return True
+            return backend.append_at(log_key(request.instance), request.position, data)
+        if isinstance(request, ReadHint):
+            try:
+                raw = self.codec.decode("hint", HINT_KEY, backend.get(HINT_KEY))
+                number = json.loads(raw)["version"]
+            except ObjectNotFound:
+                return None
+            except (CorruptObject, ValueError, KeyError, TypeError, RecursionError):
+                return None
+            return number if type(number) is int and number >= 0 else None
+        if isinstance(request, WriteHint):
+            data = self.codec.encode("hint", HINT_KEY, json.dumps({"version": request.number}).encode())
+            backend.put(HINT_KEY, data)
+            return True
+        raise TypeError(f"unknown request {request!r}")
+
     def _encode(self, instance: int, msg: Message) -> bytes:
         return self.codec.encode("log", str(instance), json.dumps(msg.to_json()).encode())
 
     def _decode(self, instance: int, data: bytes) -> Message | None:
         try:
             return Message.from_json(json.loads(self.codec.decode("log", str(instance), data)))
-        except (CorruptObject, ValueError, RecursionError):
+        except (CorruptObject, ValueError, RecursionError, MetasyncError):
             return None
 
-    def _append_all(self, instance: int, msg: Message) -> int:
-        data = self._encode(instance, msg)
-        self.round_trips += 1
-
-        def one(backend: Backend) -> bool:
-            try:
-                backend.append(log_key(instance), data)
-                return True
-            except MetasyncError:
-                return False
-
-        return sum(self.executor.map(one, self.acceptors.values()))
-
-    def _fetch_all(self, instance: int) -> list[AcceptorState]:
-        self.round_trips += 1
-
-        def one(backend: Backend) -> AcceptorState | None:
-            try:
-                entries = backend.fetch(log_key(instance))
-            except MetasyncError:
-                return None
-            msgs = [m for _, raw in entries if (m := self._decode(instance, raw)) is not None]
-            return replay(msgs)
-
-        states = [s for s in self.executor.map(one, self.acceptors.values()) if s is not None]
-        if len(states) < self.needed:
-            raise BackendError(
-                f"only {len(states)} of {len(self.acceptors)} acceptors answered; "
-                f"{self.needed} are needed to agree on a version",
-                transient=True,
-            )
-        return states
-
-    # --- protocol -----------------------------------------------------------------
-    def learn(self, instance: int) -> Version | None:
-        """The value decided in ``instance``, if a quorum's logs show one."""
-        return decided(self._fetch_all(instance), self.needed)
-
-    def propose(self, instance: int, value: Version | None) -> Version | None:
-        """Run Figure 5 until ``instance`` decides; return the decided value.
-
-        With ``value=None`` this only completes an instance some proposer left
-        half-done (returns ``None`` if nothing was ever accepted).
-        """
-        for attempt in range(self.max_attempts):
-            states = self._fetch_all(instance)
-            done = decided(states, self.needed)
-            if done is not None:
-                return done
-            rnd = Round(max(s.highest_seen for s in states) + 1, self.client_id)
-            self._append_all(instance, Message("prepare", rnd))
-            states = self._fetch_all(instance)
-            granted, chosen = prepare_outcome(states, rnd, self.needed, value)
-            if granted:
-                if chosen is None:
-                    return None
-                self._append_all(instance, Message("accept", rnd, chosen))
-                states = self._fetch_all(instance)
-                done = decided(states, self.needed)
-                if done is not None:
-                    return done
-            # Lost to a concurrent proposer: randomized exponential backoff.
-            self.sleep(random.uniform(0, 0.05 * (2**attempt)))
-        raise BackendError(
-            f"could not agree on version {instance} after {self.max_attempts} attempts",
-            transient=True,
-        )
-
-    def latest(self, known: Version) -> Version:
-        """The most recent decided version at or after ``known`` (get_recent).
-
-        Starts from the highest hint an acceptor gives (hints are only trusted
-        once the logs confirm them) and walks forward until an instance is
-        undecided, completing any instance a crashed proposer left half-done.
-        """
-        current = known
-        hint = self._read_hint()
-        if hint is not None and hint > current.number:
-            value = self.learn(hint)
-            if value is not None and value.number == hint:
-                current = value
-        while True:
-            states = self._fetch_all(current.number + 1)
-            nxt = decided(states, self.needed)
-            if nxt is None:
-                if not any(s.accepts for s in states):
-                    return current  # nothing proposed there: no writes needed to learn
-                nxt = self.propose(current.number + 1, None)
-                if nxt is None:
-                    return current
-            if nxt.number != current.number + 1:
-                raise CorruptObject(f"instance {current.number + 1} decided a wrong version")
-            current = nxt
-
-    def _read_hint(self) -> int | None:
-        def one(backend: Backend) -> int | None:
-            try:
-                raw = self.codec.decode("hint", HINT_KEY, backend.get(HINT_KEY))
-                number = json.loads(raw)["version"]
-                return number if isinstance(number, int) else None
-            except (ObjectNotFound, MetasyncError, ValueError, KeyError, TypeError, RecursionError):
-                return None
-
-        hints = [h for h in self.executor.map(one, self.acceptors.values()) if h is not None]
-        return max(hints) if hints else None
-
-    def write_hint(self, version: Version) -> None:
-        """Record ``version`` as the latest on every acceptor (best effort)."""
-        data = self.codec.encode("hint", HINT_KEY, json.dumps({"version": version.number}).encode())
-
-        def one(backend: Backend) -> None:
-            try:
-                backend.put(HINT_KEY, data)
-            except MetasyncError:
-                pass
-
-        list(self.executor.map(one, self.acceptors.values()))

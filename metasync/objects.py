@@ -368,6 +368,9 @@ class Config:
     #: Capacity one mapping vnode stands for, as (numerator, denominator); fixed at
     #: init so reconfigurations move only what they must (see mapping.py).
     vnode_unit: tuple[int, int] = (1, 1)
+    #: ``crash`` (majority quorums) or ``byzantine`` (paper 3.6: 3f + 1 acceptors,
+    #: quorums of 2f + 1, authenticated log entries).
+    fault_model: str = "crash"
 
     def to_bytes(self) -> bytes:
         return canonical_json(
@@ -382,6 +385,7 @@ class Config:
                 "encryption": self.encryption,
                 "acceptors": list(self.acceptors),
                 "vnode_unit": list(self.vnode_unit),
+                "fault_model": self.fault_model,
             }
         )
 
@@ -395,7 +399,7 @@ class Config:
     def from_bytes(cls, data: bytes) -> Config:
         raw = parse_json(data, "config")
         keys = {"format", "namespace", "backends", "replicas", "partitions", "encryption",
-                "acceptors", "vnode_unit"}
+                "acceptors", "vnode_unit", "fault_model"}
         _want(isinstance(raw, dict) and set(raw) == keys, "malformed config")
         fmt = _want_int(raw["format"], "config format", 1)
         _want(isinstance(raw["backends"], list) and bool(raw["backends"]), "config backends")
@@ -421,6 +425,10 @@ class Config:
         _want(isinstance(unit, list) and len(unit) == 2, "config vnode unit")
         unit_pair = (_want_int(unit[0], "vnode unit", 1), _want_int(unit[1], "vnode unit", 1))
         replicas = _want_int(raw["replicas"], "replicas", 1)
+        _want(raw["fault_model"] in ("crash", "byzantine"), "config fault model")
+        if raw["fault_model"] == "byzantine":
+            _want(len(raw["acceptors"]) >= 4 and raw["encryption"] != "none",
+                  "a byzantine config needs 4 acceptors and encryption")
         _want(replicas <= len(specs), "more replicas than backends")
         return cls(
             format=fmt,
@@ -431,6 +439,7 @@ class Config:
             encryption=raw["encryption"],
             acceptors=tuple(raw["acceptors"]),
             vnode_unit=unit_pair,
+            fault_model=raw["fault_model"],
         )
 
 

@@ -28,22 +28,23 @@ from typing import Any, BinaryIO
 
 from metasync.backends import Backend, normalize_uri, open_backend
 from metasync.codec import Codec, FinishedPack, PackBuilder
-from metasync.consensus import Consensus
+from metasync.consensus import DEFAULT_TIMEOUT, Consensus
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
     CorruptObject,
     FormatError,
-    MasterMoved,
     MetasyncError,
     NotARepository,
     ObjectNotFound,
     ObjectUnavailable,
     UsageError,
 )
+from metasync.faults import crash_point
 from metasync.keys import MasterKey, unwrap, wrap
 from metasync.localdb import IndexRow, LocalDB
 from metasync.mapping import StableMapping, vnode_unit
+from metasync.merge import Side, merge_trees, same_entry
 from metasync.objects import (
     FORMAT_VERSION,
     BackendSpec,
@@ -57,6 +58,7 @@ from metasync.objects import (
     Version,
     is_object_id,
 )
+from metasync.paxos import Quorums
 from metasync.progress import NullReporter, Reporter
 from metasync.store import RemoteStore, object_key
 from metasync.worktree import (
@@ -83,6 +85,8 @@ RACY_NS = 2_000_000_000
 MAX_INDEXES = 64
 #: Pack entries per index object (keeps each well under the readers' size limit).
 INDEX_ENTRIES = 100_000
+#: A push merges with a moving master at most this many times before giving up.
+MAX_MERGES = 20
 #: Files written by a checkout are flushed and renamed in batches of this many.
 WRITE_BATCH = 2000
 #: Small files of one pack written by one worker task.
@@ -101,6 +105,24 @@ def _config_key(config_id: str) -> str:
 
 def _now_ns() -> int:
     return time.time_ns()
+
+
+def _timeout(db: LocalDB) -> float:
+    """Seconds consensus waits without progress: ``METASYNC_TIMEOUT`` (set by the
+    CLI's ``--timeout``), else the repository's setting, else the default."""
+    raw = os.environ.get("METASYNC_TIMEOUT") or db.get("timeout", DEFAULT_TIMEOUT)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise UsageError(f"timeout {raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise UsageError(f"timeout must be positive, got {raw!r}")
+    return value
+
+
+def _stamp(time_ns: int) -> str:
+    """A commit time as conflict-copy names show it (local time)."""
+    return datetime.fromtimestamp(time_ns / 1e9).strftime("%Y-%m-%d %H%M%S")
 
 
 @dataclass(frozen=True)
@@ -151,6 +173,8 @@ class PushResult:
     bytes_uploaded: int = 0
     up_to_date: bool = False
     missing_copies: int = 0
+    #: Conflict copies a merge with a moved master made.
+    conflicts: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -201,14 +225,6 @@ class FsckReport:
         return not self.problems
 
 
-def _same(a: TreeEntry | None, b: TreeEntry | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    if a.type == "dir" or b.type == "dir":
-        return a.type == b.type
-    return (a.type, a.ref, a.executable) == (b.type, b.ref, b.executable)
-
-
 class _KnownIds:
     """Which object ids already have a location, answered from any thread."""
 
@@ -233,6 +249,39 @@ class _KnownIds:
         return row is None
 
 
+class _ObjectWriter:
+    """Packs new objects into the outbox for one commit (from any thread)."""
+
+    def __init__(self, repo: Repository) -> None:
+        self.outbox = repo.meta / "outbox"
+        self.repo = repo
+        self.known = _KnownIds(repo.meta / "state.db")
+        self.builder = PackBuilder(repo.codec)
+        self.finished: list[FinishedPack] = []
+        self.counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _keep(self, pack: FinishedPack | None) -> None:
+        if pack is None:
+            return
+        _write_durable(self.outbox / pack.pack_id, pack.data)
+        pack.data = b""  # on disk now: keep only the entries, so memory stays flat
+        with self._lock:
+            self.finished.append(pack)
+
+    def sink(self, kind: str, object_id: str, data: bytes) -> None:
+        """Store one object unless some pack already holds it."""
+        if self.known.claim(object_id):
+            with self._lock:
+                self.counts[kind] = self.counts.get(kind, 0) + 1
+            self._keep(self.builder.add(kind, object_id, data))
+
+    def finish(self) -> list[tuple[str, str, bytes]]:
+        """Flush the last pack; return the index objects listing every pack."""
+        self._keep(self.builder.flush())
+        return self.repo._index_objects([(p.pack_id, tuple(p.entries)) for p in self.finished])
+
+
 class Repository:
     """A metasync working folder. Open with :meth:`open`, :meth:`init` or :meth:`clone`."""
 
@@ -255,7 +304,12 @@ class Repository:
         self.client_id: str = db.get("client_id")
         self.device: str = db.get("device")
         acceptors = {b: backends[b] for b in config.acceptors}
-        self.consensus = Consensus(acceptors, self.codec, self.client_id, self.store.executor)
+        self.consensus = Consensus(
+            acceptors, self.codec, self.client_id,
+            quorums=Quorums.bft(len(acceptors)) if config.fault_model == "byzantine"
+            else Quorums.crash(len(acceptors)),
+            timeout=_timeout(db),
+        )
         self.chunker = Chunker(self.codec.hasher)
         self.reporter: Reporter = reporter or NullReporter()
         #: Files whose content was read in the last scan (the index saves the rest).
@@ -277,9 +331,14 @@ class Repository:
         encrypt: bool = True,
         passphrase: PassphraseSource | None = None,
         capacities: list[float] | None = None,
+        byzantine: bool = False,
         reporter: Reporter | None = None,
     ) -> Repository:
         """Create a repository in ``root`` on the given backends.
+
+        ``byzantine`` (paper 3.6) makes pPaxos tolerate ``f`` backends that forge
+        nothing (entries are authenticated) but drop or reorder log entries; it
+        needs ``3f + 1`` backends, at least 4, and encryption (the MAC key).
 
         Validates everything before writing anything: a bad URI, a missing backend
         folder, a backend that already holds this namespace, or a folder that is
@@ -302,6 +361,10 @@ class Repository:
             raise UsageError(
                 f"--replicas {replicas} needs between 1 and {len(uris)} (the number of backends)"
             )
+        if byzantine and len(uris) < 4:
+            raise UsageError(f"--bft needs at least 4 backends (3f + 1); {len(uris)} given")
+        if byzantine and not encrypt:
+            raise UsageError("--bft authenticates log entries with the repository key; drop --no-encrypt")
         caps = [float(c) for c in capacities] if capacities else [1.0] * len(uris)
         if len(caps) != len(uris) or any(c <= 0 for c in caps):
             raise UsageError("give one positive capacity per backend")
@@ -321,6 +384,7 @@ class Repository:
             encryption="aes-256-gcm" if encrypt else "none",
             acceptors=tuple(ids),
             vnode_unit=_unit_pair(vnode_unit([Fraction(repr(float(c))) for c in caps])),
+            fault_model="byzantine" if byzantine else "crash",
         )
         codec = Codec(key)
         config_bytes = config.to_bytes()
@@ -720,7 +784,7 @@ class Repository:
                 if o.ref != n.ref:
                     self._diff_trees(o.ref, n.ref, new_trees, path, out)
                 continue
-            if o is not None and n is not None and _same(o, n):
+            if o is not None and n is not None and same_entry(o, n):
                 continue
             if o is not None:
                 if n is not None and o.type != "dir" and n.type != "dir":
@@ -741,28 +805,9 @@ class Repository:
         New objects are packed, encrypted and written to the outbox (flushed to
         disk) before the commit that refers to them is recorded.
         """
-        outbox = self.meta / "outbox"
-        known = _KnownIds(self.meta / "state.db")
-        builder = PackBuilder(self.codec)
-        finished: list[FinishedPack] = []
-        finished_lock = threading.Lock()
-        counts: dict[str, int] = {}
-
-        def keep(pack: FinishedPack | None) -> None:
-            if pack is None:
-                return
-            _write_durable(outbox / pack.pack_id, pack.data)
-            pack.data = b""  # on disk now: keep only the entries, so memory stays flat
-            with finished_lock:
-                finished.append(pack)
-
-        def sink(kind: str, object_id: str, data: bytes) -> None:
-            if known.claim(object_id):
-                with finished_lock:
-                    counts[kind] = counts.get(kind, 0) + 1
-                keep(builder.add(kind, object_id, data))
-
-        files, dirs, refreshed, skipped = self._scan(sink)
+        self._resume_checkout()
+        writer = _ObjectWriter(self)
+        files, dirs, refreshed, skipped = self._scan(writer.sink)
         for path in skipped:
             self.reporter.note(f"skipped {path}: it changed while being read; it is committed next time")
         root_id, trees = self._build_trees(files, dirs)
@@ -770,21 +815,42 @@ class Repository:
         unchanged = (head is not None and head.tree == root_id) or (
             head is None and not files and not dirs and self.prev.master is None
         )
-        if not unchanged:
-            for tid, data in trees.items():
-                sink("tree", tid, data)
-        keep(builder.flush())
-        # Every pack gets an index, even without a commit (a busy file may have left
-        # new blobs): a later commit that reuses them must be able to list them.
-        stored = self._index_objects([(p.pack_id, tuple(p.entries)) for p in finished])
         if unchanged:
+            # Every pack gets an index, even without a commit (a busy file may have left
+            # new blobs): a later commit that reuses them must be able to list them.
+            stored = writer.finish()
             self._store_standalone(stored)
             with self.db.transaction():
-                self._record_packs(finished, refreshed)
+                self._record_packs(writer.finished, refreshed)
                 self._record_standalone(stored)
             return None
         parent = head or (self.load_commit(self.prev.master) if self.prev.master else None)
-        indexes = set(parent.indexes if parent else ()) | set(self.db.local_indexes())
+        commit_id = self._seal_commit(
+            writer, root_id, trees, parents=(self.head,) if self.head else (),
+            message=message, inherited=[parent] if parent else [], refreshed=refreshed,
+        )
+        return CommitResult(commit_id, root_id, writer.counts, len(writer.finished), self.files_hashed)
+
+    def _seal_commit(
+        self,
+        writer: _ObjectWriter,
+        root_id: str,
+        trees: dict[str, bytes],
+        *,
+        parents: tuple[str, ...],
+        message: str,
+        inherited: list[Commit],
+        refreshed: list[IndexRow],
+        settings: dict[str, Any] | None = None,
+    ) -> str:
+        """Pack the new trees, write indexes and the commit to the outbox, and make
+        it head -- with ``settings`` -- in one transaction. Returns its id."""
+        for tid, data in trees.items():
+            writer.sink("tree", tid, data)
+        stored = writer.finish()
+        indexes = set(self.db.local_indexes())
+        for c in inherited:
+            indexes |= set(c.indexes)
         indexes |= {object_id for _, object_id, _ in stored}
         if len(indexes) > MAX_INDEXES:
             fresh = {object_id: data for _, object_id, data in stored}
@@ -793,7 +859,7 @@ class Repository:
             indexes = {object_id for _, object_id, _ in merged}
         commit = Commit(
             tree=root_id,
-            parents=(self.head,) if self.head else (),
+            parents=parents,
             client=self.client_id,
             device=self.device,
             time_ns=_now_ns(),
@@ -804,14 +870,16 @@ class Repository:
         commit_id = self.codec.id_of("commit", commit_bytes)
         stored.append(("commit", commit_id, commit_bytes))
         self._store_standalone(stored)
-
+        crash_point("commit:stored")
         with self.db.transaction():
-            self._record_packs(finished, refreshed)
+            self._record_packs(writer.finished, refreshed)
             for tid, data in trees.items():
                 self.db.cache_object(tid, "tree", data)
             self._record_standalone(stored)
             self.db.set("head", commit_id)
-        return CommitResult(commit_id, root_id, counts, len(finished), self.files_hashed)
+            for name, value in (settings or {}).items():
+                self.db.set(name, value)
+        return commit_id
 
     def _index_objects(
         self, packs: list[tuple[str, tuple[PackEntry, ...]]]
@@ -870,36 +938,54 @@ class Repository:
 
     # ============================================================== push
     def push(self, message: str = "") -> PushResult:
-        """Commit pending changes, upload what is missing, and make the local head
-        master through pPaxos. Refuses (:class:`MasterMoved`) if master moved
-        since the last pull."""
+        """Commit pending changes, upload them, and make them master through pPaxos.
+
+        A quorum of acceptors is consulted before anything changes, so with too
+        few reachable nothing is committed or uploaded. If master moved since the
+        last pull, the local commits are merged with it three ways (see
+        :mod:`metasync.merge`), the folder is updated, and the merge is proposed --
+        again until it wins. Objects are uploaded before the commit naming them is
+        proposed.
+        """
+        self._resume_checkout()
+        latest = self.consensus.get_recent(self.prev)
+        crash_point("push:learned")
         result = self.commit(message)
-        prev = self.prev
-        latest = self.consensus.latest(prev)
-        if latest.number > prev.number:
-            raise MasterMoved(
-                f"master has moved to version {latest.number} since your last pull "
-                f"(version {prev.number}); run `metasync pull` first"
-            )
         uploaded = self._flush_outbox()
         self._repair_missing_copies()
-        missing = len(self.db.missing_copies())
-        head = self.head
-        if head is None or head == prev.master:
-            return PushResult(prev, result, *uploaded, up_to_date=True, missing_copies=missing)
-        proposal = Version(prev.number + 1, head, prev.config)
-        chosen = self.consensus.propose(proposal.number, proposal)
-        if chosen != proposal:
-            raise MasterMoved(
-                f"another client made version {proposal.number} first; run `metasync pull` first"
-            )
+        conflicts: list[str] = []
+        for _ in range(MAX_MERGES):
+            if latest.number > self.prev.number:
+                conflicts += self._integrate(latest).conflicts
+                more = self._flush_outbox()
+                uploaded = (uploaded[0] + more[0], uploaded[1] + more[1])
+            prev, head = self.prev, self.head
+            missing = len(self.db.missing_copies())
+            if head is None or head == prev.master:
+                return PushResult(prev, result, *uploaded, up_to_date=True,
+                                  missing_copies=missing, conflicts=conflicts)
+            proposal = Version(prev.number + 1, head, prev.config)
+            crash_point("push:propose")
+            chosen = self.consensus.propose(proposal.number, proposal)
+            crash_point("push:decided")
+            if chosen == proposal:
+                self._record_decided(chosen)
+                self.consensus.publish(chosen)
+                self._publish_client_state()
+                return PushResult(chosen, result, *uploaded, missing_copies=missing,
+                                  conflicts=conflicts)
+            latest = self.consensus.get_recent(prev)
+        raise BackendError(
+            f"other clients kept committing during {MAX_MERGES} merges; run `metasync push` again",
+            transient=True,
+        )
+
+    def _record_decided(self, version: Version) -> None:
+        """``version`` (whose master is our head) is decided: it is the new base."""
         with self.db.transaction():
-            self.db.set("prev", chosen.to_json())
+            self.db.set("prev", version.to_json())
             for index_id in self.db.local_indexes():
                 self.db.set_index_state(index_id, "remote")
-        self.consensus.write_hint(chosen)
-        self._publish_client_state()
-        return PushResult(chosen, result, *uploaded, missing_copies=missing)
 
     def _flush_outbox(self) -> tuple[int, int]:
         """Upload queued objects: all packs, then indexes, then commits, so nothing
@@ -925,6 +1011,7 @@ class Repository:
                     total += size * (self.config.replicas - len(failures))
                     count += 1
                     self.reporter.advance(size * self.config.replicas)
+                    crash_point("upload")
 
                 self.store.upload(items, done)
         finally:
@@ -971,54 +1058,137 @@ class Repository:
     def pull(self) -> PullResult:
         """Bring master into the folder.
 
-        Three-way at the file level between the last synced tree (base), the folder
-        (local) and master (remote): remote changes apply where the local file is
-        unchanged; where both changed, the local file is kept as a conflict copy;
-        a remote delete of a locally modified file keeps the file. Local changes
-        stay in the folder as uncommitted changes, to be pushed on top of master.
+        Local commits not yet pushed are merged with master three ways into a new
+        local commit (pushed by the next ``push``). Uncommitted changes stay in the
+        folder: a remote change applies only where the file is unchanged here;
+        where both changed, the local file is kept as a conflict copy; a remote
+        delete of a locally changed file keeps the file.
         """
         remove_stale_temps(self.root)
-        prev = self.prev
-        latest = self.consensus.latest(prev)
-        pending = self.db.get("checkout_pending")
-        if latest.number == prev.number and pending is None:
-            return PullResult(prev, up_to_date=True)
-        if latest.master is None:
-            with self.db.transaction():
-                self.db.set("prev", latest.to_json())
-            return PullResult(latest, up_to_date=True)
-        if latest.config != prev.config:
-            raise FormatError(
-                "the repository configuration changed; this metasync cannot follow it yet"
-            )
-        commit = self.load_commit(latest.master)
-        self._load_indexes(commit)
-        base_commit = self.load_commit(prev.master) if prev.master else None
-        base = self.flatten(base_commit.tree if base_commit else None)
-        remote = self.flatten(commit.tree)
-        result = self._checkout(base, remote, latest)
-        with self.db.transaction():
-            self.db.set("prev", latest.to_json())
-            self.db.set("head", latest.master)
-            self.db.set("checkout_pending", None)
-            for index_id in self.db.local_indexes():
-                if index_id in commit.indexes:
-                    self.db.set_index_state(index_id, "remote")
+        resumed = self._resume_checkout()
+        latest = self.consensus.get_recent(self.prev)
+        if latest.number == self.prev.number:
+            return resumed or PullResult(self.prev, up_to_date=True)
+        result = self._integrate(latest)
         self._publish_client_state()
         return result
 
-    def _checkout(
-        self, base: dict[str, TreeEntry], remote: dict[str, TreeEntry], target: Version
-    ) -> PullResult:
+    def _integrate(self, learned: Version) -> PullResult:
+        """Make ``learned`` (decided, newer than prev) the base of head and the folder:
+        fast-forward if there are no local commits, else a three-way merge commit.
+
+        The new head, prev and the pending checkout are recorded in one transaction
+        before the folder changes, so a crash leaves a checkout the next command
+        finishes (:meth:`_resume_checkout`).
+        """
+        prev, head = self.prev, self.head
+        if learned.config != prev.config:
+            raise FormatError(
+                "the repository configuration changed; this metasync cannot follow it yet"
+            )
+        if head is not None and head != prev.master:
+            first = learned if learned.number == prev.number + 1 else self.consensus.learn(prev.number + 1)
+            if first is not None and first.master == head:
+                # Our commit won, but we stopped before recording it (a crash).
+                self._record_decided(first)
+                prev = first
+                if learned == first:
+                    return PullResult(learned, up_to_date=True)
+        if learned.master is None:
+            with self.db.transaction():
+                self.db.set("prev", learned.to_json())
+            return PullResult(learned, up_to_date=True)
+        theirs = self.load_commit(learned.master)
+        self._load_indexes(theirs)
+        ours = self._head_commit()
+        from_tree = ours.tree if ours is not None else None
+        if head is None or head == prev.master:
+            with self.db.transaction():
+                self.db.set("head", learned.master)
+                self.db.set("prev", learned.to_json())
+                self.db.set("checkout_pending", {"from": from_tree, "to": theirs.tree, "moves": {}})
+            return self._run_checkout()
+        assert ours is not None
+        base_commit = self.load_commit(prev.master) if prev.master else None
+        merged, conflicts = merge_trees(
+            self.flatten(base_commit.tree if base_commit else None),
+            Side(self.flatten(ours.tree), ours.device, _stamp(ours.time_ns)),
+            Side(self.flatten(theirs.tree), theirs.device, _stamp(theirs.time_ns)),
+        )
+        files = {p: e for p, e in merged.items() if e.type != "dir"}
+        dirs = {p for p, e in merged.items() if e.type == "dir"}
+        root_id, trees = self._build_trees(files, dirs)
+        moves = {c.copy: c.path for c in conflicts if c.moved == "ours"}
+        self._seal_commit(
+            _ObjectWriter(self), root_id, trees, parents=(learned.master, head),
+            message=f"merge version {learned.number}", inherited=[theirs, ours], refreshed=[],
+            settings={"prev": learned.to_json(),
+                      "checkout_pending": {"from": from_tree, "to": root_id, "moves": moves}},
+        )
+        for c in conflicts:
+            self.reporter.note(f"conflict: {c.path} changed on both sides; the other version is {c.copy}")
+        crash_point("merge:sealed")
+        result = self._run_checkout()
+        result.conflicts[:0] = [c.copy for c in conflicts]
+        return result
+
+    def _resume_checkout(self) -> PullResult | None:
+        """Finish a checkout a crash interrupted; ``None`` if none was pending."""
+        pending = self.db.get("checkout_pending")
+        if pending is None:
+            return None
+        if not isinstance(pending, dict) or "to" not in pending:
+            with self.db.transaction():
+                self.db.set("checkout_pending", None)
+            return None
+        remove_stale_temps(self.root)
+        return self._run_checkout()
+
+    def _run_checkout(self) -> PullResult:
+        """Change the folder from tree ``from`` to tree ``to`` of the pending checkout."""
+        pending = self.db.get("checkout_pending")
+        result = PullResult(self.prev)
+        head = self._head_commit()
+        if head is not None:
+            self._load_indexes(head)
+        self._checkout(self.flatten(pending["from"]), self.flatten(pending["to"]), result,
+                       pending.get("moves") or {})
+        crash_point("checkout:done")
         with self.db.transaction():
-            self.db.set("checkout_pending", target.to_json())
+            self.db.set("checkout_pending", None)
+            for index_id in self.db.local_indexes():
+                if head is not None and index_id in head.indexes and self.head == self.prev.master:
+                    self.db.set_index_state(index_id, "remote")
+        return result
+
+    def _checkout(
+        self,
+        base: dict[str, TreeEntry],
+        remote: dict[str, TreeEntry],
+        result: PullResult,
+        moves: dict[str, str],
+    ) -> None:
+        """Three-way between ``base`` (what the folder was), the folder, and ``remote``.
+
+        ``moves`` maps new paths to paths whose current content they take (a merge's
+        conflict copies of local versions): renamed locally instead of downloaded.
+        """
         files, dirs, refreshed, _ = self._scan(None)
         local: dict[str, TreeEntry] = dict(files)
         for d in dirs:
             local[d] = TreeEntry(d.rpartition("/")[2], "dir", "0" * 64)
-        scanned = {e.path: e for e in refreshed}
-        result = PullResult(target)
         stamp = datetime.now().strftime("%Y-%m-%d %H%M%S")
+        for copy, source in sorted(moves.items()):
+            have = local.get(source)
+            if (copy not in local and have is not None and copy in remote
+                    and same_entry(have, remote[copy]) and same_entry(have, base.get(source))):
+                parent = copy.rpartition("/")[0]
+                if parent:
+                    self._ensure_dir(parent, stamp, result)
+                os.rename(self.root / source, self.root / copy)
+                local[copy] = local.pop(source)
+                self._last_scan.pop(source, None)
+        scanned = {e.path: e for e in refreshed}
 
         writes: list[tuple[str, TreeEntry]] = []
         deletes: list[str] = []
@@ -1028,14 +1198,14 @@ class Repository:
                 # Folders are created below. A file that master replaced by a folder
                 # goes if unchanged here; if changed, creating the folder keeps it as
                 # a conflict copy.
-                if b is not None and b.type != "dir" and _same(loc, b):
+                if b is not None and b.type != "dir" and same_entry(loc, b):
                     deletes.append(path)
                 continue
             if b is not None and b.type == "dir" and n is None:
                 continue  # a removed folder: its contents are paths of their own
-            if _same(n, b) or _same(loc, n):
+            if same_entry(n, b) or same_entry(loc, n):
                 continue
-            if _same(loc, b):
+            if same_entry(loc, b):
                 if n is None:
                     deletes.append(path)
                 else:
@@ -1048,7 +1218,7 @@ class Repository:
                     result.conflicts.append(copy)
                     self.reporter.note(f"conflict: your version of {path} is now {copy}")
                 writes.append((path, n))
-
+        crash_point("checkout:planned")
         for path in deletes:
             target_path = self.root / path
             try:
@@ -1075,7 +1245,6 @@ class Repository:
             self.db.delete_index(deletes)
             self.db.upsert_index(rows)
             self.db.upsert_index(r for r in refreshed if r.path not in {w[0] for w in writes})
-        return result
 
     def _changed_since_scan(self, path: str, st: os.stat_result | None = None) -> bool:
         """True if ``path`` exists now but differs in size or mtime from the scan the
@@ -1205,7 +1374,10 @@ class Repository:
 
         # Serial on purpose: renames into the same folders contend on the folder's
         # lock, and measured slower when spread over threads.
-        done = [fast(item) for item in pending]
+        done = []
+        for item in pending:
+            done.append(fast(item))
+            crash_point("checkout:rename")
         rows: list[IndexRow] = []
         for ((path, entry, _), tmp, st), ok in zip(pending, done, strict=True):
             if not ok:
@@ -1307,7 +1479,8 @@ class Repository:
 
     # ============================================================== log
     def log(self, limit: int | None = None) -> list[LogEntry]:
-        """Commits from head back to the first, newest first."""
+        """The linear history: commits from head back to the first along first
+        parents (a merge's first parent is the version it merged into), newest first."""
         out: list[LogEntry] = []
         current = self.head or self.prev.master
         while current and (limit is None or len(out) < limit):
@@ -1321,15 +1494,18 @@ class Repository:
         """Download and verify every object reachable from master on every backend
         that should hold it; report what is missing or corrupt."""
         report = FsckReport()
-        latest = self.consensus.latest(self.prev)
+        latest = self.consensus.get_recent(self.prev)
         commits: list[tuple[str, Commit]] = []
-        current = latest.master
-        seen_commits: set[str] = set()
-        while current and current not in seen_commits:
-            seen_commits.add(current)
+        todo = [latest.master] if latest.master else []
+        seen_commits: set[str] = set(todo)
+        while todo:  # every commit reachable through any parent (merges have two)
+            current = todo.pop()
             commit = self.load_commit(current)
             commits.append((current, commit))
-            current = commit.parents[0] if commit.parents else None
+            for parent in commit.parents:
+                if parent not in seen_commits:
+                    seen_commits.add(parent)
+                    todo.append(parent)
         standalone = [("commit", cid) for cid, _ in commits]
         indexes = sorted({i for _, c in commits for i in c.indexes})
         standalone += [("index", i) for i in indexes]

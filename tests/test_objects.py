@@ -467,7 +467,7 @@ def _config(**changes: Any) -> bytes:
         "format": 1, "namespace": "ns",
         "backends": [{"id": "a", "uri": "dir:/a", "capacity": 1}],
         "replicas": 1, "partitions": 1, "encryption": "aes-256-gcm", "acceptors": ["a"],
-        "vnode_unit": [1, 1],
+        "vnode_unit": [1, 1], "fault_model": "crash",
     }
     raw.update(changes)
     return json.dumps({k: v for k, v in raw.items() if v is not ...}).encode()
@@ -486,6 +486,9 @@ BAD_CONFIGS = {
     "nan capacity": _config(backends=[{"id": "a", "uri": "u", "capacity": float("nan")}]),
     "id not string": _config(backends=[{"id": 1, "uri": "u", "capacity": 1}], acceptors=[]),
     "unknown acceptor": _config(acceptors=["b"]),
+    "unknown fault model": _config(fault_model="omission"),
+    "no fault model": _config(fault_model=...),
+    "byzantine with one acceptor": _config(fault_model="byzantine"),
     "acceptor unhashable": _config(acceptors=[["a"]]),
     "acceptors not list": _config(acceptors="a"),
     "replicas 0": _config(replicas=0),

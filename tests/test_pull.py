@@ -11,7 +11,7 @@ import pytest
 
 from conftest import snapshot
 from metasync import Repository
-from metasync.errors import BackendError, MasterMoved, ObjectUnavailable
+from metasync.errors import BackendError, ObjectUnavailable
 from metasync.progress import NullReporter
 
 
@@ -134,16 +134,17 @@ def test_push_interrupted_before_proposal_is_completed_by_next_push(
 def test_unreachable_backends_keep_objects_queued(
     tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
 ) -> None:
-    """With every backend away the push fails cleanly (no quorum) and the commit's
-    objects stay in the outbox; once the backends return, the next push uploads them."""
+    """With every backend away the push fails cleanly (no quorum) before changing
+    anything: no commit, nothing queued; once the backends return, push works."""
     a = _init(tmp_path, backends, passphrase)
     (a.root / "doc.txt").write_text("v2\n")
     hidden = [b.with_name(b.name + "-away") for b in backends]
     for b, h in zip(backends, hidden, strict=True):
         b.rename(h)
-    with pytest.raises(BackendError, match="acceptors answered"):
+    head = a.head
+    with pytest.raises(BackendError, match="only 0 of 3 backends answered"):
         a.push("offline")
-    assert a.db.outbox(), "objects must stay queued"
+    assert a.head == head and not a.db.outbox(), "a failed push changes nothing"
     for b, h in zip(backends, hidden, strict=True):
         h.rename(b)
     a.close()
@@ -194,17 +195,26 @@ def test_object_reaching_no_backend_stays_queued(
     assert (c.root / "doc.txt").read_text() == "v2\n"
 
 
-def test_master_moved_is_refused_by_api(
+def test_push_after_master_moved_merges(
     tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
 ) -> None:
-    """Two clients at the same version: the second push raises MasterMoved."""
+    """Two clients at the same version: the second push merges with the first's
+    commit (a merge commit whose first parent is the first push) and both changes
+    end up in both folders."""
     a = _init(tmp_path, backends, passphrase)
     b = _clone(tmp_path, backends, passphrase, "b")
     (a.root / "x").write_text("a\n")
-    a.push()
+    first = a.push()
     (b.root / "y").write_text("b\n")
-    with pytest.raises(MasterMoved):
-        b.push()
+    second = b.push()
+    assert second.version is not None and first.version is not None
+    assert second.version.number == first.version.number + 1
+    assert (b.root / "x").read_text() == "a\n" and (b.root / "y").read_text() == "b\n"
+    merge = b.load_commit(b.head or "")
+    assert merge.parents[0] == first.version.master and len(merge.parents) == 2
+    a.pull()
+    assert (a.root / "y").read_text() == "b\n"
+    assert [e.commit_id for e in a.log()] == [e.commit_id for e in b.log()]
 
 
 def test_file_and_folder_swaps(

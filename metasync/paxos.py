@@ -1,0 +1,538 @@
+"""pPaxos, the protocol core: a pure state machine with no I/O (sans-IO).
+
+Each acceptor is a passive append-only log per instance on one backend (paper
+3.3, Figure 5); one single-decree Paxos instance decides each version. This
+module decides everything and touches nothing: the protocol functions are
+generators that *yield* what to do next (a batch of requests, or a backoff) and
+are *sent* what came back. :class:`metasync.consensus.Consensus` drives them
+against real backends; :mod:`metasync.simulator` drives the very same
+generators against simulated ones, so the simulator tests production code.
+
+Beyond the paper (CRIC's CPaxos, Fast Paxos):
+
+- **Conditional appends.** On an acceptor whose backend can append *at a given
+  position* atomically (exclusive create), a proposer that knows the log appends
+  at exactly its end. Success means it knows the acceptor's new state without
+  reading it back, so a phase costs one round trip instead of append-then-fetch.
+  A failed conditional append writes nothing; the proposer re-reads that log.
+- **Fast round.** Round ``FAST_ROUND`` (number 0, owned by nobody) skips the
+  prepare phase: a proposer sends its value straight to every acceptor, each of
+  which accepts only the first round-0 value it gets and only if it promised
+  nothing before. The value is chosen once a *fast quorum* accepted it. Fast and
+  classic quorums satisfy ``classic + 2 * fast > 2 * n``, so at most one value
+  can have been chosen in round 0 and every classic quorum sees it
+  (:func:`choose_value`). An uncontended commit is one conditional round trip.
+- **Byzantine mode** (paper 3.6): messages are authenticated by the caller (the
+  codec MACs each one with the repository key), ``n >= 3f + 1`` acceptors,
+  quorums of ``ceil((n + f + 1) / 2)`` and no fast round; see docs/protocol.md.
+
+Safety never depends on timing, on the order replies arrive, or on an acceptor
+being honest about anything the MAC does not cover; liveness needs a quorum
+that answers and contention that backs off (randomized exponential backoff).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Generator, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from metasync.errors import CorruptObject
+from metasync.objects import Version
+
+T = TypeVar("T")
+
+
+# ================================================================ messages
+@dataclass(frozen=True, order=True)
+class Round:
+    """A proposal number. Unique per proposer because the proposer id breaks ties;
+    every proposer id is fresh per session, so a round is never reused."""
+
+    number: int
+    proposer: str
+
+
+#: The fast round: lower than every classic round, and shared by all proposers.
+FAST_ROUND = Round(0, "")
+#: Longest proposer id a message may carry (a client id plus a session token).
+MAX_PROPOSER = 64
+
+
+@dataclass(frozen=True)
+class Message:
+    """One log entry: ``prepare(round)`` or ``accept(round, value)``."""
+
+    type: str  # "prepare" or "accept"
+    round: Round
+    value: Version | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"type": self.type, "round": [self.round.number, self.round.proposer]}
+        if self.value is not None:
+            doc["value"] = self.value.to_json()
+        return doc
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Message:
+        """Parse and validate; :class:`CorruptObject` for anything malformed."""
+        if not isinstance(raw, dict) or raw.get("type") not in ("prepare", "accept"):
+            raise CorruptObject("bad pPaxos message")
+        rnd = raw.get("round")
+        if not (isinstance(rnd, list) and len(rnd) == 2 and type(rnd[0]) is int
+                and isinstance(rnd[1], str) and len(rnd[1]) <= MAX_PROPOSER and rnd[0] >= 0):
+            raise CorruptObject("bad pPaxos round")
+        round_ = Round(rnd[0], rnd[1])
+        is_fast = round_.number == 0
+        if is_fast and (round_ != FAST_ROUND or raw["type"] == "prepare"):
+            raise CorruptObject("round 0 is the fast round: accepts only, no proposer")
+        if not is_fast and not round_.proposer:
+            raise CorruptObject("a classic round needs a proposer")
+        if raw["type"] == "prepare":
+            if set(raw) != {"type", "round"}:
+                raise CorruptObject("bad prepare message")
+            return cls("prepare", round_)
+        if set(raw) != {"type", "round", "value"}:
+            raise CorruptObject("bad accept message")
+        return cls("accept", round_, Version.from_json(raw["value"]))
+
+
+# ================================================================ acceptors
+@dataclass
+class AcceptorState:
+    """What an acceptor 'decided', reconstructed from its log (Figure 5 UPDATE)."""
+
+    promised: Round | None = None
+    accepted: tuple[Round, Version] | None = None
+    #: For each granted prepare: the value accepted before it (what the promise reports).
+    grants: dict[Round, tuple[Round, Version] | None] = field(default_factory=dict)
+    #: Accepts that took effect, by round.
+    accepts: dict[Round, Version] = field(default_factory=dict)
+    highest_seen: int = 0
+
+
+def replay(messages: Iterable[Message]) -> AcceptorState:
+    """Run the acceptor's logic over its log, in log order.
+
+    - ``prepare(r)`` is granted if ``r`` exceeds every earlier promise;
+    - ``accept(r, v)`` of a classic round takes effect if ``r`` is at least the promise;
+    - ``accept(FAST_ROUND, v)`` takes effect only as the acceptor's very first act:
+      no promise and no accepted value before it (one fast vote per acceptor).
+    """
+    state = AcceptorState()
+    for msg in messages:
+        state.highest_seen = max(state.highest_seen, msg.round.number)
+        if msg.type == "prepare":
+            if state.promised is None or msg.round > state.promised:
+                state.promised = msg.round
+                state.grants[msg.round] = state.accepted
+            continue
+        assert msg.value is not None
+        if msg.round == FAST_ROUND:
+            takes_effect = state.promised is None and state.accepted is None
+        else:
+            takes_effect = state.promised is None or msg.round >= state.promised
+        if takes_effect:
+            state.promised = msg.round
+            state.accepted = (msg.round, msg.value)
+            state.accepts[msg.round] = msg.value
+    return state
+
+
+# ================================================================ quorums
+@dataclass(frozen=True)
+class Quorums:
+    """Quorum sizes for ``acceptors`` acceptors.
+
+    ``classic`` quorums pairwise intersect (in ``byzantine`` mode: in at least
+    ``f + 1`` acceptors, so in an honest one). ``fast`` (``None``: no fast round)
+    satisfies ``classic + 2 * fast > 2 * acceptors``.
+    """
+
+    acceptors: int
+    classic: int
+    fast: int | None
+    byzantine: bool = False
+
+    @classmethod
+    def crash(cls, n: int) -> Quorums:
+        """Crash faults: majority quorums, tolerating ``n - classic`` unreachable."""
+        if n < 1:
+            raise ValueError("pPaxos needs at least one acceptor")
+        classic = n // 2 + 1
+        return cls(n, classic, (2 * n - classic) // 2 + 1)
+
+    @classmethod
+    def bft(cls, n: int) -> Quorums:
+        """Byzantine acceptors: ``f = (n - 1) // 3`` of them may lie or omit."""
+        if n < 4:
+            raise ValueError("Byzantine mode needs at least 4 acceptors (3f + 1 with f = 1)")
+        f = (n - 1) // 3
+        return cls(n, (n + f) // 2 + 1, None, byzantine=True)
+
+    @property
+    def faults(self) -> int:
+        """Acceptors that may be down (or, in Byzantine mode, faulty) with progress."""
+        return self.acceptors - self.classic
+
+    def threshold(self, rnd: Round) -> int | None:
+        """Acceptances that choose a value in ``rnd`` (``None``: it cannot be chosen there)."""
+        return self.fast if rnd == FAST_ROUND else self.classic
+
+
+def decided(states: Iterable[AcceptorState], quorums: Quorums) -> Version | None:
+    """The value some round's quorum accepted, if the given states show one."""
+    counts: Counter[tuple[Round, Version]] = Counter()
+    for s in states:
+        for rnd, value in s.accepts.items():
+            counts[(rnd, value)] += 1
+    for (rnd, value), count in sorted(counts.items(), key=lambda kv: kv[0][0], reverse=True):
+        needed = quorums.threshold(rnd)
+        if needed is not None and count >= needed:
+            return value
+    return None
+
+
+def choose_value(
+    reports: Sequence[tuple[Round, Version] | None], quorums: Quorums, own: Version | None
+) -> Version | None:
+    """The value a proposer must propose after ``reports``, one per granted promise.
+
+    - Some classic round accepted a value: the highest such round's value (Paxos).
+    - Only fast-round values: one of them may have been chosen by a fast quorum
+      ``R``; then every acceptor of ``R`` among the granted ones reports it, at least
+      ``fast - (n - granted)`` of them, and at most one value can reach that. Such a
+      value must be proposed; if none reaches it, nothing was chosen and any value
+      is safe: ``own`` if given, else the most frequent (to finish someone's work).
+    - Nothing accepted: ``own`` (``None`` when only finishing an instance).
+    """
+    prior = [r for r in reports if r is not None]
+    if not prior:
+        return own
+    top = max(rnd for rnd, _ in prior)
+    if top != FAST_ROUND:
+        return next(value for rnd, value in prior if rnd == top)
+    counts = Counter(value for _, value in prior)
+    if quorums.fast is not None:
+        needed = quorums.fast - (quorums.acceptors - len(reports))
+        for value, count in counts.items():
+            if count >= needed:
+                return value
+    if own is not None:
+        return own
+    # Deterministic among equals, so every finisher picks the same.
+    return max(counts, key=lambda value: (counts[value], value.master or "", value.number))
+
+
+# ================================================================ requests
+@dataclass(frozen=True)
+class Fetch:
+    """Read the whole log of ``instance`` on ``acceptor``. Reply: its messages in log
+    order (undecodable entries already dropped), or ``None`` if it did not answer."""
+
+    acceptor: str
+    instance: int
+
+
+@dataclass(frozen=True)
+class Append:
+    """Append ``message`` to the log of ``instance`` on ``acceptor``.
+
+    With ``position`` (a conditional append, only on acceptors that support it):
+    written only as entry number ``position``; reply ``True`` if written, ``False``
+    if that position was taken. Without: reply ``True`` once written. ``None``: no
+    answer (down, timed out, or the outcome is unknown).
+    """
+
+    acceptor: str
+    instance: int
+    message: Message
+    position: int | None = None
+
+
+@dataclass(frozen=True)
+class ReadHint:
+    """Read the 'latest version' hint on ``acceptor``. Reply: a number or ``None``."""
+
+    acceptor: str
+
+
+@dataclass(frozen=True)
+class WriteHint:
+    """Record ``number`` as the latest version on ``acceptor`` (best effort)."""
+
+    acceptor: str
+    number: int
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Wait ``seconds`` before the next batch (contention or a missing quorum)."""
+
+    seconds: float
+
+
+Request = Fetch | Append | ReadHint | WriteHint
+Reply = list[Message] | bool | int | None
+#: What a protocol generator yields: a batch of requests to run concurrently (one
+#: round trip), or a backoff. It is sent the replies, aligned with the batch.
+Step = list[Request] | Backoff
+Run = Generator[Step, list[Reply] | None, T]
+
+
+class NoQuorum(Exception):
+    """Too few acceptors answered to decide anything (liveness, never safety)."""
+
+    def __init__(self, answered: int, needed: int, instance: int) -> None:
+        super().__init__(f"{answered} acceptors answered, {needed} needed (instance {instance})")
+        self.answered = answered
+        self.needed = needed
+        self.instance = instance
+
+
+class Contended(Exception):
+    """Proposers kept pre-empting each other for ``attempts`` attempts."""
+
+    def __init__(self, instance: int, attempts: int) -> None:
+        super().__init__(f"no decision in instance {instance} after {attempts} attempts")
+        self.instance = instance
+        self.attempts = attempts
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything a proposer needs to know besides the instance."""
+
+    #: Acceptor ids, in config order.
+    acceptors: tuple[str, ...]
+    #: Acceptors whose backend supports conditional appends.
+    conditional: frozenset[str]
+    quorums: Quorums
+    #: This proposer's id: unique per client *and* session (see :class:`Round`).
+    proposer: str
+    max_attempts: int = 10
+    #: Base of the randomized exponential backoff, in seconds.
+    backoff: float = 0.05
+    #: Try the fast round first (the quorums must allow one). Off, a proposer runs
+    #: the paper's classic rounds only; it still recognizes fast-round decisions.
+    fast_path: bool = True
+
+
+#: What a proposer knows of each acceptor's log of one instance: the exact log
+#: (a prefix it saw plus what it appended at known positions), or ``None``.
+Logs = dict[str, list[Message] | None]
+
+
+@dataclass
+class Reading:
+    """The result of reading one instance from the acceptors."""
+
+    instance: int
+    decided: Version | None
+    #: True if any acceptor that answered has accepted some value.
+    anything_accepted: bool
+    logs: Logs
+
+
+# ================================================================ protocols
+def read(setup: Setup, instance: int, rng: random.Random) -> Run[Reading]:
+    """Read ``instance`` from every acceptor (one round trip when a quorum answers)."""
+    for attempt in range(setup.max_attempts):
+        if attempt:
+            yield Backoff(_backoff(setup, attempt, rng))
+        replies = yield [Fetch(a, instance) for a in setup.acceptors]
+        logs = _fetched(setup.acceptors, replies)
+        states = [replay(log) for log in logs.values() if log is not None]
+        if len(states) >= setup.quorums.classic:
+            return Reading(instance, decided(states, setup.quorums),
+                           any(s.accepts for s in states), logs)
+    raise NoQuorum(len(states), setup.quorums.classic, instance)
+
+
+def propose(
+    setup: Setup, instance: int, value: Version | None, rng: random.Random,
+    logs: Logs | None = None,
+) -> Run[Version | None]:
+    """Run one instance until it decides; return the decided value (which may be
+    another proposer's). ``value=None`` only finishes what others started: it
+    returns ``None`` if nothing was ever accepted. ``logs`` are views from a
+    recent :func:`read` (CRIC's cached acceptor state); they may be stale, which
+    costs a round trip but is never unsafe."""
+    known: Logs = {a: None for a in setup.acceptors}
+    if logs:
+        known.update({a: list(log) for a, log in logs.items() if a in known and log is not None})
+    quorums = setup.quorums
+    last_round = 0
+
+    use_fast = setup.fast_path and quorums.fast is not None
+    if value is not None and use_fast and all(not log for log in known.values()):
+        # The fast round: every log we know is empty, so try round 0 at position 0.
+        yield from _append_all(setup, instance, known, Message("accept", FAST_ROUND, value),
+                               setup.acceptors, assume_empty=True)
+        done = decided(_states(known).values(), quorums)
+        if done is not None:
+            return done
+
+    for attempt in range(setup.max_attempts):
+        if attempt:
+            yield Backoff(_backoff(setup, attempt, rng))
+        yield from _refresh(setup, instance, known)
+        states = _states(known)
+        if len(states) < quorums.classic:
+            continue
+        done = decided(states.values(), quorums)
+        if done is not None:
+            return done
+        if value is None and not any(s.accepts for s in states.values()):
+            return None
+
+        # Phase 1: prepare a round above everything seen (and above our own last).
+        last_round = max(last_round, *(s.highest_seen for s in states.values())) + 1
+        rnd = Round(last_round, setup.proposer)
+        yield from _append_all(setup, instance, known, Message("prepare", rnd), setup.acceptors)
+        granting = _granting(known, rnd)
+        if len(granting) < quorums.classic and _unknown(known):
+            yield from _refresh(setup, instance, known)
+            granting = _granting(known, rnd)
+        if len(granting) < quorums.classic:
+            continue
+        chosen = choose_value([g for g in granting.values()], quorums, value)
+        if chosen is None:
+            return None
+
+        # Phase 2: accept, on every acceptor not known to have promised higher.
+        targets = [a for a in setup.acceptors if _may_accept(known[a], rnd)]
+        yield from _append_all(setup, instance, known, Message("accept", rnd, chosen), targets)
+        done = decided(_states(known).values(), quorums)
+        if done is None and _unknown(known):
+            yield from _refresh(setup, instance, known)
+            done = decided(_states(known).values(), quorums)
+        if done is not None:
+            return done
+    raise Contended(instance, setup.max_attempts)
+
+
+def get_recent(
+    setup: Setup, known: Version, rng: random.Random
+) -> Run[tuple[Version, Reading | None]]:
+    """The newest decided version at or after ``known`` (Table 1 ``get_recent``).
+
+    Reads every acceptor's hint and the next instance in one round trip. A hint is
+    trusted only once a quorum's logs confirm its instance; then walks forward
+    until an instance is undecided, finishing any a crashed proposer left
+    half-done. Returns the version and the reading of the next instance (views a
+    following :func:`propose` can start from), or ``None`` if it wrote there.
+    """
+    current = known
+    batch: list[Request] = [ReadHint(a) for a in setup.acceptors]
+    batch += [Fetch(a, current.number + 1) for a in setup.acceptors]
+    replies = yield batch
+    n = len(setup.acceptors)
+    hints = [h for h in (replies or [None] * len(batch))[:n] if type(h) is int]
+    first = _reading(setup, current.number + 1, (replies or [None] * len(batch))[n:])
+    hint = max(hints, default=None)
+    if hint is not None and hint > current.number + 1:
+        confirmed = yield from read(setup, hint, rng)
+        if confirmed.decided is not None and confirmed.decided.number == hint:
+            current = confirmed.decided
+            first = None
+    while True:
+        reading = first if first is not None else (yield from read(setup, current.number + 1, rng))
+        first = None
+        nxt = reading.decided
+        if nxt is None:
+            if not reading.anything_accepted:
+                return current, reading
+            nxt = yield from propose(setup, current.number + 1, None, rng, reading.logs)
+            if nxt is None:
+                return current, None
+        if nxt.number != current.number + 1:
+            raise CorruptObject(f"instance {current.number + 1} decided version {nxt.number}")
+        current = nxt
+
+
+def publish_hint(setup: Setup, version: Version) -> Run[None]:
+    """Record ``version`` as the latest on every acceptor (best effort, one round trip)."""
+    yield [WriteHint(a, version.number) for a in setup.acceptors]
+    return None
+
+
+# ================================================================ helpers
+def _backoff(setup: Setup, attempt: int, rng: random.Random) -> float:
+    return rng.uniform(0, setup.backoff * 2 ** min(attempt, 6))
+
+
+def _fetched(acceptors: Sequence[str], replies: list[Reply] | None) -> Logs:
+    replies = replies if replies is not None else [None] * len(acceptors)
+    return {a: (list(r) if isinstance(r, list) else None)
+            for a, r in zip(acceptors, replies, strict=True)}
+
+
+def _reading(setup: Setup, instance: int, replies: list[Reply]) -> Reading | None:
+    logs = _fetched(setup.acceptors, replies)
+    states = [replay(log) for log in logs.values() if log is not None]
+    if len(states) < setup.quorums.classic:
+        return None
+    return Reading(instance, decided(states, setup.quorums), any(s.accepts for s in states), logs)
+
+
+def _states(known: Logs) -> dict[str, AcceptorState]:
+    return {a: replay(log) for a, log in known.items() if log is not None}
+
+
+def _unknown(known: Logs) -> list[str]:
+    return [a for a, log in known.items() if log is None]
+
+
+def _granting(known: Logs, rnd: Round) -> dict[str, tuple[Round, Version] | None]:
+    out: dict[str, tuple[Round, Version] | None] = {}
+    for a, log in known.items():
+        if log is not None:
+            state = replay(log)
+            if rnd in state.grants:
+                out[a] = state.grants[rnd]
+    return out
+
+
+def _may_accept(log: list[Message] | None, rnd: Round) -> bool:
+    if log is None:
+        return True
+    promised = replay(log).promised
+    return promised is None or promised <= rnd
+
+
+def _refresh(setup: Setup, instance: int, known: Logs) -> Generator[Step, Any, None]:
+    """Fetch every log we do not know exactly (no round trip if we know them all)."""
+    stale = _unknown(known)
+    if not stale:
+        return
+    replies = yield [Fetch(a, instance) for a in stale]
+    known.update(_fetched(stale, replies))
+
+
+def _append_all(
+    setup: Setup, instance: int, known: Logs, message: Message, targets: Sequence[str],
+    *, assume_empty: bool = False,
+) -> Generator[Step, Any, None]:
+    """Append ``message`` on ``targets`` in one round trip, conditionally where the
+    acceptor supports it and we know (or, in the fast round, assume) its length."""
+    batch: list[Request] = []
+    for a in targets:
+        log = known[a]
+        if a in setup.conditional and (log is not None or assume_empty):
+            batch.append(Append(a, instance, message, len(log) if log is not None else 0))
+        else:
+            batch.append(Append(a, instance, message))
+    replies = yield batch
+    replies = replies if replies is not None else [None] * len(batch)
+    for request, reply in zip(batch, replies, strict=True):
+        assert isinstance(request, Append)
+        log = known[request.acceptor]
+        if request.position is not None and reply is True:
+            base = log if log is not None else []
+            known[request.acceptor] = [*base, message]
+        else:
+            # Plain appends, lost replies and taken positions: read it back if needed.
+            known[request.acceptor] = None
