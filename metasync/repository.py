@@ -673,6 +673,9 @@ class Repository:
                     and row.mtime_ns == e.mtime_ns
                     and row.ino == e.ino
                     and row.mtime_ns + RACY_NS < row.hashed_at_ns
+                    # `status` caches hashes without storing content: a commit must
+                    # read a file again unless its content is in some pack.
+                    and (sink is None or self.db.location(row.ref) is not None)
                 ):
                     files[path] = TreeEntry(name, row.type, row.ref, e.size, e.executable)  # type: ignore[arg-type]
                 else:

@@ -271,3 +271,25 @@ def test_many_pushes_merge_indexes(
         assert len(head.indexes) <= 3
     c = _clone(tmp_path, backends, passphrase, "c")
     assert snapshot(c.root) == snapshot(a.root)
+
+
+def test_status_before_push_does_not_hide_new_content(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
+) -> None:
+    """`status` caches the hash of a new file without storing its content; the next
+    push must still pack and upload it (regression: the commit trusted the cached
+    hash and referred to a blob no pack held, so clones failed)."""
+    import os
+    import time
+
+    a = _init(tmp_path, backends, passphrase)
+    new = a.root / "new.txt"
+    new.write_text("content only status has seen\n")
+    old = time.time() - 60  # not 'racily clean': cached hashes are trusted
+    for path in a.root.glob("*.txt"):
+        os.utime(path, (old, old))
+    assert [c.path for c in a.status().changes] == ["new.txt"]
+    assert a.status().files_hashed == 0  # the second status used the cache
+    a.push("new file")
+    c = _clone(tmp_path, backends, passphrase, "c")
+    assert (c.root / "new.txt").read_text() == "content only status has seen\n"
