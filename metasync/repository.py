@@ -301,6 +301,7 @@ class Repository:
         self.codec = Codec(key)
         self.backends = backends
         self.store = RemoteStore(config, self.codec, backends)
+        self.store.local = self.meta / "outbox"
         self.client_id: str = db.get("client_id")
         self.device: str = db.get("device")
         acceptors = {b: backends[b] for b in config.acceptors}

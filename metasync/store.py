@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from fractions import Fraction
+from pathlib import Path
 from typing import BinaryIO
 
 from metasync.backends import Backend
@@ -77,6 +78,8 @@ class RemoteStore:
         #: Backends that failed as unreachable in this session, with the reason.
         self.down: dict[str, str] = {}
         self.stats = TransferStats()
+        #: A local folder of stored objects not uploaded yet (the outbox), read first.
+        self.local: Path | None = None
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
@@ -170,6 +173,25 @@ class RemoteStore:
                 reasons.append(f"{backend_id}: {exc}")
         raise ObjectUnavailable(f"no good copy of {kind} {object_id[:12]} ({'; '.join(reasons)})")
 
+    def _read_local(
+        self, pack_id: str, wanted: list[PackEntry], result: dict[str, bytes]
+    ) -> list[PackEntry]:
+        """Decode what the local copy of a pack not uploaded yet holds; return the rest."""
+        assert self.local is not None
+        still: list[PackEntry] = []
+        try:
+            with open(self.local / pack_id, "rb") as fh:
+                for entry in wanted:
+                    fh.seek(entry.offset)
+                    try:
+                        result[entry.object_id] = self.codec.decode(
+                            entry.kind, entry.object_id, fh.read(entry.length))
+                    except CorruptObject:
+                        still.append(entry)
+        except OSError:  # not here (any more): uploaded and removed
+            return [e for e in wanted if e.object_id not in result]
+        return still
+
     def read_entries(self, pack_id: str, entries: list[PackEntry]) -> dict[str, bytes]:
         """Plaintexts of ``entries`` of one pack, by object id.
 
@@ -179,6 +201,8 @@ class RemoteStore:
         wanted = sorted(entries, key=lambda e: e.offset)
         result: dict[str, bytes] = {}
         reasons: list[str] = []
+        if self.local is not None:
+            wanted = self._read_local(pack_id, wanted, result)
         for backend_id in self.holders(pack_id):
             if not wanted:
                 break
