@@ -377,6 +377,10 @@ def propose(
 
     for attempt in range(setup.max_attempts):
         if attempt:
+            # What the failed attempt read back may already show a decision.
+            done = decided(_states(known).values(), quorums)
+            if done is not None:
+                return done
             yield Backoff(_backoff(setup, attempt, rng))
         yield from _refresh(setup, instance, known)
         states = _states(known)
@@ -419,25 +423,25 @@ def get_recent(
 ) -> Run[tuple[Version, Reading | None]]:
     """The newest decided version at or after ``known`` (Table 1 ``get_recent``).
 
-    Reads every acceptor's hint and the next instance in one round trip. A hint is
-    trusted only once a quorum's logs confirm its instance; then walks forward
+    Reads the next instance (one round trip when up to date). If it is decided,
+    reads the acceptors' hints; a hint is trusted only once a quorum's logs
+    confirm its instance. Then walks forward
     until an instance is undecided, finishing any a crashed proposer left
     half-done. Returns the version and the reading of the next instance (views a
     following :func:`propose` can start from), or ``None`` if it wrote there.
     """
     current = known
-    batch: list[Request] = [ReadHint(a) for a in setup.acceptors]
-    batch += [Fetch(a, current.number + 1) for a in setup.acceptors]
-    replies = yield batch
-    n = len(setup.acceptors)
-    hints = [h for h in (replies or [None] * len(batch))[:n] if type(h) is int]
-    first = _reading(setup, current.number + 1, (replies or [None] * len(batch))[n:])
-    hint = max(hints, default=None)
-    if hint is not None and hint > current.number + 1:
-        confirmed = yield from read(setup, hint, rng)
-        if confirmed.decided is not None and confirmed.decided.number == hint:
-            current = confirmed.decided
-            first = None
+    first: Reading | None = yield from read(setup, current.number + 1, rng)
+    if first is not None and first.decided is not None:
+        # Behind: jump ahead by the hints (one more round trip) instead of walking
+        # every version. Up to date -- the usual case before a push -- costs none.
+        replies = yield [ReadHint(a) for a in setup.acceptors]
+        hint = max((h for h in replies or [] if type(h) is int), default=None)
+        if hint is not None and hint > current.number + 1:
+            confirmed = yield from read(setup, hint, rng)
+            if confirmed.decided is not None and confirmed.decided.number == hint:
+                current = confirmed.decided
+                first = None
     while True:
         reading = first if first is not None else (yield from read(setup, current.number + 1, rng))
         first = None
@@ -468,14 +472,6 @@ def _fetched(acceptors: Sequence[str], replies: list[Reply] | None) -> Logs:
     replies = replies if replies is not None else [None] * len(acceptors)
     return {a: (list(r) if isinstance(r, list) else None)
             for a, r in zip(acceptors, replies, strict=True)}
-
-
-def _reading(setup: Setup, instance: int, replies: list[Reply]) -> Reading | None:
-    logs = _fetched(setup.acceptors, replies)
-    states = [replay(log) for log in logs.values() if log is not None]
-    if len(states) < setup.quorums.classic:
-        return None
-    return Reading(instance, decided(states, setup.quorums), any(s.accepts for s in states), logs)
 
 
 def _states(known: Logs) -> dict[str, AcceptorState]:
