@@ -207,3 +207,60 @@ def test_pushes_survive_one_unreachable_backend_and_fail_cleanly_without_quorum(
     for root in roots:
         run_cli("push", cwd=root)
     assert run_cli("fsck", cwd=roots[1], check=False).returncode == 0
+
+
+def _tamper_logs(backend: Path, rng_seed: int) -> int:
+    """A Byzantine backend: drop and reorder the entries of every log it holds
+    (swap entry files, delete some). Returns how many logs it changed."""
+    import random
+
+    rng = random.Random(rng_seed)
+    changed = 0
+    for log in sorted((backend / "metasync" / "log").glob("*")):
+        entries = sorted(log.iterdir())
+        if not entries:
+            continue
+        contents = [e.read_bytes() for e in entries]
+        rng.shuffle(contents)
+        keep = contents[: max(0, len(contents) - rng.randrange(0, 2))]
+        for e in entries:
+            e.unlink()
+        for i, data in enumerate(keep):
+            (log / f"{i:010d}").write_bytes(data)
+        changed += 1
+    return changed
+
+
+def test_bft_repository_tolerates_a_backend_that_drops_and_reorders_log_entries(
+    tmp_path: Path,
+) -> None:
+    """`init --bft` on 4 backends (3f + 1, f = 1): with one backend dropping and
+    reordering its log entries between every command, two clients keep pushing
+    (concurrently) and converge on one history; --bft refuses 3 backends."""
+    backends = [tmp_path / f"backend{i}" for i in range(4)]
+    for b in backends:
+        b.mkdir()
+    few = run_cli("init", str(tmp_path / "x"), *(f"--backend=dir:{b}" for b in backends[:3]),
+                  "--bft", check=False)
+    assert few.returncode != 0 and "--bft needs at least 4 backends" in few.stderr
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    (a / "start.txt").write_text("start\n")
+    run_cli("init", str(a), *(f"--backend=dir:{x}" for x in backends), "--bft")
+    run_cli("push", cwd=a)
+    run_cli("clone", f"dir:{backends[1]}", str(b))
+    for k in range(4):
+        assert _tamper_logs(backends[3], k) >= 1
+        (a / f"a{k}.txt").write_text(f"a {k}\n")
+        (b / f"b{k}.txt").write_text(f"b {k}\n")
+        procs = [subprocess.Popen([METASYNC, "push"], cwd=root, env=_env(), text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for root in (a, b)]
+        outs = [p.communicate() for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+    _tamper_logs(backends[3], 99)
+    for root in (a, b):
+        run_cli("pull", cwd=root)
+    assert snapshot(a) == snapshot(b)
+    assert _files(a) == {"start.txt": "start\n", **{f"a{k}.txt": f"a {k}\n" for k in range(4)},
+                         **{f"b{k}.txt": f"b {k}\n" for k in range(4)}}
+    assert _log(a) == _log(b) and len(_log(a)) == 9
