@@ -293,3 +293,33 @@ def test_status_before_push_does_not_hide_new_content(
     a.push("new file")
     c = _clone(tmp_path, backends, passphrase, "c")
     assert (c.root / "new.txt").read_text() == "content only status has seen\n"
+
+
+def test_pull_merges_unpushed_local_commits(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
+) -> None:
+    """Local commits not yet pushed are merged with a moved master by `pull` into a
+    local merge commit (first parent: master); the folder holds both sides, a file
+    changed on both sides keeps master's version under its name and the local one
+    as a conflict copy (renamed locally, not downloaded); `push` then publishes
+    the merge and the other clone gets exactly the same tree."""
+    a = _init(tmp_path, backends, passphrase)
+    b = _clone(tmp_path, backends, passphrase, "b")
+    (b.root / "doc.txt").write_text("b's edit\n")
+    (b.root / "from-b.txt").write_text("b\n")
+    b.commit("b local")
+    (a.root / "doc.txt").write_text("a's edit\n")
+    (a.root / "from-a.txt").write_text("a\n")
+    pushed = a.push("a")
+    result = b.pull()
+    assert b.head is not None and b.head != pushed.version.master  # type: ignore[union-attr]
+    merge = b.load_commit(b.head)
+    assert merge.parents[0] == pushed.version.master  # type: ignore[union-attr]
+    assert (b.root / "doc.txt").read_text() == "a's edit\n"
+    assert len(result.conflicts) == 1
+    assert (b.root / result.conflicts[0]).read_text() == "b's edit\n"
+    assert (b.root / "from-a.txt").read_text() == "a\n" and (b.root / "from-b.txt").exists()
+    assert b.status().changes == []
+    b.push()
+    a.pull()
+    assert snapshot(a.root) == snapshot(b.root)
