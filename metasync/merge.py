@@ -110,8 +110,21 @@ def merge_trees(
     return merged, conflicts
 
 
+#: Longest device label a conflict-copy name carries.
+MAX_DEVICE = 32
+
+
+def device_label(device: str) -> str:
+    """A device name safe inside a file name: the other side's name comes from a
+    commit read from a backend (untrusted), so only letters, digits, ``-`` and
+    ``_`` survive, at most MAX_DEVICE of them."""
+    kept = "".join(ch for ch in device if ch.isalnum() or ch in "-_")[:MAX_DEVICE]
+    return kept or "device"
+
+
 def _free_name(taken: dict[str, TreeEntry], path: str, device: str, stamp: str) -> str:
     parent, _, name = path.rpartition("/")
+    device = device_label(device)
     n = 1
     while True:
         label = device if n == 1 else f"{device} {n}"

@@ -121,8 +121,12 @@ def _timeout(db: LocalDB) -> float:
 
 
 def _stamp(time_ns: int) -> str:
-    """A commit time as conflict-copy names show it (local time)."""
-    return datetime.fromtimestamp(time_ns / 1e9).strftime("%Y-%m-%d %H%M%S")
+    """A commit time as conflict-copy names show it (local time). The time comes
+    from a commit (untrusted): one no calendar can show reads as all zeros."""
+    try:
+        return datetime.fromtimestamp(time_ns / 1e9).strftime("%Y-%m-%d %H%M%S")
+    except (OverflowError, OSError, ValueError):
+        return "0000-00-00 000000"
 
 
 @dataclass(frozen=True)

@@ -179,10 +179,19 @@ def file_mode(executable: bool) -> int:
     return (0o777 if executable else 0o666) & ~umask
 
 
+#: Longest file name, in bytes, most filesystems accept.
+MAX_NAME_BYTES = 255
+
+
 def conflict_name(name: str, device: str, when: str) -> str:
     """``NAME (conflict DEVICE YYYY-MM-DD HHMMSS).EXT``: the extension stays last so
-    applications still open the copy."""
+    applications still open the copy. NAME is shortened if the result would pass
+    MAX_NAME_BYTES."""
     stem, dot, ext = name.rpartition(".")
     if not dot or not stem:
-        return f"{name} (conflict {device} {when})"
-    return f"{stem} (conflict {device} {when}).{ext}"
+        stem, ext = name, ""
+    suffix = f" (conflict {device} {when})" + (f".{ext}" if ext else "")
+    budget = MAX_NAME_BYTES - len(os.fsencode(suffix))
+    while len(os.fsencode(stem)) > budget and stem:
+        stem = stem[:-1]
+    return f"{stem}{suffix}"
