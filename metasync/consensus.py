@@ -55,6 +55,8 @@ from metasync.paxos import (
 )
 
 HINT_KEY = "latest"
+#: Longest log a reader accepts (a hostile backend could claim any position).
+MAX_LOG = 100_000
 #: Default bound, in seconds, on how long consensus waits without progress.
 DEFAULT_TIMEOUT = 30.0
 
@@ -118,6 +120,7 @@ class Consensus:
         self.requests = 0
         self._next: Reading | None = None
         self._errors: dict[str, str] = {}
+        self._wrote = False
 
     # --- the API ---------------------------------------------------------------------
     def get_recent(self, known: Version) -> Version:
@@ -147,6 +150,7 @@ class Consensus:
     def run(self, protocol: Run[T]) -> T:
         """Drive a protocol generator to its result, doing its I/O."""
         self._errors = {}
+        self._wrote = False
         progress = time.monotonic()
         replies: list[Reply] | None = None
         try:
@@ -157,6 +161,7 @@ class Consensus:
                     self.sleep(min(step.seconds, max(0.0, progress + self.timeout - time.monotonic())))
                     replies = None
                     continue
+                self._wrote = self._wrote or any(isinstance(r, Append) for r in step)
                 replies = self._execute(step)
                 crash_point("paxos:batch")
                 answered = {r.acceptor for r, reply in zip(step, replies, strict=True)
@@ -193,10 +198,15 @@ class Consensus:
         failing = sorted(self._errors.items())
         names = ", ".join(self.names[a] for a, _ in failing)
         first = f" ({failing[0][1]})" if failing else ""
+        outcome = (
+            "Whether this version was made is unknown until they are back; the next "
+            "push or pull settles it" if self._wrote
+            else "Nothing was changed; retry when they are reachable"
+        )
         return BackendUnavailable(
             f"only {max(answered, 0)} of {len(self.acceptors)} backends answered and "
             f"{self.quorums.classic} are needed to agree on a version; not answering: "
-            f"{names}{first}. Nothing was changed; retry when they are reachable"
+            f"{names}{first}. {outcome}"
         )
 
     def _execute(self, batch: Sequence[Request]) -> list[Reply]:
@@ -239,11 +249,13 @@ class Consensus:
         backend = self.acceptors[request.acceptor]
         if isinstance(request, Fetch):
             entries = backend.fetch(log_key(request.instance))
-            messages: list[Message] = []
-            for _, raw in sorted(entries, key=lambda e: e[0]):
-                msg = self._decode(request.instance, raw)
-                if msg is not None:
-                    messages.append(msg)
+            # One slot per position, None where nothing decodes (or nothing is):
+            # conditional appends go at the log's real length.
+            length = max((pos + 1 for pos, _ in entries if 0 <= pos < MAX_LOG), default=0)
+            messages: list[Message | None] = [None] * length
+            for pos, raw in entries:
+                if 0 <= pos < MAX_LOG and messages[pos] is None:
+                    messages[pos] = self._decode(request.instance, raw)
             return messages
         if isinstance(request, Append):
             data = self._encode(request.instance, request.message)

@@ -113,8 +113,9 @@ class AcceptorState:
     highest_seen: int = 0
 
 
-def replay(messages: Iterable[Message]) -> AcceptorState:
-    """Run the acceptor's logic over its log, in log order.
+def replay(messages: Iterable[Message | None]) -> AcceptorState:
+    """Run the acceptor's logic over its log, in log order (``None``: an entry that
+    did not decode, which counts as never written).
 
     - ``prepare(r)`` is granted if ``r`` exceeds every earlier promise;
     - ``accept(r, v)`` of a classic round takes effect if ``r`` is at least the promise;
@@ -123,6 +124,8 @@ def replay(messages: Iterable[Message]) -> AcceptorState:
     """
     state = AcceptorState()
     for msg in messages:
+        if msg is None:
+            continue
         state.highest_seen = max(state.highest_seen, msg.round.number)
         if msg.type == "prepare":
             if state.promised is None or msg.round > state.promised:
@@ -229,8 +232,10 @@ def choose_value(
 # ================================================================ requests
 @dataclass(frozen=True)
 class Fetch:
-    """Read the whole log of ``instance`` on ``acceptor``. Reply: its messages in log
-    order (undecodable entries already dropped), or ``None`` if it did not answer."""
+    """Read the whole log of ``instance`` on ``acceptor``. Reply: one item per log
+    position in order -- the message, or ``None`` for an entry that does not decode
+    (so the list's length is the log's, which conditional appends need) -- or
+    ``None`` if the acceptor did not answer."""
 
     acceptor: str
     instance: int
@@ -275,7 +280,7 @@ class Backoff:
 
 
 Request = Fetch | Append | ReadHint | WriteHint
-Reply = list[Message] | bool | int | None
+Reply = list[Message | None] | bool | int | None
 #: What a protocol generator yields: a batch of requests to run concurrently (one
 #: round trip), or a backoff. It is sent the replies, aligned with the batch.
 Step = list[Request] | Backoff
@@ -322,7 +327,7 @@ class Setup:
 
 #: What a proposer knows of each acceptor's log of one instance: the exact log
 #: (a prefix it saw plus what it appended at known positions), or ``None``.
-Logs = dict[str, list[Message] | None]
+Logs = dict[str, list[Message | None] | None]
 
 
 @dataclass
@@ -365,8 +370,13 @@ def propose(
         known.update({a: list(log) for a, log in logs.items() if a in known and log is not None})
     quorums = setup.quorums
     last_round = 0
+    short = False
+    states: dict[str, AcceptorState] = {}
 
     use_fast = setup.fast_path and quorums.fast is not None
+    if logs:  # a recent read: acceptors that did not answer it are likely down
+        reachable = sum(1 for log in known.values() if log is not None)
+        use_fast = use_fast and quorums.fast is not None and reachable >= quorums.fast
     if value is not None and use_fast and all(not log for log in known.values()):
         # The fast round: every log we know is empty, so try round 0 at position 0.
         yield from _append_all(setup, instance, known, Message("accept", FAST_ROUND, value),
@@ -384,7 +394,8 @@ def propose(
             yield Backoff(_backoff(setup, attempt, rng))
         yield from _refresh(setup, instance, known)
         states = _states(known)
-        if len(states) < quorums.classic:
+        short = len(states) < quorums.classic
+        if short:
             continue
         done = decided(states.values(), quorums)
         if done is not None:
@@ -415,6 +426,8 @@ def propose(
             done = decided(_states(known).values(), quorums)
         if done is not None:
             return done
+    if short:
+        raise NoQuorum(len(states), quorums.classic, instance)
     raise Contended(instance, setup.max_attempts)
 
 
@@ -492,7 +505,7 @@ def _granting(known: Logs, rnd: Round) -> dict[str, tuple[Round, Version] | None
     return out
 
 
-def _may_accept(log: list[Message] | None, rnd: Round) -> bool:
+def _may_accept(log: list[Message | None] | None, rnd: Round) -> bool:
     if log is None:
         return True
     promised = replay(log).promised
