@@ -250,23 +250,22 @@ def test_status_of_unchanged_tree_reads_no_file(repo: Pushed) -> None:
     assert [c.path for c in third.changes] == ["small/d03/f00003.txt"]
 
 
-def test_push_refuses_when_master_moved(repo: Pushed) -> None:
-    """A push from a client that has not pulled the latest master is refused, not
-    merged over: the other client's version stays master."""
+def test_push_after_master_moved_merges(repo: Pushed) -> None:
+    """A push from a client that has not pulled the latest master merges with it
+    (never over it): both clients' changes end up in both trees, and the history
+    is linear along first parents."""
     a, b = repo.work / "a", repo.work / "b"
     run_cli("clone", repo.uri(0), str(a))
     run_cli("clone", repo.uri(1), str(b))
     (a / "from-a.txt").write_text("a\n")
     run_cli("push", cwd=a)
     (b / "from-b.txt").write_text("b\n")
-    proc = run_cli("push", cwd=b, check=False)
-    assert proc.returncode != 0
-    assert "metasync pull" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    run_cli("pull", cwd=b)
-    assert (b / "from-a.txt").exists() and (b / "from-b.txt").read_text() == "b\n"
     run_cli("push", cwd=b)
+    assert (b / "from-a.txt").read_text() == "a\n" and (b / "from-b.txt").read_text() == "b\n"
     run_cli("pull", cwd=a)
     assert snapshot(a) == snapshot(b)
+    history = json.loads(run_cli("log", "--json", cwd=a).stdout)
+    assert history[0]["parents"][0] == history[1]["commit"]
 
 
 def test_pull_keeps_local_edit_as_conflict_copy(repo: Pushed) -> None:
