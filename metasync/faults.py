@@ -15,8 +15,9 @@ import os
 CRASH_STATUS = 137
 
 _spec = os.environ.get("METASYNC_CRASH_AT")
-_target, _, _nth = (_spec or "").partition(":")
-_remaining = int(_nth) if _nth else 1
+# Point names contain colons ("push:learned"): only a numeric last part is a count.
+_head, _, _tail = (_spec or "").rpartition(":")
+_target, _remaining = (_head, int(_tail)) if _head and _tail.isdigit() else (_spec or "", 1)
 _counts: dict[str, int] = {}
 
 

@@ -10,6 +10,7 @@ brings it into the folder without losing a local change.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -323,6 +324,8 @@ class Repository:
         # Read the umask once, here: os.umask can only be read by setting it, which
         # must not race with worker threads creating files.
         self._file_modes = {False: file_mode(False), True: file_mode(True)}
+        #: The open lock file while this object has the folder (see _lock_folder).
+        self._lock_fd: int | None = None
 
     # ============================================================== lifecycle
     @classmethod
@@ -456,6 +459,16 @@ class Repository:
     @classmethod
     def _load(cls, root: Path, reporter: Reporter | None) -> Repository:
         meta = root / META_DIR
+        lock = _lock_folder(meta)
+        try:
+            return cls._load_locked(root, reporter, lock)
+        except BaseException:
+            os.close(lock)
+            raise
+
+    @classmethod
+    def _load_locked(cls, root: Path, reporter: Reporter | None, lock: int) -> Repository:
+        meta = root / META_DIR
         db = LocalDB(meta / "state.db")
         fmt = db.get("format")
         if fmt != FORMAT_VERSION:
@@ -475,7 +488,9 @@ class Repository:
             for spec in config.backends
         }
         (meta / "outbox").mkdir(exist_ok=True)
-        return cls(root, db, config, key, backends, reporter)
+        repo = cls(root, db, config, key, backends, reporter)
+        repo._lock_fd = lock
+        return repo
 
     @classmethod
     def clone(
@@ -552,6 +567,9 @@ class Repository:
         self.db.close()
         for b in self.backends.values():
             b.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the folder lock
+            self._lock_fd = None
 
     def __enter__(self) -> Repository:
         return self
@@ -753,7 +771,10 @@ class Repository:
     # ============================================================== status
     def status(self) -> Status:
         """Changes in the folder against the last commit; reads only files whose
-        size, mtime or inode changed since they were last hashed."""
+        size, mtime or inode changed since they were last hashed. A checkout an
+        interrupted pull left is finished first (else its unapplied changes would
+        look like the user's)."""
+        self._resume_checkout()
         files, dirs, refreshed, _ = self._scan(None)
         if refreshed:
             with self.db.transaction():
@@ -814,6 +835,7 @@ class Repository:
         disk) before the commit that refers to them is recorded.
         """
         self._resume_checkout()
+        self._clean_outbox()
         writer = _ObjectWriter(self)
         files, dirs, refreshed, skipped = self._scan(writer.sink)
         for path in skipped:
@@ -838,6 +860,15 @@ class Repository:
             message=message, inherited=[parent] if parent else [], refreshed=refreshed,
         )
         return CommitResult(commit_id, root_id, writer.counts, len(writer.finished), self.files_hashed)
+
+    def _clean_outbox(self) -> None:
+        """Remove outbox files no transaction recorded: what an interrupted commit
+        wrote before it could record it (nothing refers to them)."""
+        recorded = {stored_id for stored_id, _ in self.db.outbox()}
+        with os.scandir(self.meta / "outbox") as it:
+            for entry in it:
+                if entry.name not in recorded:
+                    Path(entry.path).unlink(missing_ok=True)
 
     def _seal_commit(
         self,
@@ -1247,6 +1278,10 @@ class Repository:
             except OSError:
                 pass
         for path in sorted((p for p, e in remote.items() if e.type == "dir"), key=lambda p: p.count("/")):
+            b = base.get(path)
+            if b is not None and b.type == "dir" and path not in local:
+                continue  # removed here, untouched remotely: stays removed (files
+                # the remote changed inside bring their folders back as they are written)
             self._ensure_dir(path, stamp, result)
         rows = self._write_files(writes, stamp, result, scanned)
         with self.db.transaction():
@@ -1682,6 +1717,21 @@ def _write_private(path: Path, data: bytes) -> None:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def _lock_folder(meta: Path) -> int:
+    """Take the repository's exclusive lock (``.metasync/lock``) for as long as the
+    returned descriptor is open: one command (or daemon cycle) at a time, so no two
+    writers interleave commits, checkouts or outbox cleanup."""
+    fd = os.open(meta / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UsageError(
+            f"another metasync command is using {meta.parent}; wait for it to finish"
+        ) from None
+    return fd
 
 
 def _write_durable(path: Path, data: bytes) -> None:

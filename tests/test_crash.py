@@ -22,10 +22,11 @@ SQLite state is copied), and checks after the recovery use the Python API in
 this process, the same code the CLI wraps: the sweeps run hundreds of commands.
 
 The crash-point tests found no lost file, no divergence and no repository a
-command could not complete. The ``xfail`` tests at the end record the bugs
-they did find: ``METASYNC_CRASH_AT`` cannot name most points, an interrupted
-commit leaks its objects in ``.metasync/outbox``, and ``status`` reports an
-interrupted pull's unapplied changes as the user's own.
+command could not complete. The tests at the end pin the bugs they did find
+(now fixed): ``METASYNC_CRASH_AT`` could not name most points, an interrupted
+commit leaked its objects in ``.metasync/outbox``, ``status`` reported an
+interrupted pull's unapplied changes as the user's own, and a pull brought back
+folders the user had removed.
 """
 
 from __future__ import annotations
@@ -522,10 +523,6 @@ def test_sigkill_during_push_of_many_files(world: World) -> None:
     w.check_cli(w.c)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "faults.py splits METASYNC_CRASH_AT at the first colon, so NAME:N and even NAME "
-    "fail for every point name with a colon (all but 'upload'): 'push:learned' gives "
-    "target 'push' and N 'learned' -> ValueError at import, every command exits 1"))
 def test_crash_at_accepts_point_names(world: World) -> None:
     """``METASYNC_CRASH_AT=push:learned`` and ``push:learned:1`` crash a push at its
     first ``push:learned``, as faults.py documents (NAME or NAME:N)."""
@@ -539,11 +536,6 @@ def test_crash_at_accepts_point_names(world: World) -> None:
         assert proc.returncode == CRASH_STATUS, (spec, proc.returncode, proc.stderr)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "packs, indexes and the commit are written to .metasync/outbox (packs already while "
-    "the scan runs) before the transaction that records them; a crash before it "
-    "leaves them there forever: the retry writes new ids (packs are encrypted with a "
-    "fresh nonce, the commit has a new time) and nothing removes unrecorded files"))
 def test_interrupted_commit_leaks_nothing_in_outbox(world: World) -> None:
     """A push that dies after writing its objects to the outbox but before recording
     them (``commit:stored``) leaves nothing behind once the next push succeeds:
@@ -559,11 +551,6 @@ def test_interrupted_commit_leaks_nothing_in_outbox(world: World) -> None:
     assert not left, f"{len(left)} unrecorded files, {sum(left.values())} bytes left in {outbox}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "status does not finish (or mention) a checkout an interrupted pull left pending: "
-    "it diffs the half-updated folder against the new head, so every remote change "
-    "not yet applied is reported as the user's own (remote additions as D, the "
-    "conflicting file as D, its conflict copy as A)"))
 def test_status_after_interrupted_pull_shows_only_local_changes(world: World) -> None:
     """After a pull dies with its checkout planned but not applied, ``status`` shows
     the user's own uncommitted changes, not the remote changes still to apply."""
@@ -581,11 +568,6 @@ def test_status_after_interrupted_pull_shows_only_local_changes(world: World) ->
     assert changes == [("local-only.txt", "modified")], changes
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the checkout creates every folder of the new tree (_ensure_dir for each remote "
-    "folder) without the three-way check files get, so a pull brings back folders "
-    "the user removed and has not committed, though the remote did not touch them; "
-    "the next push then commits them again"))
 def test_pull_keeps_uncommitted_folder_removal(world: World) -> None:
     """A folder removed locally (not committed yet) stays removed when a pull brings
     an unrelated remote change -- as a removed file does. (Not a crash: found as

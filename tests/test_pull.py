@@ -245,7 +245,8 @@ def test_failed_clone_leaves_nothing(
     the missing objects and leaves no folder behind, or an empty folder empty."""
     _init(tmp_path, backends, passphrase).close()
     for b in backends:
-        shutil.rmtree(b / "metasync" / "objects")
+        # A backend may hold no object at all (3 objects, 2 copies each, placed by id).
+        shutil.rmtree(b / "metasync" / "objects", ignore_errors=True)
     with pytest.raises(ObjectUnavailable):
         _clone(tmp_path, backends, passphrase, "new")
     assert not (tmp_path / "new").exists()
