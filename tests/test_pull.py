@@ -324,3 +324,18 @@ def test_pull_merges_unpushed_local_commits(
     b.push()
     a.pull()
     assert snapshot(a.root) == snapshot(b.root)
+
+
+def test_one_command_per_folder_at_a_time(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
+) -> None:
+    """While a repository is open (a command running), a second open of the same
+    folder fails with a one-line error instead of interleaving with it; once the
+    first closes, the folder opens again."""
+    from metasync.errors import UsageError
+
+    a = _init(tmp_path, backends, passphrase)
+    with pytest.raises(UsageError, match="another metasync command is using"):
+        Repository.open(a.root / "doc.txt")
+    a.close()
+    Repository.open(a.root).close()
