@@ -87,7 +87,7 @@ MAX_INDEXES = 64
 #: Pack entries per index object (keeps each well under the readers' size limit).
 INDEX_ENTRIES = 100_000
 #: A push merges with a moving master at most this many times before giving up.
-MAX_MERGES = 20
+MAX_MERGES = 50
 #: Files written by a checkout are flushed and renamed in batches of this many.
 WRITE_BATCH = 2000
 #: Small files of one pack written by one worker task.
