@@ -1,0 +1,961 @@
+"""A deterministic, seeded discrete-event simulation of pPaxos under faults.
+
+The simulator drives *exactly* the protocol generators of :mod:`metasync.paxos`
+(``get_recent``, ``propose``, ``publish_hint``) against in-memory acceptors, in
+virtual time: no threads, no sleeping, no wall clock. Everything random comes
+from one ``random.Random(seed)`` (and generators seeded from it), so a seed
+replays its schedule bit for bit. docs/simulator.md describes the model.
+
+- **Acceptors** keep, per instance, an append-only list of messages and one hint
+  integer; some support conditional appends (append at a position). In Byzantine
+  mode up to ``f`` of them lie: they reorder, omit and splice messages that some
+  proposer really sent for that instance (messages are MAC'd, so nothing else can
+  be returned), lie about conditional appends and replay any hint.
+- **Clients** each run a "sync session" modelled on ``metasync push``: make a
+  change, learn the newest version, merge, register the commit (the side table
+  stands for the commit objects uploaded before proposing), propose it as the
+  next version, and on losing learn, merge and try the next instance.
+- **Faults**: delays with long tails, failed requests, lost replies, duplicated
+  plain appends, torn appends (an undecodable entry), per-request timeouts (a late reply counts as none although the
+  request may have been applied), acceptors down and client-acceptor links cut
+  for a while (sometimes more than the quorums tolerate), and clients crashing
+  mid-protocol and restarting with a new session.
+- **Checker**, once all faults are healed, every client has finished and all are
+  quiescent: one value chosen per instance (honest acceptor logs and every
+  client's decisions agree), every successful push is in the final history, all
+  clients converge, and the decided versions form one linear chain.
+
+Run ``bin/simulate --seeds N`` (see :func:`main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import heapq
+import multiprocessing
+import os
+import random
+import sys
+from collections import Counter
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from metasync.objects import Version
+from metasync.paxos import (
+    FAST_ROUND,
+    Append,
+    Backoff,
+    Contended,
+    Fetch,
+    Message,
+    NoQuorum,
+    Quorums,
+    ReadHint,
+    Reading,
+    Reply,
+    Request,
+    Round,
+    Setup,
+    Step,
+    get_recent,
+    propose,
+    publish_hint,
+    replay,
+)
+
+#: The configuration id every version carries (the simulation never reconfigures).
+CONFIG = hashlib.sha256(b"metasync simulator config").hexdigest()
+V0 = Version(0, None, CONFIG)
+DEFAULT_BFT_SHARE = 0.25
+
+#: Propose attempts (one per instance) in one push before starting over with get_recent.
+PUSH_ATTEMPTS = 8
+#: After healing, how long (virtual seconds) clients get to finish their pushes.
+HEAL_LIMIT = 600.0
+#: Events a schedule may process before it counts as not terminating.
+EVENT_LIMIT = 200_000
+#: Passes of get_recent over all clients to reach quiescence at the end.
+FINAL_PASSES = 4
+
+# Event kinds (ints: cheap to compare, and the heap never compares payloads).
+_DELIVER, _REPLY, _TIMEOUT, _WAKE, _CRASH, _RESTART, _DOWN, _UP, _CUT, _MEND, _HEAL = range(11)
+
+Session = Generator[Step, Any, None]
+
+
+def commit_id(parent: str | None, changes: frozenset[str] | set[str]) -> str:
+    """The master id of the commit with ``parent`` holding exactly ``changes``."""
+    text = f"{parent or '-'}|{','.join(sorted(changes))}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def short(value: Version | None) -> str:
+    if value is None:
+        return "-"
+    return f"v{value.number}:{(value.master or 'none')[:6]}"
+
+
+def show_round(rnd: Round) -> str:
+    return "fast" if rnd == FAST_ROUND else f"{rnd.number}/{rnd.proposer}"
+
+
+def show_message(msg: Message | None) -> str:
+    if msg is None:
+        return "junk"
+    if msg.type == "prepare":
+        return f"prepare({show_round(msg.round)})"
+    return f"accept({show_round(msg.round)}, {short(msg.value)})"
+
+
+def _by_round(msg: Message) -> Round:
+    return msg.round
+
+
+def show_request(req: Request) -> str:
+    if isinstance(req, Fetch):
+        return f"fetch #{req.instance}"
+    if isinstance(req, Append):
+        pos = "" if req.position is None else f" @{req.position}"
+        return f"append #{req.instance} {show_message(req.message)}{pos}"
+    if isinstance(req, ReadHint):
+        return "read-hint"
+    return f"write-hint {req.number}"
+
+
+def show_reply(reply: Reply) -> str:
+    if isinstance(reply, list):
+        return "[" + ", ".join(show_message(m) for m in reply) + "]"
+    return repr(reply)
+
+
+# ====================================================================== the model
+@dataclass
+class Params:
+    """One schedule's configuration, all drawn from the seed."""
+
+    bft: bool
+    acceptors: int
+    byzantine: tuple[str, ...]
+    conditional: frozenset[str]
+    #: Per client: whether it tries the fast round, whether it uses conditional appends.
+    fast_path: tuple[bool, ...]
+    use_conditional: tuple[bool, ...]
+    pushes: tuple[int, ...]
+    max_attempts: int
+    fault_time: float
+    timeout: float
+    delay: dict[str, float]
+    p_fail: float
+    p_lost: float
+    p_tail: float
+    p_dup: float
+    p_torn: float
+    p_client_crash: float
+    p_exceed: float
+    acceptor_crashes: int
+    partitions: int
+    p_hint: float
+    think: float
+
+    def describe(self) -> str:
+        mode = f"bft n={self.acceptors} byzantine={','.join(self.byzantine) or 'none'}" if self.bft \
+            else f"crash n={self.acceptors}"
+        cond = ",".join(sorted(self.conditional)) or "none"
+        flags = "".join(("f" if f else "-") + ("c" if c else "-")
+                        for f, c in zip(self.fast_path, self.use_conditional, strict=True))
+        return (f"{mode} conditional={cond} clients={len(self.pushes)} "
+                f"pushes={list(self.pushes)} fast/conditional={flags} max_attempts={self.max_attempts} "
+                f"faults_until={self.fault_time:.1f} timeout={self.timeout:.2f} "
+                f"p_fail={self.p_fail:.3f} p_lost={self.p_lost:.3f} p_tail={self.p_tail:.3f} "
+                f"p_dup={self.p_dup:.3f} p_torn={self.p_torn:.2f} "
+                f"p_client_crash={self.p_client_crash:.3f} acceptor_crashes={self.acceptor_crashes} "
+                f"partitions={self.partitions} "
+                f"p_exceed={self.p_exceed:.2f}")
+
+
+def draw_params(rng: random.Random, bft_share: float) -> Params:
+    bft = rng.random() < bft_share
+    n = rng.randint(4, 7) if bft else rng.choice((1, 2, 3, 3, 3, 4, 5, 5))
+    names = tuple(f"a{i}" for i in range(n))
+    byzantine: tuple[str, ...] = ()
+    if bft:
+        f = (n - 1) // 3
+        count = f if rng.random() < 0.7 else rng.randint(0, f)
+        byzantine = tuple(sorted(rng.sample(names, count)))
+    support = rng.choice(("all", "none", "some"))
+    if support == "all":
+        conditional = frozenset(names)
+    elif support == "none":
+        conditional = frozenset()
+    else:
+        conditional = frozenset(a for a in names if rng.random() < 0.5)
+    clients = rng.randint(2, 5)
+    pushes = tuple(rng.randint(1, 4) for _ in range(clients))
+    calm = rng.random() < 0.15  # some schedules without network faults: pure contention
+    timeout = rng.choice((0.5, 1.0, 2.0))
+    delay = {a: rng.choice((0.005, 0.02, 0.05, 0.1)) for a in names}
+    return Params(
+        bft=bft,
+        acceptors=n,
+        byzantine=byzantine,
+        conditional=conditional,
+        fast_path=tuple(rng.random() < 0.8 for _ in pushes),
+        use_conditional=tuple(rng.random() < 0.9 for _ in pushes),
+        pushes=pushes,
+        max_attempts=rng.choice((2, 4, 10, 10)),
+        fault_time=rng.uniform(2.0, 20.0),
+        timeout=timeout,
+        delay=delay,
+        p_fail=0.0 if calm else rng.choice((0.0, 0.02, 0.1, 0.25)),
+        p_lost=0.0 if calm else rng.choice((0.0, 0.02, 0.1, 0.25)),
+        p_tail=0.0 if calm else rng.choice((0.0, 0.01, 0.05, 0.15)),
+        p_dup=0.0 if calm else rng.choice((0.0, 0.0, 0.02, 0.1)),
+        p_torn=0.0 if calm else rng.choice((0.0, 0.0, 0.2, 0.5)),
+        p_client_crash=0.0 if calm else rng.choice((0.0, 0.01, 0.05, 0.1)),
+        p_exceed=rng.choice((0.0, 0.1, 0.3)),
+        acceptor_crashes=0 if calm else rng.randint(0, 6),
+        partitions=0 if calm else rng.choice((0, 0, 2, 6)),
+        p_hint=rng.choice((0.0, 0.5, 1.0)),
+        think=rng.choice((0.0, 0.05, 0.5, 2.0)),
+    )
+
+
+@dataclass
+class Acceptor:
+    name: str
+    byzantine: bool
+    #: Per instance, the log; ``None`` is an entry that does not decode (a torn write,
+    #: garbage): it takes a position but is no message.
+    logs: dict[int, list[Message | None]] = field(default_factory=dict)
+    hint: int | None = None
+    down: bool = False
+
+
+@dataclass
+class Batch:
+    id: int
+    requests: list[Request]
+    replies: list[Reply]
+    waiting: int
+
+
+@dataclass
+class Client:
+    index: int
+    pushes: int
+    #: Durable state (survives a crash): the changes in the local copy, the newest
+    #: version learned, changes made so far, and the changes not yet known pushed.
+    changes: set[str] = field(default_factory=set)
+    known: Version = V0
+    created: int = 0
+    pending: list[str] = field(default_factory=list)
+    #: Volatile: the running session (None while crashed or done).
+    session: int = 0
+    gen: Session | None = None
+    epoch: int = 0
+    batch: Batch | None = None
+    crashed: bool = False
+    finished: bool = False
+    final: Version | None = None
+    #: The running session's proposer id (what the trace calls the client).
+    label: str = ""
+
+
+@dataclass
+class Result:
+    seed: int
+    params: str
+    violations: list[str]
+    trace: list[str]
+    events: int
+    versions: int
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+# ====================================================================== simulation
+class Simulation:
+    def __init__(self, seed: int, bft_share: float = DEFAULT_BFT_SHARE, trace: bool = False) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.p = draw_params(self.rng, bft_share)
+        self.names = tuple(f"a{i}" for i in range(self.p.acceptors))
+        self.quorums = Quorums.bft(self.p.acceptors) if self.p.bft else Quorums.crash(self.p.acceptors)
+        self.acceptors = {a: Acceptor(a, a in self.p.byzantine) for a in self.names}
+        self.clients = [Client(i, k) for i, k in enumerate(self.p.pushes)]
+        self.tracing = trace
+        self.trace: list[str] = []
+        self.violations: list[str] = []
+        self.now = 0.0
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self.seq = 0
+        self.events = 0
+        self.batches = 0
+        self.faulty = True
+        #: The side table: master id -> (parent master, changes): the commit objects.
+        self.commits: dict[str, tuple[str | None, frozenset[str]]] = {}
+        #: Every value a client's protocol run returned as decided, per instance.
+        self.observed: dict[int, list[tuple[Version, str]]] = {}
+        #: Successful pushes: (change, client session, version that made it known).
+        self.successes: list[tuple[str, str, Version]] = []
+        #: Every message some proposer sent, per instance (what a Byzantine may return).
+        self.sent: dict[int, list[Message]] = {}
+        self._sent_set: set[tuple[int, Message]] = set()
+        self.hints_written: list[int] = []
+        self.unfinished = 0
+        #: (client, acceptor) links partitioned for now.
+        self.cuts: set[tuple[int, str]] = set()
+        #: What happened, for the --stats summary.
+        self.stats: Counter[str] = Counter()
+
+    # --------------------------------------------------------------- plumbing
+    def log(self, text: str) -> None:
+        if self.tracing:
+            self.trace.append(f"{self.now:10.4f}  {text}")
+
+    def at(self, when: float, kind: int, data: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (when, self.seq, kind, data))
+
+    def violation(self, text: str) -> None:
+        self.violations.append(text)
+        self.log(f"VIOLATION {text}")
+
+    def delay(self, acceptor: str) -> float:
+        d = self.rng.expovariate(1.0 / self.p.delay[acceptor])
+        if self.faulty and self.rng.random() < self.p.p_tail:
+            self.stats["long delays"] += 1
+            # The long tail: often past the timeout, sometimes past several instances.
+            d += self.p.timeout * (self.rng.uniform(0.5, 4.0) if self.rng.random() < 0.8
+                                   else self.rng.uniform(4.0, 40.0))
+        return d
+
+    def changes_of(self, master: str | None) -> frozenset[str]:
+        if master is None:
+            return frozenset()
+        return self.commits[master][1]
+
+    # --------------------------------------------------------------- the client
+    def learned(self, c: Client, value: Version, how: str) -> None:
+        """``c``'s protocol run reported ``value`` decided: record it, merge it in."""
+        if value.number == 0:
+            return
+        self.observed.setdefault(value.number, []).append((value, f"{c.label} ({how})"))
+        if value.master is None or value.master not in self.commits:
+            self.violation(f"{c.label} learned {value} whose master names no commit ({how})")
+            return
+        if value.number > c.known.number:
+            c.changes |= self.changes_of(value.master)
+            c.known = value
+
+    def setup(self, c: Client, proposer: str, max_attempts: int) -> Setup:
+        conditional = self.p.conditional if self.p.use_conditional[c.index] else frozenset()
+        return Setup(self.names, conditional, self.quorums, proposer, max_attempts=max_attempts,
+                     backoff=0.05, fast_path=self.p.fast_path[c.index])
+
+    def session(self, c: Client, proposer: str) -> Session:
+        """One client session: push the client's remaining changes, one at a time."""
+        setup = self.setup(c, proposer, self.p.max_attempts)
+        rng = random.Random(self.rng.getrandbits(64))
+        failures = 0
+        while True:
+            if not c.pending:
+                if c.created >= c.pushes:
+                    return
+                if self.p.think:
+                    yield Backoff(rng.uniform(0, self.p.think))
+                change = f"c{c.index}-{c.created}"
+                c.created += 1
+                c.changes.add(change)
+                c.pending.append(change)
+                self.log(f"{c.label} makes change {change}")
+            if (yield from self.push(c, setup, rng)):
+                failures = 0
+            else:
+                failures += 1
+                yield Backoff(rng.uniform(0.05, 0.5) * 2 ** min(failures, 5))
+
+    def push(self, c: Client, setup: Setup, rng: random.Random) -> Generator[Step, Any, bool]:
+        try:
+            head, reading = yield from get_recent(setup, c.known, rng)
+        except (NoQuorum, Contended) as exc:
+            self.stats[f"get_recent raised {type(exc).__name__}"] += 1
+            self.log(f"{c.label} get_recent failed: {exc}")
+            return False
+        self.log(f"{c.label} get_recent -> {short(head)}")
+        self.learned(c, head, "get_recent")
+        cached: Reading | None = reading
+        for _ in range(PUSH_ATTEMPTS):
+            base = c.known
+            if all(ch in self.changes_of(base.master) for ch in c.pending):
+                self.succeeded(c, base, "already in master")
+                return True
+            changes = frozenset(c.changes)
+            master = commit_id(base.master, changes)
+            # The commit objects are uploaded before proposing.
+            self.commits.setdefault(master, (base.master, changes))
+            value = Version(base.number + 1, master, CONFIG)
+            logs = cached.logs if cached is not None and cached.instance == value.number else None
+            cached = None
+            self.log(f"{c.label} proposes {short(value)} = {sorted(changes)}")
+            try:
+                outcome = yield from propose(setup, value.number, value, rng, logs)
+            except (NoQuorum, Contended) as exc:
+                self.stats[f"propose raised {type(exc).__name__}"] += 1
+                self.log(f"{c.label} propose failed: {exc}")
+                return False
+            self.log(f"{c.label} propose #{value.number} -> {short(outcome)}")
+            if outcome is None:
+                self.violation(f"{c.label}: propose of {value} returned None")
+                return False
+            self.learned(c, outcome, "propose")
+            if outcome == value:
+                self.succeeded(c, value, "won")
+                if rng.random() < self.p.p_hint:
+                    yield from publish_hint(setup, value)
+                return True
+            if rng.random() < 0.5:
+                # Learn again (else: propose straight at the instance after the one lost).
+                try:
+                    head, cached = yield from get_recent(setup, c.known, rng)
+                except (NoQuorum, Contended) as exc:
+                    self.stats[f"get_recent raised {type(exc).__name__}"] += 1
+                    self.log(f"{c.label} get_recent failed: {exc}")
+                    return False
+                self.log(f"{c.label} get_recent -> {short(head)}")
+                self.learned(c, head, "get_recent")
+        return False
+
+    def succeeded(self, c: Client, version: Version, how: str) -> None:
+        self.stats[f"pushes {how}"] += len(c.pending)
+        for change in c.pending:
+            self.successes.append((change, c.label, version))
+            self.log(f"{c.label} push of {change} succeeded in {short(version)} ({how})")
+        c.pending.clear()
+
+    def final_session(self, c: Client, proposer: str) -> Session:
+        """The quiescent check: a fresh session runs get_recent (retrying a few times)."""
+        setup = self.setup(c, proposer, 10)
+        rng = random.Random(self.rng.getrandbits(64))
+        for tries in range(6):
+            try:
+                head, _ = yield from get_recent(setup, c.known, rng)
+            except (NoQuorum, Contended) as exc:
+                self.log(f"{setup.proposer} final get_recent failed: {exc}")
+                yield Backoff(rng.uniform(0.5, 1.0) * 2 ** tries)
+                continue
+            self.learned(c, head, "final get_recent")
+            c.final = head
+            self.log(f"{setup.proposer} final get_recent -> {short(head)}")
+            return
+        self.violation(f"liveness: c{c.index}'s get_recent kept failing after all faults healed")
+
+    # --------------------------------------------------------------- driving
+    def start(self, c: Client, label: str, gen: Session) -> None:
+        c.label = label
+        c.gen = gen
+        if c.finished:
+            c.finished = False
+            self.unfinished += 1
+        self.advance(c, None)
+
+    def advance(self, c: Client, replies: list[Reply] | None) -> None:
+        """Send ``replies`` into the client's session and act on what it yields next."""
+        while c.gen is not None:
+            try:
+                step = c.gen.send(replies)
+            except StopIteration:
+                self.finish(c)
+                self.log(f"{c.label} session done")
+                return
+            except Exception as exc:  # a protocol error is a finding, not a crash of the simulator
+                self.finish(c)
+                self.violation(f"{c.label} raised {type(exc).__name__}: {exc}")
+                return
+            if isinstance(step, Backoff):
+                self.at(self.now + step.seconds, _WAKE, (c.index, c.epoch))
+                return
+            if not step:
+                replies = []
+                continue
+            self.issue(c, step)
+            return
+
+    def finish(self, c: Client) -> None:
+        c.gen = None
+        if not c.finished:
+            c.finished = True
+            self.unfinished -= 1
+
+    def issue(self, c: Client, requests: list[Request]) -> None:
+        self.batches += 1
+        batch = Batch(self.batches, list(requests), [None] * len(requests), len(requests))
+        c.batch = batch
+        for i, req in enumerate(requests):
+            if isinstance(req, Append):
+                key = (req.instance, req.message)
+                if key not in self._sent_set:
+                    self._sent_set.add(key)
+                    self.sent.setdefault(req.instance, []).append(req.message)
+            self.at(self.now + self.delay(req.acceptor), _DELIVER, (c.index, c.epoch, batch.id, i, req))
+        self.at(self.now + self.p.timeout, _TIMEOUT, (c.index, c.epoch, batch.id))
+        if self.faulty and self.rng.random() < self.p.p_client_crash:
+            self.at(self.now + self.rng.uniform(0, self.p.timeout), _CRASH, (c.index, c.epoch))
+
+    def deliver(self, index: int, epoch: int, batch: int, i: int, req: Request) -> None:
+        """A request reaches its acceptor: apply it (maybe), send a reply (maybe)."""
+        acc = self.acceptors[req.acceptor]
+        c = self.clients[index]
+        cut = (index, acc.name) in self.cuts
+        if acc.down or cut or (self.faulty and self.rng.random() < self.p.p_fail):
+            why = "down" if acc.down else "partitioned" if cut else "failed"
+            if why == "failed" and isinstance(req, Append) and self.rng.random() < self.p.p_torn:
+                # A torn write: the append failed but left an entry that does not decode.
+                log = acc.logs.setdefault(req.instance, [])
+                if req.position is None or len(log) == req.position:
+                    log.append(None)
+                    why = "torn"
+            self.stats[f"requests {why}"] += 1
+            if self.tracing:
+                name = c.label if c.epoch == epoch else f"c{index}(gone)"
+                self.log(f"{name} -> {acc.name} {show_request(req)}: {why}")
+            self.at(self.now + self.delay(req.acceptor), _REPLY, (index, epoch, batch, i, None))
+            return
+        reply = self.byzantine_apply(acc, req) if acc.byzantine else self.apply(acc, req)
+        lost = self.faulty and self.rng.random() < self.p.p_lost
+        if self.tracing:
+            name = c.label if c.epoch == epoch else f"c{index}(gone)"
+            self.log(f"{name} -> {acc.name} {show_request(req)} => {show_reply(reply)}"
+                     + (" (reply lost)" if lost else ""))
+        if lost:
+            self.stats["replies lost"] += 1
+            if self.rng.random() < 0.5:
+                return  # no answer at all: the client times out
+            reply = None
+        self.at(self.now + self.delay(req.acceptor), _REPLY, (index, epoch, batch, i, reply))
+
+    def apply(self, acc: Acceptor, req: Request) -> Reply:
+        if isinstance(req, Fetch):
+            return list(acc.logs.get(req.instance, ()))
+        if isinstance(req, Append):
+            log = acc.logs.setdefault(req.instance, [])
+            if req.position is not None:
+                if acc.name not in self.p.conditional:
+                    self.violation(f"conditional append on {acc.name}, which has none: {req}")
+                    return None
+                if len(log) != req.position:
+                    return False
+            log.append(req.message)
+            if req.position is None and self.faulty and self.rng.random() < self.p.p_dup:
+                # A backend client library retried a plain append that had worked.
+                self.stats["plain appends duplicated"] += 1
+                log.append(req.message)
+            return True
+        if isinstance(req, ReadHint):
+            return acc.hint
+        acc.hint = req.number
+        self.hints_written.append(req.number)
+        return True
+
+    def byzantine_apply(self, acc: Acceptor, req: Request) -> Reply:
+        """A Byzantine acceptor: anything the MAC lets it get away with."""
+        rng = self.rng
+        if isinstance(req, Fetch):
+            reply = self.byzantine_log(acc, req.instance)
+            if reply and rng.random() < 0.15:
+                # Garbage that fails its MAC: the reader sees an undecodable entry.
+                reply.insert(rng.randrange(len(reply) + 1), None)
+            return reply
+        if isinstance(req, Append):
+            log = acc.logs.setdefault(req.instance, [])
+            fits = req.position is None or len(log) == req.position
+            if fits and rng.random() < 0.8:
+                log.append(req.message if rng.random() < 0.9 else None)
+            if req.position is None:
+                return True
+            return fits if rng.random() < 0.6 else rng.random() < 0.5
+        if isinstance(req, ReadHint):
+            if self.hints_written and rng.random() < 0.7:
+                return rng.choice(self.hints_written)
+            return acc.hint if rng.random() < 0.5 else None
+        acc.hint = req.number
+        self.hints_written.append(req.number)
+        return True
+
+    def byzantine_log(self, acc: Acceptor, instance: int) -> list[Message | None]:
+        """What a Byzantine acceptor claims its log is: reordered, cut and spliced real
+        messages (of this instance only: the MAC binds the instance)."""
+        rng = self.rng
+        own = list(acc.logs.get(instance, ()))
+        sent: list[Message] = self.sent.get(instance, [])
+        claim: list[Message | None]
+        how = rng.random()
+        if how < 0.2:
+            claim = own
+        elif how < 0.35:
+            claim = [m for m in own if rng.random() < 0.6]
+        elif how < 0.5:
+            claim = own
+            rng.shuffle(claim)
+        elif how < 0.7:
+            claim = [m for m in own + [m for m in sent if rng.random() < 0.5] if rng.random() < 0.7]
+            if rng.random() < 0.5:
+                rng.shuffle(claim)
+        elif how < 0.8:
+            # Claim to have accepted everything ever sent, promising nothing first.
+            accepted = sorted((m for m in sent if m.type == "accept"), key=_by_round)
+            claim = list(accepted)
+        elif how < 0.87:
+            # Claim the highest promise seen, to pre-empt everyone.
+            everything = sorted(sent, key=_by_round)
+            claim = list(everything)
+        elif how < 0.95:
+            # Grant the newest prepare while reporting the oldest accepted value.
+            accepts = [m for m in sent if m.type == "accept"]
+            prepares = [m for m in sent if m.type == "prepare"]
+            claim = []
+            if accepts:
+                claim.append(min(accepts, key=_by_round))
+            if prepares:
+                claim.append(max(prepares, key=_by_round))
+        else:
+            claim = []
+        return claim
+
+    def complete(self, c: Client) -> None:
+        batch = c.batch
+        assert batch is not None
+        c.batch = None
+        self.advance(c, batch.replies)
+
+    def handle(self, kind: int, data: Any) -> None:
+        if kind == _DELIVER:
+            self.deliver(*data)
+        elif kind == _REPLY:
+            index, epoch, batch_id, i, reply = data
+            c = self.clients[index]
+            if c.epoch == epoch and c.batch is not None and c.batch.id == batch_id:
+                c.batch.replies[i] = reply
+                c.batch.waiting -= 1
+                if c.batch.waiting == 0:
+                    self.complete(c)
+        elif kind == _TIMEOUT:
+            index, epoch, batch_id = data
+            c = self.clients[index]
+            if c.epoch == epoch and c.batch is not None and c.batch.id == batch_id:
+                self.stats["round trips timed out"] += 1
+                self.log(f"{c.label} timeout: {c.batch.waiting} replies missing")
+                self.complete(c)
+        elif kind == _WAKE:
+            index, epoch = data
+            c = self.clients[index]
+            if c.epoch == epoch and c.batch is None:
+                self.advance(c, None)
+        elif kind == _CRASH:
+            index, epoch = data
+            c = self.clients[index]
+            if c.epoch == epoch and c.gen is not None and self.faulty:
+                self.stats["client crashes"] += 1
+                self.log(f"{c.label} CRASHES")
+                c.gen.close()
+                c.gen = None
+                c.batch = None
+                c.epoch += 1
+                c.crashed = True
+                self.at(self.now + self.rng.uniform(0.2, 3.0), _RESTART, index)
+        elif kind == _RESTART:
+            c = self.clients[data]
+            if c.crashed:
+                c.crashed = False
+                c.session += 1
+                label = f"c{c.index}.s{c.session}"
+                self.log(f"{label} restarts (durable: known {short(c.known)}, pending {c.pending})")
+                self.start(c, label, self.session(c, label))
+        elif kind == _DOWN:
+            name, duration = data
+            acc = self.acceptors[name]
+            if not self.faulty or acc.down:
+                return
+            unavailable = sum(1 for a in self.acceptors.values() if a.down or a.byzantine)
+            if unavailable >= self.quorums.faults and self.rng.random() >= self.p.p_exceed:
+                return
+            acc.down = True
+            self.stats["acceptor outages"] += 1
+            if unavailable >= self.quorums.faults:
+                self.stats["outages beyond the tolerated faults"] += 1
+            self.log(f"acceptor {name} DOWN for {duration:.2f}"
+                     + (" (more than the quorums tolerate)" if unavailable >= self.quorums.faults else ""))
+            self.at(self.now + duration, _UP, name)
+        elif kind == _UP:
+            acc = self.acceptors[data]
+            if acc.down:
+                acc.down = False
+                self.log(f"acceptor {data} up")
+        elif kind == _CUT:
+            index, name, duration = data
+            if not self.faulty or (index, name) in self.cuts:
+                return
+            unavailable = sum(1 for a in self.acceptors.values()
+                              if a.down or a.byzantine or (index, a.name) in self.cuts)
+            if unavailable >= self.quorums.faults and self.rng.random() >= self.p.p_exceed:
+                return
+            self.cuts.add((index, name))
+            self.stats["partitions"] += 1
+            self.log(f"c{index} cannot reach {name} for {duration:.2f}")
+            self.at(self.now + duration, _MEND, (index, name))
+        elif kind == _MEND:
+            if data in self.cuts:
+                self.cuts.discard(data)
+                self.log(f"c{data[0]} reaches {data[1]} again")
+        elif kind == _HEAL:
+            self.faulty = False
+            self.log("HEAL: all acceptors up, no more network faults or client crashes")
+            for acc in self.acceptors.values():
+                acc.down = False
+            self.cuts.clear()
+            for c in self.clients:
+                if c.crashed:
+                    self.at(self.now, _RESTART, c.index)
+
+    def loop(self, until: float, done: Any) -> bool:
+        """Process events until ``done()`` or virtual time ``until``; False on overrun."""
+        while self.heap and not done():
+            when, _, kind, data = self.heap[0]
+            if when > until or self.events >= EVENT_LIMIT:
+                return False
+            heapq.heappop(self.heap)
+            self.now = max(self.now, when)
+            self.events += 1
+            self.handle(kind, data)
+        return bool(done())
+
+    def drain(self) -> None:
+        """Deliver everything still in flight (late requests still land)."""
+        while self.heap and self.events < EVENT_LIMIT:
+            when, _, kind, data = heapq.heappop(self.heap)
+            self.now = max(self.now, when)
+            self.events += 1
+            self.handle(kind, data)
+
+    # --------------------------------------------------------------- the schedule
+    def run(self) -> Result:
+        p = self.p
+        self.log(f"seed {self.seed}: {p.describe()}")
+        for _ in range(p.acceptor_crashes):
+            start = self.rng.uniform(0, p.fault_time)
+            self.at(start, _DOWN, (self.rng.choice(self.names), self.rng.uniform(0.2, p.fault_time / 2)))
+        for _ in range(p.partitions):
+            start = self.rng.uniform(0, p.fault_time)
+            self.at(start, _CUT, (self.rng.randrange(len(self.clients)), self.rng.choice(self.names),
+                                  self.rng.uniform(0.2, p.fault_time / 2)))
+        self.at(p.fault_time, _HEAL, None)
+        together = self.rng.random() < 0.3  # everyone starts at once: fast-round collisions
+        for c in self.clients:
+            self.at(0.0 if together else self.rng.uniform(0, 1.0), _RESTART, c.index)
+            c.crashed = True  # "restart" into session 0
+            c.session = -1
+        self.unfinished = len(self.clients)
+
+        finished = self.loop(p.fault_time + HEAL_LIMIT,
+                             lambda: self.unfinished == 0 and not self.faulty)
+        if not finished:
+            for c in self.clients:
+                if not c.finished:
+                    self.violation(
+                        f"liveness: {c.label} did not finish its pushes within {HEAL_LIMIT:g} s "
+                        f"after all faults healed (pending {c.pending}, made {c.created} of {c.pushes})")
+        for c in self.clients:
+            if c.gen is not None:
+                c.gen.close()
+            self.finish(c)
+            c.epoch += 1
+            c.batch = None
+        self.drain()
+
+        # Quiescence: get_recent on every client, one at a time, until nothing changes.
+        previous: list[Version | None] | None = None
+        for attempt in range(FINAL_PASSES):
+            for c in self.clients:
+                c.final = None
+                label = f"c{c.index}.f{attempt}"
+                self.start(c, label, self.final_session(c, label))
+                if not self.loop(float("inf"), lambda c=c: c.finished):
+                    self.violation(f"liveness: c{c.index}'s final get_recent did not finish")
+                    self.finish(c)
+                c.epoch += 1
+                c.batch = None
+                self.drain()
+            finals = [c.final for c in self.clients]
+            if previous == finals and len(set(finals)) == 1:
+                break
+            previous = finals
+        self.check()
+        self.stats["schedules in Byzantine mode" if p.bft else "schedules in crash mode"] += 1
+        self.stats["events"] += self.events
+        return Result(self.seed, p.describe(), self.violations, self.trace, self.events,
+                      max((c.known.number for c in self.clients), default=0), dict(self.stats))
+
+    # --------------------------------------------------------------- the checker
+    def chosen_by_logs(self, instance: int) -> dict[Version, list[str]]:
+        """Values the honest acceptors' logs show chosen (or choosable with the help of
+        Byzantine claims) in ``instance``: ``classic - f`` honest acceptances in a
+        classic round (``f`` Byzantine acceptors could claim the rest), ``fast`` in
+        the fast round."""
+        counts: Counter[tuple[Round, Version]] = Counter()
+        for acc in self.acceptors.values():
+            if not acc.byzantine:
+                for rnd, value in replay(acc.logs.get(instance, ())).accepts.items():
+                    counts[(rnd, value)] += 1
+        slack = (self.p.acceptors - 1) // 3 if self.p.bft else 0
+        out: dict[Version, list[str]] = {}
+        for (rnd, value), count in counts.items():
+            needed = self.quorums.fast if rnd == FAST_ROUND else self.quorums.classic - slack
+            if needed is not None and count >= needed:
+                out.setdefault(value, []).append(
+                    f"{count} honest acceptors accepted it in round {show_round(rnd)}")
+        return out
+
+    def check(self) -> None:
+        instances = sorted({i for a in self.acceptors.values() for i in a.logs} | set(self.observed))
+        chosen: dict[int, Version] = {}
+        # (a) at most one value chosen per instance, whoever looks.
+        for inst in instances:
+            by_logs = self.chosen_by_logs(inst)
+            values: dict[Version, list[str]] = {v: list(why) for v, why in by_logs.items()}
+            for value, who in self.observed.get(inst, ()):
+                values.setdefault(value, []).append(f"{who} decided it")
+                if value not in by_logs:
+                    self.violation(f"instance {inst}: {who} decided {value} but the honest "
+                                   f"acceptors' logs show no quorum accepting it")
+            for value in values:
+                if value.number != inst:
+                    self.violation(f"instance {inst} chose a value numbered {value.number}: {value}")
+            if len(values) > 1:
+                detail = "; ".join(f"{short(v)} [{', '.join(why[:3])}]"
+                                   for v, why in sorted(values.items(), key=lambda kv: kv[0].master or ""))
+                self.violation(f"instance {inst}: {len(values)} different values chosen: {detail}")
+            if values:
+                chosen[inst] = min(values, key=lambda v: v.master or "")
+                fast = any("round fast" in why for why in by_logs.get(chosen[inst], ()))
+                self.stats["versions decided in the fast round" if fast
+                           else "versions decided in a classic round"] += 1
+        # (c) every client converges on the same version.
+        finals = [c.final for c in self.clients]
+        if None in finals or len(set(finals)) != 1:
+            self.violation("clients did not converge: " + ", ".join(
+                f"c{c.index}={short(c.final)}" for c in self.clients))
+            return
+        final = finals[0]
+        assert final is not None
+        # (d) versions 1..final form one chain, each commit's parent the previous master.
+        parent: str | None = None
+        for number in range(1, final.number + 1):
+            link = chosen.get(number)
+            if link is None:
+                self.violation(f"history: no value chosen in instance {number} below the "
+                               f"final version {short(final)}")
+                return
+            commit = self.commits.get(link.master or "")
+            if commit is None:
+                self.violation(f"history: version {number}'s master {link.master} names no commit")
+                return
+            if commit[0] != parent:
+                self.violation(f"history: version {number} ({short(link)}) has parent "
+                               f"{(commit[0] or 'none')[:6]}, not version {number - 1}'s master "
+                               f"{(parent or 'none')[:6]}")
+            if not self.changes_of(parent) <= commit[1]:
+                lost = sorted(self.changes_of(parent) - commit[1])
+                self.violation(f"history: version {number} dropped changes {lost} of its parent")
+            parent = link.master
+        if chosen.get(final.number, final) != final:
+            self.violation(f"clients converged on {final} but instance {final.number} chose "
+                           f"{chosen[final.number]}")
+        beyond = [i for i in chosen if i > final.number]
+        if beyond:
+            self.violation(f"instances {beyond} chose values beyond the converged version "
+                           f"{short(final)}")
+        # (b) every push that reported success is in the final history.
+        changes = self.changes_of(final.master)
+        for change, who, version in self.successes:
+            if change not in changes:
+                self.violation(f"lost push: {who} pushed {change} successfully in "
+                               f"{short(version)} but the final {short(final)} lacks it")
+            if chosen.get(version.number) != version:
+                self.violation(f"{who}'s push of {change} succeeded in {short(version)}, which "
+                               f"is not the value chosen in instance {version.number}")
+        self.log(f"final {short(final)} = {sorted(changes)}")
+
+
+def run(seed: int, bft_share: float = DEFAULT_BFT_SHARE, trace: bool = False) -> Result:
+    """Simulate the schedule of ``seed`` and check it."""
+    return Simulation(seed, bft_share, trace).run()
+
+
+# ====================================================================== the CLI
+def _run_one(args: tuple[int, float, bool]) -> Result:
+    return run(*args)
+
+
+def _results(seeds: Sequence[int], bft_share: float, verbose: bool, jobs: int) -> Iterator[Result]:
+    tasks = [(s, bft_share, verbose) for s in seeds]
+    if jobs <= 1 or len(seeds) < 50:
+        yield from map(_run_one, tasks)
+        return
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        yield from pool.imap(_run_one, tasks, chunksize=max(1, min(64, len(seeds) // (jobs * 8))))
+
+
+def _default_jobs() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="bin/simulate",
+        description="Run seeded pPaxos fault-injection schedules and check their invariants.")
+    parser.add_argument("--seeds", type=int, required=True, help="how many schedules to run")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
+    parser.add_argument("--bft-share", type=float, default=DEFAULT_BFT_SHARE,
+                        help=f"share of schedules in Byzantine mode (default {DEFAULT_BFT_SHARE})")
+    parser.add_argument("--jobs", type=int, default=_default_jobs(),
+                        help="worker processes (default: the CPUs available)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print each schedule's trace")
+    parser.add_argument("--stats", action="store_true", help="print what the schedules exercised")
+    args = parser.parse_args(argv)
+    if args.seeds < 0 or not 0.0 <= args.bft_share <= 1.0:
+        parser.error("--seeds must be >= 0 and --bft-share within [0, 1]")
+
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    extra = "" if args.bft_share == DEFAULT_BFT_SHARE else f" --bft-share {args.bft_share:g}"
+    failing = 0
+    totals: Counter[str] = Counter()
+    for result in _results(seeds, args.bft_share, args.verbose, args.jobs):
+        if args.verbose:
+            print("\n".join(result.trace))
+            print(f"seed {result.seed}: {result.events} events, {result.versions} versions, "
+                  f"{len(result.violations)} violations")
+            for v in result.violations:
+                print(f"  violation: {v}")
+        totals.update(result.stats)
+        if result.violations:
+            failing += 1
+            more = f" (+{len(result.violations) - 1} more)" if len(result.violations) > 1 else ""
+            print(f"seed {result.seed}: {result.violations[0]}{more} [{result.params}]; replay: "
+                  f"bin/simulate --seeds 1 --first-seed {result.seed}{extra} -v", flush=True)
+    if args.stats:
+        for key in sorted(totals):
+            print(f"  {key}: {totals[key]}")
+    print(f"{args.seeds} schedules, {failing} violations")
+    return 1 if failing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
