@@ -8,6 +8,7 @@ are compared.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -124,7 +125,7 @@ def test_three_clients_push_concurrently_and_converge(tmp_path: Path, backends: 
     # One version per push (3 x ROUNDS) plus the first one; the chain is linear:
     # each entry's first parent is the next (older) entry.
     assert len(history) == 3 * ROUNDS + 1
-    for newer, older in zip(history, history[1:], strict=False):
+    for newer, older in itertools.pairwise(history):
         parents = newer["parents"]
         assert isinstance(parents, list) and parents[0] == older["commit"]
     assert history[-1]["parents"] == []
