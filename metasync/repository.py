@@ -66,6 +66,7 @@ from metasync.worktree import (
     META_DIR,
     Chunker,
     FileChanged,
+    IgnoreRules,
     ScanEntry,
     conflict_name,
     file_mode,
@@ -674,9 +675,9 @@ class Repository:
     ) -> tuple[dict[str, TreeEntry], set[str], list[IndexRow], list[str]]:
         """Scan the folder; return (file and link entries, folders, refreshed index
         rows, paths skipped because they changed while being read)."""
-        entries = scan(self.root)
-        self._last_scan = entries
         rows = self.db.index_rows()
+        entries = scan(self.root, IgnoreRules.load(self.root, rows))
+        self._last_scan = entries
         files: dict[str, TreeEntry] = {}
         dirs: set[str] = set()
         to_hash: list[ScanEntry] = []

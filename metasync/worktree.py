@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -52,8 +52,43 @@ def is_ignored(name: str) -> bool:
     return name == META_DIR or name.startswith(TEMP_PREFIX)
 
 
-def scan(root: Path) -> dict[str, ScanEntry]:
-    """Every file, folder and link under ``root`` (not following links)."""
+#: Patterns (gitignore syntax) of paths not to synchronise; the file itself is synced.
+IGNORE_FILE = ".metasyncignore"
+
+
+class IgnoreRules:
+    """The patterns of ``.metasyncignore``, as git applies ``.gitignore``: they keep
+    *untracked* paths out; a path already tracked stays synchronised."""
+
+    def __init__(self, lines: list[str], tracked: Iterable[str] = ()) -> None:
+        import pathspec  # only repositories with an ignore file pay for the import
+
+        self.spec = pathspec.GitIgnoreSpec.from_lines(lines)
+        self.tracked = set(tracked)
+        self.tracked_dirs = {p.rpartition("/")[0] for p in self.tracked}
+        for d in list(self.tracked_dirs):
+            while d:
+                d = d.rpartition("/")[0]
+                self.tracked_dirs.add(d)
+
+    @classmethod
+    def load(cls, root: Path, tracked: Iterable[str] = ()) -> IgnoreRules | None:
+        """The rules of ``root``, or None if it has no (readable) ignore file."""
+        try:
+            text = (root / IGNORE_FILE).read_text(errors="replace")
+        except OSError:
+            return None
+        return cls(text.splitlines(), tracked)
+
+    def ignores(self, path: str, is_dir: bool) -> bool:
+        if path in self.tracked or (is_dir and path in self.tracked_dirs):
+            return False
+        return self.spec.match_file(path + "/" if is_dir else path)
+
+
+def scan(root: Path, ignore: IgnoreRules | None = None) -> dict[str, ScanEntry]:
+    """Every file, folder and link under ``root`` (not following links), except
+    what ``ignore`` excludes."""
     found: dict[str, ScanEntry] = {}
     stack: list[tuple[str, str]] = [(str(root), "")]
     while stack:
@@ -72,6 +107,8 @@ def scan(root: Path) -> dict[str, ScanEntry]:
                 except FileNotFoundError:
                     continue
                 mode = st.st_mode
+                if ignore is not None and ignore.ignores(rel, stat.S_ISDIR(mode)):
+                    continue
                 if stat.S_ISLNK(mode):
                     target = os.readlink(de.path)
                     size = len(os.fsencode(target))

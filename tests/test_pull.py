@@ -339,3 +339,26 @@ def test_one_command_per_folder_at_a_time(
         Repository.open(a.root / "doc.txt")
     a.close()
     Repository.open(a.root).close()
+
+
+def test_metasyncignore_keeps_untracked_paths_out(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
+) -> None:
+    """`.metasyncignore` (gitignore syntax, itself synced) keeps matching untracked
+    files and folders out of commits; a file tracked before the pattern was added
+    stays synchronised, as git does with .gitignore."""
+    a = _init(tmp_path, backends, passphrase)
+    (a.root / "tracked.log").write_text("tracked before the rule\n")
+    a.push("tracked")
+    (a.root / ".metasyncignore").write_text("*.log\nbuild/\n!keep.log\n")
+    (a.root / "new.log").write_text("ignored\n")
+    (a.root / "keep.log").write_text("negated: synced\n")
+    (a.root / "build").mkdir()
+    (a.root / "build" / "out.bin").write_bytes(b"x")
+    (a.root / "tracked.log").write_text("tracked, edited\n")
+    a.push("with ignores")
+    c = _clone(tmp_path, backends, passphrase, "c")
+    names = sorted(p.name for p in c.root.iterdir() if p.name != ".metasync")
+    assert names == [".metasyncignore", "doc.txt", "keep.log", "keep.txt", "tracked.log"]
+    assert (c.root / "tracked.log").read_text() == "tracked, edited\n"
+    assert a.status().clean
