@@ -146,6 +146,11 @@ class Consensus:
         """Record ``version`` as the latest on every acceptor (best effort)."""
         self.run(publish_hint(self.setup, version))
 
+    @property
+    def last_errors(self) -> dict[str, str]:
+        """Acceptor id -> why it failed, for the last operation's failed requests."""
+        return dict(self._errors)
+
     # --- driving -----------------------------------------------------------------------
     def run(self, protocol: Run[T]) -> T:
         """Drive a protocol generator to its result, doing its I/O."""

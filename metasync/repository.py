@@ -660,6 +660,12 @@ class Repository:
             level = nxt
         return flat
 
+    def tree_at(self, commit_id: str) -> dict[str, TreeEntry]:
+        """Every path of a commit's tree (flattened), loading what it needs."""
+        commit = self.load_commit(commit_id)
+        self._load_indexes(commit)
+        return self.flatten(commit.tree)
+
     def _file_chunks(self, entry: TreeEntry) -> list[tuple[str, int]]:
         """(blob id, length) of a file entry's content, in order."""
         if entry.type == "file":

@@ -1,0 +1,449 @@
+"""The background daemon: a Dropbox-like folder across many storage services.
+
+One loop, one folder. Local changes arrive as watchdog events; once the folder
+has been quiet for ``settle`` seconds the daemon commits and pushes once (a
+push merges with whatever others pushed). Remote changes are noticed by polling
+the acceptors' ``latest`` hint every ``poll`` seconds (and by a full check every
+``rescan`` seconds in case a hint was never written), then pulled. Everything
+else -- merging, conflict copies, crash safety -- is the repository's.
+
+The daemon holds the repository only while it syncs, so CLI commands run in
+between. It refuses to propagate what looks like an accident: a folder that is
+gone (an unmounted disk), or one sync that would delete more than
+``delete_share`` of the files (either direction), pauses it until
+``metasync daemon resume``.
+
+State for ``metasync daemon status`` is written atomically to
+``.metasync/daemon.json``; the log goes to ``.metasync/daemon.log``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import logging.handlers
+import os
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from metasync.backends import Backend, open_backend
+from metasync.consensus import HINT_KEY
+from metasync.errors import BackendError, MetasyncError, UsageError
+from metasync.repository import Repository
+from metasync.worktree import IGNORE_FILE, META_DIR, TEMP_PREFIX, IgnoreRules
+
+STATUS_FILE = "daemon.json"
+PID_FILE = "daemon.pid"
+LOG_FILE = "daemon.log"
+RESUME_FILE = "daemon.resume"
+#: The deletion guard applies only to folders with at least this many files.
+GUARD_MIN_FILES = 10
+
+
+@dataclass
+class Settings:
+    #: Quiet seconds after the last local change before committing.
+    settle: float = 3.0
+    #: Seconds between checks of the backends for others' changes.
+    poll: float = 10.0
+    #: Seconds between full checks (local scan and remote version) whatever happens.
+    rescan: float = 60.0
+    #: Largest share of the folder's files one sync may delete without confirmation.
+    delete_share: float = 0.5
+
+
+@dataclass
+class DaemonStatus:
+    """What ``metasync daemon status`` shows (``.metasync/daemon.json``)."""
+
+    pid: int
+    state: str = "starting"  # idle, syncing, offline, error, paused, stopped
+    reason: str = ""
+    last_sync: float | None = None
+    pending_changes: int = 0
+    unpushed: bool = False
+    conflicts: list[str] = field(default_factory=list)
+    backends: dict[str, str] = field(default_factory=dict)
+    watching: str = "events"  # or "scanning" when the OS has no watches left
+    version: int = 0
+    updated: float = 0.0
+
+
+class _Paused(Exception):
+    """A sync stopped itself to ask the user first."""
+
+
+class Daemon:
+    """Runs until :meth:`stop` (or SIGTERM/SIGINT in :meth:`run`)."""
+
+    def __init__(self, root: Path, settings: Settings | None = None) -> None:
+        self.root = root.absolute()
+        self.meta = self.root / META_DIR
+        self.settings = settings or Settings()
+        self.status = DaemonStatus(pid=os.getpid())
+        self.log = logging.getLogger(f"metasync.daemon.{id(self)}")
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._dirty = True  # the folder may have changed while no daemon ran
+        self._last_event = 0.0
+        self._ignore: IgnoreRules | None = None
+        self._tokens: dict[str, str | None] = {}
+        self._acceptors: dict[str, Backend] = {}
+        self._names: dict[str, str] = {}
+        self._allow_deletes = False
+
+    # --- lifecycle ---------------------------------------------------------------
+    def stop(self) -> None:
+        """Finish the current step, then leave the loop."""
+        self._stopping.set()
+        self._wake.set()
+
+    def run(self) -> int:
+        """The daemon's main loop; returns an exit status."""
+        self._setup_logging()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+        pid_fd = self._take_pid_file()
+        observer = self._watch()
+        self.log.info("watching %s (settle %gs, poll %gs)", self.root,
+                      self.settings.settle, self.settings.poll)
+        try:
+            self._open_acceptors()
+            self._loop()
+        finally:
+            if observer is not None:
+                observer.stop()
+                observer.join(timeout=5)
+            self.status.state = "stopped"
+            self._write_status()
+            self.log.info("stopped")
+            try:
+                (self.meta / PID_FILE).unlink(missing_ok=True)
+            except OSError:
+                pass
+            os.close(pid_fd)
+            for b in self._acceptors.values():
+                b.close()
+        return 0
+
+    def _loop(self) -> None:
+        next_poll = 0.0
+        next_rescan = time.monotonic() + self.settings.rescan
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            if self.status.state == "paused":
+                self._check_paused()
+                self._wake.wait(1.0)
+                self._wake.clear()
+                continue
+            local_due = self._dirty and now - self._last_event >= self.settings.settle
+            remote_due = False
+            if now >= next_poll:
+                next_poll = now + self.settings.poll
+                remote_due = self._remote_moved()
+                # Without watches, or after a failure, every poll is a full attempt.
+                if self.status.watching == "scanning" or self.status.state in ("offline", "error"):
+                    local_due = True
+            if now >= next_rescan:
+                next_rescan = now + self.settings.rescan
+                local_due = remote_due = True
+            settling = self._dirty and now - self._last_event < self.settings.settle
+            if (local_due or remote_due) and not settling:
+                # Never while files are still being written: a sync would commit them
+                # half-written (the settle wait is what makes a slow writer safe).
+                self._sync()
+            elif remote_due or local_due:
+                next_poll = min(next_poll, now + self.settings.settle)
+            timeout = next_poll - time.monotonic()
+            if self._dirty:
+                timeout = min(timeout, self._last_event + self.settings.settle - time.monotonic())
+            self._wake.wait(max(0.05, timeout))
+            self._wake.clear()
+
+    # --- one sync ------------------------------------------------------------------
+    def _sync(self) -> None:
+        if not (self.meta / "state.db").is_file():
+            self._pause(f"{self.root} or its {META_DIR} folder is gone (an unmounted disk?); "
+                        "syncing stops until it is back")
+            return
+        self._dirty = False
+        self.status.state = "syncing"
+        self._write_status()
+        try:
+            with Repository.open(self.root) as repo:
+                try:
+                    self._sync_repo(repo)
+                finally:
+                    self._record_backends(repo)
+        except _Paused:
+            return
+        except UsageError as exc:
+            if "another metasync command" in str(exc):
+                self._dirty = True  # a CLI command has the folder: try again soon
+                self._last_event = time.monotonic()
+                self.status.state = "idle"
+                return
+            self._fail(exc)
+        except BackendError as exc:
+            self.status.state = "offline"
+            self.status.reason = str(exc)
+            self.log.warning("offline: %s", exc)
+            self._commit_offline()
+        except MetasyncError as exc:
+            self._fail(exc)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                self._pause(f"{self.root} vanished during a sync; syncing stops until it is back")
+            else:
+                self._fail(exc)
+        self._write_status()
+
+    def _sync_repo(self, repo: Repository) -> None:
+        allow = self._allow_deletes
+        self._allow_deletes = False
+        st = repo.status()
+        tracked = sum(1 for row in repo.db.index_rows().values() if row.type != "dir")
+        deleted = sum(1 for c in st.changes if c.kind == "deleted" and c.type != "dir")
+        if not allow and self._too_many(deleted, tracked):
+            self._pause(f"{deleted} of {tracked} files were deleted here at once; run "
+                        "`metasync daemon resume` to sync that, or restore them")
+            raise _Paused
+        latest = repo.consensus.get_recent(repo.prev)
+        if latest.number > repo.prev.number and latest.master and repo.prev.master and not allow:
+            before_tree = repo.tree_at(repo.prev.master)
+            after_tree = repo.tree_at(latest.master)
+            before = _file_count(before_tree)
+            gone = sum(1 for p, e in before_tree.items() if e.type != "dir" and p not in after_tree)
+            if self._too_many(gone, before):
+                self._pause(f"version {latest.number} deletes {gone} of {before} files; run "
+                            "`metasync daemon resume` to take it")
+                raise _Paused
+        if st.changes or st.unpushed or latest.number > repo.prev.number:
+            result = repo.push()
+            if result.conflicts:
+                self.log.info("conflicts: %s", ", ".join(result.conflicts))
+                self.status.conflicts += result.conflicts
+            if not result.up_to_date and result.version is not None:
+                self.log.info("synced version %d", result.version.number)
+        self.status.version = repo.prev.number
+        self.status.state = "idle"
+        self.status.reason = ""
+        self.status.last_sync = time.time()
+        self.status.pending_changes = 0
+        self.status.unpushed = False
+
+    def _commit_offline(self) -> None:
+        """Backends unreachable: keep local changes as a local commit, pushed later."""
+        try:
+            with Repository.open(self.root) as repo:
+                repo.commit("offline")
+                st = repo.status()
+                self.status.pending_changes = len(st.changes)
+                self.status.unpushed = st.unpushed
+        except MetasyncError as exc:
+            self.log.warning("could not commit locally: %s", exc)
+
+    def _too_many(self, deleted: int, total: int) -> bool:
+        return total >= GUARD_MIN_FILES and deleted > self.settings.delete_share * total
+
+    def _pause(self, reason: str) -> None:
+        if self.status.state != "paused":
+            self.log.warning("paused: %s", reason)
+        self.status.state = "paused"
+        self.status.reason = reason
+        self._write_status()
+
+    def _check_paused(self) -> None:
+        """Leave the pause when the user resumes, or when a missing folder is back."""
+        resume = self.meta / RESUME_FILE
+        if resume.exists():
+            resume.unlink(missing_ok=True)
+            self.log.info("resumed by the user")
+            self._allow_deletes = True
+        elif "is gone" in self.status.reason and (self.meta / "state.db").is_file():
+            self.log.info("%s is back", self.root)
+        else:
+            return
+        self.status.state = "idle"
+        self.status.reason = ""
+        self._dirty = True
+        self._last_event = 0.0
+
+    def _fail(self, exc: BaseException) -> None:
+        self.status.state = "error"
+        self.status.reason = str(exc)
+        self.log.error("sync failed: %s", exc)
+
+    # --- remote changes --------------------------------------------------------------
+    def _open_acceptors(self) -> None:
+        with Repository.open(self.root) as repo:
+            overrides: dict[str, str] = repo.db.get("uri_overrides", {})
+            for backend_id in repo.config.acceptors:
+                spec = repo.config.backend(backend_id)
+                uri = overrides.get(backend_id, spec.uri)
+                self._acceptors[backend_id] = open_backend(uri, repo.config.namespace)
+                self._names[backend_id] = uri
+            self.status.version = repo.prev.number
+
+    def _remote_moved(self) -> bool:
+        """True if some acceptor's ``latest`` hint changed since the last look."""
+        moved = False
+        for backend_id, backend in self._acceptors.items():
+            try:
+                token = backend.poll(HINT_KEY)
+            except MetasyncError:
+                continue
+            if self._tokens.get(backend_id, "unseen") != token:
+                moved = True
+            self._tokens[backend_id] = token
+        return moved
+
+    def _record_backends(self, repo: Repository) -> None:
+        health = {self._names.get(b, b): "ok" for b in repo.config.acceptors}
+        for backend_id, why in repo.store.down.items():
+            health[self._names.get(backend_id, backend_id)] = f"unreachable: {why}"
+        for backend_id, why in repo.consensus.last_errors.items():
+            health[self._names.get(backend_id, backend_id)] = why
+        self.status.backends = health
+
+    # --- local changes -------------------------------------------------------------------
+    def _watch(self) -> Any:
+        from watchdog.events import FileSystemEvent, FileSystemEventHandler
+        from watchdog.observers import Observer
+
+        daemon = self
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event: FileSystemEvent) -> None:
+                if event.event_type in ("opened", "closed_no_write"):
+                    return
+                paths = [event.src_path, getattr(event, "dest_path", "")]
+                if any(daemon._relevant(os.fsdecode(p)) for p in paths if p):
+                    daemon._dirty = True
+                    daemon._last_event = time.monotonic()
+                    daemon._wake.set()
+
+        observer = Observer()
+        observer.schedule(Handler(), str(self.root), recursive=True)
+        try:
+            observer.start()
+        except OSError as exc:
+            # ENOSPC from inotify: the user's watch limit is used up.
+            self.log.warning("cannot watch %s (%s); scanning every %gs instead",
+                             self.root, exc, self.settings.poll)
+            self.status.watching = "scanning"
+            return None
+        return observer
+
+    def _relevant(self, path: str) -> bool:
+        try:
+            rel = os.path.relpath(path, self.root)
+        except ValueError:
+            return False
+        if rel == "." or rel == ".." or rel.startswith(".." + os.sep):
+            return rel == "."
+        parts = rel.split(os.sep)
+        if parts[0] == META_DIR or parts[-1].startswith(TEMP_PREFIX):
+            return False
+        if rel == IGNORE_FILE:
+            self._ignore = None
+            return True
+        if self._ignore is None:
+            self._ignore = IgnoreRules.load(self.root) or IgnoreRules([])
+        return not self._ignore.ignores("/".join(parts), is_dir=os.path.isdir(path))
+
+    # --- files -------------------------------------------------------------------------
+    def _setup_logging(self) -> None:
+        self.log.setLevel(logging.INFO)
+        self.log.propagate = False
+        fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
+        try:
+            handler: logging.Handler = logging.handlers.RotatingFileHandler(
+                self.meta / LOG_FILE, maxBytes=1_000_000, backupCount=3)
+        except OSError:
+            handler = logging.StreamHandler()
+        handler.setFormatter(fmt)
+        self.log.addHandler(handler)
+
+    def _take_pid_file(self) -> int:
+        """One daemon per folder: an exclusive lock on the pid file while it runs."""
+        import fcntl
+
+        fd = os.open(self.meta / PID_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UsageError(f"a metasync daemon already runs for {self.root}; "
+                             "see `metasync daemon status`") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return fd
+
+    def _write_status(self) -> None:
+        self.status.updated = time.time()
+        path = self.meta / STATUS_FILE
+        tmp = path.with_name(f".{STATUS_FILE}.tmp")
+        try:
+            tmp.write_text(json.dumps(asdict(self.status), indent=2))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # the folder is gone: the log says why
+
+
+def _file_count(tree: dict[str, Any]) -> int:
+    return sum(1 for e in tree.values() if e.type != "dir")
+
+
+def read_status(root: Path) -> dict[str, Any]:
+    """The daemon's last written status, with ``state`` ``stopped`` if it is not running."""
+    meta = root / META_DIR
+    try:
+        doc: dict[str, Any] = json.loads((meta / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        doc = {"state": "stopped", "pid": None}
+    pid = doc.get("pid")
+    if not isinstance(pid, int) or not _alive(pid) or not daemon_running(root):
+        doc["state"] = "stopped"
+    return doc
+
+
+def daemon_running(root: Path) -> bool:
+    """True if some process holds the daemon's pid-file lock for ``root``."""
+    import fcntl
+
+    try:
+        fd = os.open(root / META_DIR / PID_FILE, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def running_pid(root: Path) -> int | None:
+    if not daemon_running(root):
+        return None
+    try:
+        return int((root / META_DIR / PID_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
