@@ -96,6 +96,7 @@ class Daemon:
         self._acceptors: dict[str, Backend] = {}
         self._names: dict[str, str] = {}
         self._allow_deletes = False
+        self._remote_pending = False
 
     # --- lifecycle ---------------------------------------------------------------
     def stop(self) -> None:
@@ -142,10 +143,10 @@ class Daemon:
                 self._wake.clear()
                 continue
             local_due = self._dirty and now - self._last_event >= self.settings.settle
-            remote_due = False
+            remote_due = self._remote_pending
             if now >= next_poll:
                 next_poll = now + self.settings.poll
-                remote_due = self._remote_moved()
+                remote_due = self._remote_moved() or remote_due
                 # Without watches, or after a failure, every poll is a full attempt.
                 if self.status.watching == "scanning" or self.status.state in ("offline", "error"):
                     local_due = True
@@ -156,9 +157,10 @@ class Daemon:
             if (local_due or remote_due) and not settling:
                 # Never while files are still being written: a sync would commit them
                 # half-written (the settle wait is what makes a slow writer safe).
+                self._remote_pending = False
                 self._sync()
-            elif remote_due or local_due:
-                next_poll = min(next_poll, now + self.settings.settle)
+            else:
+                self._remote_pending = remote_due
             timeout = next_poll - time.monotonic()
             if self._dirty:
                 timeout = min(timeout, self._last_event + self.settings.settle - time.monotonic())
