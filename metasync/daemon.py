@@ -225,7 +225,10 @@ class Daemon:
                 self._pause(f"version {latest.number} deletes {gone} of {before} files; run "
                             "`metasync daemon resume` to take it")
                 raise _Paused
-        if st.changes or st.unpushed or latest.number > repo.prev.number:
+        # Copies a backend missed while away are rewritten by a push, so one runs
+        # for them too, even with nothing new.
+        missed = bool(repo.db.missing_copies())
+        if st.changes or st.unpushed or latest.number > repo.prev.number or missed:
             result = repo.push()
             if result.conflicts:
                 self.log.info("conflicts: %s", ", ".join(result.conflicts))

@@ -219,11 +219,6 @@ def test_one_backend_away_30s_both_daemons_go_on_and_heal(
                "`metasync fsck` to pass on A and B once each side synced again")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: the daemon never rewrites copies a backend missed while it was away unless "
-    "there is something new to push: its full check calls Repository.push() only for "
-    "local changes, unpushed commits or a newer remote version, and push() is what runs "
-    "_repair_missing_copies(); `daemon status` meanwhile reports every backend ok"))
 def test_daemon_heals_missed_copies_without_further_changes(
         tmp_path: Path, backends: list[Path], daemons: Daemons) -> None:
     """After a backend that was away returns, the daemon's own full check (every
