@@ -111,6 +111,7 @@ class Daemon:
             signal.signal(sig, lambda *_: self.stop())
         pid_fd = self._take_pid_file()
         observer = self._watch()
+        self._write_status()
         self.log.info("watching %s (settle %gs, poll %gs)", self.root,
                       self.settings.settle, self.settings.poll)
         try:

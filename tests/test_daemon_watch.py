@@ -1,0 +1,68 @@
+"""The daemon without inotify watches: it says so and falls back to scanning."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from conftest import METASYNC, PASSPHRASE, run_cli
+
+LIMIT = Path("/proc/sys/fs/inotify/max_user_watches")
+
+
+def _wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    tick = threading.Event()
+    for _ in range(int(timeout / 0.2) + 1):
+        if condition():
+            return
+        tick.wait(0.2)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+@pytest.mark.skipif(not os.access(LIMIT, os.W_OK), reason="needs a writable inotify watch limit (root)")
+def test_out_of_watches_falls_back_to_scanning(tmp_path: Path, backends: list[Path]) -> None:
+    """With fewer inotify watches left than the folder has folders, the daemon
+    cannot watch it: it logs that it scans instead, reports `watching: scanning`,
+    and still syncs a new file to the other clone."""
+    a = tmp_path / "a"
+    for i in range(40):
+        (a / f"d{i:02d}").mkdir(parents=True)
+        (a / f"d{i:02d}" / "f.txt").write_text(f"{i}\n")
+    run_cli("init", str(a), *(f"--backend=dir:{b}" for b in backends))
+    run_cli("push", cwd=a)
+    run_cli("clone", f"dir:{backends[1]}", str(tmp_path / "b"))
+    env = {**os.environ, "METASYNC_PASSPHRASE": PASSPHRASE}
+    old = LIMIT.read_text()
+    LIMIT.write_text("8\n")  # fewer than the 41 folders to watch
+    try:
+        proc = subprocess.Popen([METASYNC, "daemon", "--settle", "0.2", "--poll", "0.5"], cwd=a,
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        log = a / ".metasync" / "daemon.log"
+        _wait_until(lambda: log.exists() and "scanning every" in log.read_text(), 30,
+                    "the daemon to log that it scans")
+    finally:
+        LIMIT.write_text(old)
+    try:
+        def scanning() -> bool:
+            status = json.loads(run_cli("daemon", "status", "--json", cwd=a).stdout)
+            return status.get("watching") == "scanning"
+
+        _wait_until(scanning, 30, "`daemon status` to report scanning")
+        (a / "d07" / "new.txt").write_text("found by a scan\n")
+
+        def arrived() -> bool:
+            run_cli("pull", cwd=tmp_path / "b", check=False)
+            return (tmp_path / "b" / "d07" / "new.txt").exists()
+
+        _wait_until(arrived, 30, "the new file to reach the other clone")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
