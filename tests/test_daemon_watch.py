@@ -1,4 +1,4 @@
-"""The daemon without inotify watches: it says so and falls back to scanning."""
+"""Daemon details: no watches left (it scans instead), and no echo of a pull."""
 
 from __future__ import annotations
 
@@ -66,3 +66,50 @@ def test_out_of_watches_falls_back_to_scanning(tmp_path: Path, backends: list[Pa
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
+
+
+def test_files_written_by_a_pull_do_not_echo_back(tmp_path: Path, backends: list[Path]) -> None:
+    """A's daemon pushes 30 new files; B's daemon pulls them, which fires watch
+    events for every file it writes. Those must not become a commit of B's: after
+    B has synced again (twice, well after the files arrived), master is still A's
+    version and no commit in history comes from B's client."""
+    import time
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    (a / "start.txt").write_text("start\n")
+    run_cli("init", str(a), *(f"--backend=dir:{x}" for x in backends))
+    run_cli("push", cwd=a)
+    run_cli("clone", f"dir:{backends[1]}", str(b))
+    env = {**os.environ, "METASYNC_PASSPHRASE": PASSPHRASE}
+    args = [METASYNC, "daemon", "--settle", "0.3", "--poll", "0.5", "--rescan", "2"]
+    procs = [subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE) for root in (a, b)]
+    try:
+        for i in range(30):
+            (a / "new" / f"{i:02d}").mkdir(parents=True)
+            (a / "new" / f"{i:02d}" / "file.txt").write_text(f"file {i}\n")
+        _wait_until(lambda: all((b / "new" / f"{i:02d}" / "file.txt").exists() for i in range(30)),
+                    30, "B to receive the 30 files")
+        arrived = time.time()
+
+        def b_synced_twice_since() -> bool:
+            status = json.loads(run_cli("daemon", "status", "--json", cwd=b).stdout)
+            return (status.get("state") == "idle" and status.get("last_sync") is not None
+                    and status["last_sync"] > arrived + 4.5)
+
+        _wait_until(b_synced_twice_since, 30, "B's daemon to sync again after the pull")
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            _, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err
+    history_a = json.loads(run_cli("log", "--json", cwd=a).stdout)
+    history_b = json.loads(run_cli("log", "--json", cwd=b).stdout)
+    assert history_a == history_b
+    b_status = json.loads((b / ".metasync" / "daemon.json").read_text())
+    assert b_status["version"] == json.loads(run_cli("status", "--json", cwd=a).stdout)["version"]
+    # Every commit is A's (the first is A's init push): B never committed its pull.
+    first_client = history_a[-1]["client"]
+    assert all(entry["client"] == first_client for entry in history_a), history_a
