@@ -34,6 +34,7 @@ from typing import Any
 from metasync.backends import Backend, open_backend
 from metasync.consensus import HINT_KEY
 from metasync.errors import BackendError, MetasyncError, UsageError
+from metasync.faults import watch_failure
 from metasync.repository import Repository
 from metasync.worktree import IGNORE_FILE, META_DIR, TEMP_PREFIX, IgnoreRules
 
@@ -337,6 +338,9 @@ class Daemon:
         observer = Observer()
         observer.schedule(Handler(), str(self.root), recursive=True)
         try:
+            injected = watch_failure()
+            if injected is not None:
+                raise injected
             observer.start()
         except OSError as exc:
             # ENOSPC from inotify: the user's watch limit is used up.

@@ -5,6 +5,10 @@ at :func:`crash_point` ``NAME`` end the process at once with ``os._exit``: no
 cleanup, no flushing, no ``finally`` -- exactly what a power cut or ``kill -9``
 leaves. The crash tests walk every point to show the next command completes or
 rolls forward. Unset (always, outside tests) it costs one dictionary lookup.
+
+``METASYNC_FAIL_WATCH=1`` makes the daemon's watch fail as it does when the OS has
+no inotify watches left (``ENOSPC``), for kernels where the test cannot lower the
+real limit.
 """
 
 from __future__ import annotations
@@ -34,3 +38,12 @@ def crash_point(name: str) -> None:
         _remaining -= 1
         if _remaining == 0:
             os._exit(CRASH_STATUS)
+
+
+def watch_failure() -> OSError | None:
+    """The error a test asks the daemon's watch to fail with, if any."""
+    if os.environ.get("METASYNC_FAIL_WATCH"):
+        import errno
+
+        return OSError(errno.ENOSPC, "inotify watch limit reached (METASYNC_FAIL_WATCH)")
+    return None
