@@ -381,15 +381,9 @@ class Simulation:
                 yield Backoff(rng.uniform(0.05, 0.5) * 2 ** min(failures, 5))
 
     def push(self, c: Client, setup: Setup, rng: random.Random) -> Generator[Step, Any, bool]:
-        try:
-            head, reading = yield from get_recent(setup, c.known, rng)
-        except (NoQuorum, Contended) as exc:
-            self.stats[f"get_recent raised {type(exc).__name__}"] += 1
-            self.log(f"{c.label} get_recent failed: {exc}")
+        ok, cached = yield from self.learn(c, setup, rng)
+        if not ok:
             return False
-        self.log(f"{c.label} get_recent -> {short(head)}")
-        self.learned(c, head, "get_recent")
-        cached: Reading | None = reading
         for _ in range(PUSH_ATTEMPTS):
             base = c.known
             if all(ch in self.changes_of(base.master) for ch in c.pending):
@@ -421,15 +415,25 @@ class Simulation:
                 return True
             if rng.random() < 0.5:
                 # Learn again (else: propose straight at the instance after the one lost).
-                try:
-                    head, cached = yield from get_recent(setup, c.known, rng)
-                except (NoQuorum, Contended) as exc:
-                    self.stats[f"get_recent raised {type(exc).__name__}"] += 1
-                    self.log(f"{c.label} get_recent failed: {exc}")
+                ok, cached = yield from self.learn(c, setup, rng)
+                if not ok:
                     return False
-                self.log(f"{c.label} get_recent -> {short(head)}")
-                self.learned(c, head, "get_recent")
         return False
+
+    def learn(
+        self, c: Client, setup: Setup, rng: random.Random
+    ) -> Generator[Step, Any, tuple[bool, Reading | None]]:
+        """Run get_recent for ``c``: (False, None) if it gave up, else (True, the
+        reading of the next instance, if any)."""
+        try:
+            head, reading = yield from get_recent(setup, c.known, rng)
+        except (NoQuorum, Contended) as exc:
+            self.stats[f"get_recent raised {type(exc).__name__}"] += 1
+            self.log(f"{c.label} get_recent failed: {exc}")
+            return False, None
+        self.log(f"{c.label} get_recent -> {short(head)}")
+        self.learned(c, head, "get_recent")
+        return True, reading
 
     def succeeded(self, c: Client, version: Version, how: str) -> None:
         self.stats[f"pushes {how}"] += len(c.pending)
