@@ -52,7 +52,7 @@ class Capabilities:
 
     #: ``put_if_absent`` is atomic (exclusive create) on the service itself.
     conditional_create: bool = False
-    #: Compare-and-swap on an object's version (If-Match / revision); used by later issues.
+    #: ``replace_if``: compare-and-swap on an object's poll token (If-Match / revision).
     compare_and_swap: bool = False
     #: ``append_at`` is implemented: an atomic append at an exact log position, so
     #: pPaxos learns the outcome of a write without reading the log back.
@@ -147,6 +147,13 @@ class Backend(ABC):
         """Append ``message`` to the append-only list ``log`` atomically, even with
         concurrent appenders in other processes; return its position (0-based).
         No entry is lost or duplicated and every reader sees one order."""
+
+    def replace_if(self, key: str, data: bytes, token: str) -> bool:
+        """Replace the object at ``key`` with ``data`` only if its :meth:`poll` token is
+        still ``token`` (compare-and-swap, S3's ``If-Match``), atomically; return False
+        (writing nothing) if it changed or is gone. Only where
+        ``capabilities.compare_and_swap``."""
+        raise NotImplementedError(f"{type(self).__name__} has no compare-and-swap")
 
     def append_at(self, log: str, position: int, message: bytes) -> bool:
         """Add ``message`` as entry ``position`` of ``log`` only if the log has exactly

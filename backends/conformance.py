@@ -28,8 +28,20 @@ Fixtures (override any of them in the subclass):
     A callable returning another, independent instance bound to the same
     namespace (a second client). Instances are closed after the test.
 
-Tests needing a capability the backend does not declare call ``pytest.skip``
-with a reason naming the capability. No test sleeps or asserts on timing;
+``unicode_location``
+    Like ``backend_location``, but the location's path (folder, bucket prefix,
+    server path) contains spaces and non-ASCII characters.
+``faulty_location``
+    ``(uri, namespace, proxy)``: a fresh namespace reached through a
+    ``FaultProxy`` (tests/servers/faultproxy.py) that can reset connections.
+
+Class attributes say which tests apply: ``backend_class`` (whose
+``capabilities`` decide the capability tests) and ``transient_faults`` (False
+for a backend without a network connection to break). Tests that do not apply
+are *deselected* at collection time by :func:`deselect_inapplicable`, with the
+reason printed in the test summary; they are never silently skipped, so in CI
+"0 skipped" means every applicable backend test ran. ``require_capability``
+inside a test remains as a guard. No test sleeps or asserts on timing;
 process-based tests use a barrier so that the contended part starts together.
 The 100 MB streaming test is marked ``slow``.
 """
@@ -62,6 +74,8 @@ Location = tuple[str, str]
 CHILD_TIMEOUT = 900.0
 
 MiB = 1 << 20
+#: Size of the large-object test's object (100 MB).
+LARGE_OBJECT_SIZE = 100 * 1000 * 1000
 
 #: Keys that must be rejected everywhere a key is accepted.
 INVALID_KEYS: tuple[str, ...] = (
@@ -106,6 +120,51 @@ def require_capability(backend: Backend, name: str) -> None:
     """Skip the running test unless ``backend`` declares capability ``name``."""
     if not getattr(backend.capabilities, name):
         pytest.skip(f"{type(backend).__name__} lacks capability {name!r}")
+
+
+def needs_capability(name: str) -> pytest.MarkDecorator:
+    """Mark a conformance test as applying only to backends declaring ``name``."""
+    return pytest.mark.needs_capability(name)
+
+
+def inapplicable_reason(item: pytest.Item) -> str | None:
+    """Why the conformance test ``item`` does not apply to its backend, or None."""
+    cls = getattr(item, "cls", None)
+    if cls is None or not issubclass(cls, BackendConformance):
+        return None
+    backend_class = cls.backend_class
+    for mark in item.iter_markers("needs_capability"):
+        name = mark.args[0]
+        if backend_class is None:
+            return f"{cls.__name__} names no backend_class to read capability {name!r} from"
+        if not getattr(backend_class.capabilities, name):
+            return f"{backend_class.__name__} lacks capability {name!r}"
+    if item.get_closest_marker("needs_transient_faults") and not cls.transient_faults:
+        return f"{cls.__name__}: the backend has no network connection to break"
+    if item.get_closest_marker("needs_large_objects") and backend_class is not None:
+        limit = backend_class.capabilities.max_object_size
+        if limit is not None and limit < LARGE_OBJECT_SIZE:
+            return f"{backend_class.__name__} max_object_size={limit} < {LARGE_OBJECT_SIZE}"
+    return None
+
+
+def deselect_inapplicable(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
+    """Deselect conformance tests that do not apply (call from
+    ``pytest_collection_modifyitems``); return one line per deselected test."""
+    keep: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    lines: list[str] = []
+    for item in items:
+        reason = inapplicable_reason(item)
+        if reason is None:
+            keep.append(item)
+        else:
+            dropped.append(item)
+            lines.append(f"{item.nodeid}: {reason}")
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+    return lines
 
 
 def pattern_block(seed: int, index: int) -> bytes:
@@ -376,6 +435,21 @@ def _large_object_worker(
 class BackendConformance:
     """Tests every :class:`Backend` must pass. Subclass it as ``Test<Name>``."""
 
+    #: The backend under test; its ``capabilities`` select the capability tests.
+    backend_class: type[Backend] | None = None
+    #: The backend talks over a network connection that ``faulty_location`` can break.
+    transient_faults: bool = True
+
+    @pytest.fixture
+    def unicode_location(self) -> Location:
+        """A fresh namespace at a location whose path has spaces and non-ASCII."""
+        pytest.fail(f"{type(self).__name__} provides no unicode_location fixture")
+
+    @pytest.fixture
+    def faulty_location(self) -> tuple[str, str, Any]:
+        """``(uri, namespace, FaultProxy)`` of a fresh namespace behind a fault proxy."""
+        pytest.fail(f"{type(self).__name__} provides no faulty_location fixture")
+
     @pytest.fixture
     def backend_location(self) -> Location:
         """``(uri, namespace)`` of a fresh namespace; subclasses provide it."""
@@ -619,6 +693,7 @@ class BackendConformance:
         for key in ODD_VALID_KEYS:
             assert backend.get(key) == key.encode()
 
+    @needs_capability("case_sensitive")
     def test_case_sensitive_keys(self, backend: Backend) -> None:
         """With ``case_sensitive``, keys differing only in case are distinct objects."""
         require_capability(backend, "case_sensitive")
@@ -644,6 +719,7 @@ class BackendConformance:
         assert backend.put_if_absent("p/empty", b"") is True
         assert backend.get("p/empty") == b""
 
+    @needs_capability("conditional_create")
     def test_put_if_absent_race_has_one_winner(
         self, backend: Backend, backend_location: Location
     ) -> None:
@@ -730,6 +806,7 @@ class BackendConformance:
         assert backend.append("log", b"c") == 2
         assert backend.fetch("log") == other.fetch("log") == [(0, b"a"), (1, b"b"), (2, b"c")]
 
+    @needs_capability("conditional_append")
     def test_append_at_writes_only_at_the_end(self, backend: Backend) -> None:
         """append_at succeeds exactly when the log has ``position`` entries: at the
         end it writes; at a taken position or past the end it writes nothing."""
@@ -744,6 +821,7 @@ class BackendConformance:
         assert backend.append_at("other", 0, b"") is True
         assert backend.fetch("other") == [(0, b"")]
 
+    @needs_capability("conditional_append")
     def test_append_at_race_has_one_winner(
         self, backend: Backend, backend_location: Location
     ) -> None:
@@ -814,13 +892,14 @@ class BackendConformance:
 
     # --- large objects -------------------------------------------------------------------
     @pytest.mark.slow
+    @pytest.mark.needs_large_objects
     def test_large_object_streams_in_flat_memory(
         self, backend: Backend, backend_location: Location
     ) -> None:
         """A 100 MB object put from a generated stream and read back via open() in 1 MiB
         pieces is byte-exact, and the client's peak memory grows by under 64 MB
         (measured in a fresh spawned process)."""
-        size, seed = 100 * 1000 * 1000, 42
+        size, seed = LARGE_OBJECT_SIZE, 42
         limit = backend.capabilities.max_object_size
         if limit is not None and limit < size:
             pytest.skip(f"capability max_object_size={limit} is below {size} bytes")
@@ -845,3 +924,90 @@ class BackendConformance:
                 backend.get_range("big/obj", size - 10, 11)
         finally:
             backend.delete("big/obj")  # do not leave 100 MB behind
+
+    # --- compare-and-swap ----------------------------------------------------------------
+    @needs_capability("compare_and_swap")
+    def test_replace_if(self, backend: Backend, backend_factory: Callable[[], Backend]) -> None:
+        """replace_if writes only while the poll token is unchanged: a second client
+        holding the old token loses, and a deleted key is not recreated."""
+        require_capability(backend, "compare_and_swap")
+        backend.put("cas", b"v1")
+        token = backend.poll("cas")
+        assert token is not None
+        other = backend_factory()
+        assert other.replace_if("cas", b"v2", token) is True
+        assert backend.get("cas") == b"v2"
+        assert backend.replace_if("cas", b"stale", token) is False
+        assert backend.get("cas") == b"v2"
+        fresh = backend.poll("cas")
+        assert fresh is not None and fresh != token
+        assert backend.replace_if("cas", b"v3", fresh) is True
+        assert backend.get("cas") == b"v3"
+        final = backend.poll("cas")
+        assert final is not None
+        backend.delete("cas")
+        assert backend.replace_if("cas", b"v4", final) is False
+        with pytest.raises(ObjectNotFound):
+            backend.get("cas")
+
+    # --- locations -----------------------------------------------------------------------
+    def test_unicode_location(self, unicode_location: Location) -> None:
+        """A location path with spaces and non-ASCII characters works for every kind of
+        operation, and a second client opened from the same URI sees the same data."""
+        backend = open_backend(*unicode_location)
+        other = open_backend(*unicode_location)
+        try:
+            assert not backend.exists()
+            backend.create()
+            assert backend.exists() and other.exists()
+            backend.put("a/b", b"data")
+            backend.put("a/c", io.BytesIO(b"streamed"))
+            assert other.get("a/b") == b"data"
+            assert sorted(other.list("a")) == ["a/b", "a/c"]
+            assert backend.append("log/x", b"m0") == 0
+            assert other.append("log/x", b"m1") == 1
+            assert backend.fetch("log/x") == [(0, b"m0"), (1, b"m1")]
+            other.delete("a/c")
+            assert sorted(backend.list("a")) == ["a/b"]
+        finally:
+            backend.close()
+            other.close()
+
+    # --- transient failures --------------------------------------------------------------
+    @pytest.mark.needs_transient_faults
+    def test_transient_errors_are_retried(self, faulty_location: tuple[str, str, Any]) -> None:
+        """With every open connection reset and the next two new connections reset as
+        soon as they open, each operation still succeeds (the backend reconnects and
+        retries with backoff) and returns exactly the right result."""
+        uri, namespace, proxy = faulty_location
+        backend = open_backend(uri, namespace)
+        try:
+            backend.create()
+            payload = pattern_bytes(5, 0, 2 * MiB + 1)
+            backend.put("k", b"first")
+            operations: list[tuple[str, Callable[[], object], object]] = [
+                ("put", lambda: backend.put("big", io.BytesIO(payload)), None),
+                ("get", lambda: backend.get("big") == payload, True),
+                ("size", lambda: backend.size("big"), len(payload)),
+                ("get_range", lambda: backend.get_range("big", MiB, 10), payload[MiB : MiB + 10]),
+                ("list", lambda: sorted(backend.list()), ["big", "k"]),
+                ("put_if_absent new", lambda: backend.put_if_absent("p", b"x"), True),
+                ("put_if_absent taken", lambda: backend.put_if_absent("k", b"x"), False),
+                ("append", lambda: backend.append("log", b"e0"), 0),
+                ("append again", lambda: backend.append("log", b"e1"), 1),
+                ("fetch", lambda: backend.fetch("log"), [(0, b"e0"), (1, b"e1")]),
+                ("poll", lambda: backend.poll("k") is not None, True),
+                ("delete", lambda: backend.delete("p"), None),
+            ]
+            before = proxy.injected
+            for name, operation, expected in operations:
+                proxy.break_connections(reset_next=2)
+                assert operation() == expected, name
+            assert proxy.injected >= before + 2 * len(operations), "faults did not happen"
+            proxy.break_connections()
+            assert backend.get("k") == b"first"
+            assert backend.fetch("log") == [(0, b"e0"), (1, b"e1")]
+            with pytest.raises(ObjectNotFound):
+                backend.get("p")
+        finally:
+            backend.close()

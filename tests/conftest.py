@@ -17,6 +17,27 @@ import pytest
 # Detailed assertion messages inside the shared backend suite, which lives in the package.
 pytest.register_assert_rewrite("metasync.backends.conformance")
 
+from metasync.backends.conformance import deselect_inapplicable  # noqa: E402
+
+# Fixtures that start real servers on loopback, one module per server.
+pytest_plugins: list[str] = []
+
+# Backoff between retries in tests: short, so fault-injection tests stay quick.
+os.environ.setdefault("METASYNC_RETRY_BASE", "0.02")
+
+_deselected_lines: list[str] = []
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _deselected_lines.extend(deselect_inapplicable(config, items))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _deselected_lines:
+        terminalreporter.section("backend tests that do not apply (deselected)")
+        for line in _deselected_lines:
+            terminalreporter.line(line)
+
 PASSPHRASE = "correct horse battery staple"
 METASYNC = str(Path(sys.executable).with_name("metasync"))
 

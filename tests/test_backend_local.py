@@ -33,9 +33,18 @@ from metasync.errors import (
 class TestLocalBackend(BackendConformance):
     """The conformance suite against ``dir:<tmp>/store`` with namespace ``ns``."""
 
+    backend_class = LocalBackend
+    transient_faults = False  # a local folder has no connection to break
+
     @pytest.fixture
     def backend_location(self, tmp_path: Path) -> Location:
         store = tmp_path / "store"
+        store.mkdir()
+        return (f"dir:{store}", "ns")
+
+    @pytest.fixture
+    def unicode_location(self, tmp_path: Path) -> Location:
+        store = tmp_path / "ünïcødé store ☃ 名前"
         store.mkdir()
         return (f"dir:{store}", "ns")
 

@@ -1,0 +1,316 @@
+"""Append-only logs (paper Table 2b) built from a service's object operations.
+
+Two constructions, chosen by what the service offers:
+
+:class:`ObjectStoreLogs`, for services with an atomic exclusive create
+(``capabilities.conditional_create``: S3's ``If-None-Match: *``, SFTP's
+link-based rename on OpenSSH). Entry *p* of log ``L`` is the object
+``L/<p:010d>``. ``append`` lists ``L/`` and creates one past the highest entry
+exclusively, moving on while the position is taken; ``append_at(p)`` checks that
+entry *p − 1* exists and creates entry *p* exclusively. An entry is only ever
+created when the one before it exists and entries are never changed or removed,
+so positions are contiguous and every reader sees one order.
+
+:class:`RegisterLogs`, for services whose only atomic operation is replacing a
+whole object (a WebDAV server, an arbitrary rclone remote). Each position is
+decided by Disk Paxos (Gafni and Lamport) on this one service: every attempt to
+write position *p* owns a private block ``L/<p:010d>.b.<32 hex>`` (a single-writer
+register), and the decided entry is published as ``L/<p:010d>``, which is then
+never changed. Safety needs only that a read or listing that starts after a write
+finished sees that write; it does not depend on timing. See docs/FORMAT.md §11.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import random
+import re
+import secrets
+import struct
+import time
+from dataclasses import dataclass
+
+from metasync.backends.base import Backend, check_key
+from metasync.backends.retry import TransientError
+from metasync.errors import FormatError, ObjectNotFound
+
+# Exactly the canonical spelling counts: an entry must have one name, or two names
+# could claim one position.
+_ENTRY = re.compile(r"^[0-9]{10,}$")
+_BLOCK = re.compile(r"^([0-9]{10,})\.b\.([0-9a-f]{32})$")
+
+
+def entry_name(position: int) -> str:
+    """The name of log entry ``position`` inside its log folder."""
+    return f"{position:010d}"
+
+
+def entry_position(name: str) -> int | None:
+    """The position a log entry name stands for, or None for any other name."""
+    if not _ENTRY.match(name):
+        return None
+    position = int(name)
+    return position if entry_name(position) == name else None
+
+
+def _children(backend: Backend, log: str) -> builtins.list[str]:
+    """Names directly inside the log folder ``log``."""
+    prefix = log + "/"
+    return [key[len(prefix) :] for key in backend.list(log) if "/" not in key[len(prefix) :]]
+
+
+class ObjectStoreLogs(Backend):
+    """``append``, ``append_at`` and ``fetch`` from ``put_if_absent`` (which must be
+    atomic), ``size`` and ``list``."""
+
+    def _entry_exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+        except ObjectNotFound:
+            return False
+        return True
+
+    def _log_end(self, log: str) -> int:
+        positions = [p for p in map(entry_position, _children(self, log)) if p is not None]
+        return max(positions, default=-1) + 1
+
+    def append(self, log: str, message: bytes) -> int:
+        check_key(log)
+        position = self._log_end(log)
+        while not self.put_if_absent(f"{log}/{entry_name(position)}", message):
+            position += 1
+        return position
+
+    def append_at(self, log: str, position: int, message: bytes) -> bool:
+        if position < 0:
+            raise ValueError(f"append_at needs position >= 0, got {position}")
+        check_key(log)
+        if position > 0 and not self._entry_exists(f"{log}/{entry_name(position - 1)}"):
+            return False
+        return self.put_if_absent(f"{log}/{entry_name(position)}", message)
+
+    def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
+        if start < 0:
+            raise ValueError(f"fetch needs start >= 0, got {start}")
+        check_key(log)
+        positions = sorted(
+            p for p in map(entry_position, _children(self, log)) if p is not None and p >= start
+        )
+        # Entries are never removed, so one that vanishes after listing is an error
+        # (ObjectNotFound from get propagates).
+        return [(p, self.get(f"{log}/{entry_name(p)}")) for p in positions]
+
+
+# --- Disk Paxos on one service ---------------------------------------------------------
+
+#: A ballot: (number, attempt id). Number 0 is each attempt's own fast ballot.
+Ballot = tuple[int, str]
+
+_BLOCK_MAGIC = b"MSB1"
+_ENTRY_MAGIC = b"MSE1"
+_DIGEST = 16
+#: An attempt id / append id is 16 random bytes (32 hex digits in names).
+_ID_BYTES = 16
+#: Rounds one append tries under contention before reporting a transient failure.
+MAX_ROUNDS = 200
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()[:_DIGEST]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One attempt's Disk Paxos register: the highest ballot it joined (``mbal``) and
+    the last value it accepted (``bal``, ``value``; ``bal`` None if none)."""
+
+    mbal: Ballot
+    bal: Ballot | None
+    value: bytes
+
+    def encode(self) -> bytes:
+        bal = self.bal or (0, "0" * 32)
+        body = (
+            _BLOCK_MAGIC
+            + struct.pack(">QQB", self.mbal[0], bal[0], self.bal is not None)
+            + bytes.fromhex(self.mbal[1])
+            + bytes.fromhex(bal[1])
+            + self.value
+        )
+        return body + _digest(body)
+
+    @classmethod
+    def decode(cls, data: bytes, what: str) -> Block:
+        head = len(_BLOCK_MAGIC) + 17 + 2 * _ID_BYTES
+        if len(data) < head + _DIGEST or not data.startswith(_BLOCK_MAGIC):
+            raise _torn(what)
+        body, digest = data[:-_DIGEST], data[-_DIGEST:]
+        if _digest(body) != digest:
+            raise _torn(what)
+        mbal_n, bal_n, has_bal = struct.unpack(">QQB", body[4:21])
+        mbal_id = body[21 : 21 + _ID_BYTES].hex()
+        bal_id = body[21 + _ID_BYTES : head].hex()
+        return cls((mbal_n, mbal_id), (bal_n, bal_id) if has_bal else None, body[head:])
+
+
+def _torn(what: str) -> TransientError:
+    # A partial or damaged read: the writer may still be replacing it, so a retry
+    # can succeed. (A service that tears writes permanently fails every retry.)
+    return TransientError(f"{what} is incomplete or damaged; the write may be in progress")
+
+
+def encode_entry(value: bytes) -> bytes:
+    """A decided entry as stored: magic, append id + message, digest."""
+    body = _ENTRY_MAGIC + value
+    return body + _digest(body)
+
+
+def decode_entry(data: bytes, what: str) -> bytes:
+    """The append id + message of a stored decided entry."""
+    if len(data) < len(_ENTRY_MAGIC) + _ID_BYTES + _DIGEST or not data.startswith(_ENTRY_MAGIC):
+        raise FormatError(f"{what} is not a metasync log entry")
+    body, digest = data[:-_DIGEST], data[-_DIGEST:]
+    if _digest(body) != digest:
+        raise _torn(what)
+    return body[len(_ENTRY_MAGIC) :]
+
+
+@dataclass
+class _Position:
+    """What one listing shows of one log position."""
+
+    decided: bool = False
+    blocks: builtins.list[str] | None = None  # attempt ids with a block
+
+
+class RegisterLogs(Backend):
+    """``append``, ``append_at`` and ``fetch`` from ``put`` (an atomic whole-object
+    replace), ``get`` and ``list`` only.
+
+    Each value is stored with a random 16-byte append id, so an appender can tell
+    its own value from an equal message of another appender. Uncontended, an
+    append costs four listings and three writes (find the end; phase 1; phase 2;
+    the entry).
+    """
+
+    def _scan(self, log: str) -> dict[int, _Position]:
+        positions: dict[int, _Position] = {}
+        for name in _children(self, log):
+            position = entry_position(name)
+            if position is not None:
+                positions.setdefault(position, _Position()).decided = True
+                continue
+            match = _BLOCK.match(name)
+            if match and entry_name(int(match.group(1))) == match.group(1):
+                slot = positions.setdefault(int(match.group(1)), _Position())
+                slot.blocks = [*(slot.blocks or []), match.group(2)]
+        return positions
+
+    def _decided_value(self, log: str, position: int) -> bytes:
+        key = f"{log}/{entry_name(position)}"
+        return decode_entry(self.get(key), f"log entry {key}")
+
+    def _read_blocks(self, log: str, position: int, mine: str) -> tuple[bool, dict[str, Block]]:
+        """(decided?, the other attempts' blocks at ``position``) from a fresh listing."""
+        slot = self._scan(log).get(position, _Position())
+        if slot.decided:
+            return True, {}
+        blocks: dict[str, Block] = {}
+        for attempt in slot.blocks or []:
+            if attempt == mine:
+                continue
+            key = f"{log}/{entry_name(position)}.b.{attempt}"
+            blocks[attempt] = Block.decode(self.get(key), f"log block {key}")
+        return False, blocks
+
+    def _decide(self, log: str, position: int, value: bytes) -> bytes:
+        """Run Disk Paxos for ``position`` proposing ``value``; return the decided
+        value (ours, or one another attempt got decided first)."""
+        mine = secrets.token_hex(_ID_BYTES)
+        block_key = f"{log}/{entry_name(position)}.b.{mine}"
+        entry_key = f"{log}/{entry_name(position)}"
+        # There is deliberately no fast path that accepts before a phase 1: with a
+        # single register set, a late fast accept could outrank one already decided.
+        accepted: tuple[Ballot, bytes] | None = None
+        highest = 0
+        for round_number in range(MAX_ROUNDS):
+            ballot: Ballot = (highest + 1, mine)
+            # Phase 1: join ``ballot``, keeping what this attempt accepted before.
+            self.put(block_key, _block(ballot, accepted).encode())
+            decided, others = self._read_blocks(log, position, mine)
+            if decided:
+                return self._decided_value(log, position)
+            highest = max([ballot[0], *(b.mbal[0] for b in others.values())])
+            if any(b.mbal > ballot for b in others.values()):
+                _contention_pause(round_number)
+                continue
+            candidates = [(b.bal, b.value) for b in others.values() if b.bal is not None]
+            if accepted is not None:
+                candidates.append(accepted)
+            chosen = max(candidates)[1] if candidates else value
+            # Phase 2: accept ``chosen`` at ``ballot``.
+            accepted = (ballot, chosen)
+            self.put(block_key, _block(ballot, accepted).encode())
+            decided, others = self._read_blocks(log, position, mine)
+            if decided:
+                return self._decided_value(log, position)
+            if any(b.mbal > ballot for b in others.values()):
+                highest = max(b.mbal[0] for b in others.values())
+                _contention_pause(round_number)
+                continue
+            # Decided. Every attempt that gets here writes the same value, so a
+            # repeated (replacing) write of the entry changes nothing.
+            self.put(entry_key, encode_entry(chosen))
+            return chosen
+        raise TransientError(
+            f"log {log} position {position} stayed contended for {MAX_ROUNDS} rounds"
+        )
+
+    def append(self, log: str, message: bytes) -> int:
+        check_key(log)
+        value = secrets.token_bytes(_ID_BYTES) + message
+        scan = self._scan(log)
+        position = 0
+        while scan.get(position, _Position()).decided:
+            position += 1
+        while True:
+            if self._decide(log, position, value) == value:
+                return position
+            position += 1
+
+    def append_at(self, log: str, position: int, message: bytes) -> bool:
+        if position < 0:
+            raise ValueError(f"append_at needs position >= 0, got {position}")
+        check_key(log)
+        scan = self._scan(log)
+        slot = scan.get(position, _Position())
+        if slot.decided or (position > 0 and not scan.get(position - 1, _Position()).decided):
+            return False
+        value = secrets.token_bytes(_ID_BYTES) + message
+        return self._decide(log, position, value) == value
+
+    def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
+        if start < 0:
+            raise ValueError(f"fetch needs start >= 0, got {start}")
+        check_key(log)
+        scan = self._scan(log)
+        # Entries are decided in order, so the decided positions are 0..k-1.
+        entries = []
+        position = start
+        while scan.get(position, _Position()).decided:
+            entries.append((position, self._decided_value(log, position)[_ID_BYTES:]))
+            position += 1
+        return entries
+
+
+def _block(ballot: Ballot, accepted: tuple[Ballot, bytes] | None) -> Block:
+    if accepted is None:
+        return Block(ballot, None, b"")
+    return Block(ballot, accepted[0], accepted[1])
+
+
+def _contention_pause(round_number: int) -> None:
+    # Randomized backoff so that competing attempts stop overtaking each other
+    # (Disk Paxos is safe without it, but only makes progress once one runs alone).
+    time.sleep(random.uniform(0, min(0.5, 0.005 * 2**round_number)))

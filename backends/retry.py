@@ -1,0 +1,115 @@
+"""Retries with exponential backoff and full jitter for network backends.
+
+Every network backend wraps each service request in :func:`retrying`, so that a
+timeout, a dropped connection, a 5xx or a throttling answer costs a short wait
+instead of a failed command. Only errors a backend marks ``transient`` are retried;
+"not found", "access denied" and bad input fail at once.
+
+The schedule is "full jitter" (AWS Architecture Blog, "Exponential Backoff and
+Jitter"): attempt *n* waits a uniformly random time in ``[0, min(cap, base·2ⁿ)]``,
+so clients that failed together do not retry together. A service's own
+``Retry-After`` is honoured when the backend passes it on (``retry_after``).
+
+Tuning, for tests and slow links: ``METASYNC_RETRY_ATTEMPTS`` (default 5) and
+``METASYNC_RETRY_BASE`` (seconds, default 0.2).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from metasync.errors import BackendError
+
+log = logging.getLogger("metasync.backends")
+
+T = TypeVar("T")
+
+#: Waits at least this long are logged at info level (a throttling service).
+LONG_WAIT = 5.0
+
+
+class TransientError(BackendError):
+    """A failure worth retrying; ``retry_after`` is the service's requested wait."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message, transient=True)
+        self.retry_after = retry_after
+
+
+def _env_number(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+@dataclass
+class RetryPolicy:
+    """How often and how long to retry one request."""
+
+    attempts: int = field(default_factory=lambda: max(1, int(_env_number("METASYNC_RETRY_ATTEMPTS", 5))))
+    base: float = field(default_factory=lambda: _env_number("METASYNC_RETRY_BASE", 0.2))
+    cap: float = 20.0
+    #: Longest ``Retry-After`` honoured; a longer one fails the request (the caller
+    #: records the copy as missing and the daemon or ``fsck --repair`` completes it).
+    max_retry_after: float = 120.0
+    #: Counts retries made, for tests and progress output (shared by all threads).
+    retries: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def delay(self, attempt: int, retry_after: float | None) -> float:
+        """Seconds to wait before retry number ``attempt`` (0-based)."""
+        if retry_after is not None:
+            return max(0.0, retry_after)
+        return random.uniform(0, min(self.cap, self.base * (2**attempt)))
+
+    def count_retry(self) -> None:
+        with self._lock:
+            self.retries += 1
+
+
+def retrying(
+    policy: RetryPolicy,
+    what: str,
+    request: Callable[[], T],
+    *,
+    on_retry: Callable[[BaseException], None] | None = None,
+) -> T:
+    """Run ``request()``; on a transient :class:`BackendError` wait and run it again,
+    up to ``policy.attempts`` times in all, then re-raise the last error.
+
+    ``request`` must be safe to repeat. Operations whose first attempt may have taken
+    effect without the caller learning it (an exclusive create that timed out) handle
+    that in ``on_retry`` or after the call (see ``put_if_absent`` in the backends).
+    """
+    attempt = 0
+    while True:
+        try:
+            return request()
+        except BackendError as exc:
+            if not exc.transient or attempt + 1 >= policy.attempts:
+                raise
+            retry_after = getattr(exc, "retry_after", None)
+            if retry_after is not None and retry_after > policy.max_retry_after:
+                raise
+            wait = policy.delay(attempt, retry_after)
+            (log.info if wait >= LONG_WAIT else log.debug)(
+                "%s failed (%s); retry %d of %d in %.1fs",
+                what,
+                exc,
+                attempt + 1,
+                policy.attempts - 1,
+                wait,
+            )
+            policy.count_retry()
+            if on_retry is not None:
+                on_retry(exc)
+            time.sleep(wait)  # backoff between attempts, not synchronization
+            attempt += 1
