@@ -6,7 +6,7 @@ namespace ``metasync`` at that location. A bare absolute path means ``dir:``.
 
 from __future__ import annotations
 
-from metasync.backends.base import Backend, Capabilities, check_key, check_prefix
+from metasync.backends.base import Backend, Capabilities, check_key, check_prefix, public_uri
 from metasync.errors import UsageError
 
 _REGISTRY: dict[str, type[Backend]] = {}
@@ -49,6 +49,8 @@ def open_backend(uri: str, namespace: str) -> Backend:
 def _load_builtin() -> None:
     # Imported lazily so that importing this package stays cheap and cycle-free.
     from metasync.backends import local  # noqa: F401
+    from metasync.backends import webdav  # noqa: F401
+    from metasync.backends import s3  # noqa: F401
 
 
 __all__ = [
@@ -58,6 +60,7 @@ __all__ = [
     "check_prefix",
     "normalize_uri",
     "open_backend",
+    "public_uri",
     "register",
     "scheme_of",
 ]

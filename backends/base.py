@@ -36,6 +36,19 @@ def check_key(key: str) -> str:
     return key
 
 
+def public_uri(uri: str) -> str:
+    """``uri`` without the password of its ``user:password@`` part (if any), for
+    messages and for the repository configuration every backend stores."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        return uri
+    authority, slash, path = rest.partition("/")
+    userinfo, at, host = authority.rpartition("@")
+    if not at or ":" not in userinfo:
+        return uri
+    return f"{scheme}://{userinfo.split(':', 1)[0]}@{host}{slash}{path}"
+
+
 def check_prefix(prefix: str) -> str:
     """Like :func:`check_key` for a listing prefix; ``""`` (everything) is allowed."""
     if prefix == "":
@@ -81,8 +94,8 @@ class Backend(ABC):
 
     @property
     def name(self) -> str:
-        """A short human name for messages (the URI)."""
-        return self.uri
+        """A short human name for messages: the URI without any password."""
+        return public_uri(self.uri)
 
     # --- lifecycle --------------------------------------------------------------
     @abstractmethod

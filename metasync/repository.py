@@ -27,7 +27,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from metasync.backends import Backend, normalize_uri, open_backend
+from metasync.backends import Backend, normalize_uri, open_backend, public_uri
 from metasync.codec import Codec, FinishedPack, PackBuilder
 from metasync.consensus import DEFAULT_TIMEOUT, Consensus
 from metasync.errors import (
@@ -364,7 +364,7 @@ class Repository:
         if not backend_uris:
             raise UsageError("give at least one backend: --backend dir:/absolute/path")
         uris = [normalize_uri(u) for u in backend_uris]
-        if len(set(uris)) != len(uris):
+        if len({public_uri(u) for u in uris}) != len(uris):
             raise UsageError("the same backend is given twice; each --backend must be distinct")
         if not 1 <= replicas <= len(uris):
             raise UsageError(
@@ -387,7 +387,10 @@ class Repository:
         config = Config(
             format=FORMAT_VERSION,
             namespace=namespace,
-            backends=tuple(BackendSpec(i, u, c) for i, u, c in zip(ids, uris, caps, strict=True)),
+            # Passwords in URIs stay on this client (uri_overrides), never on a backend.
+            backends=tuple(
+                BackendSpec(i, public_uri(u), c) for i, u, c in zip(ids, uris, caps, strict=True)
+            ),
             replicas=replicas,
             partitions=DEFAULT_PARTITIONS,
             encryption="aes-256-gcm" if encrypt else "none",
@@ -407,7 +410,8 @@ class Repository:
             backend.put(_config_key(config_id), stored_config)
             backend.put(DESCRIPTOR_KEY, _descriptor(config, config_id, backend_id))
         by_id = dict(zip(ids, backends, strict=True))
-        return cls._create_local(root, config, config_id, key, by_id, {}, reporter)
+        secret_uris = {i: u for i, u in zip(ids, uris, strict=True) if public_uri(u) != u}
+        return cls._create_local(root, config, config_id, key, by_id, secret_uris, reporter)
 
     @classmethod
     def _create_local(
@@ -1610,7 +1614,7 @@ class Repository:
         return None
 
     def backend_name(self, backend_id: str) -> str:
-        return self.backends[backend_id].uri
+        return self.backends[backend_id].name
 
 
 _thread_conns = threading.local()
@@ -1656,8 +1660,8 @@ def _check_backend_free(backend: Backend) -> None:
         raise UsageError(str(exc)) from None
     if taken:
         raise UsageError(
-            f"{backend.uri} already holds a metasync repository (namespace "
-            f"{backend.namespace!r}); use `metasync clone {backend.uri}` or another --namespace"
+            f"{backend.name} already holds a metasync repository (namespace "
+            f"{backend.namespace!r}); use `metasync clone {backend.name}` or another --namespace"
         )
 
 
