@@ -1,0 +1,140 @@
+"""The ``rclone:`` backend: the conformance suite against an rclone local remote
+and an rclone-served WebDAV remote, plus URI and error-message tests."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from metasync.backends import open_backend
+from metasync.backends.conformance import BackendConformance, Location
+from metasync.backends.rclone import RcloneBackend, parse_uri
+from metasync.errors import BackendError, UsageError
+from tests.servers.rclone import RcloneEnv
+
+_counter = itertools.count()
+
+
+def _namespace() -> str:
+    return f"ns{next(_counter)}-{uuid.uuid4().hex[:8]}"
+
+
+class TestRcloneLocal(BackendConformance):
+    """The suite against a configured ``type = local`` remote; the unicode location
+    uses a ``:local:`` connection string instead of a configured remote."""
+
+    backend_class = RcloneBackend
+
+    @pytest.fixture
+    def backend_location(self, rclone_env: RcloneEnv) -> Location:
+        return (rclone_env.uri(f"local:{rclone_env.local_dir}"), _namespace())
+
+    @pytest.fixture
+    def unicode_location(self, rclone_env: RcloneEnv) -> Location:
+        folder = rclone_env.local_dir / "ünï cødé ☃ 名前"
+        folder.mkdir(exist_ok=True)
+        return (rclone_env.uri(f":local:{folder}"), _namespace())
+
+    @pytest.fixture
+    def faulty_location(self, rclone_env: RcloneEnv) -> tuple[str, str, Any]:
+        return (rclone_env.uri("davfaulty:faulty"), _namespace(), rclone_env.webdav.proxy)
+
+
+class TestRcloneWebdav(BackendConformance):
+    """The suite against a webdav remote served by ``rclone serve webdav``."""
+
+    backend_class = RcloneBackend
+
+    @pytest.fixture
+    def backend_location(self, rclone_env: RcloneEnv) -> Location:
+        return (rclone_env.uri("dav:store"), _namespace())
+
+    @pytest.fixture
+    def unicode_location(self, rclone_env: RcloneEnv) -> Location:
+        return (rclone_env.uri("dav:ünï cødé ☃"), _namespace())
+
+    @pytest.fixture
+    def faulty_location(self, rclone_env: RcloneEnv) -> tuple[str, str, Any]:
+        return (rclone_env.uri("davfaulty:faulty"), _namespace(), rclone_env.webdav.proxy)
+
+
+# --- URIs and error messages ------------------------------------------------------------
+
+
+def test_parse_uri_options() -> None:
+    """Options after the last '?' are parsed; the remote path keeps its colons."""
+    opts = parse_uri("rclone::webdav,url='http://h:1':dir/sub?config=/c%20d.conf&transfers=7")
+    assert opts.location == ":webdav,url='http://h:1':dir/sub"
+    assert opts.config == "/c d.conf"
+    assert opts.transfers == 7
+    assert opts.binary is None
+    assert parse_uri("rclone:remote:").transfers == 4
+
+
+@pytest.mark.parametrize(
+    "uri", ["rclone:nocolon", "rclone::", "rclone:r:x?bogus=1", "rclone:r:x?transfers=0"]
+)
+def test_bad_uris_rejected(uri: str) -> None:
+    """A URI without REMOTE: or with an unknown/invalid option is a UsageError."""
+    with pytest.raises(UsageError):
+        open_backend(uri, "ns")
+
+
+def test_missing_remote_is_one_clean_error(rclone_env: RcloneEnv) -> None:
+    """A remote name absent from the config: one line naming it and the fix, not
+    retried as transient."""
+    backend = open_backend(rclone_env.uri("nosuchremote:x"), "ns")
+    try:
+        with pytest.raises(BackendError) as info:
+            backend.exists()
+        message = str(info.value)
+        assert "'nosuchremote:'" in message and "rclone config" in message
+        assert "\n" not in message
+        assert not info.value.transient
+    finally:
+        backend.close()
+
+
+def test_missing_binary_is_one_clean_error(rclone_env: RcloneEnv, tmp_path: Path) -> None:
+    """A binary that does not exist: one line telling how to install rclone."""
+    missing = tmp_path / "no-rclone-here"
+    backend = open_backend(
+        rclone_env.uri(f"local:{rclone_env.local_dir}", binary=str(missing)), "ns"
+    )
+    try:
+        with pytest.raises(BackendError) as info:
+            backend.exists()
+        message = str(info.value)
+        assert str(missing) in message and "install rclone" in message
+        assert "\n" not in message
+        assert not info.value.transient
+    finally:
+        backend.close()
+
+
+def test_missing_location_is_unavailable(rclone_env: RcloneEnv) -> None:
+    """create() of a namespace in a missing location names it; nothing is created."""
+    missing = rclone_env.local_dir / "not-there"
+    backend = open_backend(rclone_env.uri(f"local:{missing}"), "ns")
+    try:
+        with pytest.raises(BackendError, match="does not exist"):
+            backend.create()
+        assert not missing.exists()
+    finally:
+        backend.close()
+
+
+def test_close_stops_rcd(rclone_env: RcloneEnv) -> None:
+    """The rcd process an instance started is gone after close()."""
+    backend = open_backend(rclone_env.uri(f"local:{rclone_env.local_dir}"), _namespace())
+    assert isinstance(backend, RcloneBackend)
+    backend.create()
+    daemon = backend._daemon
+    assert daemon is not None and daemon.proc is not None
+    proc = daemon.proc
+    backend.close()
+    assert proc.poll() is not None
