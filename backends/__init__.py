@@ -51,6 +51,7 @@ def _load_builtin() -> None:
     from metasync.backends import local  # noqa: F401
     from metasync.backends import webdav  # noqa: F401
     from metasync.backends import s3  # noqa: F401
+    from metasync.backends import rclone  # noqa: F401
 
 
 __all__ = [
