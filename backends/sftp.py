@@ -58,7 +58,24 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TypeVar, cast
 
 import paramiko
-from paramiko.sftp import CMD_DATA, CMD_EXTENDED, CMD_READ, CMD_STATUS, CMD_WRITE, int64
+from paramiko.sftp import (
+    CMD_ATTRS,
+    CMD_CLOSE,
+    CMD_DATA,
+    CMD_EXTENDED,
+    CMD_FSTAT,
+    CMD_HANDLE,
+    CMD_OPEN,
+    CMD_READ,
+    CMD_STATUS,
+    CMD_WRITE,
+    SFTP_FLAG_CREATE,
+    SFTP_FLAG_EXCL,
+    SFTP_FLAG_READ,
+    SFTP_FLAG_WRITE,
+    int64,
+)
+from paramiko.sftp_attr import SFTPAttributes
 
 from metasync.backends import register
 from metasync.backends.base import Capabilities, check_key, check_prefix, public_uri
@@ -80,8 +97,11 @@ TEMP_PREFIX = ".tmp-"
 REQUEST_SIZE = 32768
 #: Requests in flight per transfer: 2 MiB, enough to fill a fast link's pipe.
 PIPELINE_DEPTH = 64
-#: Streams are read from the caller in pieces of this size.
+#: Streams are read from the caller, and objects by ``open``, in pieces of this size.
 CHUNK_SIZE = 1 << 20
+#: Bytes read together with the fstat that follows an open (one round trip for
+#: small objects; the rest of a larger one is read once its size is known).
+FIRST_READ = 64 * 1024
 #: Objects up to this size are hashed into their poll token (see :meth:`SftpBackend.poll`).
 POLL_HASH_LIMIT = 256 * 1024
 #: Seconds a TCP connect and the SSH handshake may take.
@@ -150,6 +170,7 @@ class _Replies:
         self.sftp = sftp
         self.pending: set[int] = set()
         self.data: dict[int, bytes] = {}
+        self.attrs: dict[int, SFTPAttributes] = {}
         self.error: BaseException | None = None
 
     def send(self, kind: int, *args: Any) -> int:
@@ -163,6 +184,9 @@ class _Replies:
         if kind == CMD_DATA:
             self.data[num] = msg.get_string()
             return
+        if kind == CMD_ATTRS:
+            self.attrs[num] = SFTPAttributes._from_msg(msg)
+            return
         if kind == CMD_STATUS:
             try:
                 self.sftp._convert_status(msg)
@@ -175,44 +199,83 @@ class _Replies:
         if self.error is None:
             self.error = paramiko.SFTPError(f"unexpected SFTP reply type {kind}")
 
-    def wait(self, at_most: int = 0) -> None:
-        """Read replies until at most ``at_most`` are outstanding; raise the first error."""
+    def wait(self, at_most: int = 0, *, check: bool = True) -> None:
+        """Read replies until at most ``at_most`` are outstanding; raise the first
+        error (unless ``check`` is False: the caller inspects ``error`` itself)."""
         while len(self.pending) > at_most:
             self.sftp._read_response()
-        if self.error is not None:
+        if check and self.error is not None:
             raise self.error
+
+
+def _open_handle(sftp: paramiko.SFTPClient, path: str, flags: int) -> bytes:
+    """Open ``path`` on the server; return the SFTP handle (closed by :func:`_close_handle`)."""
+    kind, msg = sftp._request(CMD_OPEN, path, flags, SFTPAttributes())
+    if kind != CMD_HANDLE:
+        raise paramiko.SFTPError("expected a file handle")
+    return bytes(msg.get_binary())
+
+
+def _close_handle(sftp: paramiko.SFTPClient, handle: bytes) -> None:
+    # Not waited for: the server handles requests in order, so a later request on
+    # this session sees the file closed, and the reply is dropped when it arrives.
+    # Saves a round trip per operation.
+    sftp._async_request(type(None), CMD_CLOSE, handle)
+
+
+def _stat_and_read(
+    sftp: paramiko.SFTPClient, handle: bytes, offset: int, length: int
+) -> tuple[SFTPAttributes, bytes, BaseException | None]:
+    """fstat the open ``handle`` and read up to ``length`` bytes at ``offset`` in one
+    pipelined round: (attributes, the bytes before the first short reply, the read
+    error if any). Reading a folder's handle fails; the caller checks the mode first."""
+    replies = _Replies(sftp)
+    stat_num = replies.send(CMD_FSTAT, handle)
+    pieces = _send_reads(replies, handle, offset, length)
+    replies.wait(check=False)
+    if stat_num not in replies.attrs:
+        raise replies.error or paramiko.SFTPError("no reply to fstat")
+    return replies.attrs[stat_num], _joined(replies, pieces), replies.error
+
+
+def _send_reads(
+    replies: _Replies, handle: bytes, offset: int, length: int
+) -> list[tuple[int, int]]:
+    pieces: list[tuple[int, int]] = []  # (request number, size asked)
+    position, end = offset, offset + length
+    while position < end:
+        size = min(REQUEST_SIZE, end - position)
+        pieces.append((replies.send(CMD_READ, handle, int64(position), size), size))
+        position += size
+        replies.wait(PIPELINE_DEPTH, check=False)
+    return pieces
+
+
+def _joined(replies: _Replies, pieces: list[tuple[int, int]]) -> bytes:
+    """The replies' data in order, up to (and including) the first short one."""
+    out = bytearray()
+    for num, size in pieces:
+        data = replies.data.pop(num, b"")
+        out += data
+        if len(data) < size:
+            break
+    return bytes(out)
 
 
 def _read_exact(sftp: paramiko.SFTPClient, handle: bytes, offset: int, length: int) -> bytes:
     """``length`` bytes at ``offset`` of the open file ``handle``, read with pipelined
     requests; :class:`EOFError` if the file ends first."""
-    replies = _Replies(sftp)
-    pieces: list[tuple[int, int, int]] = []  # (num, offset, size)
-    position, end = offset, offset + length
-    while position < end:
-        size = min(REQUEST_SIZE, end - position)
-        pieces.append((replies.send(CMD_READ, handle, int64(position), size), position, size))
-        position += size
-        replies.wait(PIPELINE_DEPTH)
-    replies.wait()
     out = bytearray()
-    for num, piece_offset, size in pieces:
-        data = replies.data.pop(num)
-        # A server may answer a read with fewer bytes than asked; fetch the rest.
-        while len(data) < size:
-            more = _read_exact_once(sftp, handle, piece_offset + len(data), size - len(data))
-            if not more:
-                raise EOFError(f"file ends at {piece_offset + len(data)}")
-            data += more
-        out += data
+    while len(out) < length:
+        replies = _Replies(sftp)
+        pieces = _send_reads(replies, handle, offset + len(out), length - len(out))
+        replies.wait()
+        got = _joined(replies, pieces)
+        # A server may answer a read with fewer bytes than asked: ask again from there.
+        if not got:
+            raise EOFError(f"file ends at {offset + len(out)}")
+        out += got
     return bytes(out)
-
-
-def _read_exact_once(sftp: paramiko.SFTPClient, handle: bytes, offset: int, size: int) -> bytes:
-    replies = _Replies(sftp)
-    num = replies.send(CMD_READ, handle, int64(offset), size)
-    replies.wait()
-    return replies.data.pop(num)
 
 
 class _Writer:
@@ -624,14 +687,15 @@ class SftpBackend(ObjectStoreLogs):
         sftp = session.sftp
         path = self._path(key)
         tmp = posixpath.join(posixpath.dirname(path), TEMP_PREFIX + secrets.token_hex(8))
+        flags = SFTP_FLAG_WRITE | SFTP_FLAG_CREATE | SFTP_FLAG_EXCL
         try:
-            handle_file = sftp.open(tmp, "wx")
+            handle = _open_handle(sftp, tmp, flags)
         except FileNotFoundError:
             self._make_parents(sftp, key)
-            handle_file = sftp.open(tmp, "wx")
+            handle = _open_handle(sftp, tmp, flags)
         attempts.temps.append(tmp)
+        writer = _Writer(sftp, handle)
         try:
-            writer = _Writer(sftp, handle_file.handle)
             if isinstance(data, bytes | bytearray | memoryview):
                 writer.write(data)
             else:
@@ -644,13 +708,14 @@ class SftpBackend(ObjectStoreLogs):
                         break
                     writer.write(chunk)
             writer.finish()
-            self._fsync(session, handle_file.handle)
+            self._fsync(session, handle)
         except _SourceError:
             with contextlib.suppress(Exception):
-                handle_file.close()
+                writer.finish()
+                _close_handle(sftp, handle)
                 sftp.remove(tmp)
             raise
-        handle_file.close()
+        _close_handle(sftp, handle)
         return tmp
 
     def _fsync(self, session: _Session, handle: bytes) -> None:
@@ -687,18 +752,21 @@ class SftpBackend(ObjectStoreLogs):
         """Raise :class:`BackendUnavailable` unless the server answers, accepts us and
         has the location folder. Writes nothing."""
 
-        def request(sftp: paramiko.SFTPClient, _: _Session) -> None:
+        def request(sftp: paramiko.SFTPClient, _: _Session) -> int | None:
             try:
-                attrs = sftp.stat(self.location)
+                return sftp.stat(self.location).st_mode or 0
             except FileNotFoundError:
-                raise BackendUnavailable(
-                    f"{self.name}: the folder {self.location} does not exist on the server; "
-                    "create it there first (metasync never creates the location itself)"
-                ) from None
-            if not stat.S_ISDIR(attrs.st_mode or 0):
-                raise BackendUnavailable(f"{self.name}: {self.location} is not a folder")
+                return None
 
-        self._call("check the location folder", request)
+        # Raised outside the retries: a missing folder does not appear by waiting.
+        mode = self._call("check the location folder", request)
+        if mode is None:
+            raise BackendUnavailable(
+                f"{self.name}: the folder {self.location} does not exist on the server; "
+                "create it there first (metasync never creates the location itself)"
+            )
+        if not stat.S_ISDIR(mode):
+            raise BackendUnavailable(f"{self.name}: {self.location} is not a folder")
 
     def create(self) -> None:
         """Create the namespace folder (idempotent) inside the existing location folder;
@@ -839,41 +907,60 @@ class SftpBackend(ObjectStoreLogs):
 
     def _read_if_present(self, sftp: paramiko.SFTPClient, path: str) -> bytes | None:
         try:
-            handle_file = sftp.open(path, "rb")
-        except FileNotFoundError:
+            return self._read_whole(sftp, path, path)
+        except ObjectNotFound:
             return None
-        try:
-            size = handle_file.stat().st_size or 0
-            return _read_exact(sftp, handle_file.handle, 0, size)
-        finally:
-            handle_file.close()
 
-    def _open_object(self, sftp: paramiko.SFTPClient, key: str) -> tuple[Any, int, int]:
-        """Open ``key`` for reading: (SFTPFile, size, mtime); ObjectNotFound if absent."""
+    def _open_object(
+        self, sftp: paramiko.SFTPClient, key: str, path: str, offset: int, length: int
+    ) -> tuple[bytes, int, int, bytes]:
+        """Open ``path`` (the object ``key``) for reading; return (handle, size, mtime,
+        up to ``length`` bytes at ``offset``), read in the same round trip as the
+        fstat. ObjectNotFound if absent or a folder. The caller closes the handle."""
         try:
-            handle_file = sftp.open(self._path(key), "rb")
+            handle = _open_handle(sftp, path, SFTP_FLAG_READ)
         except FileNotFoundError:
             raise self._not_found(sftp, key) from None
         try:
-            attrs = handle_file.stat()
+            attrs, data, error = _stat_and_read(sftp, handle, offset, length)
+            if not stat.S_ISREG(attrs.st_mode or 0):  # a folder of other keys is not an object
+                raise ObjectNotFound(f"no object {key!r} on {self.name}")
+            if error is not None:
+                raise error
         except BaseException:
-            handle_file.close()
+            with contextlib.suppress(Exception):
+                _close_handle(sftp, handle)
             raise
-        if not stat.S_ISREG(attrs.st_mode or 0):  # a folder of other keys is not an object
-            handle_file.close()
-            raise ObjectNotFound(f"no object {key!r} on {self.name}")
-        return handle_file, attrs.st_size or 0, attrs.st_mtime or 0
+        return handle, attrs.st_size or 0, attrs.st_mtime or 0, data
+
+    def _read_whole(self, sftp: paramiko.SFTPClient, key: str, path: str) -> bytes:
+        handle, size, _mtime, data = self._open_object(sftp, key, path, 0, FIRST_READ)
+        try:
+            return self._read_rest(sftp, handle, key, 0, size, data)
+        finally:
+            _close_handle(sftp, handle)
+
+    def _read_rest(
+        self,
+        sftp: paramiko.SFTPClient,
+        handle: bytes,
+        key: str,
+        offset: int,
+        length: int,
+        head: bytes,
+    ) -> bytes:
+        """``head`` (what was read at ``offset`` already) completed to ``length`` bytes."""
+        head = head[:length]
+        if len(head) == length:
+            return head
+        return head + self._read_checked(sftp, handle, key, offset + len(head), length - len(head))
 
     def get(self, key: str) -> bytes:
         """The whole object at ``key``; :class:`ObjectNotFound` if absent."""
         self._key(key)
 
         def request(sftp: paramiko.SFTPClient, _: _Session) -> bytes:
-            handle_file, size, _mtime = self._open_object(sftp, key)
-            try:
-                return self._read_checked(sftp, handle_file.handle, key, 0, size, size)
-            finally:
-                handle_file.close()
+            return self._read_whole(sftp, key, self._path(key))
 
         return self._call(f"read {key!r}", request)
 
@@ -884,7 +971,6 @@ class SftpBackend(ObjectStoreLogs):
         key: str,
         offset: int,
         length: int,
-        size: int,
     ) -> bytes:
         try:
             data = _read_exact(sftp, handle, offset, length)
@@ -916,16 +1002,19 @@ class SftpBackend(ObjectStoreLogs):
         self._key(key)
 
         def request(sftp: paramiko.SFTPClient, _: _Session) -> bytes:
-            handle_file, size, _mtime = self._open_object(sftp, key)
+            path = self._path(key)
+            handle, size, _mtime, head = self._open_object(
+                sftp, key, path, offset, min(length, FIRST_READ)
+            )
             try:
                 if size < offset + length:
                     raise BackendError(
                         f"{self.name}: object {key!r} is {size} bytes, shorter than the "
                         f"{offset + length} bytes needed (a truncated copy?)"
                     )
-                return self._read_checked(sftp, handle_file.handle, key, offset, length, size)
+                return self._read_rest(sftp, handle, key, offset, length, head)
             finally:
-                handle_file.close()
+                _close_handle(sftp, handle)
 
         return self._call(f"read {key!r}", request)
 
@@ -1027,17 +1116,19 @@ class SftpBackend(ObjectStoreLogs):
 
         def request(sftp: paramiko.SFTPClient, _: _Session) -> str | None:
             try:
-                handle_file, size, mtime = self._open_object(sftp, key)
+                handle, size, mtime, head = self._open_object(
+                    sftp, key, self._path(key), 0, FIRST_READ
+                )
             except ObjectNotFound:
                 return None
             try:
                 token = f"{mtime}:{size}"
                 if size <= POLL_HASH_LIMIT:
-                    data = self._read_checked(sftp, handle_file.handle, key, 0, size, size)
+                    data = self._read_rest(sftp, handle, key, 0, size, head)
                     token += ":" + hashlib.blake2b(data, digest_size=12).hexdigest()
                 return token
             finally:
-                handle_file.close()
+                _close_handle(sftp, handle)
 
         return self._call(f"poll {key!r}", request)
 
@@ -1055,7 +1146,7 @@ class _SftpStream(io.RawIOBase):
         self._backend = backend
         self._key = key
         self._session: _Session | None = None
-        self._file: Any = None
+        self._handle = b""
         self._position = 0
         self._identity: tuple[int, int] | None = None
         self._size = 0
@@ -1068,7 +1159,9 @@ class _SftpStream(io.RawIOBase):
         def attempt() -> None:
             session = backend._pool.acquire()
             try:
-                handle_file, size, mtime = backend._open_object(session.sftp, self._key)
+                handle, size, mtime, _ = backend._open_object(
+                    session.sftp, self._key, backend._path(self._key), 0, 0
+                )
             except BaseException as exc:
                 error = backend._failure(exc, session, f"read {self._key!r}")
                 backend._pool.release(session, broken=error.transient)
@@ -1076,23 +1169,23 @@ class _SftpStream(io.RawIOBase):
                     raise
                 raise error from exc
             if self._identity is not None and self._identity != (size, mtime):
-                handle_file.close()
+                _close_handle(session.sftp, handle)
                 backend._pool.release(session, broken=False)
                 raise BackendError(
                     f"{backend.name}: {self._key!r} was replaced while being read after a "
                     "lost connection; read it again"
                 )
-            self._session, self._file = session, handle_file
+            self._session, self._handle = session, handle
             self._identity, self._size = (size, mtime), size
 
         retrying(backend._policy, f"open {self._key!r} on {backend.name}", attempt)
 
     def _detach(self, *, broken: bool) -> None:
-        session, handle_file = self._session, self._file
-        self._session = self._file = None
-        if handle_file is not None and not broken:
+        session, handle = self._session, self._handle
+        self._session, self._handle = None, b""
+        if session is not None and not broken:
             with contextlib.suppress(Exception):
-                handle_file.close()
+                _close_handle(session.sftp, handle)
         if session is not None:
             self._backend._pool.release(session, broken=broken)
 
@@ -1112,12 +1205,7 @@ class _SftpStream(io.RawIOBase):
             assert self._session is not None
             try:
                 return backend._read_checked(
-                    self._session.sftp,
-                    self._file.handle,
-                    self._key,
-                    self._position,
-                    length,
-                    self._size,
+                    self._session.sftp, self._handle, self._key, self._position, length
                 )
             except BaseException as exc:
                 error = backend._failure(exc, self._session, f"read {self._key!r}")
