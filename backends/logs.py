@@ -14,9 +14,10 @@ so positions are contiguous and every reader sees one order.
 :class:`RegisterLogs`, for services whose only atomic operation is replacing a
 whole object (a WebDAV server, an arbitrary rclone remote). Each position is
 decided by Disk Paxos (Gafni and Lamport) on this one service: every attempt to
-write position *p* owns a private block ``L/<p:010d>.b.<32 hex>`` (a single-writer
-register), and the decided entry is published as ``L/<p:010d>``, which is then
-never changed. Safety needs only that a read or listing that starts after a write
+write position *p* owns a private register, written as a new object
+``L/<p:010d>.b.<32 hex>.<version>`` each time (so no object is ever replaced: some
+WebDAV servers replace a file by deleting it first, and a listing in that moment
+would miss it), and the decided entry is published as ``L/<p:010d>``. Safety needs only that a read or listing that starts after a write
 finished sees that write; it does not depend on timing. See docs/FORMAT.md §11.
 """
 
@@ -38,7 +39,7 @@ from metasync.errors import FormatError, ObjectNotFound
 # Exactly the canonical spelling counts: an entry must have one name, or two names
 # could claim one position.
 _ENTRY = re.compile(r"^[0-9]{10,}$")
-_BLOCK = re.compile(r"^([0-9]{10,})\.b\.([0-9a-f]{32})$")
+_BLOCK = re.compile(r"^([0-9]{10,})\.b\.([0-9a-f]{32})\.([1-9][0-9]{0,8})$")
 
 
 def entry_name(position: int) -> str:
@@ -181,7 +182,8 @@ class _Position:
     """What one listing shows of one log position."""
 
     decided: bool = False
-    blocks: builtins.list[str] | None = None  # attempt ids with a block
+    #: attempt id -> its latest block version
+    blocks: dict[str, int] | None = None
 
 
 class RegisterLogs(Backend):
@@ -204,7 +206,10 @@ class RegisterLogs(Backend):
             match = _BLOCK.match(name)
             if match and entry_name(int(match.group(1))) == match.group(1):
                 slot = positions.setdefault(int(match.group(1)), _Position())
-                slot.blocks = [*(slot.blocks or []), match.group(2)]
+                if slot.blocks is None:
+                    slot.blocks = {}
+                attempt, version = match.group(2), int(match.group(3))
+                slot.blocks[attempt] = max(version, slot.blocks.get(attempt, 0))
         return positions
 
     def _decided_value(self, log: str, position: int) -> bytes:
@@ -217,10 +222,10 @@ class RegisterLogs(Backend):
         if slot.decided:
             return True, {}
         blocks: dict[str, Block] = {}
-        for attempt in slot.blocks or []:
+        for attempt, version in (slot.blocks or {}).items():
             if attempt == mine:
                 continue
-            key = f"{log}/{entry_name(position)}.b.{attempt}"
+            key = f"{log}/{entry_name(position)}.b.{attempt}.{version}"
             blocks[attempt] = Block.decode(self.get(key), f"log block {key}")
         return False, blocks
 
@@ -228,7 +233,7 @@ class RegisterLogs(Backend):
         """Run Disk Paxos for ``position`` proposing ``value``; return the decided
         value (ours, or one another attempt got decided first)."""
         mine = secrets.token_hex(_ID_BYTES)
-        block_key = f"{log}/{entry_name(position)}.b.{mine}"
+        writes = 0
         entry_key = f"{log}/{entry_name(position)}"
         # There is deliberately no fast path that accepts before a phase 1: with a
         # single register set, a late fast accept could outrank one already decided.
@@ -237,7 +242,8 @@ class RegisterLogs(Backend):
         for round_number in range(MAX_ROUNDS):
             ballot: Ballot = (highest + 1, mine)
             # Phase 1: join ``ballot``, keeping what this attempt accepted before.
-            self.put(block_key, _block(ballot, accepted).encode())
+            writes += 1
+            self.put(_block_key(log, position, mine, writes), _block(ballot, accepted).encode())
             decided, others = self._read_blocks(log, position, mine)
             if decided:
                 return self._decided_value(log, position)
@@ -251,7 +257,8 @@ class RegisterLogs(Backend):
             chosen = max(candidates)[1] if candidates else value
             # Phase 2: accept ``chosen`` at ``ballot``.
             accepted = (ballot, chosen)
-            self.put(block_key, _block(ballot, accepted).encode())
+            writes += 1
+            self.put(_block_key(log, position, mine, writes), _block(ballot, accepted).encode())
             decided, others = self._read_blocks(log, position, mine)
             if decided:
                 return self._decided_value(log, position)
@@ -302,6 +309,10 @@ class RegisterLogs(Backend):
             entries.append((position, self._decided_value(log, position)[_ID_BYTES:]))
             position += 1
         return entries
+
+
+def _block_key(log: str, position: int, attempt: str, version: int) -> str:
+    return f"{log}/{entry_name(position)}.b.{attempt}.{version}"
 
 
 def _block(ballot: Ballot, accepted: tuple[Ballot, bytes] | None) -> Block:
