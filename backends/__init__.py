@@ -49,6 +49,7 @@ def open_backend(uri: str, namespace: str) -> Backend:
 def _load_builtin() -> None:
     # Imported lazily so that importing this package stays cheap and cycle-free.
     from metasync.backends import local  # noqa: F401
+    from metasync.backends import sftp  # noqa: F401
     from metasync.backends import webdav  # noqa: F401
     from metasync.backends import s3  # noqa: F401
     from metasync.backends import rclone  # noqa: F401
