@@ -20,7 +20,7 @@ pytest.register_assert_rewrite("metasync.backends.conformance")
 from metasync.backends.conformance import deselect_inapplicable  # noqa: E402
 
 # Fixtures that start real servers on loopback, one module per server.
-pytest_plugins: list[str] = ["tests.servers.rclone", "tests.servers.sshd"]
+pytest_plugins: list[str] = ["tests.servers.webdav", "tests.servers.seaweedfs", "tests.servers.sshd", "tests.servers.rclone"]
 
 # Backoff between retries in tests: short, so fault-injection tests stay quick.
 os.environ.setdefault("METASYNC_RETRY_BASE", "0.02")
