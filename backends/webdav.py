@@ -74,6 +74,12 @@ _PROPFIND_BODY = (
     b"<resourcetype/><getcontentlength/><getetag/><getlastmodified/>"
     b"</prop></propfind>"
 )
+# Listings ask for the resource type only: wsgidav computes an ETag (an extra stat)
+# for every entry asked for it, and a busy log folder holds thousands of names.
+_LIST_BODY = (
+    b'<?xml version="1.0" encoding="utf-8"?>'
+    b'<propfind xmlns="DAV:"><prop><resourcetype/></prop></propfind>'
+)
 _RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
@@ -386,7 +392,7 @@ class WebdavBackend(RegisterLogs):
             url,
             what,
             headers={"Depth": depth, "Content-Type": 'application/xml; charset="utf-8"'},
-            content=_PROPFIND_BODY,
+            content=_LIST_BODY if depth == "1" else _PROPFIND_BODY,
         )
         if response.status_code == 404:
             return None
