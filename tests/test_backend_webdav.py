@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import itertools
 import os
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,9 +98,9 @@ def test_wrong_password_is_one_clean_line(webdav_server: WebdavServer) -> None:
 
 def test_unreachable_port_is_unavailable(webdav_server: WebdavServer) -> None:
     """A port nobody listens on is BackendUnavailable naming the server."""
-    proxy = FaultProxy("127.0.0.1", webdav_server.port)
-    port = proxy.port
-    proxy.close()  # now nothing listens on ``port``
+    with socket.socket() as sock:  # a port just free: nothing listens on it
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     backend = open_backend(webdav_server.uri("store", port=port), _namespace())
     try:
         with pytest.raises(BackendUnavailable) as info:
