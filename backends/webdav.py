@@ -548,17 +548,26 @@ class WebdavBackend(RegisterLogs):
                     "cannot be rewound; try again"
                 ) from None
             response = self._send("PUT", url, f"upload {key!r}", headers=headers, content=content)
-            status = response.status_code
-            if status in (200, 201, 204):
-                return
-            if status == 409:  # a parent folder is missing
+            if response.status_code == 409:  # a parent folder is missing
                 with self._folders_lock:
                     for depth in range(1, len(parents) + 1):
                         self._folders.discard("/".join(parents[:depth]))
                 if not parents:
                     self._missing_root()
                 self._ensure_folders(parents)
-                raise TransientError(f"upload {key!r}: created missing folders")
+                # Send again at once: a missing folder is no reason for a backoff.
+                try:
+                    content = body.body()
+                except _NotReplayable:
+                    raise BackendError(
+                        f"upload of {key!r} to {self.name} needed its folder created "
+                        "first and its source stream cannot be rewound; try again"
+                    ) from None
+                response = self._send(
+                    "PUT", url, f"upload {key!r}", headers=headers, content=content
+                )
+            if response.status_code in (200, 201, 204):
+                return
             raise self._status_error(response, f"upload {key!r}")
 
         self._call(f"upload {key!r}", request)
