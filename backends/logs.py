@@ -30,6 +30,8 @@ import re
 import secrets
 import struct
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from metasync.backends.base import Backend, check_key
@@ -100,7 +102,7 @@ class ObjectStoreLogs(Backend):
         )
         # Entries are never removed, so one that vanishes after listing is an error
         # (ObjectNotFound from get propagates).
-        return [(p, self.get(f"{log}/{entry_name(p)}")) for p in positions]
+        return list(zip(positions, _read_all(self.get, [f"{log}/{entry_name(p)}" for p in positions]), strict=True))
 
 
 # --- Disk Paxos on one service ---------------------------------------------------------
@@ -303,12 +305,28 @@ class RegisterLogs(Backend):
         check_key(log)
         scan = self._scan(log)
         # Entries are decided in order, so the decided positions are 0..k-1.
-        entries = []
-        position = start
-        while scan.get(position, _Position()).decided:
-            entries.append((position, self._decided_value(log, position)[_ID_BYTES:]))
-            position += 1
-        return entries
+        end = start
+        while scan.get(end, _Position()).decided:
+            end += 1
+        keys = [f"{log}/{entry_name(p)}" for p in range(start, end)]
+        values = _read_all(self.get, keys)
+        return [
+            (p, decode_entry(raw, f"log entry {key}")[_ID_BYTES:])
+            for p, key, raw in zip(range(start, end), keys, values, strict=True)
+        ]
+
+
+#: Entries of one log read at once by ``fetch`` (each read is one request).
+FETCH_PARALLELISM = 8
+
+
+def _read_all(get: Callable[[str], bytes], keys: builtins.list[str]) -> builtins.list[bytes]:
+    """``[get(k) for k in keys]``, with up to ``FETCH_PARALLELISM`` requests at once:
+    a long log costs a few round trips, not one per entry."""
+    if len(keys) <= 1:
+        return [get(k) for k in keys]
+    with ThreadPoolExecutor(min(FETCH_PARALLELISM, len(keys)), "metasync-fetch") as pool:
+        return list(pool.map(get, keys))
 
 
 def _block_key(log: str, position: int, attempt: str, version: int) -> str:
