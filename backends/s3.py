@@ -1,7 +1,7 @@
 """The ``s3:`` backend: Amazon S3 and S3-compatible object stores (SeaweedFS, MinIO,
 Ceph RGW, Cloudflare R2, ...), through boto3.
 
-URI: ``s3://BUCKET/PREFIX?endpoint=URL&region=R&profile=NAME&transfers=N``. With
+URI: ``s3://BUCKET/PREFIX?endpoint=URL&region=R&profile=NAME&transfers=N&timeout=S``. With
 namespace ``ns`` every key ``k`` is the object ``PREFIX/ns/k`` of ``BUCKET`` (just
 ``ns/k`` without a prefix). The prefix is taken literally (no percent-decoding),
 so it may contain spaces and any Unicode.
@@ -54,11 +54,12 @@ MAX_PARTS = 10_000
 NAMESPACE_MARKER = "~metasync-namespace"
 #: Default bound on concurrent requests of one backend instance.
 DEFAULT_TRANSFERS = 4
-#: Seconds to wait for a connection / for the next bytes of an answer.
+#: Seconds to wait for a connection.
 CONNECT_TIMEOUT = 10.0
+#: Default seconds to wait for the next bytes of an answer (option ``timeout``).
 READ_TIMEOUT = 60.0
 
-_OPTIONS = ("endpoint", "region", "profile", "transfers")
+_OPTIONS = ("endpoint", "region", "profile", "transfers", "timeout")
 
 # Error codes a retry may cure: throttling, server trouble, a conditional write
 # racing another one on the same key (409 ConditionalRequestConflict).
@@ -162,7 +163,8 @@ class S3Backend(ObjectStoreLogs):
     Options: ``endpoint`` (URL of an S3-compatible service; path-style addressing is
     then used), ``region`` (default: the AWS configuration's, else ``us-east-1``),
     ``profile`` (a profile of ``~/.aws/config``), ``transfers`` (concurrent requests
-    per instance, default 4). Credentials come from the standard AWS chain.
+    per instance, default 4), ``timeout`` (seconds without an answer before a request
+    is retried, default 60). Credentials come from the standard AWS chain.
 
     Thread-safe: one boto3 client (itself thread-safe) with a connection pool is
     shared by all threads; a semaphore bounds concurrent requests to ``transfers``.
@@ -206,6 +208,12 @@ class S3Backend(ObjectStoreLogs):
             self.transfers = 0
         if self.transfers < 1:
             raise UsageError(f"transfers must be a whole number >= 1 in {uri!r}")
+        try:
+            self.timeout = float(options.get("timeout", READ_TIMEOUT))
+        except ValueError:
+            self.timeout = 0.0
+        if not self.timeout > 0:
+            raise UsageError(f"timeout must be a number of seconds > 0 in {uri!r}")
         self.endpoint: str | None = options.get("endpoint") or None
         #: Every key of the namespace starts with this (ends in "/").
         self.base = f"{self.prefix}/{namespace}/" if self.prefix else f"{namespace}/"
@@ -218,8 +226,8 @@ class S3Backend(ObjectStoreLogs):
         region = options.get("region") or session.region_name or "us-east-1"
         config = Config(
             region_name=region,
-            connect_timeout=CONNECT_TIMEOUT,
-            read_timeout=READ_TIMEOUT,
+            connect_timeout=min(CONNECT_TIMEOUT, self.timeout),
+            read_timeout=self.timeout,
             # One attempt: ``retrying`` retries, knowing which writes are conditional.
             retries={"mode": "standard", "total_max_attempts": 1},
             # Room for ``transfers`` requests plus streams handed out by ``open``.

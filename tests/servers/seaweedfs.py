@@ -7,9 +7,8 @@ ports included) and throwaway data folders under pytest's tmp dir:
     One ``weed server -s3`` process (master, volume server, filer and S3 gateway
     in one), with a bucket ``metasync-tests``.
 ``seaweedfs_cluster``
-    A cluster of separate processes: ``weed master`` (default replication
-    ``001``: every volume has a copy on a second server), two ``weed volume``
-    servers, ``weed filer`` and ``weed s3``, with a bucket ``metasync-cluster``.
+    A cluster of separate processes: ``weed master`` (no replication), two
+    ``weed volume`` servers, ``weed filer`` and ``weed s3``, with a bucket ``metasync-cluster``.
     :meth:`SeaweedCluster.kill_volume` and :meth:`SeaweedCluster.start_volume`
     stop and restart one volume server (on the same data folder).
 
@@ -43,6 +42,8 @@ SECRET_KEY = "metasync-test-secret-0123456789"
 #: Seconds a server gets to come up (or shut down) before the fixture fails.
 DEADLINE = 60.0
 HOST = "127.0.0.1"
+#: Seconds a server gets to exit on SIGTERM before it is killed.
+STOP_GRACE = 2.0
 
 
 def free_ports(count: int) -> list[int]:
@@ -93,7 +94,9 @@ class Process:
             raise RuntimeError(f"{self.name} exited ({code}); log:\n{_tail(self.log)}")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Signal the process group and wait for the process; SIGKILL after the deadline."""
+        """Signal the process group and wait for the process; SIGKILL after a short
+        grace period (``weed server`` can hang in its shutdown, and the data folder
+        is thrown away anyway)."""
         proc = self.proc
         if proc is None:
             return
@@ -101,7 +104,7 @@ class Process:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
         try:
-            proc.wait(timeout=DEADLINE / 4)
+            proc.wait(timeout=STOP_GRACE)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -257,6 +260,7 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
             f"-volume.port={volume}",
             f"-volume.port.grpc={volume_grpc}",
             "-volume.max=100",
+            "-volume.preStopSeconds=0",  # exit at once on SIGTERM (default: drain 10 s)
             f"-filer.port={filer}",
             f"-filer.port.grpc={filer_grpc}",
             "-s3",
@@ -310,7 +314,8 @@ class SeaweedCluster(SeaweedS3):
 @pytest.fixture(scope="session")
 def seaweedfs_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedCluster]:
     """``weed master`` + two ``weed volume`` + ``weed filer`` + ``weed s3`` as separate
-    processes; replication 001, so every object has a copy on both volume servers."""
+    processes; no replication, so after a volume server is killed new writes go to
+    the other one, and its own objects are back once it restarts."""
     root = tmp_path_factory.mktemp("seaweedfs-cluster")
     identity = _write_identity(root)
     ports = free_ports(10)
@@ -331,7 +336,9 @@ def seaweedfs_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seaw
                 f"-port={master}",
                 f"-port.grpc={master_grpc}",
                 f"-mdir={root / 'master'}",
-                "-defaultReplication=001",
+                # No replication: a killed volume server's objects come back when it
+                # restarts on the same folder; new writes go to the other server.
+                "-defaultReplication=000",
                 "-volumeSizeLimitMB=128",
             ],
             root / "master.log",
