@@ -33,10 +33,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from metasync.backends.base import Backend, check_key
 from metasync.backends.retry import TransientError
-from metasync.errors import FormatError, ObjectNotFound
+from metasync.errors import BackendError, FormatError, ObjectNotFound
+
+K = TypeVar("K")
+R = TypeVar("R")
 
 # Exactly the canonical spelling counts: an entry must have one name, or two names
 # could claim one position.
@@ -61,6 +65,43 @@ def _children(backend: Backend, log: str) -> builtins.list[str]:
     """Names directly inside the log folder ``log``."""
     prefix = log + "/"
     return [key[len(prefix) :] for key in backend.list(log) if "/" not in key[len(prefix) :]]
+
+
+#: Decided entries remembered per backend instance (they never change), so that
+#: fetching a growing log re-reads only the new entries.
+ENTRY_CACHE_LIMIT = 4096
+
+
+class _EntryCache:
+    """Entry bytes by ``(log, position)``; cleared whole when it grows past the limit."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, int], bytes] = {}
+
+    def read(
+        self, log: str, positions: builtins.list[int], get: Callable[[int], bytes]
+    ) -> builtins.list[tuple[int, bytes]]:
+        """``(p, entry p)`` for each position, reading the ones not cached via ``get``."""
+        missing = [p for p in positions if (log, p) not in self.entries]
+        fresh = dict(zip(missing, _read_all(get, missing), strict=True))
+        if len(self.entries) + len(fresh) > ENTRY_CACHE_LIMIT:
+            self.entries.clear()
+        result = []
+        for p in positions:
+            value = self.entries.get((log, p))
+            if value is None:
+                value = fresh[p]
+                self.entries[(log, p)] = value
+            result.append((p, value))
+        return result
+
+
+def _entry_cache(backend: Backend) -> _EntryCache:
+    cache = getattr(backend, "_metasync_entry_cache", None)
+    if cache is None:
+        cache = _EntryCache()
+        backend._metasync_entry_cache = cache
+    return cache
 
 
 class ObjectStoreLogs(Backend):
@@ -102,7 +143,9 @@ class ObjectStoreLogs(Backend):
         )
         # Entries are never removed, so one that vanishes after listing is an error
         # (ObjectNotFound from get propagates).
-        return list(zip(positions, _read_all(self.get, [f"{log}/{entry_name(p)}" for p in positions]), strict=True))
+        return _entry_cache(self).read(
+            log, positions, lambda p: self.get(f"{log}/{entry_name(p)}")
+        )
 
 
 # --- Disk Paxos on one service ---------------------------------------------------------
@@ -194,8 +237,8 @@ class RegisterLogs(Backend):
 
     Each value is stored with a random 16-byte append id, so an appender can tell
     its own value from an equal message of another appender. Uncontended, an
-    append costs four listings and three writes (find the end; phase 1; phase 2;
-    the entry).
+    append costs three listings (find the end; after phase 1; after phase 2), two
+    block writes, the entry's create-if-absent and the removal of the two blocks.
     """
 
     def _scan(self, log: str) -> dict[int, _Position]:
@@ -219,22 +262,45 @@ class RegisterLogs(Backend):
         return decode_entry(self.get(key), f"log entry {key}")
 
     def _read_blocks(self, log: str, position: int, mine: str) -> tuple[bool, dict[str, Block]]:
-        """(decided?, the other attempts' blocks at ``position``) from a fresh listing."""
-        slot = self._scan(log).get(position, _Position())
-        if slot.decided:
-            return True, {}
-        blocks: dict[str, Block] = {}
-        for attempt, version in (slot.blocks or {}).items():
-            if attempt == mine:
+        """(decided?, the other attempts' blocks at ``position``) from a fresh listing.
+
+        Blocks are removed only after their position's entry exists, so a block that
+        vanishes between the listing and the read means the position is decided."""
+        for _ in range(3):
+            slot = self._scan(log).get(position, _Position())
+            if slot.decided:
+                return True, {}
+            others = [(a, v) for a, v in (slot.blocks or {}).items() if a != mine]
+            try:
+                raw = _read_all(
+                    self.get, [_block_key(log, position, a, v) for a, v in others]
+                )
+            except ObjectNotFound:
                 continue
-            key = f"{log}/{entry_name(position)}.b.{attempt}.{version}"
-            blocks[attempt] = Block.decode(self.get(key), f"log block {key}")
-        return False, blocks
+            return False, {
+                a: Block.decode(data, f"log block {_block_key(log, position, a, v)}")
+                for (a, v), data in zip(others, raw, strict=True)
+            }
+        raise TransientError(f"log {log} position {position}: blocks vanished without an entry")
 
     def _decide(self, log: str, position: int, value: bytes) -> bytes:
         """Run Disk Paxos for ``position`` proposing ``value``; return the decided
-        value (ours, or one another attempt got decided first)."""
+        value (ours, or one another attempt got decided first).
+
+        Once the position's entry exists the attempt removes its own blocks (best
+        effort): they are never read again, and the log folder stays small."""
         mine = secrets.token_hex(_ID_BYTES)
+        written: builtins.list[int] = []
+        decided = self._attempt(log, position, value, mine, written)
+        try:
+            _read_all(lambda v: self.delete(_block_key(log, position, mine, v)), written)
+        except BackendError:
+            pass  # garbage only: a leftover block never changes a decided position
+        return decided
+
+    def _attempt(
+        self, log: str, position: int, value: bytes, mine: str, written: builtins.list[int]
+    ) -> bytes:
         writes = 0
         entry_key = f"{log}/{entry_name(position)}"
         # There is deliberately no fast path that accepts before a phase 1: with a
@@ -246,6 +312,7 @@ class RegisterLogs(Backend):
             # Phase 1: join ``ballot``, keeping what this attempt accepted before.
             writes += 1
             self.put(_block_key(log, position, mine, writes), _block(ballot, accepted).encode())
+            written.append(writes)
             decided, others = self._read_blocks(log, position, mine)
             if decided:
                 return self._decided_value(log, position)
@@ -261,6 +328,7 @@ class RegisterLogs(Backend):
             accepted = (ballot, chosen)
             writes += 1
             self.put(_block_key(log, position, mine, writes), _block(ballot, accepted).encode())
+            written.append(writes)
             decided, others = self._read_blocks(log, position, mine)
             if decided:
                 return self._decided_value(log, position)
@@ -268,9 +336,10 @@ class RegisterLogs(Backend):
                 highest = max(b.mbal[0] for b in others.values())
                 _contention_pause(round_number)
                 continue
-            # Decided. Every attempt that gets here writes the same value, so a
-            # repeated (replacing) write of the entry changes nothing.
-            self.put(entry_key, encode_entry(chosen))
+            # Decided. Every attempt that gets here writes the same bytes; creating
+            # only if absent avoids replacing the entry, which some servers do by
+            # deleting it first.
+            self.put_if_absent(entry_key, encode_entry(chosen))
             return chosen
         raise TransientError(
             f"log {log} position {position} stayed contended for {MAX_ROUNDS} rounds"
@@ -308,19 +377,17 @@ class RegisterLogs(Backend):
         end = start
         while scan.get(end, _Position()).decided:
             end += 1
-        keys = [f"{log}/{entry_name(p)}" for p in range(start, end)]
-        values = _read_all(self.get, keys)
-        return [
-            (p, decode_entry(raw, f"log entry {key}")[_ID_BYTES:])
-            for p, key, raw in zip(range(start, end), keys, values, strict=True)
-        ]
+        entries = _entry_cache(self).read(
+            log, list(range(start, end)), lambda p: self._decided_value(log, p)
+        )
+        return [(p, value[_ID_BYTES:]) for p, value in entries]
 
 
 #: Entries of one log read at once by ``fetch`` (each read is one request).
 FETCH_PARALLELISM = 8
 
 
-def _read_all(get: Callable[[str], bytes], keys: builtins.list[str]) -> builtins.list[bytes]:
+def _read_all(get: Callable[[K], R], keys: builtins.list[K]) -> builtins.list[R]:
     """``[get(k) for k in keys]``, with up to ``FETCH_PARALLELISM`` requests at once:
     a long log costs a few round trips, not one per entry."""
     if len(keys) <= 1:
