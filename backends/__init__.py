@@ -6,6 +6,8 @@ namespace ``metasync`` at that location. A bare absolute path means ``dir:``.
 
 from __future__ import annotations
 
+import importlib
+
 from metasync.backends.base import Backend, Capabilities, check_key, check_prefix, public_uri
 from metasync.errors import UsageError
 
@@ -35,24 +37,28 @@ def normalize_uri(uri: str) -> str:
     return f"dir:{uri}" if uri.startswith("/") else uri
 
 
+#: The built-in backends: URI scheme -> module of this package that registers it.
+#: Modules are imported on first use, so a command pays only for the SDKs it needs.
+BUILTIN_SCHEMES: dict[str, str] = {
+    "dir": "local",
+    "s3": "s3",
+    "sftp": "sftp",
+    "webdav": "webdav",
+    "webdavs": "webdav",
+    "rclone": "rclone",
+}
+
+
 def open_backend(uri: str, namespace: str) -> Backend:
     """Open the backend for ``uri`` bound to ``namespace``. Does not touch the service."""
-    _load_builtin()
     scheme = scheme_of(uri)
+    if scheme not in _REGISTRY and scheme in BUILTIN_SCHEMES:
+        importlib.import_module(f"metasync.backends.{BUILTIN_SCHEMES[scheme]}")
     cls = _REGISTRY.get(scheme)
     if cls is None:
-        known = ", ".join(sorted(f"{s}:" for s in _REGISTRY))
+        known = ", ".join(sorted(f"{s}:" for s in set(_REGISTRY) | set(BUILTIN_SCHEMES)))
         raise UsageError(f"unknown backend scheme {scheme!r} in {uri!r}; known schemes: {known}")
     return cls(normalize_uri(uri), namespace)
-
-
-def _load_builtin() -> None:
-    # Imported lazily so that importing this package stays cheap and cycle-free.
-    from metasync.backends import local  # noqa: F401
-    from metasync.backends import sftp  # noqa: F401
-    from metasync.backends import webdav  # noqa: F401
-    from metasync.backends import s3  # noqa: F401
-    from metasync.backends import rclone  # noqa: F401
 
 
 __all__ = [

@@ -61,7 +61,7 @@ def entry_position(name: str) -> int | None:
     return position if entry_name(position) == name else None
 
 
-def _children(backend: Backend, log: str) -> builtins.list[str]:
+def log_children(backend: Backend, log: str) -> builtins.list[str]:
     """Names directly inside the log folder ``log``."""
     prefix = log + "/"
     return [key[len(prefix) :] for key in backend.list(log) if "/" not in key[len(prefix) :]]
@@ -96,7 +96,7 @@ class _EntryCache:
         return result
 
 
-def _entry_cache(backend: Backend) -> _EntryCache:
+def entry_cache(backend: Backend) -> _EntryCache:
     cache = getattr(backend, "_metasync_entry_cache", None)
     if cache is None:
         cache = _EntryCache()
@@ -116,7 +116,7 @@ class ObjectStoreLogs(Backend):
         return True
 
     def _log_end(self, log: str) -> int:
-        positions = [p for p in map(entry_position, _children(self, log)) if p is not None]
+        positions = [p for p in map(entry_position, log_children(self, log)) if p is not None]
         return max(positions, default=-1) + 1
 
     def append(self, log: str, message: bytes) -> int:
@@ -139,11 +139,11 @@ class ObjectStoreLogs(Backend):
             raise ValueError(f"fetch needs start >= 0, got {start}")
         check_key(log)
         positions = sorted(
-            p for p in map(entry_position, _children(self, log)) if p is not None and p >= start
+            p for p in map(entry_position, log_children(self, log)) if p is not None and p >= start
         )
         # Entries are never removed, so one that vanishes after listing is an error
         # (ObjectNotFound from get propagates).
-        return _entry_cache(self).read(
+        return entry_cache(self).read(
             log, positions, lambda p: self.get(f"{log}/{entry_name(p)}")
         )
 
@@ -243,7 +243,7 @@ class RegisterLogs(Backend):
 
     def _scan(self, log: str) -> dict[int, _Position]:
         positions: dict[int, _Position] = {}
-        for name in _children(self, log):
+        for name in log_children(self, log):
             position = entry_position(name)
             if position is not None:
                 positions.setdefault(position, _Position()).decided = True
@@ -377,7 +377,7 @@ class RegisterLogs(Backend):
         end = start
         while scan.get(end, _Position()).decided:
             end += 1
-        entries = _entry_cache(self).read(
+        entries = entry_cache(self).read(
             log, list(range(start, end)), lambda p: self._decided_value(log, p)
         )
         return [(p, value[_ID_BYTES:]) for p, value in entries]

@@ -14,9 +14,17 @@ Requests (one HTTP/1.1 keep-alive connection pool per backend instance, httpx):
 - ``put_if_absent``: best effort (``conditional_create=False``): a PROPFIND, then a
   MOVE with ``Overwrite: F``. wsgidav checks the destination and then renames, so
   two racing creators can both win; logs therefore never rely on it.
-- logs: :class:`~metasync.backends.logs.RegisterLogs` (Disk Paxos over whole-object
-  replaces), which needs only that a listing or read starting after a write
-  finished sees that write.
+- logs (``logs=locks``, the default): entry *p* of log ``L`` is ``L/<p:010d>``. An
+  appender uploads the message to ``.tmp-<random>`` at the namespace root, takes an
+  exclusive depth-infinity WebDAV ``LOCK`` on the collection ``L/``, lists it, MOVEs
+  the temp file to one past the highest entry (the MOVE carries the lock token, so
+  a holder whose lock expired is refused by the server), and ``UNLOCK``s. The server
+  grants each lock to one client at a time, so appends never race. Needs a class 2
+  server (wsgidav, Apache mod_dav, Nextcloud/ownCloud).
+- logs with ``logs=registers``: :class:`~metasync.backends.logs.RegisterLogs`
+  (Disk Paxos over whole-object replaces), for servers without locks; it needs only
+  that a listing or read starting after a write finished sees that write, but costs
+  several times more requests.
 - ``list``: ``PROPFIND Depth: 1`` per folder (``Depth: infinity`` is disabled on
   many servers).
 
@@ -33,9 +41,11 @@ import builtins
 import hashlib
 import io
 import os
+import random
 import secrets
 import socket
 import threading
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable, Iterator
 from email.utils import parsedate_to_datetime
@@ -46,7 +56,13 @@ import httpx
 
 from metasync.backends import register
 from metasync.backends.base import Capabilities, check_key, check_prefix
-from metasync.backends.logs import RegisterLogs
+from metasync.backends.logs import (
+    RegisterLogs,
+    entry_cache,
+    entry_name,
+    entry_position,
+    log_children,
+)
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
     BackendError,
@@ -62,6 +78,8 @@ T = TypeVar("T")
 CHUNK_SIZE = 1 << 20
 #: Prefix of in-progress uploads; never listed, never accepted as a key part.
 TEMP_PREFIX = ".tmp-"
+#: Immediate re-asks of a folder listing that failed with 500 (see ``_propfind``).
+PROPFIND_RACE_TRIES = 10
 #: Objects up to this size are hashed into their poll token (see :meth:`poll`).
 POLL_HASH_LIMIT = 1 << 20
 DEFAULT_TRANSFERS = 4
@@ -245,12 +263,16 @@ class WebdavBackend(RegisterLogs):
                 f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
             ) from exc
         options = dict(parse_qsl(parts.query, keep_blank_values=True))
-        unknown = set(options) - {"transfers", "timeout", "ca"}
+        unknown = set(options) - {"transfers", "timeout", "ca", "logs"}
         if unknown:
             raise UsageError(
                 f"unknown option(s) {', '.join(sorted(unknown))} in {self.name}; "
-                "known: transfers, timeout, ca"
+                "known: transfers, timeout, ca, logs"
             )
+        #: How logs are kept (every client of a repository uses the same URI, so the same).
+        self.logs_mode = options.get("logs", "locks")
+        if self.logs_mode not in ("locks", "registers"):
+            raise UsageError(f"logs= must be locks or registers in {self.name}")
         try:
             transfers = int(options.get("transfers", DEFAULT_TRANSFERS))
             timeout = float(options.get("timeout", DEFAULT_TIMEOUT))
@@ -387,13 +409,19 @@ class WebdavBackend(RegisterLogs):
     def _propfind(self, segments: builtins.list[str], depth: str, what: str) -> builtins.list[_Entry] | None:
         """PROPFIND at ``segments``; None if it does not exist."""
         url = self._url(segments, folder=depth == "1")
-        response = self._send(
-            "PROPFIND",
-            url,
-            what,
-            headers={"Depth": depth, "Content-Type": 'application/xml; charset="utf-8"'},
-            content=_LIST_BODY if depth == "1" else _PROPFIND_BODY,
-        )
+        for _ in range(PROPFIND_RACE_TRIES):
+            response = self._send(
+                "PROPFIND",
+                url,
+                what,
+                headers={"Depth": depth, "Content-Type": 'application/xml; charset="utf-8"'},
+                content=_LIST_BODY if depth == "1" else _PROPFIND_BODY,
+            )
+            # wsgidav answers 500 when a member is removed or renamed between its
+            # readdir and its stat of that member (another client's MOVE or DELETE in
+            # the same folder); asking again at once almost always succeeds.
+            if response.status_code != 500 or depth != "1":
+                break
         if response.status_code == 404:
             return None
         if response.status_code != 207:
@@ -603,6 +631,108 @@ class WebdavBackend(RegisterLogs):
             raise self._status_error(response, f"publish {key!r}")
 
         return self._call(f"publish {key!r}", request)
+
+    # --- logs ---------------------------------------------------------------------------
+    def append(self, log: str, message: bytes) -> int:
+        if self.logs_mode == "registers":
+            return RegisterLogs.append(self, log, message)
+        written = _append_locked(self, log, message, None)
+        assert written is not None
+        return written
+
+    def append_at(self, log: str, position: int, message: bytes) -> bool:
+        if self.logs_mode == "registers":
+            return RegisterLogs.append_at(self, log, position, message)
+        if position < 0:
+            raise ValueError(f"append_at needs position >= 0, got {position}")
+        return _append_locked(self, log, message, position) is not None
+
+    def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
+        if self.logs_mode == "registers":
+            return RegisterLogs.fetch(self, log, start)
+        if start < 0:
+            raise ValueError(f"fetch needs start >= 0, got {start}")
+        check_key(log)
+        positions = sorted(
+            p for p in map(entry_position, log_children(self, log)) if p is not None and p >= start
+        )
+        return entry_cache(self).read(log, positions, lambda p: self.get(f"{log}/{entry_name(p)}"))
+
+    def _ensure_log_folder(self, log: str) -> None:
+        with self._folders_lock:
+            known = log in self._folders
+        if not known:
+            self._call("create folder", lambda: self._ensure_folders(log.split("/")))
+
+    def _put_plain(self, segments: builtins.list[str], data: bytes, log: str) -> None:
+        response = self._send(
+            "PUT",
+            self._url(segments),
+            f"upload to log {log!r}",
+            headers={"Content-Type": "application/octet-stream"},
+            content=data,
+        )
+        if response.status_code not in (200, 201, 204):
+            raise self._status_error(response, f"upload to log {log!r}")
+
+    def _lock(self, log: str) -> str | None:
+        """Take the exclusive lock of the log collection; its token, or None if held."""
+        response = self._send(
+            "LOCK",
+            self._url(self._key_segments(log), folder=True),
+            f"lock log {log!r}",
+            headers={
+                "Depth": "infinity",
+                "Timeout": f"Second-{LOCK_TIMEOUT}",
+                "Content-Type": 'application/xml; charset="utf-8"',
+            },
+            content=_LOCK_BODY,
+        )
+        if response.status_code == 423:
+            return None
+        token = response.headers.get("Lock-Token", "").strip().strip("<>")
+        if response.status_code not in (200, 201) or not token:
+            if response.status_code in (405, 501):
+                raise BackendError(
+                    f"{self.name} does not support WebDAV locks; add ?logs=registers to its URI"
+                )
+            raise self._status_error(response, f"lock log {log!r}")
+        return token
+
+    def _unlock(self, log: str, token: str) -> None:
+        # Best effort: an unlock that fails leaves the lock to expire on its own.
+        try:
+            self._send(
+                "UNLOCK",
+                self._url(self._key_segments(log), folder=True),
+                f"unlock log {log!r}",
+                headers={"Lock-Token": f"<{token}>"},
+            ).close()
+        except BackendError:
+            pass
+
+    def _move_locked(self, temp: builtins.list[str], log: str, position: int, token: str) -> None:
+        key = f"{log}/{entry_name(position)}"
+        headers = {
+            "Destination": self._url(self._key_segments(key)),
+            "Overwrite": "F",
+            # Tagged with the locked collection, so the condition applies there.
+            "If": f"<{self._url(self._key_segments(log), folder=True)}> (<{token}>)",
+        }
+        attempts = [0]
+
+        def request() -> None:
+            attempts[0] += 1
+            response = self._send("MOVE", self._url(temp), f"append to log {log!r}", headers=headers)
+            if response.status_code in (201, 204):
+                return
+            if response.status_code == 404 and attempts[0] > 1:
+                return  # our temp file is gone: the earlier, dropped attempt moved it
+            if response.status_code in (412, 423):
+                raise TransientError(f"append to log {log!r} on {self.name}: lost the log's lock")
+            raise self._status_error(response, f"append to log {log!r}")
+
+        self._call(f"append to log {log!r}", request)
 
     def _discard(self, segments: builtins.list[str]) -> None:
         # Cleanup of our own temp file; a failure must not hide the real outcome.
@@ -828,3 +958,56 @@ class WebdavsBackend(WebdavBackend):
 
     scheme = "webdavs"
     http_scheme = "https"
+
+
+# --- logs under WebDAV locks -----------------------------------------------------------
+
+_LOCK_BODY = (
+    b'<?xml version="1.0" encoding="utf-8"?><D:lockinfo xmlns:D="DAV:">'
+    b"<D:lockscope><D:exclusive/></D:lockscope><D:locktype><D:write/></D:locktype>"
+    b"<D:owner>metasync</D:owner></D:lockinfo>"
+)
+#: Seconds a log lock lasts if its holder never unlocks (a crashed client).
+LOCK_TIMEOUT = 60
+#: How long an appender keeps asking for a held lock: longer than a lock can last.
+LOCK_WAIT = LOCK_TIMEOUT + 30.0
+
+
+def _lock_pause(attempt: int) -> None:
+    # Randomized, growing pauses while another client holds the log's lock.
+    time.sleep(random.uniform(0, min(0.25, 0.002 * 2**attempt)))
+
+
+def _append_locked(backend: WebdavBackend, log: str, message: bytes, position: int | None) -> int | None:
+    """Append under the log's lock: at the end (``position`` None) or only at
+    ``position``; return the position written, or None if ``position`` was not the end."""
+    check_key(log)
+    backend._ensure_log_folder(log)
+    temp = [*backend._root_segments, TEMP_PREFIX + secrets.token_hex(8)]
+    backend._call(f"upload to log {log!r}", lambda: backend._put_plain(temp, message, log))
+    try:
+        deadline = time.monotonic() + LOCK_WAIT
+        attempt = 0
+        while True:
+            token = backend._call(f"lock log {log!r}", lambda: backend._lock(log))
+            if token is not None:
+                break
+            if time.monotonic() > deadline:
+                raise TransientError(
+                    f"log {log!r} on {backend.name} stayed locked for {LOCK_WAIT:.0f}s; retry"
+                )
+            _lock_pause(attempt)
+            attempt += 1
+        try:
+            positions = [p for p in map(entry_position, log_children(backend, log)) if p is not None]
+            end = max(positions, default=-1) + 1
+            if position is not None and position != end:
+                return None
+            backend._move_locked(temp, log, end, token)
+            temp = []
+            return end
+        finally:
+            backend._unlock(log, token)
+    finally:
+        if temp:
+            backend._discard(temp)

@@ -7,6 +7,7 @@ import io
 import itertools
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -189,3 +190,48 @@ def test_folder_is_not_an_object(dav: WebdavBackend) -> None:
         dav.delete("x")
     assert dav.poll("x") is None
     assert dav.get("x/y") == b"data"
+
+
+def test_register_logs_mode(webdav_server: WebdavServer) -> None:
+    """With ``logs=registers`` (servers without locks) logs are Disk Paxos logs:
+    positions are contiguous and exact, append_at writes only at the end, 3 threads
+    appending at once lose and duplicate nothing, and no register is left behind."""
+    folder = _folder(webdav_server, "store")
+    uri = webdav_server.uri(folder) + "?logs=registers"
+    namespace = _namespace()
+    backend = open_backend(uri, namespace)
+    assert isinstance(backend, WebdavBackend) and backend.logs_mode == "registers"
+    backend.create()
+    try:
+        assert backend.append("log", b"a") == 0
+        assert backend.append_at("log", 0, b"x") is False
+        assert backend.append_at("log", 1, b"b") is True
+        assert backend.append_at("log", 3, b"x") is False
+        assert backend.fetch("log") == [(0, b"a"), (1, b"b")]
+        results: dict[int, list[int]] = {}
+
+        def appender(worker: int) -> None:
+            other = open_backend(uri, namespace)
+            try:
+                results[worker] = [other.append("race", f"{worker}-{i}".encode()) for i in range(4)]
+            finally:
+                other.close()
+
+        threads = [threading.Thread(target=appender, args=(w,)) for w in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        entries = backend.fetch("race")
+        assert [p for p, _ in entries] == list(range(12))
+        assert sorted(m for _, m in entries) == sorted(
+            f"{w}-{i}".encode() for w in range(3) for i in range(4)
+        )
+        for worker, positions in results.items():
+            for i, position in enumerate(positions):
+                assert entries[position][1] == f"{worker}-{i}".encode()
+        # Only entries remain: every attempt removed its registers.
+        names = os.listdir(webdav_server.root_dir / folder / namespace / "race")
+        assert sorted(names) == [f"{p:010d}" for p in range(12)]
+    finally:
+        backend.close()
