@@ -30,13 +30,18 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import concurrent.futures
 import contextlib
+import ctypes
+import email.utils
 import hashlib
 import io
 import os
+import queue
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,10 +49,11 @@ import threading
 import time
 import urllib.parse
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import httpx
 
@@ -185,7 +191,9 @@ def find_binary(binary: str | None) -> str:
     if binary is not None:
         found = shutil.which(binary)
         if found is None:
-            raise BackendError(f"rclone binary {binary!r} not found or not executable; {INSTALL_HINT}")
+            raise BackendError(
+                f"rclone binary {binary!r} not found or not executable; {INSTALL_HINT}"
+            )
         return found
     found = shutil.which("rclone")
     if found is not None:
@@ -201,6 +209,65 @@ def _one_line(text: str) -> str:
 
 
 # --- the shared rcd process ------------------------------------------------------------
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """In the forked child: ask Linux to SIGTERM rcd when the thread that started it
+    (the long-lived launcher thread, so: this Python process) ends."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+class _Launcher:
+    """Starts processes from one thread that lives as long as the interpreter.
+
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, not
+    the process; rcd may be first needed in a short-lived worker thread (e.g. one of
+    ``fetch``'s readers), so every rcd is forked from this thread instead."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue[tuple[Any, concurrent.futures.Future[Any]]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def popen(self, args: builtins.list[str], log: BinaryIO) -> subprocess.Popen[bytes]:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="metasync-rclone-launcher", daemon=True
+                )
+                self._thread.start()
+        future: concurrent.futures.Future[subprocess.Popen[bytes]] = concurrent.futures.Future()
+        self._jobs.put(((args, log), future))
+        return future.result()
+
+    def _run(self) -> None:
+        linux = sys.platform.startswith("linux")
+        while True:
+            (args, log), future = self._jobs.get()
+            try:
+                proc = subprocess.Popen(
+                    args,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    preexec_fn=_die_with_parent if linux else None,
+                )
+            except BaseException as exc:  # handed to the caller
+                future.set_exception(exc)
+            else:
+                future.set_result(proc)
+
+
+_LAUNCHER = _Launcher()
 
 
 def _stop_process(proc: subprocess.Popen[bytes], log: BinaryIO | None) -> None:
@@ -261,20 +328,25 @@ class _Daemon:
             "--rc-pass",
             password,
             "--rc-serve",
-            # Fail fast on an unreachable host; metasync retries with its own backoff.
+            # Fail fast: metasync retries with its own backoff (backends/retry.py), so
+            # rclone's own retries would only multiply the attempts and the waits. A
+            # few low-level retries remain: after a network hiccup every idle pooled
+            # connection of rcd is dead, and each costs one attempt to find out.
+            "--low-level-retries",
+            "3",
+            "--retries",
+            "1",
             "--contimeout",
-            "15s",
+            "10s",
             "--timeout",
-            "120s",
+            "60s",
             "--log-level",
             "NOTICE",
         ]
         if self.config is not None:
             args += ["--config", self.config]
         try:
-            proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
-            )
+            proc = _LAUNCHER.popen(args, log)
         except OSError as exc:
             log.close()
             raise BackendError(f"cannot run rclone binary {binary}: {exc}; {INSTALL_HINT}") from exc
@@ -300,7 +372,10 @@ class _Daemon:
                     url = match.group(1).decode() if match else ""
                 if url:
                     with contextlib.suppress(httpx.HTTPError):
-                        if client.post(f"{url}/rc/noop", auth=self.auth, json={}).status_code == 200:
+                        if (
+                            client.post(f"{url}/rc/noop", auth=self.auth, json={}).status_code
+                            == 200
+                        ):
                             return url
                 time.sleep(0.02)  # polling for readiness, bounded by the deadline
         with open(log_path, "rb") as f:
@@ -380,6 +455,79 @@ class _Body:
         yield self.tail
 
 
+def _join(folder: str, name: str) -> str:
+    return f"{folder}/{name}" if folder else name
+
+
+#: Longest file name most remotes accept (bytes); longer claims are not made.
+MAX_NAME = 255
+
+
+def _claim_name(token: str, name: str) -> str | None:
+    """The claim ``.tmp-<token>.<name>`` that stands for key part ``name`` while a
+    replace of it is under way, or None if that name would be too long."""
+    claim = f"{TEMP_PREFIX}{token}.{name}"
+    return claim if len(claim.encode()) <= MAX_NAME else None
+
+
+_CLAIM = re.compile(r"^\.tmp-[0-9a-f]{16}\.(.+)$")
+
+
+def _claimed(name: str) -> str | None:
+    """The key part a claim name stands for, or None if ``name`` is no claim."""
+    match = _CLAIM.match(name)
+    return match.group(1) if match else None
+
+
+class _Replacing(TransientError):
+    """A read found the key missing while a claim on it shows a replace under way."""
+
+
+class _ResponseReader(io.RawIOBase):
+    """The body of a streamed response; ``at_end(count)`` runs at EOF (and may raise
+    instead of returning EOF); transport errors become ``error(exc)``."""
+
+    def __init__(
+        self,
+        resp: httpx.Response,
+        at_end: Callable[[int], None],
+        error: Callable[[httpx.HTTPError], BaseException],
+    ) -> None:
+        super().__init__()
+        self._resp = resp
+        self._chunks = resp.iter_raw(CHUNK_SIZE)
+        self._pending = b""
+        self._count = 0
+        self._at_end: Callable[[int], None] | None = at_end
+        self._error = error
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        while not self._pending:
+            try:
+                self._pending = next(self._chunks)
+            except StopIteration:
+                at_end, self._at_end = self._at_end, None
+                if at_end is not None:
+                    at_end(self._count)
+                return 0
+            except httpx.HTTPError as exc:
+                raise self._error(exc) from exc
+        n = min(len(view), len(self._pending))
+        view[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        self._count += n
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self._resp.close()
+        super().close()
+
+
 @register
 class RcloneBackend(RegisterLogs):
     """Any rclone remote, URI ``rclone:REMOTE:PATH[?config=FILE&binary=PATH&transfers=N]``.
@@ -429,7 +577,8 @@ class RcloneBackend(RegisterLogs):
             if self._daemon is None:
                 self._daemon = _acquire_daemon(self.options.binary, self.options.config)
             if self._client is None:
-                limit = self.options.transfers + 1
+                # Streams returned by ``open`` hold a connection until closed.
+                limit = self.options.transfers + 8
                 self._client = httpx.Client(
                     timeout=TIMEOUT,
                     limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
@@ -513,24 +662,24 @@ class RcloneBackend(RegisterLogs):
             self._fsinfo = info
         return self._fsinfo
 
+    def _stat_once(self, key: str) -> dict[str, Any] | None:
+        """The listing item of file ``key`` or None (missing, or a folder); no retry."""
+        try:
+            out = self._rc(
+                "operations/stat",
+                {"fs": self.location, "remote": self._remote(key), "opt": {"filesOnly": True}},
+                f"stat {key!r}",
+            )
+        except ObjectNotFound:
+            return None
+        item = out.get("item")
+        if not isinstance(item, dict) or item.get("IsDir"):
+            return None
+        return item
+
     def _stat(self, key: str, what: str) -> dict[str, Any] | None:
-        """The listing item of file ``key`` or None (missing, or a folder)."""
-
-        def request() -> dict[str, Any] | None:
-            try:
-                out = self._rc(
-                    "operations/stat",
-                    {"fs": self.location, "remote": self._remote(key), "opt": {"filesOnly": True}},
-                    f"{what} {key!r}",
-                )
-            except ObjectNotFound:
-                return None
-            item = out.get("item")
-            if not isinstance(item, dict) or item.get("IsDir"):
-                return None
-            return item
-
-        result: dict[str, Any] | None = self._retry(f"{what} {key}", request)
+        """:meth:`_stat_once`, retried."""
+        result: dict[str, Any] | None = self._retry(f"{what} {key}", lambda: self._stat_once(key))
         return result
 
     # --- lifecycle --------------------------------------------------------------------
@@ -598,21 +747,34 @@ class RcloneBackend(RegisterLogs):
             shutil.rmtree(tmpdir, ignore_errors=True)
 
     # --- storage ----------------------------------------------------------------------
+    def _atomic_rename(self) -> bool:
+        """True if a move onto an existing object replaces it in one step (local
+        disks: ``rename(2)``). Elsewhere (a WebDAV server's ``MOVE`` with ``Overwrite:
+        T`` deletes the destination first, rclone's own ``serve webdav`` included)
+        ``put`` publishes a claim while it replaces, see :meth:`put`."""
+        return bool((self._info().get("Features") or {}).get("IsLocal"))
+
     def put(self, key: str, data: bytes | BinaryIO) -> None:
-        """Upload ``data`` to ``.tmp-<hex>`` beside ``key``, then move it over ``key``
-        (atomic where the remote's rename is). A file-like is streamed; one that
-        cannot seek back is spooled to a local temporary file first, so that a failed
-        upload can be retried."""
+        """Upload ``data`` to ``.tmp-<hex>`` beside ``key``, then move it over ``key``.
+
+        On a local disk the move is a ``rename(2)``: readers see the old or the new
+        object. Elsewhere the upload is first renamed (onto a free name: atomic) to the
+        claim ``.tmp-<hex>.<name>``, then moved over ``key``: a server that deletes
+        the destination before renaming leaves the key missing for a moment, and
+        during that moment the claim stands for it (``list`` shows the key, ``get``
+        reads again instead of reporting it missing). A file-like is streamed; one
+        that cannot seek back is spooled to a local temporary file first, so that a
+        failed upload can be retried."""
         check_key(key)
+        folder, _, base = key.rpartition("/")
+        token = secrets.token_hex(8)
+        tmp_key = _join(folder, TEMP_PREFIX + token)
         with contextlib.ExitStack() as stack:
             stream, start, size = self._seekable(data, stack)
-            folder, _, _ = key.rpartition("/")
-            tmp_name = TEMP_PREFIX + secrets.token_hex(8)
-            tmp_key = f"{folder}/{tmp_name}" if folder else tmp_name
 
             def upload() -> None:
                 stream.seek(start)
-                body = _Body(stream, tmp_name, size)
+                body = _Body(stream, TEMP_PREFIX + token, size)
                 client, base_url, auth = self._connection()
                 params = {"fs": self.location, "remote": self._remote(folder)}
                 try:
@@ -629,13 +791,19 @@ class RcloneBackend(RegisterLogs):
                 self._check(resp, f"upload {key!r}")
 
             self._retry(f"upload {key}", upload)
+        source = tmp_key
         try:
-            self._retry(f"move into {key}", lambda: self._move(tmp_key, key))
+            claim = _claim_name(token, base)
+            if claim is not None and not self._atomic_rename():
+                claim_key = _join(folder, claim)
+                self._retry(f"claim {key}", lambda: self._move(tmp_key, claim_key))
+                source = claim_key
+            self._retry(f"move into {key}", lambda: self._move(source, key))
         except BackendError:
             with contextlib.suppress(BackendError):
                 self._rc(
                     "operations/deletefile",
-                    {"fs": self.location, "remote": self._remote(tmp_key)},
+                    {"fs": self.location, "remote": self._remote(source)},
                     "delete temporary",
                 )
             raise
@@ -655,7 +823,7 @@ class RcloneBackend(RegisterLogs):
         except ObjectNotFound as exc:
             # A retried move whose first attempt went through: the source is gone.
             # Anything else (the source really missing) is an error.
-            if self._stat(source, "stat") is None and self._stat(target, "stat") is not None:
+            if self._stat_once(source) is None and self._stat_once(target) is not None:
                 return
             raise BackendError(f"cannot move into {target!r} on {self.name}: {exc}") from exc
 
@@ -673,7 +841,7 @@ class RcloneBackend(RegisterLogs):
             return data, start, end - start
         except (OSError, AttributeError, ValueError):
             pass
-        spool = stack.enter_context(tempfile.TemporaryFile(dir=self._temp_folder()))  # noqa: SIM115  # noqa: SIM115
+        spool = stack.enter_context(tempfile.TemporaryFile(dir=self._temp_folder()))  # noqa: SIM115
         size = 0
         while True:
             chunk = data.read(CHUNK_SIZE)
@@ -691,46 +859,130 @@ class RcloneBackend(RegisterLogs):
         self.put(key, data)
         return True
 
-    def _download(self, key: str) -> BinaryIO:
-        """Copy ``key`` into the private temp folder with ``operations/copyfile``
-        (rclone verifies the copy's size and, where both sides have one, its hash),
-        open it and unlink it; the open file stays readable."""
-        check_key(key)
-        folder = self._temp_folder()
+    def _url(self, base_url: str, key: str) -> str:
+        """The ``--rc-serve`` URL of ``key``."""
+        return f"{base_url}/" + urllib.parse.quote(
+            f"[{self.location}]/{self._remote(key)}", safe="/"
+        )
 
-        def request() -> BinaryIO:
-            name = secrets.token_hex(8)
-            params = {
-                "srcFs": self.location,
-                "srcRemote": self._remote(key),
-                "dstFs": f":local:{folder}",
-                "dstRemote": name,
-                "_config": {"NoCheckDest": True},
-            }
-            self._rc("operations/copyfile", params, f"read {key!r}")
-            path = os.path.join(folder, name)
+    def _missing(self, key: str) -> BackendError:
+        """The error for a read of ``key`` answered 404: :class:`_Replacing` (retried)
+        if a fresh listing of its folder shows the key or a claim on it (a replace
+        was between deleting and renaming), else :class:`ObjectNotFound`."""
+        if not self._atomic_rename():
+            folder, _, base = key.rpartition("/")
             try:
-                return open(path, "rb")
-            except FileNotFoundError as exc:  # rclone copied nothing: a folder, not a file
-                raise ObjectNotFound(f"no object {key!r} on {self.name}") from exc
-            finally:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+                out = self._rc(
+                    "operations/list",
+                    {
+                        "fs": self.location,
+                        "remote": self._remote(folder),
+                        "opt": {"filesOnly": True, "noModTime": True, "noMimeType": True},
+                    },
+                    f"list {folder or '/'!r}",
+                )
+            except ObjectNotFound:
+                out = {}
+            for item in out.get("list") or []:
+                name = str(item.get("Name", ""))
+                if name == base or _claimed(name) == base:
+                    return _Replacing(f"{key!r} on {self.name} is being replaced; reading again")
+        return ObjectNotFound(f"no object {key!r} on {self.name}")
 
+    def _verify(self, key: str, size: int, last_modified: str | None) -> None:
+        """After a whole read of ``key`` from a remote that is not a local disk: raise
+        :class:`TransientError` unless a fresh stat shows the size and time the read
+        had. rcd serves the size of the object it looked up but the bytes the server
+        sends for the next GET, so a read racing a replace can be one version cut to
+        the size of another; a stat afterwards shows the newer version."""
+        item = self._stat_once(key)
+        changed = TransientError(f"{key!r} on {self.name} changed while it was read; reading again")
+        if item is None or int(item.get("Size", -1)) != size:
+            raise changed
+        if last_modified:
+            with contextlib.suppress(TypeError, ValueError):
+                served = email.utils.parsedate_to_datetime(last_modified).timestamp()
+                listed = datetime.fromisoformat(str(item.get("ModTime"))).timestamp()
+                if int(served) != int(listed):
+                    raise changed
+
+    def _send_get(
+        self, key: str, what: str, headers: dict[str, str] | None = None, *, stream: bool = False
+    ) -> httpx.Response:
+        """GET ``key`` through ``--rc-serve``; 404 raises :meth:`_missing`'s error,
+        other failures raise; the answer is 200 or 206 (closed by the caller)."""
+        client, base_url, auth = self._connection()
+        request = client.build_request("GET", self._url(base_url, key), headers=headers)
         try:
-            result: BinaryIO = self._retry(f"read {key}", request)
-        except ObjectNotFound as exc:
-            raise ObjectNotFound(f"no object {key!r} on {self.name}") from exc
-        return result
+            with self._slots:
+                resp = client.send(request, auth=auth, stream=stream)
+        except httpx.HTTPError as exc:
+            raise self._http_error(exc, what) from exc
+        if resp.status_code in (200, 206):
+            return resp
+        try:
+            resp.read()
+        except httpx.HTTPError as exc:
+            raise self._http_error(exc, what) from exc
+        finally:
+            resp.close()
+        if resp.status_code == 404:
+            raise self._missing(key)
+        self._check(resp, what)
+        raise TransientError(f"{what} on {self.name}: HTTP {resp.status_code}")
 
     def get(self, key: str) -> bytes:
-        """The whole object at ``key``; :class:`ObjectNotFound` if absent."""
-        with self._download(key) as f:
-            return f.read()
+        """The whole object at ``key`` (one GET through ``--rc-serve``, checked against
+        its Content-Length, and off local disks against a stat afterwards);
+        :class:`ObjectNotFound` if absent."""
+        check_key(key)
+        what = f"read {key!r}"
+
+        def request() -> bytes:
+            resp = self._send_get(key, what)
+            data = resp.content
+            declared = resp.headers.get("content-length")
+            if declared is not None and int(declared) != len(data):
+                raise TransientError(f"{what} on {self.name}: short answer")
+            if not self._atomic_rename():
+                self._verify(key, len(data), resp.headers.get("last-modified"))
+            return data
+
+        return self._read(key, request)
+
+    def _read(self, key: str, request: Any) -> Any:
+        try:
+            return self._retry(f"read {key}", request)
+        except _Replacing as exc:  # a claim that never turned into the key: left over
+            raise ObjectNotFound(f"no object {key!r} on {self.name}") from exc
 
     def open(self, key: str) -> BinaryIO:
-        """A readable stream of ``key`` (a local temporary copy, already unlinked)."""
-        return self._download(key)
+        """A readable stream of ``key``: a streamed GET through ``--rc-serve``. A read
+        that ends short of the declared size, or (off local disks) whose object changed
+        meanwhile, raises :class:`BackendError` at the end instead of returning EOF."""
+        check_key(key)
+        what = f"read {key!r}"
+
+        def request() -> BinaryIO:
+            resp = self._send_get(key, what, stream=True)
+            declared = resp.headers.get("content-length")
+
+            def at_end(count: int) -> None:
+                if declared is not None and int(declared) != count:
+                    raise BackendError(
+                        f"{what} on {self.name}: ended after {count} of {declared} bytes"
+                    )
+                if not self._atomic_rename():
+                    try:
+                        self._verify(key, count, resp.headers.get("last-modified"))
+                    except TransientError as exc:
+                        raise BackendError(str(exc)) from exc
+
+            raw = _ResponseReader(resp, at_end, lambda exc: self._http_error(exc, what))
+            return cast(BinaryIO, io.BufferedReader(raw, CHUNK_SIZE))
+
+        result: BinaryIO = self._read(key, request)
+        return result
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset`` via an HTTP Range GET (``--rc-serve``)."""
@@ -742,26 +994,30 @@ class RcloneBackend(RegisterLogs):
             if size < offset:
                 raise self._short(key, size, offset + length)
             return b""
-        path = urllib.parse.quote(f"[{self.location}]/{self._remote(key)}", safe="/")
+        what = f"read {key!r}"
 
         def request() -> bytes:
-            client, base_url, auth = self._connection()
             headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
             try:
-                with self._slots:
-                    resp = client.get(f"{base_url}/{path}", headers=headers, auth=auth)
-            except httpx.HTTPError as exc:
-                raise self._http_error(exc, f"read {key!r}") from exc
-            if resp.status_code == 416:
-                raise self._short(key, None, offset + length)
+                resp = self._send_get(key, what, headers)
+            except (ObjectNotFound, _Replacing):
+                # Some remotes answer a range past the end with 404: tell "too short"
+                # from "missing" (and from a replace under way) with a stat.
+                item = self._stat_once(key)
+                if item is None:
+                    raise
+                if int(item.get("Size", 0)) < offset + length:
+                    raise self._short(key, int(item.get("Size", 0)), offset + length) from None
+                raise
+            except BackendError as exc:
+                if "416" in str(exc) or "range not satisfiable" in str(exc).lower():
+                    raise self._short(key, None, offset + length) from exc
+                raise
             if resp.status_code == 206:
                 return resp.content
-            if resp.status_code == 200:  # the whole object: the range was ignored
-                return resp.content[offset : offset + length]
-            self._check(resp, f"read {key!r}")
-            raise TransientError(f"read {key!r} on {self.name}: HTTP {resp.status_code}")
+            return resp.content[offset : offset + length]  # 200: the range was ignored
 
-        data: bytes = self._retry(f"read {key}", request)
+        data: bytes = self._read(key, request)
         if len(data) != length:
             raise self._short(key, None, offset + length)
         return data
@@ -804,7 +1060,8 @@ class RcloneBackend(RegisterLogs):
 
     def list(self, prefix: str = "") -> Iterator[str]:
         """Every key under the folder ``prefix``, from one recursive listing.
-        ``.tmp-`` uploads and names that are not valid keys are skipped."""
+        ``.tmp-`` uploads and names that are not valid keys are skipped; a claim
+        ``.tmp-<hex>.<name>`` (see :meth:`put`) stands for the key ``<name>``."""
         prefix = check_prefix(prefix).rstrip("/")
         remote = self._remote(prefix)
         params = {
@@ -819,18 +1076,22 @@ class RcloneBackend(RegisterLogs):
             except ObjectNotFound:
                 return []  # no such folder (or an object): no keys
             root = self.namespace + "/"
-            keys = []
+            keys: dict[str, None] = {}
             for item in out.get("list") or []:
                 path = str(item.get("Path", ""))
                 if item.get("IsDir") or not path.startswith(root):
                     continue
                 key = path[len(root) :]
+                folder, _, name = key.rpartition("/")
+                claimed = _claimed(name)
+                if claimed is not None:
+                    key = _join(folder, claimed)
                 try:
                     check_key(key)
                 except InvalidKey:
                     continue  # a .tmp- upload, or a stray file put there by hand
-                keys.append(key)
-            return keys
+                keys[key] = None
+            return builtins.list(keys)
 
         keys: builtins.list[str] = self._retry(f"list {remote}", request)
         return iter(keys)

@@ -8,7 +8,8 @@ Fixtures (registered in ``tests/conftest.py``'s ``pytest_plugins``):
 ``rclone_webdav``
     Session-scoped :class:`RcloneWebdav`: ``rclone serve webdav`` started as a
     separate process on ``127.0.0.1`` on a free port, over a throwaway folder
-    under the session's pytest tmp dir, with ``--user``/``--pass``. Readiness is
+    under the session's pytest tmp dir, with ``--user``/``--pass`` and
+    ``--vfs-cache-mode off`` (the directory cache stays on). Readiness is
     awaited by polling the HTTP endpoint against a deadline; the server log is
     ``<tmp>/serve-webdav.log`` and shown if it does not come up. A
     :class:`FaultProxy` in front of it (``.proxy``) serves the faulty remote.
@@ -16,9 +17,9 @@ Fixtures (registered in ``tests/conftest.py``'s ``pytest_plugins``):
 ``rclone_env``
     Session-scoped :class:`RcloneEnv`: an rclone config file in the session tmp dir
     with three remotes: ``local`` (``type = local``), ``dav`` (``type = webdav``,
-    ``vendor = rclone``, pointing at ``rclone_webdav``, password obscured with
-    ``rclone obscure``) and ``davfaulty`` (the same server reached through the
-    fault proxy). ``.uri(remote_path)`` builds ``rclone:<remote_path>?config=...``.
+    ``vendor = rclone``, ``pacer_min_sleep = 0``, pointing at ``rclone_webdav``,
+    password obscured with ``rclone obscure``) and ``davfaulty`` (the same server
+    reached through the fault proxy). ``.uri(remote_path)`` builds ``rclone:<remote_path>?config=...``.
 """
 
 from __future__ import annotations
@@ -121,6 +122,10 @@ def rclone_webdav(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RcloneWe
         "--addr", f"127.0.0.1:{port}",
         "--user", user, "--pass", password,
         "--config", str(empty_config),
+        # No VFS file cache: reads and writes go straight to the folder. The directory
+        # cache stays on (with --dir-cache-time 0s a PUT + MOVE takes ~250 ms instead
+        # of ~5 ms): every change goes through this server, so it is never stale.
+        "--vfs-cache-mode", "off",
         "--log-file", str(log_file), "--log-level", "NOTICE",
     ]  # fmt: skip
     proc = subprocess.Popen(
@@ -164,7 +169,12 @@ def rclone_env(
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     config = base / "rclone.conf"
-    webdav = f"type = webdav\nvendor = rclone\nuser = {rclone_webdav.user}\npass = {obscured}\n"
+    # pacer_min_sleep: rclone spaces the requests to one webdav remote at least 10 ms
+    # apart by default (gentle to public services); a loopback server needs no pause.
+    webdav = (
+        f"type = webdav\nvendor = rclone\nuser = {rclone_webdav.user}\npass = {obscured}\n"
+        "pacer_min_sleep = 0\n"
+    )
     config.write_text(
         "[local]\ntype = local\n\n"
         f"[dav]\n{webdav}url = {rclone_webdav.url}\n\n"
