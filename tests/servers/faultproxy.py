@@ -21,6 +21,10 @@ def _reset(sock: socket.socket) -> None:
     # SO_LINGER with a zero timeout makes close() send RST instead of FIN.
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    # Wake a pump thread blocked in recv() on this socket: close() from another
+    # thread alone would leave the kernel socket open (and send nothing) until then.
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RD)
     with contextlib.suppress(OSError):
         sock.close()
 
