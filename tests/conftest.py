@@ -9,6 +9,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,17 +26,35 @@ pytest_plugins: list[str] = ["tests.servers.webdav", "tests.servers.seaweedfs", 
 # Backoff between retries in tests: short, so fault-injection tests stay quick.
 os.environ.setdefault("METASYNC_RETRY_BASE", "0.02")
 
-_deselected_lines: list[str] = []
+# Under pytest-xdist the workers collect (and deselect); they report the reasons
+# through this file, which the controlling process prints in its summary.
+_DESELECTED_LOG = "METASYNC_TEST_DESELECTED_LOG"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        fd, path = tempfile.mkstemp(prefix="metasync-deselected-", suffix=".txt")
+        os.close(fd)
+        os.environ[_DESELECTED_LOG] = path
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _deselected_lines.extend(deselect_inapplicable(config, items))
+    lines = deselect_inapplicable(config, items)
+    if lines:
+        with open(os.environ[_DESELECTED_LOG], "a", encoding="utf-8") as log:
+            log.writelines(line + "\n" for line in lines)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _deselected_lines:
+    path = os.environ.get(_DESELECTED_LOG)
+    if path is None or hasattr(terminalreporter.config, "workerinput"):
+        return
+    with open(path, encoding="utf-8") as log:
+        lines = sorted(set(log.read().splitlines()))
+    os.unlink(path)
+    if lines:
         terminalreporter.section("backend tests that do not apply (deselected)")
-        for line in _deselected_lines:
+        for line in lines:
             terminalreporter.line(line)
 
 PASSPHRASE = "correct horse battery staple"
