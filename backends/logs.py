@@ -158,6 +158,8 @@ _ENTRY_MAGIC = b"MSE1"
 _DIGEST = 16
 #: An attempt id / append id is 16 random bytes (32 hex digits in names).
 _ID_BYTES = 16
+#: Reads of a listed entry that came back "not found" before giving up.
+ENTRY_READ_TRIES = 6
 #: Rounds one append tries under contention before reporting a transient failure.
 MAX_ROUNDS = 200
 
@@ -259,7 +261,18 @@ class RegisterLogs(Backend):
 
     def _decided_value(self, log: str, position: int) -> bytes:
         key = f"{log}/{entry_name(position)}"
-        return decode_entry(self.get(key), f"log entry {key}")
+        for attempt in range(ENTRY_READ_TRIES):
+            try:
+                return decode_entry(self.get(key), f"log entry {key}")
+            except ObjectNotFound:
+                # Entries are never removed. Two attempts that decided the same
+                # position may both write its entry (create-if-absent is best effort
+                # on these services), and a service that replaces by delete-then-
+                # rename hides it for a moment: read again.
+                if attempt + 1 == ENTRY_READ_TRIES:
+                    raise
+                time.sleep(0.005 * 2**attempt)
+        raise AssertionError("unreachable")
 
     def _read_blocks(self, log: str, position: int, mine: str) -> tuple[bool, dict[str, Block]]:
         """(decided?, the other attempts' blocks at ``position``) from a fresh listing.

@@ -98,9 +98,8 @@ _UNREACHABLE = (
     "no route to host",
     "host is down",
 )
+# Words, not bare status numbers: a number would also match digits in a path.
 _DENIED = (
-    "401",
-    "403",
     "unauthorized",
     "forbidden",
     "permission denied",
@@ -109,6 +108,9 @@ _DENIED = (
     "authentication",
 )
 _TRANSIENT = (
+    "connection lost",
+    "use of closed network connection",
+    "handshake failed",
     "timeout",
     "timed out",
     "reset by peer",
@@ -119,11 +121,10 @@ _TRANSIENT = (
     "sizes differ",
     "source file is being updated",
     "too many requests",
-    "429",
-    "500 internal",
-    "502",
-    "503",
-    "504",
+    "internal server error",
+    "bad gateway",
+    "service unavailable",
+    "gateway timeout",
     "try again",
     "temporarily",
 )
@@ -613,13 +614,13 @@ class RcloneBackend(RegisterLogs):
             return BackendUnavailable(
                 f"rclone remote {self.name} is unreachable ({text}); is the server up?"
             )
+        if any(s in lower for s in _TRANSIENT):
+            return TransientError(f"{what} on {self.name} failed: {text}")
         if any(s in lower for s in _DENIED):
             return BackendError(
                 f"rclone remote {self.name} refused {what} ({text}); "
                 "check the credentials and permissions in the rclone config"
             )
-        if any(s in lower for s in _TRANSIENT):
-            return TransientError(f"{what} on {self.name} failed: {text}")
         return BackendError(f"{what} on {self.name} failed: {text}")
 
     def _http_error(self, exc: httpx.HTTPError, what: str) -> BackendError:
