@@ -201,10 +201,17 @@ class Daemon:
         except MetasyncError as exc:
             self._fail(exc)
         except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+                self._fail(exc)
+            elif not (self.root / META_DIR).is_dir():
                 self._pause(f"{self.root} vanished during a sync; syncing stops until it is back")
             else:
-                self._fail(exc)
+                # Only something inside the folder moved while it was read (the user
+                # renamed a folder mid-scan): nothing is lost, sync again shortly.
+                self.log.info("%s changed during the sync (%s); syncing again", self.root, exc)
+                self._dirty = True
+                self._last_event = time.monotonic()
+                self.status.state = "idle"
         self._write_status()
 
     def _sync_repo(self, repo: Repository) -> None:
