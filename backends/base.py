@@ -20,9 +20,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from metasync.errors import InvalidKey
+from metasync.errors import BackendError, InvalidKey
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9._-]+$")
+#: Prefix of names of in-progress writes: never a key part, never listed.
+TEMP_PREFIX = ".tmp-"
 
 
 def check_key(key: str) -> str:
@@ -31,9 +33,18 @@ def check_key(key: str) -> str:
         raise InvalidKey(f"invalid backend key {key!r}")
     for part in key.split("/"):
         # ".tmp-" names are reserved for in-progress writes, which are never listed.
-        if part in (".", "..") or part.startswith(".tmp-") or not _KEY_PART.match(part):
+        if part in (".", "..") or part.startswith(TEMP_PREFIX) or not _KEY_PART.match(part):
             raise InvalidKey(f"invalid backend key {key!r}")
     return key
+
+
+def is_key_part(name: str) -> bool:
+    """True if ``name`` may be one part of a listed key (so not a temporary file)."""
+    try:
+        check_key(name)
+    except InvalidKey:
+        return False
+    return True
 
 
 def public_uri(uri: str) -> str:
@@ -96,6 +107,15 @@ class Backend(ABC):
     def name(self) -> str:
         """A short human name for messages: the URI without any password."""
         return public_uri(self.uri)
+
+    def truncated_error(self, key: str, needed: int, size: int | None = None) -> BackendError:
+        """The error for a read that needs ``needed`` bytes of ``key`` but the stored
+        object (``size`` bytes, if known) is shorter: a truncated copy."""
+        have = f"{size} bytes" if size is not None else "too short"
+        return BackendError(
+            f"object {key!r} on {self.name} is {have}, shorter than the {needed} bytes "
+            "needed (a truncated copy?)"
+        )
 
     # --- lifecycle --------------------------------------------------------------
     @abstractmethod

@@ -31,7 +31,14 @@ from collections.abc import Iterator, Sequence
 from typing import BinaryIO
 
 from metasync.backends import register
-from metasync.backends.base import Backend, Capabilities, check_key, check_prefix
+from metasync.backends.base import (
+    TEMP_PREFIX,
+    Backend,
+    Capabilities,
+    check_key,
+    check_prefix,
+    is_key_part,
+)
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
@@ -42,8 +49,6 @@ from metasync.errors import (
 
 #: Streams are copied in pieces of this size, so memory use does not grow with the object.
 CHUNK_SIZE = 1 << 20
-#: Prefix of in-progress writes; never listed, never a log entry.
-TEMP_PREFIX = ".tmp-"
 
 # Log entries are named by their zero-padded position. Exactly the canonical
 # spelling counts: an entry must have one name, or two names could claim a position.
@@ -76,16 +81,6 @@ def _entry_position(name: str) -> int | None:
     position = int(name)
     return position if _entry_name(position) == name else None
 
-
-def _is_valid_name(name: str) -> bool:
-    """True if ``name`` may be one part of a key this backend lists."""
-    if name.startswith(TEMP_PREFIX):
-        return False
-    try:
-        check_key(name)
-    except InvalidKey:
-        return False
-    return True
 
 
 def _fsync_dir(path: str) -> None:
@@ -449,10 +444,7 @@ class LocalBackend(Backend):
             raise self._error(exc, key, "read", not_found=True) from exc
         # Check the size too: a zero-length range past the end is out of bounds as well.
         if size < offset + length or len(data) != length:
-            raise BackendError(
-                f"object {key!r} on {self.name} is {size} bytes, shorter than the "
-                f"{offset + length} bytes needed (a truncated copy?)"
-            )
+            raise self.truncated_error(key, offset + length, size)
         return data
 
     def size(self, key: str) -> int:
@@ -513,7 +505,7 @@ class LocalBackend(Backend):
             except OSError as exc:
                 raise self._error(exc, rel, "list", not_found=False) from exc
             for entry in entries:
-                if not _is_valid_name(entry.name):
+                if not is_key_part(entry.name):
                     continue
                 key = f"{rel}/{entry.name}" if rel else entry.name
                 try:

@@ -58,7 +58,7 @@ from typing import Any, BinaryIO, cast
 import httpx
 
 from metasync.backends import register
-from metasync.backends.base import Capabilities, check_key, check_prefix
+from metasync.backends.base import TEMP_PREFIX, Capabilities, check_key, check_prefix
 from metasync.backends.logs import RegisterLogs
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
@@ -69,8 +69,6 @@ from metasync.errors import (
     UsageError,
 )
 
-#: Prefix of in-progress uploads; never listed.
-TEMP_PREFIX = ".tmp-"
 #: Uploads are sent in pieces of this size (memory use does not grow with the object).
 CHUNK_SIZE = 1 << 20
 #: Default bound on concurrent transfers per backend instance.
@@ -993,7 +991,7 @@ class RcloneBackend(RegisterLogs):
         if length == 0:
             size = self.size(key)
             if size < offset:
-                raise self._short(key, size, offset + length)
+                raise self.truncated_error(key, offset + length, size)
             return b""
         what = f"read {key!r}"
 
@@ -1008,11 +1006,11 @@ class RcloneBackend(RegisterLogs):
                 if item is None:
                     raise
                 if int(item.get("Size", 0)) < offset + length:
-                    raise self._short(key, int(item.get("Size", 0)), offset + length) from None
+                    raise self.truncated_error(key, offset + length, int(item.get("Size", 0))) from None
                 raise
             except BackendError as exc:
                 if "416" in str(exc) or "range not satisfiable" in str(exc).lower():
-                    raise self._short(key, None, offset + length) from exc
+                    raise self.truncated_error(key, offset + length, None) from exc
                 raise
             if resp.status_code == 206:
                 return resp.content
@@ -1020,15 +1018,8 @@ class RcloneBackend(RegisterLogs):
 
         data: bytes = self._read(key, request)
         if len(data) != length:
-            raise self._short(key, None, offset + length)
+            raise self.truncated_error(key, offset + length, None)
         return data
-
-    def _short(self, key: str, size: int | None, needed: int) -> BackendError:
-        have = f"{size} bytes" if size is not None else "too short"
-        return BackendError(
-            f"object {key!r} on {self.name} is {have}, shorter than the {needed} bytes "
-            "needed (a truncated copy?)"
-        )
 
     def size(self, key: str) -> int:
         """Size of ``key`` in bytes; :class:`ObjectNotFound` if absent."""

@@ -574,7 +574,7 @@ class S3Backend(ObjectStoreLogs):
         if length == 0:
             size = self.size(key)
             if size < offset:
-                raise self._truncated(key, size, offset)
+                raise self.truncated_error(key, offset, size)
             return b""
 
         def read() -> tuple[bytes, int | None]:
@@ -594,15 +594,8 @@ class S3Backend(ObjectStoreLogs):
 
         data, total = self._call(key, "read", read)
         if len(data) != length:
-            raise self._truncated(key, total, offset + length)
+            raise self.truncated_error(key, offset + length, total)
         return data
-
-    def _truncated(self, key: str, size: int | None, needed: int) -> BackendError:
-        known = f"{size} bytes" if size is not None else "too short"
-        return BackendError(
-            f"object {key!r} on {self.name} is {known}, shorter than the {needed} bytes "
-            "needed (a truncated copy?)"
-        )
 
     def size(self, key: str) -> int:
         """Size in bytes (HEAD)."""

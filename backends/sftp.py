@@ -78,7 +78,14 @@ from paramiko.sftp import (
 from paramiko.sftp_attr import SFTPAttributes
 
 from metasync.backends import register
-from metasync.backends.base import Capabilities, check_key, check_prefix, public_uri
+from metasync.backends.base import (
+    TEMP_PREFIX,
+    Capabilities,
+    check_key,
+    check_prefix,
+    is_key_part,
+    public_uri,
+)
 from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
@@ -91,8 +98,6 @@ from metasync.errors import (
 
 T = TypeVar("T")
 
-#: Prefix of in-progress writes; never listed.
-TEMP_PREFIX = ".tmp-"
 #: Bytes per SFTP read or write request (paramiko's and most servers' safe maximum).
 REQUEST_SIZE = 32768
 #: Requests in flight per transfer: 2 MiB, enough to fill a fast link's pipe.
@@ -119,16 +124,6 @@ def _fingerprint(key: paramiko.PKey) -> str:
     digest = hashlib.sha256(key.asbytes()).digest()
     return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
 
-
-def _is_valid_name(name: str) -> bool:
-    """True if ``name`` may be one part of a key this backend lists."""
-    if name.startswith(TEMP_PREFIX):
-        return False
-    try:
-        check_key(name)
-    except InvalidKey:
-        return False
-    return True
 
 
 class _HostKeyError(paramiko.SSHException):
@@ -1008,10 +1003,7 @@ class SftpBackend(ObjectStoreLogs):
             )
             try:
                 if size < offset + length:
-                    raise BackendError(
-                        f"{self.name}: object {key!r} is {size} bytes, shorter than the "
-                        f"{offset + length} bytes needed (a truncated copy?)"
-                    )
+                    raise self.truncated_error(key, offset + length, size)
                 return self._read_rest(sftp, handle, key, offset, length, head)
             finally:
                 _close_handle(sftp, handle)
@@ -1084,7 +1076,7 @@ class SftpBackend(ObjectStoreLogs):
                     raise
                 for entry in entries:
                     name = entry.filename
-                    if not _is_valid_name(name):
+                    if not is_key_part(name):
                         continue
                     key = f"{rel}/{name}" if rel else name
                     mode = entry.st_mode or 0

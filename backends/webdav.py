@@ -55,7 +55,13 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 import httpx
 
 from metasync.backends import register
-from metasync.backends.base import Capabilities, check_key, check_prefix
+from metasync.backends.base import (
+    TEMP_PREFIX,
+    Capabilities,
+    check_key,
+    check_prefix,
+    is_key_part,
+)
 from metasync.backends.logs import (
     RegisterLogs,
     entry_cache,
@@ -76,8 +82,6 @@ T = TypeVar("T")
 
 #: Upload and download pieces: memory use does not grow with the object.
 CHUNK_SIZE = 1 << 20
-#: Prefix of in-progress uploads; never listed, never accepted as a key part.
-TEMP_PREFIX = ".tmp-"
 #: Immediate re-asks of a folder listing that failed with 500 (see ``_propfind``).
 PROPFIND_RACE_TRIES = 10
 #: Objects up to this size are hashed into their poll token (see :meth:`poll`).
@@ -115,15 +119,6 @@ class _Entry:
         self.etag = etag
         self.modified = modified
 
-
-def _is_valid_name(name: str) -> bool:
-    if name.startswith(TEMP_PREFIX):
-        return False
-    try:
-        check_key(name)
-    except InvalidKey:
-        return False
-    return True
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -820,7 +815,7 @@ class WebdavBackend(RegisterLogs):
         self._key(key)
         if length == 0:
             if self.size(key) < offset:
-                raise self._truncated(key, offset, length, None)
+                raise self.truncated_error(key, offset + length)
             return b""
 
         def request() -> bytes:
@@ -828,7 +823,7 @@ class WebdavBackend(RegisterLogs):
             response = self._get(key, headers)
             try:
                 if response.status_code == 416:
-                    raise self._truncated(key, offset, length, None)
+                    raise self.truncated_error(key, offset + length)
                 if response.status_code == 206:
                     data = response.read()
                 else:  # 200: the whole object; skip to the range without keeping it
@@ -846,17 +841,10 @@ class WebdavBackend(RegisterLogs):
             finally:
                 response.close()
             if len(data) != length:
-                raise self._truncated(key, offset, length, len(data))
+                raise self.truncated_error(key, offset + length)
             return data
 
         return self._call(f"read {key!r}", request)
-
-    def _truncated(self, key: str, offset: int, length: int, got: int | None) -> BackendError:
-        detail = f"got {got} bytes" if got is not None else "the object is shorter"
-        return BackendError(
-            f"object {key!r} on {self.name} is truncated: bytes {offset}..{offset + length} "
-            f"requested, {detail} (a truncated copy?)"
-        )
 
     def size(self, key: str) -> int:
         """Size from a PROPFIND (Depth: 0)."""
@@ -915,7 +903,7 @@ class WebdavBackend(RegisterLogs):
                 continue  # an object, not a folder
             for entry in entries:
                 parent, _, name = entry.path.rpartition("/")
-                if parent != own or not _is_valid_name(name):
+                if parent != own or not is_key_part(name):
                     continue
                 key = f"{rel}/{name}" if rel else name
                 if entry.is_collection:
