@@ -288,8 +288,16 @@ class S3Backend(ObjectStoreLogs):
                 f"cannot {what}: {self.endpoint or 'S3'} cannot be reached ({_one_line(exc)}); "
                 "is the endpoint right and the service running?"
             )
-        # Failures after the connection was made (reset, closed, timed out): retry.
-        if isinstance(exc, bexc.HTTPClientError | bexc.ConnectionError | OSError):
+        # Failures after the connection was made (reset, closed, timed out, a body
+        # cut short): retry.
+        if isinstance(
+            exc,
+            bexc.HTTPClientError
+            | bexc.ConnectionError
+            | bexc.IncompleteReadError
+            | bexc.ResponseStreamingError
+            | OSError,
+        ):
             return TransientError(f"cannot {what}: connection failed ({_one_line(exc)})")
         if isinstance(exc, bexc.BotoCoreError):
             return BackendError(f"cannot {what}: {_one_line(exc)}")
