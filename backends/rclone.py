@@ -478,6 +478,14 @@ def _claimed(name: str) -> str | None:
     return match.group(1) if match else None
 
 
+#: Retry rounds of a read whose object keeps changing while it is read.
+CHANGED_READ_ROUNDS = 4
+
+
+class _Changed(TransientError):
+    """A whole read saw one version's size and another's bytes: read again."""
+
+
 class _Replacing(TransientError):
     """A read found the key missing while a claim on it shows a replace under way."""
 
@@ -895,7 +903,7 @@ class RcloneBackend(RegisterLogs):
         sends for the next GET, so a read racing a replace can be one version cut to
         the size of another; a stat afterwards shows the newer version."""
         item = self._stat_once(key)
-        changed = TransientError(f"{key!r} on {self.name} changed while it was read; reading again")
+        changed = _Changed(f"{key!r} on {self.name} changed while it was read; reading again")
         if item is None or int(item.get("Size", -1)) != size:
             raise changed
         if last_modified:
@@ -950,10 +958,17 @@ class RcloneBackend(RegisterLogs):
         return self._read(key, request)
 
     def _read(self, key: str, request: Any) -> Any:
-        try:
-            return self._retry(f"read {key}", request)
-        except _Replacing as exc:  # a claim that never turned into the key: left over
-            raise ObjectNotFound(f"no object {key!r} on {self.name}") from exc
+        # An object replaced again and again (a hint, a descriptor) can make every
+        # retry of one policy round see a change; each new round starts afresh.
+        for round_number in range(CHANGED_READ_ROUNDS):
+            try:
+                return self._retry(f"read {key}", request)
+            except _Replacing as exc:  # a claim that never turned into the key: left over
+                raise ObjectNotFound(f"no object {key!r} on {self.name}") from exc
+            except _Changed:
+                if round_number + 1 == CHANGED_READ_ROUNDS:
+                    raise
+        raise AssertionError("unreachable")
 
     def open(self, key: str) -> BinaryIO:
         """A readable stream of ``key``: a streamed GET through ``--rc-serve``. A read
