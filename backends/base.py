@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from metasync.errors import BackendError, InvalidKey
+from metasync.errors import BackendError, InvalidKey, ObjectNotFound
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9._-]+$")
 #: Prefix of names of in-progress writes: never a key part, never listed.
@@ -168,6 +168,16 @@ class Backend(ABC):
     def list(self, prefix: str = "") -> Iterator[str]:
         """Yield every key under ``prefix`` (a folder-like prefix, ``""`` for all), in
         no particular order. Temporary files of in-progress writes are never listed."""
+
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        """Like :meth:`list`, with each object's size in bytes. The default asks
+        :meth:`size` per key (a key deleted meanwhile is skipped); services whose
+        listings carry sizes answer in one listing."""
+        for key in self.list(prefix):
+            try:
+                yield key, self.size(key)
+            except ObjectNotFound:
+                continue
 
     @abstractmethod
     def poll(self, key: str) -> str | None:

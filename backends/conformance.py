@@ -648,6 +648,16 @@ class BackendConformance:
         assert list(backend.list("a/zz")) == []
         assert list(backend.list("c")) == []  # an object, not a folder
 
+    def test_list_sizes(self, backend: Backend) -> None:
+        """list_sizes(prefix) yields exactly the keys of list(prefix), each with the
+        size of its object (as size() gives it)."""
+        objects = {"s/a": b"", "s/b": b"x" * 1000, "s/c/d": b"y" * 70_001, "t": b"zz"}
+        for key, data in objects.items():
+            backend.put(key, data)
+        assert dict(backend.list_sizes("s")) == {k: len(v) for k, v in objects.items() if k != "t"}
+        assert dict(backend.list_sizes()) == {k: len(v) for k, v in objects.items()}
+        assert list(backend.list_sizes("nothing")) == []
+
     def test_list_many_keys(self, backend: Backend) -> None:
         """Listing is complete beyond any page size: 1,537 keys, each exactly once."""
         keys = {f"many/{i:05d}" for i in range(1537)}

@@ -484,13 +484,16 @@ class LocalBackend(Backend):
         hand) are skipped. A missing prefix folder yields nothing. The namespace
         folder is checked when ``list`` is called, not when iteration starts.
         """
+        return (key for key, _ in self.list_sizes(prefix))
+
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         prefix = check_prefix(prefix)
         if prefix:
             self._check_reserved(prefix)
         self._require_root()
         return self._walk(prefix)
 
-    def _walk(self, prefix: str) -> Iterator[str]:
+    def _walk(self, prefix: str) -> Iterator[tuple[str, int]]:
         stack = [(self._path(prefix) if prefix else self.root, prefix)]
         while stack:
             folder, rel = stack.pop()
@@ -513,7 +516,7 @@ class LocalBackend(Backend):
                     if entry.is_dir(follow_symlinks=False):
                         stack.append((entry.path, key))
                     elif entry.is_file():
-                        yield key
+                        yield key, entry.stat().st_size
                 except OSError:
                     continue  # removed while we were listing
 

@@ -620,11 +620,14 @@ class S3Backend(ObjectStoreLogs):
         """Every key below the folder ``prefix``, one ListObjectsV2 page at a time
         (each page retried on its own). Names that are not valid keys (the namespace
         marker, objects written by other tools) are skipped."""
+        return (key for key, _ in self.list_sizes(prefix))
+
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         check_prefix(prefix)
         folder = prefix.rstrip("/")
         return self._list(self.base + (folder + "/" if folder else ""))
 
-    def _list(self, full_prefix: str) -> Iterator[str]:
+    def _list(self, full_prefix: str) -> Iterator[tuple[str, int]]:
         token: str | None = None
         while True:
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix}
@@ -637,7 +640,7 @@ class S3Backend(ObjectStoreLogs):
                     check_key(key)
                 except InvalidKey:
                     continue
-                yield key
+                yield key, int(item.get("Size", 0))
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return

@@ -282,19 +282,137 @@ def log(as_json: bool, limit: int | None) -> None:
 
 
 @cli.command()
-def fsck() -> None:
-    """Download and verify every object reachable from master on every backend."""
+@click.option("--quick", is_flag=True, help="Only check that every copy is there (no download).")
+@click.option("--repair", is_flag=True, help="Re-create missing or corrupt copies from good ones.")
+def fsck(quick: bool, repair: bool) -> None:
+    """Verify every copy of every object reachable from master on every backend."""
     with _open() as repo:
-        report = repo.fsck()
-        names = {b: repo.backend_name(b) for b in repo.backends}
+        report = repo.fsck(quick=quick, repair=repair)
+        names = {p.backend: repo.backend_name(p.backend) for p in report.problems}
+    fixed = set(report.repaired)
     for p in report.problems:
-        click.echo(f"{p.problem}: {p.kind} {p.object_id} on {names.get(p.backend, p.backend)}")
+        where = names.get(p.backend, p.backend)
+        if p in fixed:
+            _say(f"repaired: {p.problem} {p.kind} {p.object_id} on {where}")
+        else:
+            click.echo(f"{p.problem}: {p.kind} {p.object_id} on {where}")
+    how = "found" if quick else "verified"
     if report.ok:
-        _say(f"ok: {report.objects} objects, {report.checked_copies} copies verified")
+        extra = f", {len(report.repaired)} repaired" if report.repaired else ""
+        _say(f"ok: {report.objects} objects, {report.checked_copies} copies {how}{extra}")
         return
-    click.echo(f"{len(report.problems)} problem(s) in {report.checked_copies} copies checked; "
-               "see above", err=True)
+    left = len(report.problems) - len(fixed)
+    hint = "" if repair else "; `metasync fsck --repair` re-creates them from good copies"
+    click.echo(f"{left} problem(s) in {report.checked_copies} copies checked; see above{hint}",
+               err=True)
     sys.exit(1)
+
+
+# ============================================================== storage changes
+def _report_change(what: str, change: Any) -> None:
+    r = change.report
+    ratio = f", {r.copied / r.minimum:.2f}x" if r.minimum else ""
+    _say(f"{what}; now version {change.version.number}")
+    _say(f"moved {r.copied} object copies ({_human(r.bytes_copied)}; theoretical minimum "
+         f"{r.minimum}{ratio}), dropped {r.dropped} no longer needed")
+    _warn_leftovers(r)
+
+
+def _warn_leftovers(r: Any) -> None:
+    if r.lost:
+        click.echo(f"warning: {len(r.lost)} object(s) have no good copy on any reachable "
+                   "backend", err=True)
+    if r.kept:
+        click.echo(f"warning: kept {r.kept} copies that are no longer needed (a backend was "
+                   "unreachable or too few copies were verified); run `metasync rebalance` later",
+                   err=True)
+    for backend, why in sorted(r.unreachable.items()):
+        click.echo(f"note: could not list {backend}: {why}", err=True)
+
+
+@cli.group()
+def backend() -> None:
+    """Add, remove, resize and list the repository's backends."""
+
+
+@backend.command("add")
+@click.argument("uri")
+@click.option("--capacity", type=float, default=None, metavar="GB",
+              help="Its capacity; objects are spread in proportion (default: the others' mean).")
+def backend_add(uri: str, capacity: float | None) -> None:
+    """Add the storage location URI; move to it the copies it should hold."""
+    with _open() as repo:
+        change = repo.add_backend(uri, capacity)
+        added = next(b for b in change.new.backends if b.id not in change.old.backend_ids)
+    _report_change(f"added backend {added.id} ({added.uri})", change)
+
+
+@backend.command("remove")
+@click.argument("name")
+def backend_remove(name: str) -> None:
+    """Remove backend NAME (its id or URI), keeping every object on the others."""
+    with _open() as repo:
+        change = repo.remove_backend(name)
+        removed = next(b for b in change.old.backends if b.id not in change.new.backend_ids)
+    _report_change(f"removed backend {removed.id} ({removed.uri})", change)
+
+
+@backend.command("resize")
+@click.argument("name")
+@click.argument("capacity", type=float)
+def backend_resize(name: str, capacity: float) -> None:
+    """Set backend NAME's capacity to CAPACITY GB."""
+    with _open() as repo:
+        change = repo.resize_backend(name, capacity)
+    _report_change(f"resized backend {name} to {capacity:g} GB", change)
+
+
+@backend.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def backend_list(as_json: bool) -> None:
+    """Each backend: id, URI, capacity, objects and bytes held, health."""
+    with _open() as repo:
+        listing = repo.backend_list()
+    if as_json:
+        click.echo(json.dumps(listing.to_json(), indent=2))
+        return
+    click.echo(f"{'ID':<10} {'CAPACITY':>8} {'SHARE':>6} {'OBJECTS':>8} {'BYTES':>10}  {'HEALTH':<8} URI")
+    for b in listing.backends:
+        click.echo(f"{b.id:<10} {b.capacity:>8g} {b.share:>6.1%} {b.objects:>8} "
+                   f"{_human(b.bytes):>10}  {b.health.split(':')[0]:<8} {b.uri}")
+    scheme = (f"erasure {listing.erasure[0]}/{listing.erasure[1]}" if listing.erasure
+              else f"{listing.replicas} replica(s)")
+    click.echo(f"{listing.objects} objects, {_human(listing.logical_bytes)} of content stored as "
+               f"{_human(listing.stored_bytes)} ({listing.overhead:.2f}x, {scheme})")
+    if listing.rebalance_pending:
+        click.echo("a configuration change was interrupted: run `metasync rebalance`", err=True)
+    for b in listing.backends:
+        if b.health != "ok":
+            click.echo(f"{b.id}: {b.health}", err=True)
+
+
+@cli.group("config")
+def config_group() -> None:
+    """Change repository-wide settings (decided with the other clients)."""
+
+
+@config_group.command("replicas")
+@click.argument("replicas", type=int)
+def config_replicas(replicas: int) -> None:
+    """Keep REPLICAS copies of every object."""
+    with _open() as repo:
+        change = repo.set_replicas(replicas)
+    _report_change(f"replicas set to {replicas}", change)
+
+
+@cli.command()
+def rebalance() -> None:
+    """Put every object where the configuration says; finish interrupted changes."""
+    with _open() as repo:
+        report = repo.rebalance()
+    _say(f"{report.objects} objects: copied {report.copied} copies "
+         f"({_human(report.bytes_copied)}), dropped {report.dropped}")
+    _warn_leftovers(report)
 
 
 # ============================================================== daemon

@@ -67,6 +67,27 @@ def log_key(instance: int) -> str:
     return f"log/{instance:012d}"
 
 
+def encode_hint(codec: Codec, number: int, config_id: str) -> bytes:
+    """The stored ``latest`` hint: version ``number`` was decided by the acceptors of
+    configuration ``config_id``."""
+    return codec.encode("hint", HINT_KEY, json.dumps({"version": number, "config": config_id}).encode())
+
+
+def read_hint(codec: Codec, backend: Backend) -> tuple[int, str] | None:
+    """``(version, config id)`` of ``backend``'s ``latest`` hint; ``None`` if it is
+    missing or unreadable (a hint is only ever a shortcut)."""
+    try:
+        raw = json.loads(codec.decode("hint", HINT_KEY, backend.get(HINT_KEY)))
+        number, config_id = raw["version"], raw["config"]
+    except ObjectNotFound:
+        return None
+    except (CorruptObject, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    if type(number) is not int or number < 0 or not isinstance(config_id, str):
+        return None
+    return number, config_id
+
+
 @dataclass
 class _Outcome:
     reply: Reply = None
@@ -97,8 +118,12 @@ class Consensus:
         fast_path: bool = True,
         conditional: bool = True,
         names: dict[str, str] | None = None,
+        config_id: str = "",
     ) -> None:
         self.acceptors = acceptors
+        #: The configuration whose acceptors these are. Hints name it, so a reader
+        #: jumps only to versions this very acceptor set decided (docs/FORMAT.md §9).
+        self.config_id = config_id
         self.codec = codec
         self.quorums = quorums or Quorums.crash(len(acceptors))
         # ``conditional=False`` ignores conditional appends (the paper's plain logs).
@@ -269,17 +294,11 @@ class Consensus:
                 return True
             return backend.append_at(log_key(request.instance), request.position, data)
         if isinstance(request, ReadHint):
-            try:
-                raw = self.codec.decode("hint", HINT_KEY, backend.get(HINT_KEY))
-                number = json.loads(raw)["version"]
-            except ObjectNotFound:
-                return None
-            except (CorruptObject, ValueError, KeyError, TypeError, RecursionError):
-                return None
-            return number if type(number) is int and number >= 0 else None
+            hint = read_hint(self.codec, backend)
+            # A hint of another acceptor set cannot be confirmed on this one.
+            return hint[0] if hint is not None and hint[1] == self.config_id else None
         if isinstance(request, WriteHint):
-            data = self.codec.encode("hint", HINT_KEY, json.dumps({"version": request.number}).encode())
-            backend.put(HINT_KEY, data)
+            backend.put(HINT_KEY, encode_hint(self.codec, request.number, self.config_id))
             return True
         raise TypeError(f"unknown request {request!r}")
 

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metasync.backends import Backend, open_backend
+from metasync.backends import Backend, open_backend, public_uri
 from metasync.consensus import HINT_KEY
 from metasync.errors import BackendError, MetasyncError, UsageError
 from metasync.faults import watch_failure
@@ -95,6 +95,7 @@ class Daemon:
         self._ignore: IgnoreRules | None = None
         self._tokens: dict[str, str | None] = {}
         self._acceptors: dict[str, Backend] = {}
+        self._acceptors_config = ""
         self._names: dict[str, str] = {}
         self._allow_deletes = False
         self._remote_pending = False
@@ -224,7 +225,7 @@ class Daemon:
             self._pause(f"{deleted} of {tracked} files were deleted here at once; run "
                         "`metasync daemon resume` to sync that, or restore them")
             raise _Paused
-        latest = repo.consensus.get_recent(repo.prev)
+        latest = repo.learn_latest()
         if latest.number > repo.prev.number and latest.master and repo.prev.master and not allow:
             before_tree = repo.tree_at(repo.prev.master)
             after_tree = repo.tree_at(latest.master)
@@ -244,6 +245,7 @@ class Daemon:
                 self.status.conflicts += result.conflicts
             if not result.up_to_date and result.version is not None:
                 self.log.info("synced version %d", result.version.number)
+        self._watch_acceptors(repo)
         self.status.version = repo.prev.number
         self.status.state = "idle"
         self.status.reason = ""
@@ -296,13 +298,24 @@ class Daemon:
     # --- remote changes --------------------------------------------------------------
     def _open_acceptors(self) -> None:
         with Repository.open(self.root) as repo:
-            overrides: dict[str, str] = repo.db.get("uri_overrides", {})
-            for backend_id in repo.config.acceptors:
-                spec = repo.config.backend(backend_id)
-                uri = overrides.get(backend_id, spec.uri)
-                self._acceptors[backend_id] = open_backend(uri, repo.config.namespace)
-                self._names[backend_id] = uri
+            self._watch_acceptors(repo)
             self.status.version = repo.prev.number
+
+    def _watch_acceptors(self, repo: Repository) -> None:
+        """Poll the hints of ``repo``'s acceptors from now on (again after the
+        configuration changed)."""
+        if repo.config_id == self._acceptors_config:
+            return
+        for backend in self._acceptors.values():
+            backend.close()
+        self._acceptors, self._tokens = {}, {}
+        overrides: dict[str, str] = repo.db.get("uri_overrides", {})
+        for backend_id in repo.config.acceptors:
+            spec = repo.config.backend(backend_id)
+            uri = overrides.get(backend_id, spec.uri)
+            self._acceptors[backend_id] = open_backend(uri, repo.config.namespace)
+            self._names[backend_id] = public_uri(uri)
+        self._acceptors_config = repo.config_id
 
     def _remote_moved(self) -> bool:
         """True if some acceptor's ``latest`` hint changed since the last look."""

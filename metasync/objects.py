@@ -27,9 +27,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from metasync.errors import CorruptObject
+from metasync.errors import CorruptObject, FormatError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Days a version stays restorable by default (``retention_days``).
+DEFAULT_RETENTION_DAYS = 30
+#: Most erasure-coded fragments per object.
+MAX_FRAGMENTS = 16
 
 ObjectKind = Literal["blob", "file", "tree", "commit", "index", "config", "pack"]
 KINDS: tuple[str, ...] = ("blob", "file", "tree", "commit", "index", "config", "pack")
@@ -371,6 +375,20 @@ class Config:
     #: ``crash`` (majority quorums) or ``byzantine`` (paper 3.6: 3f + 1 acceptors,
     #: quorums of 2f + 1, authenticated log entries).
     fault_model: str = "crash"
+    #: Days a version stays restorable before ``gc`` may drop what only it needs.
+    retention_days: int = DEFAULT_RETENTION_DAYS
+    #: Named versions kept from gc for ever: ``(name, commit id)``, sorted by name.
+    snapshots: tuple[tuple[str, str], ...] = ()
+    #: Bumped by every gc that deletes objects; clients that see it change drop what
+    #: they knew about deleted packs (see docs/design.md, "Garbage collection").
+    gc_epoch: int = 0
+    #: Commits older than this (ns since the epoch) were pruned by the last gc: their
+    #: trees may be gone. 0: nothing pruned yet.
+    gc_cutoff_ns: int = 0
+    #: ``(k, n)``: objects of at least ``erasure_threshold`` bytes are stored as n
+    #: erasure-coded fragments, any k of which rebuild them; ``None``: replication.
+    erasure: tuple[int, int] | None = None
+    erasure_threshold: int = 1 << 20
 
     def to_bytes(self) -> bytes:
         return canonical_json(
@@ -386,8 +404,24 @@ class Config:
                 "acceptors": list(self.acceptors),
                 "vnode_unit": list(self.vnode_unit),
                 "fault_model": self.fault_model,
+                "retention_days": self.retention_days,
+                "snapshots": {name: commit for name, commit in self.snapshots},
+                "gc": {"epoch": self.gc_epoch, "cutoff_ns": self.gc_cutoff_ns},
+                "erasure": (
+                    None if self.erasure is None
+                    else {"k": self.erasure[0], "n": self.erasure[1],
+                          "threshold": self.erasure_threshold}
+                ),
             }
         )
+
+    def snapshot(self, name: str) -> str | None:
+        """The commit id kept under snapshot ``name``, if any."""
+        return dict(self.snapshots).get(name)
+
+    @property
+    def backend_ids(self) -> tuple[str, ...]:
+        return tuple(b.id for b in self.backends)
 
     def backend(self, backend_id: str) -> BackendSpec:
         for spec in self.backends:
@@ -398,10 +432,17 @@ class Config:
     @classmethod
     def from_bytes(cls, data: bytes) -> Config:
         raw = parse_json(data, "config")
+        _want(isinstance(raw, dict), "malformed config")
+        fmt = _want_int(raw.get("format"), "config format", 1)
+        if fmt != FORMAT_VERSION:
+            raise FormatError(
+                f"repository format {fmt} is not supported (this metasync reads "
+                f"{FORMAT_VERSION}); upgrade metasync"
+            )
         keys = {"format", "namespace", "backends", "replicas", "partitions", "encryption",
-                "acceptors", "vnode_unit", "fault_model"}
-        _want(isinstance(raw, dict) and set(raw) == keys, "malformed config")
-        fmt = _want_int(raw["format"], "config format", 1)
+                "acceptors", "vnode_unit", "fault_model", "retention_days", "snapshots", "gc",
+                "erasure"}
+        _want(set(raw) == keys, "malformed config")
         _want(isinstance(raw["backends"], list) and bool(raw["backends"]), "config backends")
         specs = []
         for b in raw["backends"]:
@@ -430,6 +471,22 @@ class Config:
             _want(len(raw["acceptors"]) >= 4 and raw["encryption"] != "none",
                   "a byzantine config needs 4 acceptors and encryption")
         _want(replicas <= len(specs), "more replicas than backends")
+        snapshots = raw["snapshots"]
+        _want(isinstance(snapshots, dict), "config snapshots")
+        for name, commit in snapshots.items():
+            _want(is_snapshot_name(name), "snapshot name")
+            _want_id(commit, "snapshot")
+        gc = raw["gc"]
+        _want(isinstance(gc, dict) and set(gc) == {"epoch", "cutoff_ns"}, "config gc")
+        erasure: tuple[int, int] | None = None
+        threshold = 1 << 20
+        if raw["erasure"] is not None:
+            ec = raw["erasure"]
+            _want(isinstance(ec, dict) and set(ec) == {"k", "n", "threshold"}, "config erasure")
+            k, n = _want_int(ec["k"], "erasure k", 1), _want_int(ec["n"], "erasure n", 2)
+            _want(k < n <= len(specs) and n <= MAX_FRAGMENTS, "erasure k/n")
+            threshold = _want_int(ec["threshold"], "erasure threshold")
+            erasure = (k, n)
         return cls(
             format=fmt,
             namespace=raw["namespace"],
@@ -440,7 +497,21 @@ class Config:
             acceptors=tuple(raw["acceptors"]),
             vnode_unit=unit_pair,
             fault_model=raw["fault_model"],
+            retention_days=_want_int(raw["retention_days"], "retention days"),
+            snapshots=tuple(sorted(snapshots.items())),
+            gc_epoch=_want_int(gc["epoch"], "gc epoch"),
+            gc_cutoff_ns=_want_int(gc["cutoff_ns"], "gc cutoff"),
+            erasure=erasure,
+            erasure_threshold=threshold,
         )
+
+
+_SNAPSHOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def is_snapshot_name(name: object) -> bool:
+    """Snapshot names: 1-64 of ``[A-Za-z0-9._-]``, starting with a letter or digit."""
+    return isinstance(name, str) and bool(_SNAPSHOT_NAME.match(name))
 
 
 # ----------------------------------------------------------------------------- tuple

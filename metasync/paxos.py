@@ -440,7 +440,8 @@ def get_recent(
     reads the acceptors' hints; a hint is trusted only once a quorum's logs
     confirm its instance. Then walks forward
     until an instance is undecided, finishing any a crashed proposer left
-    half-done. Returns the version and the reading of the next instance (views a
+    half-done. It stops early at a version whose configuration differs from
+    ``known``'s: the acceptors of that configuration decide what follows. Returns the version and the reading of the next instance (views a
     following :func:`propose` can start from), or ``None`` if it wrote there.
     """
     current = known
@@ -455,6 +456,8 @@ def get_recent(
             if confirmed.decided is not None and confirmed.decided.number == hint:
                 current = confirmed.decided
                 first = None
+                if current.config != known.config:
+                    return current, None  # the next instance runs on other acceptors
     while True:
         reading = first if first is not None else (yield from read(setup, current.number + 1, rng))
         first = None
@@ -468,6 +471,10 @@ def get_recent(
         if nxt.number != current.number + 1:
             raise CorruptObject(f"instance {current.number + 1} decided version {nxt.number}")
         current = nxt
+        if current.config != known.config:
+            # A new configuration: the instances after it run on its acceptors, which
+            # the caller must switch to (docs/FORMAT.md §9, "Configuration changes").
+            return current, None
 
 
 def publish_hint(setup: Setup, version: Version) -> Run[None]:

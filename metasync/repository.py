@@ -21,15 +21,15 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from metasync.backends import Backend, normalize_uri, open_backend, public_uri
-from metasync.codec import Codec, FinishedPack, PackBuilder
-from metasync.consensus import DEFAULT_TIMEOUT, Consensus
+from metasync.codec import PACK_TARGET_SIZE, Codec, FinishedPack, PackBuilder
+from metasync.consensus import DEFAULT_TIMEOUT, Consensus, read_hint
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
@@ -61,7 +61,7 @@ from metasync.objects import (
 )
 from metasync.paxos import Quorums
 from metasync.progress import NullReporter, Reporter
-from metasync.store import RemoteStore, object_key
+from metasync.store import SMALL_READ, RemoteStore, mapping_of, object_key
 from metasync.worktree import (
     META_DIR,
     Chunker,
@@ -74,6 +74,9 @@ from metasync.worktree import (
     scan,
     temp_path_for,
 )
+
+if TYPE_CHECKING:
+    from metasync.maintenance import BackendListing, ConfigChange, RebalanceReport
 
 DESCRIPTOR_KEY = "metasync.json"
 KEYFILE_KEY = "keys/master"
@@ -93,12 +96,29 @@ MAX_MERGES = 50
 WRITE_BATCH = 2000
 #: Small files of one pack written by one worker task.
 JOB_FILES = 400
+#: Most configuration changes one read follows (each costs a round trip or two).
+MAX_CONFIG_HOPS = 1000
 
 PassphraseSource = Callable[[], str]
 #: A file to write: its path, its tree entry, and its content as (blob id, length).
 WritePlan = tuple[str, TreeEntry, list[tuple[str, int]]]
 #: A written temporary file: its plan, its path, and its stat (None for a link).
 WrittenTemp = tuple[WritePlan, Path, "os.stat_result | None"]
+
+
+def pack_target_size() -> int:
+    """Bytes at which a pack is closed: 16 MiB, or ``METASYNC_PACK_SIZE`` (for
+    tests that need many objects, and for measuring other sizes on slow links)."""
+    raw = os.environ.get("METASYNC_PACK_SIZE")
+    if not raw:
+        return PACK_TARGET_SIZE
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UsageError(f"METASYNC_PACK_SIZE={raw!r} is not a number of bytes") from None
+    if not 1 <= value <= PACK_TARGET_SIZE * 4:
+        raise UsageError(f"METASYNC_PACK_SIZE must be between 1 and {PACK_TARGET_SIZE * 4}")
+    return value
 
 
 def _config_key(config_id: str) -> str:
@@ -225,10 +245,14 @@ class FsckReport:
     checked_copies: int = 0
     objects: int = 0
     problems: list[FsckProblem] = field(default_factory=list)
+    #: Copies ``--repair`` re-created from a good copy (each was a problem above).
+    repaired: list[FsckProblem] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        """No problem is left (repaired ones do not count)."""
+        fixed = set(self.repaired)
+        return all(p in fixed for p in self.problems)
 
 
 class _KnownIds:
@@ -262,7 +286,7 @@ class _ObjectWriter:
         self.outbox = repo.meta / "outbox"
         self.repo = repo
         self.known = _KnownIds(repo.meta / "state.db")
-        self.builder = PackBuilder(repo.codec)
+        self.builder = PackBuilder(repo.codec, pack_target_size())
         self.finished: list[FinishedPack] = []
         self.counts: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -304,19 +328,20 @@ class Repository:
         self.meta = root / META_DIR
         self.db = db
         self.config = config
+        #: Id of ``config``: the configuration of ``prev``, whose acceptors decide the
+        #: next version and whose mapping places new objects.
+        self.config_id: str = db.get("config")
         self.codec = Codec(key)
         self.backends = backends
+        #: Every backend opened so far, by id: those of the current configuration and
+        #: of others read while following configuration changes.
+        self._opened: dict[str, Backend] = dict(backends)
         self.store = RemoteStore(config, self.codec, backends)
         self.store.local = self.meta / "outbox"
         self.client_id: str = db.get("client_id")
         self.device: str = db.get("device")
-        acceptors = {b: backends[b] for b in config.acceptors}
-        self.consensus = Consensus(
-            acceptors, self.codec, self.client_id,
-            quorums=Quorums.bft(len(acceptors)) if config.fault_model == "byzantine"
-            else Quorums.crash(len(acceptors)),
-            timeout=_timeout(db),
-        )
+        self._consensus: dict[str, Consensus] = {}
+        self.consensus = self.consensus_for(self.config_id, config)
         self.chunker = Chunker(self.codec.hasher)
         self.reporter: Reporter = reporter or NullReporter()
         #: Files whose content was read in the last scan (the index saves the rest).
@@ -379,7 +404,7 @@ class Repository:
             raise UsageError("give one positive capacity per backend")
         backends = [open_backend(u, namespace) for u in uris]
         for b in backends:
-            _check_backend_free(b)
+            check_backend_free(b)
         key = MasterKey.generate() if encrypt else None
         keyfile = wrap(key, _ask(passphrase)) if key is not None else None
 
@@ -408,7 +433,7 @@ class Repository:
             if keyfile is not None:
                 backend.put(KEYFILE_KEY, keyfile)
             backend.put(_config_key(config_id), stored_config)
-            backend.put(DESCRIPTOR_KEY, _descriptor(config, config_id, backend_id))
+            backend.put(DESCRIPTOR_KEY, descriptor(config, config_id, backend_id))
         by_id = dict(zip(ids, backends, strict=True))
         secret_uris = {i: u for i, u in zip(ids, uris, strict=True) if public_uri(u) != u}
         return cls._create_local(root, config, config_id, key, by_id, secret_uris, reporter)
@@ -441,6 +466,9 @@ class Repository:
                 db.set("config_doc", config.to_bytes().decode())
                 db.set("uri_overrides", uri_overrides)
                 db.set("prev", Version(0, None, config_id).to_json())
+                # The configuration version 0 started with: what a new backend's
+                # descriptor names, so a clone from it can start at the beginning.
+                db.set("init_config", config_id)
                 db.set("head", None)
             db.close()
             (staging / "outbox").mkdir()
@@ -527,31 +555,28 @@ class Repository:
             ) from None
         except BackendUnavailable as exc:
             raise NotARepository(f"cannot read {uri}: {exc}") from None
-        descriptor = _parse_descriptor(raw_descriptor, uri)
+        desc = _parse_descriptor(raw_descriptor, uri)
         key: MasterKey | None = None
-        if descriptor["encryption"] != "none":
+        if desc["encryption"] != "none":
             try:
                 keyfile = entry.get(KEYFILE_KEY)
             except ObjectNotFound:
                 raise FormatError(f"{uri} has no key file; clone from another backend") from None
             key = unwrap(keyfile, _ask(passphrase))
         codec = Codec(key)
-        config_id = descriptor["config"]
+        config_id = desc["config"]
         config = Config.from_bytes(
             codec.decode("config", config_id, entry.get(_config_key(config_id)))
         )
         _check_format(config.format)
-        entry_id = descriptor["backend"]
-        overrides = {}
-        if entry_id in {b.id for b in config.backends} and config.backend(entry_id).uri != entry.uri:
-            overrides[entry_id] = entry.uri
-        backends = {
-            spec.id: entry if spec.id == entry_id else open_backend(spec.uri, namespace)
-            for spec in config.backends
-        }
+        entry_id = desc["backend"]
+        # This client reaches the entry backend by the URI it was given (a mount point
+        # may differ between machines; a password stays here).
+        overrides = {entry_id: entry.uri}
         created = not root.exists()
-        repo = cls._create_local(root, config, config_id, key, backends, overrides, reporter)
+        repo = cls._create_local(root, config, config_id, key, {}, overrides, reporter)
         try:
+            repo._start_from_hint(entry_id)
             repo.pull()
         except BaseException:
             repo.close()
@@ -570,7 +595,7 @@ class Repository:
     def close(self) -> None:
         self.store.close()
         self.db.close()
-        for b in self.backends.values():
+        for b in self._opened.values():
             b.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the folder lock
@@ -581,6 +606,137 @@ class Repository:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ============================================================== configurations
+    def load_config(self, config_id: str) -> Config:
+        """The configuration ``config_id``: from the local cache, else from the first
+        backend that has a good copy (every configuration is stored on every backend
+        of it and of the one before, before any version names it)."""
+        if config_id == self.config_id:
+            return self.config
+        cached = self.db.cached_object(config_id)
+        if cached is None:
+            reasons: list[str] = []
+            for backend in list(self._opened.values()):
+                try:
+                    stored = backend.get(_config_key(config_id))
+                    cached = self.codec.decode("config", config_id, stored)
+                    break
+                except MetasyncError as exc:
+                    reasons.append(f"{backend.name}: {exc}")
+            if cached is None:
+                raise ObjectUnavailable(
+                    f"no backend has configuration {config_id[:12]} ({'; '.join(reasons[-3:])})"
+                )
+            with self.db.transaction():
+                self.db.cache_object(config_id, "config", cached)
+        config = Config.from_bytes(cached)
+        if config.namespace != self.config.namespace:
+            raise CorruptObject(f"configuration {config_id[:12]} is of another namespace")
+        return config
+
+    def open_backends(self, config: Config) -> dict[str, Backend]:
+        """The backends of ``config`` by id, opening those not open yet (with this
+        client's own URI, password included, where it has one)."""
+        overrides: dict[str, str] = self.db.get("uri_overrides", {})
+        out: dict[str, Backend] = {}
+        for spec in config.backends:
+            backend = self._opened.get(spec.id)
+            if backend is None:
+                backend = open_backend(overrides.get(spec.id, spec.uri), config.namespace)
+                self._opened[spec.id] = backend
+            out[spec.id] = backend
+        return out
+
+    def consensus_for(self, config_id: str, config: Config | None = None) -> Consensus:
+        """The pPaxos driver over the acceptors of configuration ``config_id``."""
+        consensus = self._consensus.get(config_id)
+        if consensus is None:
+            config = config or self.load_config(config_id)
+            backends = self.open_backends(config)
+            acceptors = {b: backends[b] for b in config.acceptors}
+            consensus = Consensus(
+                acceptors, self.codec, self.client_id,
+                quorums=Quorums.bft(len(acceptors)) if config.fault_model == "byzantine"
+                else Quorums.crash(len(acceptors)),
+                timeout=_timeout(self.db),
+                config_id=config_id,
+            )
+            self._consensus[config_id] = consensus
+        return consensus
+
+    @property
+    def init_config_id(self) -> str:
+        """The configuration of version 0 (named by every backend's descriptor)."""
+        return str(self.db.get("init_config"))
+
+    def _start_from_hint(self, entry_id: str) -> None:
+        """A fresh clone starts from the version its entry backend's ``latest`` hint
+        names, once that version's acceptors confirm it: learning from version 0
+        would need the first configuration's backends, which may be long gone. Any
+        failure leaves the start at version 0."""
+        overrides: dict[str, str] = self.db.get("uri_overrides", {})
+        entry = self.open_backends_by_id({entry_id: overrides[entry_id]})[entry_id]
+        hint = read_hint(self.codec, entry)
+        if hint is None or hint[0] <= self.prev.number + 1:
+            return
+        number, config_id = hint
+        try:
+            decided = self.consensus_for(config_id).learn(number)
+        except MetasyncError:
+            return
+        if decided is None or decided.number != number:
+            return
+        with self.db.transaction():
+            for name, value in self._base_settings(decided).items():
+                self.db.set(name, value)
+        self._adopt_config()
+
+    def open_backends_by_id(self, uris: dict[str, str]) -> dict[str, Backend]:
+        """Open backends given by id and URI (not named by a known configuration)."""
+        for backend_id, uri in uris.items():
+            if backend_id not in self._opened:
+                self._opened[backend_id] = open_backend(uri, self.config.namespace)
+        return {b: self._opened[b] for b in uris}
+
+    def learn_latest(self) -> Version:
+        """The newest decided version. Follows configuration changes: the instances
+        after a version that changes the configuration are decided by the acceptors
+        of its new configuration (docs/FORMAT.md §9)."""
+        known = self.prev
+        consensus = self.consensus
+        for _ in range(MAX_CONFIG_HOPS):
+            latest = consensus.get_recent(known)
+            if latest.config == consensus.config_id:
+                return latest
+            consensus = self.consensus_for(latest.config)
+            known = latest
+        raise BackendError(
+            f"the configuration changed more than {MAX_CONFIG_HOPS} times while reading; retry",
+            transient=True,
+        )
+
+    def _base_settings(self, version: Version) -> dict[str, Any]:
+        """Local settings that make decided ``version`` the base (``prev``): its
+        configuration comes with it, in the same transaction."""
+        settings: dict[str, Any] = {"prev": version.to_json()}
+        if version.config != self.config_id:
+            config = self.load_config(version.config)
+            settings["config"] = version.config
+            settings["config_doc"] = config.to_bytes().decode()
+        return settings
+
+    def _adopt_config(self) -> None:
+        """After ``prev`` moved to another configuration: place, read and agree with
+        its backends from now on."""
+        config_id: str = self.db.get("config")
+        if config_id == self.config_id:
+            return
+        config = Config.from_bytes(self.db.get("config_doc").encode())
+        self.config, self.config_id = config, config_id
+        self.backends = self.open_backends(config)
+        self.store.reconfigure(config, self.backends)
+        self.consensus = self.consensus_for(config_id, config)
 
     # ============================================================== state
     @property
@@ -998,8 +1154,11 @@ class Repository:
         proposed.
         """
         self._resume_checkout()
-        latest = self.consensus.get_recent(self.prev)
+        latest = self.learn_latest()
         crash_point("push:learned")
+        if latest.config != self.config_id:
+            # Place this push's objects by the new configuration's mapping.
+            self._integrate(latest)
         result = self.commit(message)
         uploaded = self._flush_outbox()
         self._repair_missing_copies()
@@ -1024,7 +1183,7 @@ class Repository:
                 self._publish_client_state()
                 return PushResult(chosen, result, *uploaded, missing_copies=missing,
                                   conflicts=conflicts)
-            latest = self.consensus.get_recent(prev)
+            latest = self.learn_latest()
         raise BackendError(
             f"other clients kept committing during {MAX_MERGES} merges; run `metasync push` again",
             transient=True,
@@ -1033,9 +1192,11 @@ class Repository:
     def _record_decided(self, version: Version) -> None:
         """``version`` (whose master is our head) is decided: it is the new base."""
         with self.db.transaction():
-            self.db.set("prev", version.to_json())
+            for name, value in self._base_settings(version).items():
+                self.db.set(name, value)
             for index_id in self.db.local_indexes():
                 self.db.set_index_state(index_id, "remote")
+        self._adopt_config()
 
     def _flush_outbox(self) -> tuple[int, int]:
         """Upload queued objects: all packs, then indexes, then commits, so nothing
@@ -1116,8 +1277,8 @@ class Repository:
         """
         remove_stale_temps(self.root)
         resumed = self._resume_checkout()
-        latest = self.consensus.get_recent(self.prev)
-        if latest.number == self.prev.number:
+        latest = self.learn_latest()
+        if latest.number == self.prev.number and not (self.head is None and latest.master):
             return resumed or PullResult(self.prev, up_to_date=True)
         result = self._integrate(latest)
         self._publish_client_state()
@@ -1132,10 +1293,6 @@ class Repository:
         finishes (:meth:`_resume_checkout`).
         """
         prev, head = self.prev, self.head
-        if learned.config != prev.config:
-            raise FormatError(
-                "the repository configuration changed; this metasync cannot follow it yet"
-            )
         if head is not None and head != prev.master:
             first = learned if learned.number == prev.number + 1 else self.consensus.learn(prev.number + 1)
             if first is not None and first.master == head:
@@ -1144,9 +1301,12 @@ class Repository:
                 prev = first
                 if learned == first:
                     return PullResult(learned, up_to_date=True)
-        if learned.master is None:
+        if learned.master is None or (learned.master == prev.master and head == prev.master):
+            # Nothing new in the folder (the first versions, or only a configuration change).
             with self.db.transaction():
-                self.db.set("prev", learned.to_json())
+                for name, value in self._base_settings(learned).items():
+                    self.db.set(name, value)
+            self._adopt_config()
             return PullResult(learned, up_to_date=True)
         theirs = self.load_commit(learned.master)
         self._load_indexes(theirs)
@@ -1155,8 +1315,10 @@ class Repository:
         if head is None or head == prev.master:
             with self.db.transaction():
                 self.db.set("head", learned.master)
-                self.db.set("prev", learned.to_json())
+                for name, value in self._base_settings(learned).items():
+                    self.db.set(name, value)
                 self.db.set("checkout_pending", {"from": from_tree, "to": theirs.tree, "moves": {}})
+            self._adopt_config()
             return self._run_checkout()
         assert ours is not None
         base_commit = self.load_commit(prev.master) if prev.master else None
@@ -1172,9 +1334,10 @@ class Repository:
         self._seal_commit(
             _ObjectWriter(self), root_id, trees, parents=(learned.master, head),
             message=f"merge version {learned.number}", inherited=[theirs, ours], refreshed=[],
-            settings={"prev": learned.to_json(),
+            settings={**self._base_settings(learned),
                       "checkout_pending": {"from": from_tree, "to": root_id, "moves": moves}},
         )
+        self._adopt_config()
         for c in conflicts:
             self.reporter.note(f"conflict: {c.path} changed on both sides; the other version is {c.copy}")
         crash_point("merge:sealed")
@@ -1543,12 +1706,166 @@ class Repository:
             current = c.parents[0] if c.parents else None
         return out
 
+    # ============================================================== storage changes
+    def add_backend(self, uri: str, capacity: float | None = None) -> ConfigChange:
+        """Add the backend at ``uri`` (capacity in GB; default: the others' mean) and
+        move to it exactly the copies the new placement gives it."""
+        from metasync import maintenance
+
+        uri = normalize_uri(uri)
+        latest = self.learn_latest()
+        current = self.load_config(latest.config)
+        if public_uri(uri) in {b.uri for b in current.backends}:
+            raise UsageError(f"{public_uri(uri)} is already a backend of this repository")
+        backend = open_backend(uri, current.namespace)
+        spec = maintenance.new_backend_spec(uri, capacity, current)
+        maintenance.prepare_new_backend(self, backend, spec.id)
+        self._opened[spec.id] = backend
+        if public_uri(uri) != uri:
+            with self.db.transaction():
+                self.db.set("uri_overrides", {**self.db.get("uri_overrides", {}), spec.id: uri})
+
+        def make_new(config: Config) -> Config:
+            if spec.uri in {b.uri for b in config.backends}:
+                raise UsageError(f"{spec.uri} is already a backend of this repository")
+            return replace(config, backends=(*config.backends, spec),
+                           acceptors=(*config.acceptors, spec.id))
+
+        return maintenance.reconfigure(self, make_new)
+
+    def remove_backend(self, name: str) -> ConfigChange:
+        """Remove a backend (by id or URI): first copy what only it would hold to
+        the others, then decide the change, then empty it (if it can be reached).
+        Works when the backend is gone for good, from the remaining copies."""
+        from metasync import maintenance
+
+        latest = self.learn_latest()
+        removed = maintenance.resolve_backend(self.load_config(latest.config), name)
+        gone = self.open_backends(self.load_config(latest.config))[removed.id]
+
+        def make_new(config: Config) -> Config:
+            spec = maintenance.resolve_backend(config, removed.id)
+            rest = tuple(b for b in config.backends if b.id != spec.id)
+            acceptors = tuple(a for a in config.acceptors if a != spec.id)
+            if not rest:
+                raise UsageError("cannot remove the last backend")
+            if len(rest) < config.replicas:
+                raise UsageError(
+                    f"{len(rest)} backends would remain for {config.replicas} replicas; lower "
+                    f"them first: metasync config replicas {len(rest)}"
+                )
+            if config.erasure is not None and len(rest) < config.erasure[1]:
+                raise UsageError(
+                    f"erasure coding {config.erasure[0]}/{config.erasure[1]} needs "
+                    f"{config.erasure[1]} backends; add one before removing this one"
+                )
+            if config.fault_model == "byzantine" and len(acceptors) < 4:
+                raise UsageError("a --bft repository needs at least 4 backends; add one first")
+            return replace(config, backends=rest, acceptors=acceptors)
+
+        return maintenance.reconfigure(self, make_new, extra={removed.id: gone})
+
+    def resize_backend(self, name: str, capacity: float) -> ConfigChange:
+        """Give a backend a new capacity (GB): it then holds that share of the copies."""
+        from metasync import maintenance
+
+        if not capacity > 0:
+            raise UsageError("the capacity must be a positive number of GB")
+
+        def make_new(config: Config) -> Config:
+            spec = maintenance.resolve_backend(config, name)
+            backends = tuple(replace(b, capacity=capacity) if b.id == spec.id else b
+                             for b in config.backends)
+            return replace(config, backends=backends)
+
+        return maintenance.reconfigure(self, make_new)
+
+    def set_replicas(self, replicas: int) -> ConfigChange:
+        """Keep ``replicas`` copies of every object from now on (and of every object
+        there is: the missing copies are written, the extra ones dropped)."""
+        from metasync import maintenance
+
+        def make_new(config: Config) -> Config:
+            if not 1 <= replicas <= len(config.backends):
+                raise UsageError(
+                    f"replicas must be between 1 and {len(config.backends)} (the number of backends)"
+                )
+            return replace(config, replicas=replicas)
+
+        return maintenance.reconfigure(self, make_new)
+
+    def rebalance(self) -> RebalanceReport:
+        """Put every object on the backends the latest configuration names for it and
+        drop copies no longer needed: finishes an interrupted change."""
+        from metasync import maintenance
+
+        latest = self.learn_latest()
+        config = self.load_config(latest.config)
+        report = maintenance.rebalance(self, config, drop=True)
+        with self.db.transaction():
+            self.db.set("rebalance_pending", None)
+        return report
+
+    def backend_list(self) -> BackendListing:
+        """Every backend of the latest configuration with what it holds."""
+        from metasync import maintenance
+
+        latest = self.learn_latest()
+        config = self.load_config(latest.config)
+        return maintenance.list_backends(self, config)
+
     # ============================================================== fsck
-    def fsck(self) -> FsckReport:
-        """Download and verify every object reachable from master on every backend
-        that should hold it; report what is missing or corrupt."""
+    def fsck(self, *, quick: bool = False, repair: bool = False) -> FsckReport:
+        """Check every copy of every object reachable from master's history on every
+        backend the latest configuration places it on: by downloading and verifying
+        it, or with ``quick`` only that it is listed there. With ``repair``, re-create
+        each missing or corrupt copy from a good one and report what was fixed."""
         report = FsckReport()
-        latest = self.consensus.get_recent(self.prev)
+        latest = self.learn_latest()
+        config = self.load_config(latest.config)
+        backends = self.open_backends(config)
+        mapping = mapping_of(config)
+        standalone, packs = self._reachable(latest, report)
+        jobs = [(kind, oid, b) for kind, oid in standalone for b in mapping.locate(oid)]
+        jobs += [("pack", p, b) for p in sorted(packs) for b in mapping.locate(p)]
+        report.objects = len(standalone) + len(packs)
+        if quick:
+            listed = self._listed(backends, report)
+            for kind, oid, b in jobs:
+                report.checked_copies += 1
+                if b in listed and object_key(oid) not in listed[b]:
+                    report.problems.append(FsckProblem(b, kind, oid, "missing"))
+        else:
+            self.reporter.start("verify", len(jobs))
+            try:
+                for problem in self.store.executor.map(
+                        lambda j: self._verify_copy(backends, *j), jobs):
+                    report.checked_copies += 1
+                    self.reporter.advance(1)
+                    if problem is not None:
+                        report.problems.append(problem)
+            finally:
+                self.reporter.finish()
+        if repair:
+            self._repair(report, backends)
+        return report
+
+    def _listed(self, backends: dict[str, Backend], report: FsckReport) -> dict[str, set[str]]:
+        """The object keys each reachable backend lists (an unreachable one is a problem)."""
+        def listing(backend: Backend) -> set[str]:
+            return set(backend.list("objects"))
+
+        out: dict[str, set[str]] = {}
+        futures = {b: self.store.executor.submit(listing, be) for b, be in backends.items()}
+        for backend_id, fut in futures.items():
+            try:
+                out[backend_id] = fut.result()
+            except MetasyncError as exc:
+                report.problems.append(FsckProblem(backend_id, "-", "-", f"unreachable: {exc}"))
+        return out
+
+    def _reachable(self, latest: Version, report: FsckReport) -> tuple[list[tuple[str, str]], set[str]]:
+        """Standalone objects ``(kind, id)`` and packs that master's history needs."""
         commits: list[tuple[str, Commit]] = []
         todo = [latest.master] if latest.master else []
         seen_commits: set[str] = set(todo)
@@ -1582,22 +1899,56 @@ class Repository:
                 report.problems.append(FsckProblem("-", "object", object_id, "unindexed"))
             else:
                 packs.add(loc[0])
-        jobs = [(kind, oid, b) for kind, oid in standalone for b in self.store.mapping.locate(oid)]
-        jobs += [("pack", p, b) for p in sorted(packs) for b in self.store.mapping.locate(p)]
-        report.objects = len(standalone) + len(packs)
-        self.reporter.start("verify", len(jobs))
+        return standalone, packs
+
+    def _repair(self, report: FsckReport, backends: dict[str, Backend]) -> None:
+        """Re-create each missing or corrupt copy from a verified good one."""
+        from metasync.maintenance import verify_stored
+
+        broken: dict[str, list[FsckProblem]] = {}
+        for p in report.problems:
+            if p.problem in ("missing", "corrupt") or p.problem.startswith("unreadable"):
+                broken.setdefault(p.object_id, []).append(p)
+
+        def fix(object_id: str, problems: list[FsckProblem]) -> list[FsckProblem]:
+            bad = {p.backend for p in problems}
+            key = object_key(object_id)
+            good: bytes | None = None
+            for backend_id in self.store.read_order(object_id, SMALL_READ):
+                if backend_id in bad or backend_id not in backends:
+                    continue
+                try:
+                    data = backends[backend_id].get(key)
+                    verify_stored(self.codec, object_id, data)
+                except MetasyncError:
+                    continue
+                good = data
+                break
+            if good is None:
+                return []
+            fixed = []
+            for p in problems:
+                try:
+                    backends[p.backend].put(key, good)
+                except MetasyncError:
+                    continue
+                fixed.append(p)
+            return fixed
+
+        self.reporter.start("repair", len(broken))
         try:
-            for problem in self.store.executor.map(lambda j: self._verify_copy(*j), jobs):
-                report.checked_copies += 1
+            for fixed in self.store.executor.map(lambda item: fix(*item), broken.items()):
+                report.repaired += fixed
                 self.reporter.advance(1)
-                if problem is not None:
-                    report.problems.append(problem)
         finally:
             self.reporter.finish()
-        return report
+        with self.db.transaction():
+            for p in report.repaired:
+                self.db.remove_missing_copy(p.object_id, p.backend)
 
-    def _verify_copy(self, kind: str, object_id: str, backend_id: str) -> FsckProblem | None:
-        backend = self.backends[backend_id]
+    def _verify_copy(self, backends: dict[str, Backend], kind: str, object_id: str,
+                     backend_id: str) -> FsckProblem | None:
+        backend = backends[backend_id]
         try:
             data = backend.get(object_key(object_id))
         except ObjectNotFound:
@@ -1614,7 +1965,8 @@ class Repository:
         return None
 
     def backend_name(self, backend_id: str) -> str:
-        return self.backends[backend_id].name
+        backend = self._opened.get(backend_id)
+        return backend.name if backend is not None else backend_id
 
 
 _thread_conns = threading.local()
@@ -1652,7 +2004,7 @@ def _check_format(fmt: int) -> None:
         )
 
 
-def _check_backend_free(backend: Backend) -> None:
+def check_backend_free(backend: Backend) -> None:
     try:
         backend.probe()
         taken = backend.exists() and _has_descriptor(backend)
@@ -1673,7 +2025,7 @@ def _has_descriptor(backend: Backend) -> bool:
         return False
 
 
-def _descriptor(config: Config, config_id: str, backend_id: str) -> bytes:
+def descriptor(config: Config, config_id: str, backend_id: str) -> bytes:
     doc = {
         "format": FORMAT_VERSION,
         "encryption": config.encryption,

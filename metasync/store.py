@@ -2,16 +2,23 @@
 
 Every stored object (pack, index, commit) lives at ``objects/<id[:2]>/<id>`` on
 the R backends the stable mapping names for its id. Writes go to all of them
-(many objects at once); reads try them in order of health and fall back on any error,
-missing copy or failed check, so one corrupt or vanished backend costs a retry,
-never data. Nothing read from a backend is used before it is verified.
+(many objects at once). Reads go to the holder expected to answer first -- by
+each backend's measured latency and throughput and the bytes already being read
+from it, so many reads at once spread over all backends and a clone draws on
+their summed bandwidth (Hybris; HyCloud's multi-source downloads) -- and fall
+back on any error, missing copy or failed check to the other holders, then to
+every other backend of the configuration (a copy a reconfiguration has not moved
+yet). One corrupt or vanished backend costs a retry, never data. Nothing read
+from a backend is used before it is verified.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -54,6 +61,42 @@ class TransferStats:
             self.bytes_got += size
 
 
+#: A read of at most this many bytes measures latency; a longer one, throughput.
+SMALL_READ = 64 * 1024
+#: Weight of the newest measurement in a backend's running estimates.
+EWMA_WEIGHT = 0.3
+
+
+@dataclass
+class LinkEstimate:
+    """What this client has measured of reads from one backend."""
+
+    #: Seconds until a small read completes (round trip plus service time).
+    latency: float = 0.02
+    #: Bytes per second of large reads, once under way.
+    throughput: float = 50e6
+    #: Bytes requested from the backend and not yet received, by all threads.
+    outstanding: int = 0
+    #: Reads measured so far (an unmeasured backend keeps optimistic defaults, so it
+    #: is tried and measured soon).
+    samples: int = 0
+    bytes_read: int = 0
+
+    def expected_seconds(self, size: int) -> float:
+        """When a read of ``size`` bytes started now would finish, queued behind the
+        reads already in flight."""
+        return self.latency + (self.outstanding + size) / self.throughput
+
+    def record(self, size: int, seconds: float) -> None:
+        self.samples += 1
+        self.bytes_read += size
+        if size <= SMALL_READ:
+            self.latency += EWMA_WEIGHT * (seconds - self.latency)
+        else:
+            rate = size / max(seconds - self.latency, seconds / 2, 1e-6)
+            self.throughput += EWMA_WEIGHT * (rate - self.throughput)
+
+
 class RemoteStore:
     """Objects on the backends of one configuration."""
 
@@ -65,21 +108,22 @@ class RemoteStore:
         *,
         workers: int = 8,
     ) -> None:
-        self.config = config
         self.codec = codec
-        self.backends = backends
-        self.mapping = StableMapping(
-            [(b.id, b.capacity) for b in config.backends],
-            config.replicas,
-            config.partitions,
-            Fraction(*config.vnode_unit),
-        )
+        self.reconfigure(config, backends)
+        self.links: dict[str, LinkEstimate] = {}
+        self._links_lock = threading.Lock()
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="metasync-io")
         #: Backends that failed as unreachable in this session, with the reason.
         self.down: dict[str, str] = {}
         self.stats = TransferStats()
         #: A local folder of stored objects not uploaded yet (the outbox), read first.
         self.local: Path | None = None
+
+    def reconfigure(self, config: Config, backends: dict[str, Backend]) -> None:
+        """Place and read by ``config`` (with these opened backends) from now on."""
+        self.config = config
+        self.backends = backends
+        self.mapping = mapping_of(config)
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
@@ -89,6 +133,44 @@ class RemoteStore:
         """Backend ids that should hold ``stored_id``, reachable ones first."""
         ids = self.mapping.locate(stored_id)
         return tuple(sorted(ids, key=lambda b: b in self.down))
+
+    def read_order(self, stored_id: str, size: int) -> list[str]:
+        """Where to look for ``stored_id``, best first: its holders by when a read of
+        ``size`` bytes would finish (unreachable ones last), then every other backend
+        of the configuration (which may still hold a copy from before a change)."""
+        holders = self.mapping.locate(stored_id)
+        with self._links_lock:
+            def finish(b: str) -> tuple[bool, float]:
+                return b in self.down, self._link(b).expected_seconds(size)
+
+            ranked = sorted(holders, key=finish)
+            others = sorted((b for b in self.backends if b not in holders), key=finish)
+        return ranked + others
+
+    def _link(self, backend_id: str) -> LinkEstimate:
+        link = self.links.get(backend_id)
+        if link is None:
+            link = self.links[backend_id] = LinkEstimate()
+        return link
+
+    @contextmanager
+    def measured(self, backend_id: str, size: int) -> Iterator[None]:
+        """Count a read of about ``size`` bytes from ``backend_id`` as in flight while
+        it runs, and measure it if it succeeds."""
+        with self._links_lock:
+            self._link(backend_id).outstanding += size
+        start = time.monotonic()
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            elapsed = time.monotonic() - start
+            with self._links_lock:
+                link = self._link(backend_id)
+                link.outstanding -= size
+                if ok:
+                    link.record(size, elapsed)
 
     def _backend(self, backend_id: str) -> Backend:
         return self.backends[backend_id]
@@ -159,11 +241,12 @@ class RemoteStore:
 
     # --- reads --------------------------------------------------------------------
     def get_standalone(self, kind: str, object_id: str) -> bytes:
-        """Plaintext of a standalone object, from the first holder with a good copy."""
+        """Plaintext of a standalone object, from the best backend with a good copy."""
         reasons: list[str] = []
-        for backend_id in self.holders(object_id):
+        for backend_id in self.read_order(object_id, SMALL_READ):
             try:
-                stored = self._backend(backend_id).get(object_key(object_id))
+                with self.measured(backend_id, SMALL_READ):
+                    stored = self._backend(backend_id).get(object_key(object_id))
                 self.stats.add_get(len(stored))
                 return self.codec.decode(kind, object_id, stored)
             except CorruptObject as exc:
@@ -171,7 +254,7 @@ class RemoteStore:
                 reasons.append(f"{backend_id}: {exc}")
             except BackendError as exc:
                 reasons.append(f"{backend_id}: {exc}")
-        raise ObjectUnavailable(f"no good copy of {kind} {object_id[:12]} ({'; '.join(reasons)})")
+        raise ObjectUnavailable(f"no good copy of {kind} {object_id[:12]} ({'; '.join(reasons[-3:])})")
 
     def _read_local(
         self, pack_id: str, wanted: list[PackEntry], result: dict[str, bytes]
@@ -203,7 +286,8 @@ class RemoteStore:
         reasons: list[str] = []
         if self.local is not None:
             wanted = self._read_local(pack_id, wanted, result)
-        for backend_id in self.holders(pack_id):
+        size = sum(e.length for e in wanted)
+        for backend_id in self.read_order(pack_id, size) if wanted else []:
             if not wanted:
                 break
             backend = self._backend(backend_id)
@@ -212,7 +296,8 @@ class RemoteStore:
                 start = run[0].offset
                 end = run[-1].offset + run[-1].length
                 try:
-                    data = backend.get_range(object_key(pack_id), start, end - start)
+                    with self.measured(backend_id, end - start):
+                        data = backend.get_range(object_key(pack_id), start, end - start)
                 except BackendError as exc:
                     reasons.append(f"{backend_id}: {exc}")
                     still.extend(run)
@@ -233,6 +318,16 @@ class RemoteStore:
                 f"no good copy of {len(wanted)} object(s) in pack {pack_id[:12]} ({detail})"
             )
         return result
+
+
+def mapping_of(config: Config) -> StableMapping:
+    """The stable mapping a configuration defines."""
+    return StableMapping(
+        [(b.id, b.capacity) for b in config.backends],
+        config.replicas,
+        config.partitions,
+        Fraction(*config.vnode_unit),
+    )
 
 
 def _coalesce(entries: list[PackEntry]) -> list[list[PackEntry]]:

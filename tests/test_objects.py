@@ -15,9 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from metasync.errors import CorruptObject
+from metasync.errors import CorruptObject, FormatError
 from metasync.objects import (
     ENTRY_TYPES,
+    FORMAT_VERSION,
     BackendSpec,
     Chunk,
     Commit,
@@ -131,8 +132,10 @@ def configs(draw: st.DrawFn) -> Config:
     )
     backend_ids = [s.id for s in specs]
     acceptors = draw(st.lists(st.sampled_from(backend_ids), min_size=1, max_size=5, unique=True))
+    erasure = draw(st.none() | st.integers(1, len(specs) - 1).flatmap(
+        lambda k: st.tuples(st.just(k), st.integers(k + 1, len(specs))))) if len(specs) > 1 else None
     return Config(
-        format=draw(st.integers(min_value=1, max_value=10)),
+        format=FORMAT_VERSION,
         namespace=draw(any_text),
         backends=tuple(specs),
         replicas=draw(st.integers(min_value=1, max_value=len(specs))),
@@ -140,6 +143,14 @@ def configs(draw: st.DrawFn) -> Config:
         encryption=draw(st.sampled_from(["aes-256-gcm", "none"])),
         acceptors=tuple(acceptors),
         vnode_unit=draw(st.tuples(st.integers(1, 2**40), st.integers(1, 2**40))),
+        retention_days=draw(st.integers(0, 10_000)),
+        snapshots=tuple(sorted(draw(st.dictionaries(
+            st.from_regex(r"[a-z0-9][a-z0-9._-]{0,20}", fullmatch=True), ids, max_size=3)).items())),
+        gc_epoch=draw(st.integers(0, 2**40)),
+        gc_cutoff_ns=draw(st.integers(0, 2**62)),
+        erasure=erasure,
+        # Without erasure coding the threshold is not stored: it keeps its default.
+        erasure_threshold=draw(st.integers(0, 2**30)) if erasure else 1 << 20,
     )
 
 
@@ -464,10 +475,13 @@ def test_index_rejects_hostile_input(data: bytes) -> None:
 
 def _config(**changes: Any) -> bytes:
     raw: dict[str, Any] = {
-        "format": 1, "namespace": "ns",
-        "backends": [{"id": "a", "uri": "dir:/a", "capacity": 1}],
+        "format": FORMAT_VERSION, "namespace": "ns",
+        "backends": [{"id": "a", "uri": "dir:/a", "capacity": 1},
+                     {"id": "b", "uri": "dir:/b", "capacity": 1}],
         "replicas": 1, "partitions": 1, "encryption": "aes-256-gcm", "acceptors": ["a"],
-        "vnode_unit": [1, 1], "fault_model": "crash",
+        "vnode_unit": [1, 1], "fault_model": "crash", "retention_days": 30,
+        "snapshots": {"keep": "ab" * 32}, "gc": {"epoch": 0, "cutoff_ns": 0},
+        "erasure": {"k": 1, "n": 2, "threshold": 1024},
     }
     raw.update(changes)
     return json.dumps({k: v for k, v in raw.items() if v is not ...}).encode()
@@ -484,8 +498,9 @@ BAD_CONFIGS = {
     "bool capacity": _config(backends=[{"id": "a", "uri": "u", "capacity": True}]),
     "infinite capacity": _config(backends=[{"id": "a", "uri": "u", "capacity": float("inf")}]),
     "nan capacity": _config(backends=[{"id": "a", "uri": "u", "capacity": float("nan")}]),
-    "id not string": _config(backends=[{"id": 1, "uri": "u", "capacity": 1}], acceptors=[]),
-    "unknown acceptor": _config(acceptors=["b"]),
+    "id not string": _config(backends=[{"id": 1, "uri": "u", "capacity": 1}], acceptors=[],
+                             erasure=None),
+    "unknown acceptor": _config(acceptors=["c"]),
     "unknown fault model": _config(fault_model="omission"),
     "no fault model": _config(fault_model=...),
     "byzantine with one acceptor": _config(fault_model="byzantine"),
@@ -501,7 +516,17 @@ BAD_CONFIGS = {
     ),
     "no acceptors": _config(acceptors=[]),
     "duplicate acceptor": _config(acceptors=["a", "a"]),
-    "more replicas than backends": _config(replicas=2),
+    "more replicas than backends": _config(replicas=3),
+    "bad snapshot name": _config(snapshots={"../x": "ab" * 32}),
+    "bad snapshot commit": _config(snapshots={"x": "zz"}),
+    "snapshots not dict": _config(snapshots=[]),
+    "negative retention": _config(retention_days=-1),
+    "gc missing epoch": _config(gc={"cutoff_ns": 0}),
+    "gc epoch string": _config(gc={"epoch": "1", "cutoff_ns": 0}),
+    "erasure k >= n": _config(erasure={"k": 2, "n": 2, "threshold": 0}),
+    "erasure n > backends": _config(erasure={"k": 1, "n": 3, "threshold": 0}),
+    "erasure extra key": _config(erasure={"k": 1, "n": 2, "threshold": 0, "x": 1}),
+    "no erasure key": _config(erasure=...),
     "vnode unit zero": _config(vnode_unit=[0, 1]),
     "vnode unit float": _config(vnode_unit=[1, 1.5]),
     "vnode unit short": _config(vnode_unit=[1]),
@@ -601,3 +626,11 @@ def test_version_from_json_fuzz(value: Any) -> None:
         Version.from_json(value)
     except CorruptObject:
         pass
+
+
+@pytest.mark.parametrize("fmt", [1, FORMAT_VERSION + 1])
+def test_config_of_another_format_says_upgrade(fmt: int) -> None:
+    """A config written by another format version is refused with a message naming
+    both versions, not parsed by guesswork."""
+    with pytest.raises(FormatError, match=f"format {fmt} is not supported"):
+        Config.from_bytes(_config(format=fmt))

@@ -1,0 +1,520 @@
+"""Living with changing storage: configuration changes, rebalancing and repair.
+
+A configuration change (a backend added, removed or resized, a new R, a
+snapshot, a gc) is a version like any other: ``(number, master, config)``
+decided by pPaxos on the acceptors of the configuration before it (paper 3.3),
+so every client learns it on its next pull or poll.
+
+Rebalancing makes every object present on the backends the stable mapping of a
+configuration names for it, copying from a verified copy, and then drops copies
+no longer needed. It is driven by what the backends hold (their listings), not
+by a local journal, so it is idempotent: a crash at any point is completed by
+running it again (``metasync rebalance``). A copy is only dropped once every
+backend that should hold the object has it, at least R of those copies verified
+by content in this run (git-annex's numcopies rule).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from metasync.backends import Backend, public_uri
+from metasync.codec import Codec
+from metasync.consensus import HINT_KEY, encode_hint
+from metasync.errors import (
+    BackendError,
+    CorruptObject,
+    MetasyncError,
+    ObjectNotFound,
+    UsageError,
+)
+from metasync.mapping import StableMapping, movement
+from metasync.objects import BackendSpec, Config, Version, is_object_id
+from metasync.store import mapping_of, object_key
+
+if TYPE_CHECKING:
+    from metasync.repository import Repository
+
+#: A configuration change that keeps losing its instance gives up after this many tries.
+MAX_CHANGE_ATTEMPTS = 50
+
+
+# ============================================================== what the backends hold
+@dataclass
+class Inventory:
+    """Which backend holds a copy of which stored object, and its size."""
+
+    copies: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Backends whose listing failed, with the reason.
+    unreachable: dict[str, str] = field(default_factory=dict)
+
+    def held_by(self, backend_id: str) -> tuple[int, int]:
+        """(objects, bytes) one backend holds."""
+        sizes = [c[backend_id] for c in self.copies.values() if backend_id in c]
+        return len(sizes), sum(sizes)
+
+
+def parse_object_key(key: str) -> str | None:
+    """The stored id of ``objects/<id[:2]>/<id>``, or None for any other name (a
+    backend's listing is untrusted: a name must be exactly a well-formed id)."""
+    parts = key.split("/")
+    if len(parts) != 3 or parts[0] != "objects" or not is_object_id(parts[2]):
+        return None
+    return parts[2] if parts[1] == parts[2][:2] else None
+
+
+def take_inventory(repo: Repository, backends: dict[str, Backend]) -> Inventory:
+    """List ``objects/`` on every backend at once."""
+    inventory = Inventory()
+
+    def listing(backend: Backend) -> list[tuple[str, int]]:
+        return list(backend.list_sizes("objects"))
+
+    futures = {b: repo.store.executor.submit(listing, backend) for b, backend in backends.items()}
+    for backend_id, future in futures.items():
+        try:
+            keys = future.result()
+        except MetasyncError as exc:
+            inventory.unreachable[backend_id] = str(exc)
+            continue
+        for key, size in keys:
+            stored_id = parse_object_key(key)
+            if stored_id is not None:
+                inventory.copies.setdefault(stored_id, {})[backend_id] = size
+    return inventory
+
+
+def verify_stored(codec: Codec, stored_id: str, data: bytes) -> None:
+    """Raise :class:`CorruptObject` unless ``data`` is a good stored copy of
+    ``stored_id``: a pack whose bytes hash to its id, or a commit or index that
+    decodes under its id (the translator chain checks MAC and id)."""
+    if codec.id_of("pack", data) == stored_id:
+        return
+    for kind in ("commit", "index"):
+        try:
+            codec.decode(kind, stored_id, data)
+            return
+        except CorruptObject:
+            continue
+    raise CorruptObject(f"object {stored_id[:12]}: content does not match its id")
+
+
+# ============================================================== rebalancing
+@dataclass
+class RebalanceReport:
+    """What a rebalance did."""
+
+    objects: int = 0
+    #: Object copies written to a backend that should hold them and did not.
+    copied: int = 0
+    bytes_copied: int = 0
+    #: The fewest copies any placement change of the same objects must write (None
+    #: when no reconfiguration is involved).
+    minimum: int | None = None
+    #: Copies removed from backends that no longer should hold them.
+    dropped: int = 0
+    #: Objects with no good copy anywhere reachable (reported, never dropped).
+    lost: list[str] = field(default_factory=list)
+    #: Copies kept although no longer needed: too few verified copies elsewhere, or
+    #: the backend holding them could not be reached.
+    kept: int = 0
+    unreachable: dict[str, str] = field(default_factory=dict)
+    #: Every object found on the backends.
+    stored_ids: set[str] = field(default_factory=set, repr=False)
+
+    def merge(self, other: RebalanceReport) -> None:
+        self.objects = max(self.objects, other.objects)
+        self.copied += other.copied
+        self.bytes_copied += other.bytes_copied
+        self.dropped += other.dropped
+        self.kept = other.kept
+        self.lost = other.lost
+        self.unreachable = {**self.unreachable, **other.unreachable}
+
+
+def rebalance(
+    repo: Repository,
+    config: Config,
+    extra: dict[str, Backend] | None = None,
+    *,
+    drop: bool,
+    verify_all: bool = False,
+) -> RebalanceReport:
+    """Put every object held anywhere on the backends ``config``'s mapping names
+    for it; with ``drop``, then remove copies from backends that should not hold
+    it (``extra`` backends, such as one being removed, are read from and, with
+    ``drop``, emptied). With ``verify_all`` every copy is downloaded and checked
+    first, and a corrupt one is replaced (``fsck --repair``)."""
+    targets = repo.open_backends(config)
+    sources = {**(extra or {}), **targets}
+    inventory = take_inventory(repo, sources)
+    mapping = mapping_of(config)
+    report = RebalanceReport(objects=len(inventory.copies), unreachable=dict(inventory.unreachable),
+                             stored_ids=set(inventory.copies))
+    work = sorted(inventory.copies.items())
+    repo.reporter.start("rebalance", len(work))
+    try:
+        futures: list[Future[_ObjectOutcome]] = [
+            repo.store.executor.submit(
+                _place_one, repo, sources, mapping.locate(stored_id), stored_id, have,
+                drop, verify_all, inventory.unreachable,
+            )
+            for stored_id, have in work
+        ]
+        for future in futures:
+            outcome = future.result()
+            report.copied += outcome.copied
+            report.bytes_copied += outcome.bytes_copied
+            report.dropped += outcome.dropped
+            report.kept += outcome.kept
+            if outcome.lost:
+                report.lost.append(outcome.stored_id)
+            repo.reporter.advance(1)
+    finally:
+        repo.reporter.finish()
+    return report
+
+
+@dataclass
+class _ObjectOutcome:
+    stored_id: str
+    copied: int = 0
+    bytes_copied: int = 0
+    dropped: int = 0
+    kept: int = 0
+    lost: bool = False
+
+
+def _place_one(
+    repo: Repository,
+    backends: dict[str, Backend],
+    holders: tuple[str, ...],
+    stored_id: str,
+    have: dict[str, int],
+    drop: bool,
+    verify_all: bool,
+    unreachable: dict[str, str],
+) -> _ObjectOutcome:
+    """Copy one object to the holders missing it, then drop extra copies (numcopies)."""
+    out = _ObjectOutcome(stored_id)
+    key = object_key(stored_id)
+    good: bytes | None = None
+    verified: set[str] = set()
+    bad: set[str] = set()
+
+    def read_good() -> bytes | None:
+        """A verified copy, from the best backend that has one."""
+        order = sorted(have, key=lambda b: (b in bad, b in verified, b not in holders))
+        for backend_id in order:
+            if backend_id in bad or backend_id in unreachable:
+                continue
+            try:
+                data = backends[backend_id].get(key)
+                verify_stored(repo.codec, stored_id, data)
+            except ObjectNotFound:
+                bad.add(backend_id)
+                continue
+            except MetasyncError:
+                bad.add(backend_id)
+                continue
+            verified.add(backend_id)
+            return data
+        return None
+
+    if verify_all:
+        for backend_id in sorted(have):
+            if backend_id in unreachable:
+                continue
+            try:
+                data = backends[backend_id].get(key)
+                verify_stored(repo.codec, stored_id, data)
+                verified.add(backend_id)
+                good = good or data
+            except MetasyncError:
+                bad.add(backend_id)
+    missing = [h for h in holders if (h not in have or h in bad) and h not in unreachable]
+    if missing:
+        good = good or read_good()
+        if good is None:
+            out.lost = True
+            return out
+        for backend_id in missing:
+            try:
+                backends[backend_id].put(key, good)
+            except MetasyncError:
+                continue
+            verified.add(backend_id)
+            bad.discard(backend_id)
+            out.copied += 1
+            out.bytes_copied += len(good)
+    if not drop:
+        return out
+    extras = [b for b in have if b not in holders]
+    if not extras:
+        return out
+    needed = len(holders)  # R
+    present = [h for h in holders if h in verified or (h in have and h not in bad)]
+    if len(present) < len(holders):
+        out.kept += len(extras)
+        return out
+    # numcopies: R copies verified by content before any extra copy goes.
+    for h in present:
+        if len([v for v in verified if v in holders]) >= needed:
+            break
+        if h in verified:
+            continue
+        try:
+            data = backends[h].get(key)
+            verify_stored(repo.codec, stored_id, data)
+            verified.add(h)
+        except MetasyncError:
+            bad.add(h)
+    if len([v for v in verified if v in holders]) < needed:
+        out.kept += len(extras)
+        return out
+    for backend_id in extras:
+        if backend_id in unreachable:
+            out.kept += 1
+            continue
+        try:
+            backends[backend_id].delete(key)
+            out.dropped += 1
+        except ObjectNotFound:
+            pass
+        except MetasyncError:
+            out.kept += 1
+    return out
+
+
+# ============================================================== configuration changes
+@dataclass
+class ConfigChange:
+    """A decided configuration change."""
+
+    version: Version
+    old: Config
+    new: Config
+    config_id: str
+    report: RebalanceReport = field(default_factory=RebalanceReport)
+
+
+def store_config(repo: Repository, config: Config, backends: Iterable[Backend]) -> str:
+    """Write ``config`` as ``config/<id>`` on every given backend (before any version
+    names it); return its id. Raises if none could be written."""
+    data = config.to_bytes()
+    config_id = repo.codec.id_of("config", data)
+    stored = repo.codec.encode("config", config_id, data)
+    written = 0
+    errors: list[str] = []
+    for backend in backends:
+        try:
+            backend.put(f"config/{config_id}", stored)
+            written += 1
+        except MetasyncError as exc:
+            errors.append(f"{backend.name}: {exc}")
+    if not written:
+        raise BackendError(f"could not store the new configuration anywhere ({'; '.join(errors)})")
+    return config_id
+
+
+def change_config(
+    repo: Repository,
+    make_new: Callable[[Config], Config],
+    before_commit: Callable[[Config, Config], None] | None = None,
+) -> ConfigChange:
+    """Decide a new configuration through pPaxos: learn the latest version, derive
+    the new configuration from its one, store it on every backend of both, run
+    ``before_commit`` (copies that must exist before anyone reads by the new
+    mapping), then propose ``(latest + 1, latest master, new config)`` to the old
+    configuration's acceptors. Retries from the start if another version wins.
+
+    Leaves this client's folder and base version alone: its next pull or push
+    learns the change like any other client's."""
+    for _ in range(MAX_CHANGE_ATTEMPTS):
+        latest = repo.learn_latest()
+        old = repo.load_config(latest.config)
+        new = make_new(old)
+        if new == old:
+            raise UsageError("nothing to change: the configuration already says so")
+        both = {**repo.open_backends(old), **repo.open_backends(new)}
+        config_id = store_config(repo, new, both.values())
+        with repo.db.transaction():
+            repo.db.cache_object(config_id, "config", new.to_bytes())
+        if before_commit is not None:
+            before_commit(old, new)
+        consensus = repo.consensus_for(latest.config)
+        proposal = Version(latest.number + 1, latest.master, config_id)
+        chosen = consensus.propose(proposal.number, proposal)
+        if chosen != proposal:
+            continue
+        consensus.publish(chosen)
+        # New acceptors get the hint too: a clone from one of them starts there.
+        hint = encode_hint(repo.codec, chosen.number, latest.config)
+        for backend_id in set(new.acceptors) - set(old.acceptors):
+            try:
+                both[backend_id].put(HINT_KEY, hint)
+            except MetasyncError:
+                pass
+        return ConfigChange(chosen, old, new, config_id)
+    raise BackendError(
+        f"other clients kept committing during {MAX_CHANGE_ATTEMPTS} attempts; retry",
+        transient=True,
+    )
+
+
+def moved_minimum(old: Config, new: Config, stored_ids: Iterable[str]) -> int:
+    """The theoretical minimum of copies to write to go from ``old``'s placement to
+    ``new``'s for these objects (see :func:`metasync.mapping.minimum_moved_copies`)."""
+    old_map: StableMapping = mapping_of(old)
+    return movement(old_map, mapping_of(new), list(stored_ids))[1]
+
+
+def reconfigure(
+    repo: Repository,
+    make_new: Callable[[Config], Config],
+    extra: dict[str, Backend] | None = None,
+) -> ConfigChange:
+    """A configuration change that moves data: copy to the new places, decide the
+    change, copy what arrived meanwhile and drop what is no longer needed. The
+    report counts every copy written against the theoretical minimum."""
+    report = RebalanceReport()
+
+    def copy_first(old: Config, new: Config) -> None:
+        sources = {**repo.open_backends(old), **(extra or {})}
+        first = rebalance(repo, new, sources, drop=False)
+        report.merge(first)
+        report.stored_ids = first.stored_ids
+        report.minimum = moved_minimum(old, new, first.stored_ids)
+
+    change = change_config(repo, make_new, copy_first)
+    with repo.db.transaction():
+        repo.db.set("rebalance_pending", change.config_id)
+    second = rebalance(repo, change.new, {**repo.open_backends(change.old), **(extra or {})}, drop=True)
+    with repo.db.transaction():
+        repo.db.set("rebalance_pending", None)
+    report.merge(second)
+    change.report = report
+    return change
+
+
+# ============================================================== adding a backend
+def prepare_new_backend(repo: Repository, backend: Backend, backend_id: str) -> None:
+    """Make ``backend`` part of the repository before any configuration names it:
+    the namespace, the wrapped key file, the configurations a clone starts from,
+    and the descriptor last (its presence marks a complete repository)."""
+    from metasync.repository import DESCRIPTOR_KEY, KEYFILE_KEY, check_backend_free, descriptor
+
+    check_backend_free(backend)
+    backend.create()
+    if repo.config.encryption != "none":
+        backend.put(KEYFILE_KEY, _read_anywhere(repo, KEYFILE_KEY))
+    init_config = repo.init_config_id
+    for config_id in {init_config, repo.config_id}:
+        backend.put(f"config/{config_id}", _read_anywhere(repo, f"config/{config_id}"))
+    backend.put(DESCRIPTOR_KEY, descriptor(repo.config, init_config, backend_id))
+
+
+def _read_anywhere(repo: Repository, key: str) -> bytes:
+    reasons = []
+    for backend in repo.backends.values():
+        try:
+            return backend.get(key)
+        except MetasyncError as exc:
+            reasons.append(f"{backend.name}: {exc}")
+    raise BackendError(f"no backend returned {key} ({'; '.join(reasons[-3:])})")
+
+
+def new_backend_spec(uri: str, capacity: float | None, current: Config) -> BackendSpec:
+    """The spec of a backend being added: a fresh id, its public URI, and a capacity
+    (default: the mean of the others', so it gets an equal share)."""
+    if capacity is None:
+        capacity = sum(b.capacity for b in current.backends) / len(current.backends)
+    if not capacity > 0:
+        raise UsageError("--capacity must be a positive number of GB")
+    taken = {b.id for b in current.backends}
+    backend_id = secrets.token_hex(4)
+    while backend_id in taken:
+        backend_id = secrets.token_hex(4)
+    return BackendSpec(backend_id, public_uri(uri), capacity)
+
+
+def resolve_backend(config: Config, name: str) -> BackendSpec:
+    """The backend ``name`` names: its id, its URI (with or without a password),
+    or a unique prefix of its id."""
+    from metasync.backends import normalize_uri
+
+    uri = public_uri(normalize_uri(name)) if ":" in name or name.startswith("/") else None
+    matches = [b for b in config.backends if b.id == name or (uri is not None and b.uri == uri)]
+    if not matches:
+        matches = [b for b in config.backends if b.id.startswith(name)]
+    if len(matches) != 1:
+        known = ", ".join(f"{b.id} ({b.uri})" for b in config.backends)
+        what = "no backend" if not matches else "more than one backend"
+        raise UsageError(f"{what} matches {name!r}; the backends are: {known}")
+    return matches[0]
+
+
+
+# ============================================================== listing
+@dataclass
+class BackendInfo:
+    """One backend as ``metasync backend list`` shows it."""
+
+    id: str
+    uri: str
+    capacity: float
+    #: The share of object copies the mapping gives it (its vnodes' share).
+    share: float
+    objects: int
+    bytes: int
+    health: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"id": self.id, "uri": self.uri, "capacity": self.capacity, "share": self.share,
+                "objects": self.objects, "bytes": self.bytes, "health": self.health}
+
+
+@dataclass
+class BackendListing:
+    backends: list[BackendInfo]
+    replicas: int
+    erasure: tuple[int, int] | None
+    #: Distinct stored objects, and the bytes of one copy of each.
+    objects: int
+    logical_bytes: int
+    #: Bytes held on all backends together.
+    stored_bytes: int
+    rebalance_pending: bool
+
+    @property
+    def overhead(self) -> float:
+        """Stored bytes per byte of content (2.0 for R = 2, about 1.5 for 2/3 coding)."""
+        return self.stored_bytes / self.logical_bytes if self.logical_bytes else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        return {"backends": [b.to_json() for b in self.backends], "replicas": self.replicas,
+                "erasure": list(self.erasure) if self.erasure else None, "objects": self.objects,
+                "logical_bytes": self.logical_bytes, "stored_bytes": self.stored_bytes,
+                "overhead": round(self.overhead, 3), "rebalance_pending": self.rebalance_pending}
+
+
+def list_backends(repo: Repository, config: Config) -> BackendListing:
+    backends = repo.open_backends(config)
+    inventory = take_inventory(repo, backends)
+    mapping = mapping_of(config)
+    infos = []
+    for spec in config.backends:
+        objects, size = inventory.held_by(spec.id)
+        health = "ok"
+        if spec.id in inventory.unreachable:
+            health = f"unreachable: {inventory.unreachable[spec.id]}"
+        infos.append(BackendInfo(spec.id, spec.uri, spec.capacity,
+                                 mapping.vnodes(spec.id) / mapping.total_vnodes, objects, size, health))
+    logical = sum(max(c.values()) for c in inventory.copies.values())
+    stored = sum(sum(c.values()) for c in inventory.copies.values())
+    return BackendListing(infos, config.replicas, config.erasure, len(inventory.copies), logical,
+                          stored, bool(repo.db.get("rebalance_pending")))
