@@ -32,6 +32,8 @@ from metasync.objects import Config, PackEntry
 
 #: Entries closer than this in one pack are fetched with one range request.
 COALESCE_GAP = 256 * 1024
+#: Longest range request: smaller pieces of a big pack spread over its holders.
+MAX_RUN = 4 * 1024 * 1024
 
 
 def object_key(stored_id: str) -> str:
@@ -278,46 +280,58 @@ class RemoteStore:
     def read_entries(self, pack_id: str, entries: list[PackEntry]) -> dict[str, bytes]:
         """Plaintexts of ``entries`` of one pack, by object id.
 
-        Nearby entries are fetched with one range read; an entry that fails its
-        check on one holder is fetched again from the next.
+        Nearby entries are fetched with one range read of at most ``MAX_RUN`` bytes,
+        each from the backend expected to deliver it first (so the reads of one big
+        pack spread over its holders); an entry that fails its check on one backend
+        is fetched again from the next.
         """
         wanted = sorted(entries, key=lambda e: e.offset)
         result: dict[str, bytes] = {}
         reasons: list[str] = []
         if self.local is not None:
             wanted = self._read_local(pack_id, wanted, result)
-        size = sum(e.length for e in wanted)
-        for backend_id in self.read_order(pack_id, size) if wanted else []:
-            if not wanted:
-                break
-            backend = self._backend(backend_id)
-            still: list[PackEntry] = []
-            for run in _coalesce(wanted):
-                start = run[0].offset
-                end = run[-1].offset + run[-1].length
-                try:
-                    with self.measured(backend_id, end - start):
-                        data = backend.get_range(object_key(pack_id), start, end - start)
-                except BackendError as exc:
-                    reasons.append(f"{backend_id}: {exc}")
-                    still.extend(run)
-                    continue
-                self.stats.add_get(len(data))
-                for entry in run:
-                    piece = data[entry.offset - start : entry.offset - start + entry.length]
-                    try:
-                        result[entry.object_id] = self.codec.decode(entry.kind, entry.object_id, piece)
-                    except CorruptObject as exc:
-                        self.stats.corrupt_copies += 1
-                        reasons.append(f"{backend_id}: {exc}")
-                        still.append(entry)
-            wanted = still
-        if wanted:
-            detail = "; ".join(reasons[-3:])
-            raise ObjectUnavailable(
-                f"no good copy of {len(wanted)} object(s) in pack {pack_id[:12]} ({detail})"
-            )
+        for run in _coalesce(wanted):
+            pending = run
+            size = run[-1].offset + run[-1].length - run[0].offset
+            for backend_id in self.read_order(pack_id, size):
+                pending = self._read_run(backend_id, pack_id, pending, result, reasons)
+                if not pending:
+                    break
+            if pending:
+                detail = "; ".join(reasons[-3:])
+                raise ObjectUnavailable(
+                    f"no good copy of {len(pending)} object(s) in pack {pack_id[:12]} ({detail})"
+                )
         return result
+
+    def _read_run(
+        self, backend_id: str, pack_id: str, run: list[PackEntry], result: dict[str, bytes],
+        reasons: list[str],
+    ) -> list[PackEntry]:
+        """Read and decode the entries of ``run`` from one backend into ``result``;
+        return those it could not deliver."""
+        backend = self._backend(backend_id)
+        still: list[PackEntry] = []
+        for part in _coalesce(run):
+            start = part[0].offset
+            end = part[-1].offset + part[-1].length
+            try:
+                with self.measured(backend_id, end - start):
+                    data = backend.get_range(object_key(pack_id), start, end - start)
+            except BackendError as exc:
+                reasons.append(f"{backend_id}: {exc}")
+                still.extend(part)
+                continue
+            self.stats.add_get(len(data))
+            for entry in part:
+                piece = data[entry.offset - start : entry.offset - start + entry.length]
+                try:
+                    result[entry.object_id] = self.codec.decode(entry.kind, entry.object_id, piece)
+                except CorruptObject as exc:
+                    self.stats.corrupt_copies += 1
+                    reasons.append(f"{backend_id}: {exc}")
+                    still.append(entry)
+        return still
 
 
 def mapping_of(config: Config) -> StableMapping:
@@ -331,9 +345,13 @@ def mapping_of(config: Config) -> StableMapping:
 
 
 def _coalesce(entries: list[PackEntry]) -> list[list[PackEntry]]:
+    """Group entries (sorted by offset) into runs read with one request: entries at
+    most ``COALESCE_GAP`` apart, spanning at most ``MAX_RUN`` bytes (an entry longer
+    than that is a run of its own)."""
     runs: list[list[PackEntry]] = []
     for entry in entries:
-        if runs and entry.offset - (runs[-1][-1].offset + runs[-1][-1].length) <= COALESCE_GAP:
+        if (runs and entry.offset - (runs[-1][-1].offset + runs[-1][-1].length) <= COALESCE_GAP
+                and entry.offset + entry.length - runs[-1][0].offset <= MAX_RUN):
             runs[-1].append(entry)
         else:
             runs.append([entry])

@@ -1,0 +1,47 @@
+"""Reads spread over every backend: a clone from three bandwidth-limited backends
+draws on all three (tests/servers/throttle.py limits each one's bytes per second).
+
+How fast that is, is measured by ``bench/parallel_read_bench.py``; tests never
+assert on time. Here: every backend serves a fair share of the bytes, and the
+clone is exact.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from conftest import PASSPHRASE, snapshot
+from metasync.repository import Repository
+from tests.servers import throttle
+
+MiB = 1 << 20
+
+
+def test_clone_reads_from_all_backends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """3 backends at 40 MB/s each, R = 2, 24 MiB in 2 MiB packs: a clone reads at
+    least a fifth of the bytes from each backend (an even spread is a third; one
+    backend per object would leave some with nothing), and the tree is identical."""
+    rate = 40e6
+    folders = [tmp_path / f"b{i}" for i in range(3)]
+    for f in folders:
+        f.mkdir()
+    uris = [f"throttle:{rate}:dir:{f}" for f in folders]
+    src = tmp_path / "src"
+    rng = random.Random(3)
+    for i in range(12):
+        (src / f"d{i % 3}").mkdir(parents=True, exist_ok=True)
+        (src / f"d{i % 3}" / f"file{i}.bin").write_bytes(rng.randbytes(2 * MiB))
+    monkeypatch.setenv("METASYNC_PACK_SIZE", str(2 * MiB))
+    with Repository.init(src, uris, replicas=2, passphrase=lambda: PASSPHRASE) as repo:
+        repo.push("data")
+    before = {u: throttle.links[u.split(":", 2)[2]].bytes for u in uris}
+    with Repository.clone(uris[0], tmp_path / "clone", passphrase=lambda: PASSPHRASE):
+        pass
+    read = {u: throttle.links[u.split(":", 2)[2]].bytes - before[u] for u in uris}
+    total = sum(read.values())
+    assert total >= 24 * MiB
+    assert all(n >= total / 5 for n in read.values()), read
+    assert snapshot(tmp_path / "clone") == snapshot(src)
