@@ -405,6 +405,67 @@ def config_replicas(replicas: int) -> None:
     _report_change(f"replicas set to {replicas}", change)
 
 
+@config_group.command("retention")
+@click.argument("days", type=int)
+def config_retention(days: int) -> None:
+    """Keep every version DAYS days before gc may collect what only it needs."""
+    with _open() as repo:
+        version = repo.set_retention(days)
+    _say(f"retention set to {days} days; now version {version.number}")
+
+
+@cli.command()
+def gc() -> None:
+    """Delete objects no kept version, snapshot or push in progress needs."""
+    with _open() as repo:
+        report = repo.gc()
+    if report.lost_race:
+        _say("another client committed meanwhile: nothing was deleted; run `metasync gc` again")
+        return
+    if report.version is None:
+        _say(f"nothing to collect ({report.objects} objects, all in use)")
+        return
+    _say(f"collected {report.deleted} object copies ({_human(report.bytes_deleted)}) of "
+         f"{report.objects} objects; {report.pruned_commits} older versions pruned; "
+         f"now version {report.version.number}")
+    if report.failed:
+        click.echo(f"warning: {report.failed} copies could not be deleted (a backend is "
+                   "unreachable); the next gc retries them", err=True)
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.option("--delete", "delete", is_flag=True, help="Delete snapshot NAME instead.")
+def snapshot(name: str | None, delete: bool) -> None:
+    """Keep the current master as NAME for ever (gc never collects it); without NAME,
+    list the snapshots."""
+    with _open() as repo:
+        if name is None:
+            for snap, commit_id in repo.snapshots():
+                click.echo(f"{snap}\t{commit_id}")
+            return
+        version = repo.delete_snapshot(name) if delete else repo.snapshot(name)
+    _say(f"{'deleted' if delete else 'kept'} snapshot {name}; now version {version.number}")
+
+
+@cli.command()
+@click.argument("path")
+@click.option("--version", "version", default=None, metavar="V",
+              help="A commit id prefix (metasync log), a snapshot name, or ~N (N versions back).")
+@click.option("--to", "to", default=None, type=click.Path(), metavar="DEST",
+              help="Write it here instead of at PATH.")
+def restore(path: str, version: str | None, to: str | None) -> None:
+    """Bring back PATH (a file or folder) as it was in an earlier version."""
+    with _open() as repo:
+        rel = os.path.relpath(Path(path).absolute(), repo.root)
+        result = repo.restore(rel, version, to)
+    when = datetime.fromtimestamp(result.time_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
+    for copy in result.conflicts:
+        _say(f"kept the file that was in the way as {copy}")
+    _say(f"restored {len(result.restored)} file(s) to {result.target} from {result.commit_id[:12]} "
+         f"({when})")
+
+
 @cli.command()
 def rebalance() -> None:
     """Put every object where the configuration says; finish interrupted changes."""

@@ -30,6 +30,9 @@ CREATE TABLE IF NOT EXISTS locations (
     object_id TEXT PRIMARY KEY, kind TEXT NOT NULL, pack_id TEXT NOT NULL,
     offset INTEGER NOT NULL, length INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS locations_pack ON locations(pack_id);
+CREATE TABLE IF NOT EXISTS historic_locations (
+    object_id TEXT PRIMARY KEY, kind TEXT NOT NULL, pack_id TEXT NOT NULL,
+    offset INTEGER NOT NULL, length INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS objects (object_id TEXT PRIMARY KEY, kind TEXT NOT NULL, data BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS indexes (index_id TEXT PRIMARY KEY, state TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS outbox (stored_id TEXT PRIMARY KEY, kind TEXT NOT NULL, seq INTEGER NOT NULL);
@@ -119,19 +122,36 @@ class LocalDB:
         self.conn.executemany("DELETE FROM worktree WHERE path=?", ((p,) for p in paths))
 
     # --- object locations -----------------------------------------------------------
-    def add_locations(self, pack_id: str, entries: Iterable[PackEntry]) -> None:
+    def add_locations(self, pack_id: str, entries: Iterable[PackEntry], *, historic: bool = False) -> None:
+        """Record where objects are. ``historic`` rows come from indexes of versions
+        older than the current master's index set: they serve reads of old versions
+        but never deduplication (their packs may have been collected)."""
+        table = "historic_locations" if historic else "locations"
         self.conn.executemany(
-            "INSERT OR IGNORE INTO locations VALUES (?,?,?,?,?)",
+            f"INSERT OR IGNORE INTO {table} VALUES (?,?,?,?,?)",
             ((e.object_id, e.kind, pack_id, e.offset, e.length) for e in entries),
         )
 
     def location(self, object_id: str) -> tuple[str, PackEntry] | None:
-        row = self.conn.execute(
-            "SELECT kind, pack_id, offset, length FROM locations WHERE object_id=?", (object_id,)
-        ).fetchone()
-        if row is None:
-            return None
-        return row[1], PackEntry(object_id, row[0], row[2], row[3])
+        """Where ``object_id`` is: a current location, else a historic one."""
+        return location_in(self.conn, object_id)
+
+    def is_located(self, object_id: str) -> bool:
+        """True if ``object_id`` has a current location (so it may be deduplicated)."""
+        return self.conn.execute(
+            "SELECT 1 FROM locations WHERE object_id=?", (object_id,)).fetchone() is not None
+
+    def purge_locations(self, keep_packs: builtins.set[str]) -> int:
+        """Forget every location outside ``keep_packs`` (after a gc collected packs):
+        nothing may be deduplicated against an object that may be gone. Historic
+        rows go too. Returns the rows dropped."""
+        self.conn.execute("CREATE TEMP TABLE IF NOT EXISTS keep_packs (pack_id TEXT PRIMARY KEY)")
+        self.conn.execute("DELETE FROM keep_packs")
+        self.conn.executemany("INSERT OR IGNORE INTO keep_packs VALUES (?)", ((p,) for p in keep_packs))
+        dropped = self.conn.execute(
+            "DELETE FROM locations WHERE pack_id NOT IN (SELECT pack_id FROM keep_packs)").rowcount
+        self.conn.execute("DELETE FROM historic_locations")
+        return int(dropped)
 
     def known_ids(self, ids: Iterable[str]) -> builtins.set[str]:
         """The subset of ``ids`` that already have a location (need no upload)."""
@@ -173,6 +193,12 @@ class LocalDB:
     def local_indexes(self) -> list[str]:
         return [r[0] for r in self.conn.execute("SELECT index_id FROM indexes WHERE state='local'")]
 
+    def forget_indexes(self, keep: builtins.set[str]) -> None:
+        """Mark every index outside ``keep`` (and not local) as never read."""
+        rows = self.conn.execute("SELECT index_id FROM indexes WHERE state != 'local'").fetchall()
+        self.conn.executemany("DELETE FROM indexes WHERE index_id=?",
+                              ((r[0],) for r in rows if r[0] not in keep))
+
     # --- outbox ---------------------------------------------------------------------
     def add_outbox(self, stored_id: str, kind: str) -> None:
         seq = self.conn.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM outbox").fetchone()[0]
@@ -196,3 +222,14 @@ class LocalDB:
         self.conn.execute(
             "DELETE FROM missing_copies WHERE stored_id=? AND backend_id=?", (stored_id, backend_id)
         )
+
+
+def location_in(conn: sqlite3.Connection, object_id: str) -> tuple[str, PackEntry] | None:
+    """Look ``object_id`` up in the current locations, then the historic ones."""
+    for table in ("locations", "historic_locations"):
+        row = conn.execute(
+            f"SELECT kind, pack_id, offset, length FROM {table} WHERE object_id=?", (object_id,)
+        ).fetchone()
+        if row is not None:
+            return row[1], PackEntry(object_id, row[0], row[2], row[3])
+    return None

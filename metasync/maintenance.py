@@ -16,10 +16,12 @@ by content in this run (git-annex's numcopies rule).
 
 from __future__ import annotations
 
+import json
 import secrets
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from metasync.backends import Backend, public_uri
@@ -27,13 +29,15 @@ from metasync.codec import Codec
 from metasync.consensus import HINT_KEY, encode_hint
 from metasync.errors import (
     BackendError,
+    BackendUnavailable,
     CorruptObject,
     MetasyncError,
     ObjectNotFound,
+    ObjectUnavailable,
     UsageError,
 )
 from metasync.mapping import StableMapping, movement
-from metasync.objects import BackendSpec, Config, Version, is_object_id
+from metasync.objects import BackendSpec, Commit, Config, PackEntry, Version, is_object_id
 from metasync.store import mapping_of, object_key
 
 if TYPE_CHECKING:
@@ -518,3 +522,222 @@ def list_backends(repo: Repository, config: Config) -> BackendListing:
     stored = sum(sum(c.values()) for c in inventory.copies.values())
     return BackendListing(infos, config.replicas, config.erasure, len(inventory.copies), logical,
                           stored, bool(repo.db.get("rebalance_pending")))
+
+
+# ============================================================== garbage collection
+@dataclass
+class ClientStates:
+    """What the clients published in ``clients/<id>`` (union over backends)."""
+
+    heads: set[str] = field(default_factory=set)
+    prev_masters: set[str] = field(default_factory=set)
+    #: Objects announced by pushes in progress (uploaded or about to be).
+    pending: set[str] = field(default_factory=set)
+
+
+def read_client_states(repo: Repository, backends: dict[str, Backend]) -> ClientStates:
+    """Read every client's state from every backend. A push announces its uploads
+    on a majority of the backends before making them, so reading a majority is
+    enough to see every announcement made before this read started."""
+    states = ClientStates()
+
+    def read_all(backend: Backend) -> list[dict[str, object]]:
+        docs = []
+        for key in backend.list("clients"):
+            try:
+                raw = repo.codec.decode("client", key, backend.get(key))
+                doc = json.loads(raw)
+            except ObjectNotFound:
+                continue
+            except (CorruptObject, ValueError, RecursionError):
+                continue  # unreadable: as if absent (it cannot announce anything)
+            if isinstance(doc, dict):
+                docs.append(doc)
+        return docs
+
+    answered = 0
+    errors: list[str] = []
+    futures = {b: repo.store.executor.submit(read_all, backend) for b, backend in backends.items()}
+    for backend_id, future in futures.items():
+        try:
+            docs = future.result()
+        except MetasyncError as exc:
+            errors.append(f"{backends[backend_id].name}: {exc}")
+            continue
+        answered += 1
+        for doc in docs:
+            head = doc.get("head")
+            if is_object_id(head):
+                states.heads.add(str(head))
+            prev = doc.get("prev")
+            if isinstance(prev, dict) and is_object_id(prev.get("master")):
+                states.prev_masters.add(str(prev["master"]))
+            pending = doc.get("pending")
+            if isinstance(pending, list):
+                states.pending.update(p for p in pending if is_object_id(p))
+    if answered <= len(backends) // 2:
+        raise BackendUnavailable(
+            f"only {answered} of {len(backends)} backends could be read; gc needs a majority "
+            f"to see every push in progress ({errors[0] if errors else ''}); nothing was deleted"
+        )
+    return states
+
+
+@dataclass
+class GcReport:
+    """What a gc did."""
+
+    #: The version the gc decided (its commit names what survives), or None.
+    version: Version | None = None
+    objects: int = 0
+    deleted: int = 0
+    bytes_deleted: int = 0
+    #: Copies that could not be deleted (an unreachable backend): the next gc retries.
+    failed: int = 0
+    #: Commits whose content is no longer kept (older than the retention).
+    pruned_commits: int = 0
+    cutoff_ns: int = 0
+    #: Another client's version won the instance: nothing was deleted.
+    lost_race: bool = False
+
+
+def collect_garbage(repo: Repository, now_ns: int | None = None) -> GcReport:
+    """Delete every stored object no version still needs (paper 3.8).
+
+    Kept: every commit of master's history (they are small, and keep ``log``
+    whole); the trees, files, blobs and indexes of master, of every commit younger
+    than the retention, of every snapshot, and of every client's published head
+    and base; and every object a push in progress announced. The gc then writes a
+    commit with master's tree whose indexes list exactly the surviving objects, and
+    decides it through pPaxos together with a configuration whose ``gc_epoch`` is
+    one higher. Only if that version wins does it delete -- so a push that raced it
+    either won first (and its objects were kept as master's) or learns the new
+    epoch, forgets what it knew of collected objects and re-packs what it needs.
+    See docs/design.md, "Garbage collection", for why nothing needed is lost."""
+    report = GcReport()
+    latest = repo.learn_latest()
+    config = repo.load_config(latest.config)
+    if latest.master is None:
+        return report
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    cutoff = max(config.gc_cutoff_ns, now_ns - config.retention_days * 86_400 * 10**9)
+    report.cutoff_ns = cutoff
+    backends = repo.open_backends(config)
+    with repo.reading_with(config):
+        inventory = take_inventory(repo, backends)
+        states = read_client_states(repo, backends)
+        report.objects = len(inventory.copies)
+        history = _history(repo, latest.master)
+        retained = {cid for cid, c in history.items()
+                    if c.time_ns >= cutoff or cid == latest.master}
+        retained |= {cid for _, cid in config.snapshots}
+        retained |= states.heads | states.prev_masters
+        live_packs, live_indexes, kept_commits = _live(repo, retained, config)
+        report.pruned_commits = sum(
+            1 for cid, c in history.items() if cid not in kept_commits and c.time_ns >= config.gc_cutoff_ns)
+        master = history[latest.master]
+        indexes = repo.index_objects(sorted(
+            (pack_id, tuple(sorted(entries.values(), key=lambda e: e.offset)))
+            for pack_id, entries in live_packs.items()))
+        commit = Commit(tree=master.tree, parents=(latest.master,), client=repo.client_id,
+                        device=repo.device, time_ns=now_ns, message="gc",
+                        indexes=tuple(sorted(i for _, i, _ in indexes)))
+        commit_bytes = commit.to_bytes()
+        commit_id = repo.codec.id_of("commit", commit_bytes)
+        keep = (set(history) | kept_commits | live_indexes | set(live_packs) | states.pending
+                | {i for _, i, _ in indexes} | {commit_id})
+        garbage = {sid: held for sid, held in inventory.copies.items() if sid not in keep}
+        if not garbage:
+            return report
+        repo.upload_standalone([*indexes, ("commit", commit_id, commit_bytes)])
+    new = replace(config, gc_epoch=config.gc_epoch + 1, gc_cutoff_ns=cutoff)
+    new_id = store_config(repo, new, backends.values())
+    consensus = repo.consensus_for(latest.config)
+    proposal = Version(latest.number + 1, commit_id, new_id)
+    chosen = consensus.propose(proposal.number, proposal)
+    if chosen != proposal:
+        report.lost_race = True
+        return report
+    consensus.publish(chosen)
+    report.version = chosen
+
+    def delete(item: tuple[str, dict[str, int]]) -> tuple[int, int, int]:
+        stored_id, held = item
+        done = size = failed = 0
+        for backend_id, n in held.items():
+            try:
+                backends[backend_id].delete(object_key(stored_id))
+                done += 1
+                size += n
+            except ObjectNotFound:
+                pass
+            except MetasyncError:
+                failed += 1
+        return done, size, failed
+
+    repo.reporter.start("gc", len(garbage))
+    try:
+        for done, size, failed in repo.store.executor.map(delete, sorted(garbage.items())):
+            report.deleted += done
+            report.bytes_deleted += size
+            report.failed += failed
+            repo.reporter.advance(1)
+    finally:
+        repo.reporter.finish()
+    return report
+
+
+def _history(repo: Repository, master: str) -> dict[str, Commit]:
+    """Every commit reachable from ``master`` through any parent."""
+    out: dict[str, Commit] = {}
+    todo = [master]
+    while todo:
+        cid = todo.pop()
+        if cid in out:
+            continue
+        commit = repo.load_commit(cid)
+        out[cid] = commit
+        todo.extend(p for p in commit.parents if p not in out)
+    return out
+
+
+def _live(
+    repo: Repository, retained: set[str], config: Config
+) -> tuple[dict[str, dict[str, PackEntry]], set[str], set[str]]:
+    """Live pack entries by pack, live index ids, and the retained commits whose
+    content could be read (a commit pruned by an earlier gc is only a name now).
+
+    Each retained commit's objects are located through *its own* indexes, and every
+    pack so named is live: a client reading that commit (say master, just before
+    it learns of this gc) finds each object where that commit says, even when
+    another pack holds a copy too."""
+    packs: dict[str, dict[str, PackEntry]] = {}
+    indexes: set[str] = set()
+    kept: set[str] = set()
+    maps: dict[str, dict[str, tuple[str, PackEntry]]] = {}
+
+    def index_map(index_id: str) -> dict[str, tuple[str, PackEntry]]:
+        found = maps.get(index_id)
+        if found is None:
+            index = repo.read_index(index_id)
+            found = maps[index_id] = {
+                e.object_id: (pack_id, e) for pack_id, entries in index.packs for e in entries}
+        return found
+
+    for cid in sorted(retained):
+        try:
+            commit = repo.load_commit(cid)
+            objects = repo.reachable_objects(commit)
+            located = [index_map(i) for i in commit.indexes]
+        except ObjectUnavailable:
+            continue  # an unpushed head, or a version an earlier gc already collected
+        kept.add(cid)
+        indexes.update(commit.indexes)
+        for object_id in objects:
+            hit = next((m[object_id] for m in located if object_id in m), None)
+            if hit is None:
+                raise ObjectUnavailable(
+                    f"object {object_id[:12]} of commit {cid[:12]} is in none of its indexes; "
+                    "run `metasync fsck` (gc deleted nothing)")
+            packs.setdefault(hit[0], {})[object_id] = hit[1]
+    return packs, indexes, kept

@@ -11,6 +11,7 @@ brings it into the folder without losing a local change.
 from __future__ import annotations
 
 import fcntl
+import io
 import json
 import os
 import secrets
@@ -19,8 +20,9 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from fractions import Fraction
@@ -43,7 +45,7 @@ from metasync.errors import (
 )
 from metasync.faults import crash_point
 from metasync.keys import MasterKey, unwrap, wrap
-from metasync.localdb import IndexRow, LocalDB
+from metasync.localdb import IndexRow, LocalDB, location_in
 from metasync.mapping import StableMapping, vnode_unit
 from metasync.merge import Side, merge_trees, same_entry
 from metasync.objects import (
@@ -58,6 +60,7 @@ from metasync.objects import (
     TreeEntry,
     Version,
     is_object_id,
+    is_snapshot_name,
 )
 from metasync.paxos import Quorums
 from metasync.progress import NullReporter, Reporter
@@ -76,7 +79,7 @@ from metasync.worktree import (
 )
 
 if TYPE_CHECKING:
-    from metasync.maintenance import BackendListing, ConfigChange, RebalanceReport
+    from metasync.maintenance import BackendListing, ConfigChange, GcReport, RebalanceReport
 
 DESCRIPTOR_KEY = "metasync.json"
 KEYFILE_KEY = "keys/master"
@@ -230,6 +233,17 @@ class LogEntry:
             "message": self.message,
             "parents": list(self.parents),
         }
+
+
+@dataclass
+class RestoreResult:
+    """What ``restore`` brought back, from which version."""
+
+    commit_id: str
+    time_ns: int
+    target: str
+    restored: list[str] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -708,6 +722,10 @@ class Repository:
         for _ in range(MAX_CONFIG_HOPS):
             latest = consensus.get_recent(known)
             if latest.config == consensus.config_id:
+                epoch = self.load_config(latest.config).gc_epoch
+                if epoch > int(self.db.get("gc_epoch", 0)):
+                    # Before anything is read or deduplicated under what a gc left.
+                    self._forget_collected(epoch)
                 return latest
             consensus = self.consensus_for(latest.config)
             known = latest
@@ -759,21 +777,24 @@ class Repository:
             self.db.cache_object(commit_id, "commit", data)
         return Commit.from_bytes(data)
 
-    def _load_index(self, index_id: str) -> None:
-        if self.db.index_state(index_id) is not None:
+    def _load_index(self, index_id: str, historic: bool = False) -> None:
+        state = self.db.index_state(index_id)
+        if state is not None and (historic or state != "historic"):
             return
-        data = self.store.get_standalone("index", index_id)
+        data = self.db.cached_object(index_id) or self.store.get_standalone("index", index_id)
         index = Index.from_bytes(data)
         with self.db.transaction():
             self.db.cache_object(index_id, "index", data)
             for pack_id, entries in index.packs:
-                self.db.add_locations(pack_id, entries)
-            self.db.set_index_state(index_id, "remote")
+                self.db.add_locations(pack_id, entries, historic=historic)
+            self.db.set_index_state(index_id, "historic" if historic else "remote")
 
-    def _load_indexes(self, commit: Commit) -> None:
-        missing = [i for i in commit.indexes if self.db.index_state(i) is None]
-        for index_id in missing:
-            self._load_index(index_id)
+    def _load_indexes(self, commit: Commit, historic: bool = False) -> None:
+        """Learn where ``commit``'s objects are. ``historic``: the commit is older than
+        the current master's line (a version being restored or compared): its
+        indexes may list packs a gc has collected, so they serve reads only."""
+        for index_id in commit.indexes:
+            self._load_index(index_id, historic)
 
     def _fetch_packed(self, ids: Iterable[str]) -> dict[str, bytes]:
         """Plaintexts of packed metadata objects (trees, files), cached locally."""
@@ -823,7 +844,7 @@ class Repository:
     def tree_at(self, commit_id: str) -> dict[str, TreeEntry]:
         """Every path of a commit's tree (flattened), loading what it needs."""
         commit = self.load_commit(commit_id)
-        self._load_indexes(commit)
+        self._load_indexes(commit, historic=commit_id not in (self.head, self.prev.master))
         return self.flatten(commit.tree)
 
     def _file_chunks(self, entry: TreeEntry) -> list[tuple[str, int]]:
@@ -865,7 +886,7 @@ class Repository:
                     and row.mtime_ns + RACY_NS < row.hashed_at_ns
                     # `status` caches hashes without storing content: a commit must
                     # read a file again unless its content is in some pack.
-                    and (sink is None or self.db.location(row.ref) is not None)
+                    and (sink is None or self.db.is_located(row.ref))
                 ):
                     files[path] = TreeEntry(name, row.type, row.ref, e.size, e.executable)  # type: ignore[arg-type]
                 else:
@@ -1022,6 +1043,8 @@ class Repository:
                 self._record_standalone(stored)
             return None
         parent = head or (self.load_commit(self.prev.master) if self.prev.master else None)
+        if head is None and parent is not None:
+            self._load_indexes(parent)
         commit_id = self._seal_commit(
             writer, root_id, trees, parents=(self.head,) if self.head else (),
             message=message, inherited=[parent] if parent else [], refreshed=refreshed,
@@ -1056,7 +1079,9 @@ class Repository:
         stored = writer.finish()
         indexes = set(self.db.local_indexes())
         for c in inherited:
-            indexes |= set(c.indexes)
+            # Only indexes of the current line: after a gc, older ones may list
+            # collected packs (see _forget_collected).
+            indexes |= {i for i in c.indexes if self.db.index_state(i) in ("remote", "local")}
         indexes |= {object_id for _, object_id, _ in stored}
         if len(indexes) > MAX_INDEXES:
             fresh = {object_id: data for _, object_id, data in stored}
@@ -1202,6 +1227,8 @@ class Repository:
         """Upload queued objects: all packs, then indexes, then commits, so nothing
         on a backend ever refers to an object that is not there yet."""
         pending = self.db.outbox()
+        if pending:
+            self._publish_client_state([sid for sid, _ in pending])
         total = 0
         count = 0
         sizes = {sid: (self.meta / "outbox" / sid).stat().st_size for sid, _ in pending}
@@ -1251,19 +1278,34 @@ class Repository:
                 with self.db.transaction():
                     self.db.remove_missing_copy(stored_id, backend_id)
 
-    def _publish_client_state(self) -> None:
-        """Per-client data (paper 3.1): this client's head and prev on every backend."""
-        doc = json.dumps({"head": self.head, "prev": self.prev.to_json()}).encode()
-        name = f"clients/{self.client_id}"
-        data = self.codec.encode("client", name, doc)
+    def _publish_client_state(self, pending: list[str] | None = None) -> None:
+        """Per-client data (paper 3.1): this client's head and prev on every backend.
 
-        def one(backend: Backend) -> None:
+        With ``pending`` -- the objects it is about to upload -- this is the push's
+        announcement to garbage collection: written to a majority of the backends
+        before the first upload (or the push fails), so a gc that lists an upload
+        also reads its announcement and keeps it (docs/design.md, "Garbage
+        collection"). Without, best effort."""
+        state: dict[str, Any] = {"head": self.head, "prev": self.prev.to_json()}
+        if pending:
+            state["pending"] = sorted(pending)
+        name = f"clients/{self.client_id}"
+        data = self.codec.encode("client", name, json.dumps(state).encode())
+
+        def one(backend: Backend) -> str | None:
             try:
                 backend.put(name, data)
-            except MetasyncError:
-                pass
+            except MetasyncError as exc:
+                return f"{backend.name}: {exc}"
+            return None
 
-        list(self.store.executor.map(one, self.backends.values()))
+        failures = [f for f in self.store.executor.map(one, self.backends.values()) if f]
+        written = len(self.backends) - len(failures)
+        if pending and written <= len(self.backends) // 2:
+            raise BackendUnavailable(
+                f"could not announce the upload on a majority of the backends "
+                f"({written} of {len(self.backends)}: {failures[0]}); nothing was uploaded; retry"
+            )
 
     # ============================================================== pull
     def pull(self) -> PullResult:
@@ -1309,6 +1351,9 @@ class Repository:
             self._adopt_config()
             return PullResult(learned, up_to_date=True)
         theirs = self.load_commit(learned.master)
+        epoch = self.load_config(learned.config).gc_epoch
+        if epoch > int(self.db.get("gc_epoch", 0)):
+            self._forget_collected(epoch)
         self._load_indexes(theirs)
         ours = self._head_commit()
         from_tree = ours.tree if ours is not None else None
@@ -1322,9 +1367,12 @@ class Repository:
             return self._run_checkout()
         assert ours is not None
         base_commit = self.load_commit(prev.master) if prev.master else None
+        ours_flat = self.flatten(ours.tree)
+        writer = _ObjectWriter(self)
+        self._repack_collected(ours_flat, writer)
         merged, conflicts = merge_trees(
             self.flatten(base_commit.tree if base_commit else None),
-            Side(self.flatten(ours.tree), ours.device, _stamp(ours.time_ns)),
+            Side(ours_flat, ours.device, _stamp(ours.time_ns)),
             Side(self.flatten(theirs.tree), theirs.device, _stamp(theirs.time_ns)),
         )
         files = {p: e for p, e in merged.items() if e.type != "dir"}
@@ -1332,7 +1380,7 @@ class Repository:
         root_id, trees = self._build_trees(files, dirs)
         moves = {c.copy: c.path for c in conflicts if c.moved == "ours"}
         self._seal_commit(
-            _ObjectWriter(self), root_id, trees, parents=(learned.master, head),
+            writer, root_id, trees, parents=(learned.master, head),
             message=f"merge version {learned.number}", inherited=[theirs, ours], refreshed=[],
             settings={**self._base_settings(learned),
                       "checkout_pending": {"from": from_tree, "to": root_id, "moves": moves}},
@@ -1344,6 +1392,53 @@ class Repository:
         result = self._run_checkout()
         result.conflicts[:0] = [c.copy for c in conflicts]
         return result
+
+    def _forget_collected(self, epoch: int) -> None:
+        """A gc collected packs since this client last looked: forget where every
+        object was, except in this client's own unpublished packs, so nothing is
+        deduplicated against a collected object; the new master's indexes (written
+        by the gc, listing exactly what survived) are read next."""
+        local = {sid for sid, kind in self.db.outbox() if kind == "pack"}
+        for index_id in self.db.local_indexes():
+            data = self.db.cached_object(index_id)
+            if data is not None:
+                local |= {pack_id for pack_id, _ in Index.from_bytes(data).packs}
+        with self.db.transaction():
+            self.db.purge_locations(local)
+            self.db.forget_indexes(set())
+            self.db.set("gc_epoch", epoch)
+
+    def _repack_collected(self, flat: dict[str, TreeEntry], writer: _ObjectWriter) -> None:
+        """Objects an unpushed local commit shares with content a concurrent gc
+        collected (it deduplicated against them just before): pack them again from
+        the folder, so the merge commit about to be made refers only to objects
+        that exist. Content no longer in the folder cannot be recovered: fail."""
+        lost: list[str] = []
+        for path, entry in flat.items():
+            if entry.type not in ("file", "chunked"):
+                continue
+            needed = [entry.ref]
+            cached = self.db.cached_object(entry.ref) if entry.type == "chunked" else None
+            if cached is not None:
+                needed += [c.blob_id for c in FileObject.from_bytes(cached).chunks]
+            if all(self.db.is_located(i) for i in needed):
+                continue
+            try:
+                st = os.lstat(self.root / path)
+            except OSError:
+                lost.append(path)
+                continue
+            scanned = ScanEntry(path, "file", st.st_size, st.st_mtime_ns, st.st_ino,
+                                entry.executable)
+            got = self._hash_one(scanned, writer.sink) if stat.S_ISREG(st.st_mode) else None
+            if got is None or got[1] != entry.ref:
+                lost.append(path)
+        if lost:
+            raise ObjectUnavailable(
+                f"{len(lost)} file(s) of your unpushed changes ({', '.join(sorted(lost)[:3])}) "
+                "shared content with files a concurrent gc collected, and that content is no "
+                "longer in the folder; restore them from your backup or re-create them, then push"
+            )
 
     def _resume_checkout(self) -> PullResult | None:
         """Finish a checkout a crash interrupted; ``None`` if none was pending."""
@@ -1687,12 +1782,10 @@ class Repository:
 
             conn = sqlite3.connect(f"file:{self.db.path}?mode=ro", uri=True)
             _thread_conns.conn, _thread_conns.path = conn, self.db.path
-        row = conn.execute(
-            "SELECT kind, pack_id, offset, length FROM locations WHERE object_id=?", (object_id,)
-        ).fetchone()
-        if row is None:
+        found = location_in(conn, object_id)
+        if found is None:
             raise ObjectUnavailable(f"object {object_id[:12]} is in no known pack")
-        return row[1], PackEntry(object_id, row[0], row[2], row[3])
+        return found
 
     # ============================================================== log
     def log(self, limit: int | None = None) -> list[LogEntry]:
@@ -1704,6 +1797,62 @@ class Repository:
             c = self.load_commit(current)
             out.append(LogEntry(current, c.device, c.client, c.time_ns, c.message, c.parents))
             current = c.parents[0] if c.parents else None
+        return out
+
+    # ============================================================== maintenance helpers
+    @contextmanager
+    def reading_with(self, config: Config) -> Iterator[None]:
+        """Read and place objects by ``config`` (a newer configuration this client has
+        not made its base yet) for the duration."""
+        if config == self.config:
+            yield
+            return
+        old_config, old_backends = self.store.config, self.store.backends
+        self.store.reconfigure(config, self.open_backends(config))
+        try:
+            yield
+        finally:
+            self.store.reconfigure(old_config, old_backends)
+
+    def index_objects(
+        self, packs: list[tuple[str, tuple[PackEntry, ...]]]
+    ) -> list[tuple[str, str, bytes]]:
+        """``("index", id, plaintext)`` objects listing ``packs`` (bounded in size)."""
+        return self._index_objects(packs)
+
+    def upload_standalone(self, stored: list[tuple[str, str, bytes]]) -> None:
+        """Encode and upload standalone objects ``(kind, id, plaintext)`` to their
+        holders now (copies that fail are recorded for repair)."""
+        encoded = {object_id: self.codec.encode(kind, object_id, plaintext)
+                   for kind, object_id, plaintext in stored}
+
+        def done(stored_id: str, size: int, failures: dict[str, str]) -> None:
+            with self.db.transaction():
+                for backend_id in failures:
+                    self.db.add_missing_copy(stored_id, backend_id)
+
+        self.store.upload(
+            [(object_id, _bytes_loader(data)) for object_id, data in encoded.items()], done)
+
+    def read_index(self, index_id: str) -> Index:
+        """An index object, from the local cache or the backends."""
+        data = self.db.cached_object(index_id)
+        if data is None:
+            data = self.store.get_standalone("index", index_id)
+            with self.db.transaction():
+                self.db.cache_object(index_id, "index", data)
+        return Index.from_bytes(data)
+
+    def reachable_objects(self, commit: Commit) -> set[str]:
+        """Every tree, file object and blob ``commit``'s tree needs."""
+        self._load_indexes(commit, historic=True)
+        out = {commit.tree}
+        for entry in self.flatten(commit.tree).values():
+            if entry.type in ("dir", "file"):
+                out.add(entry.ref)
+            elif entry.type == "chunked":
+                out.add(entry.ref)
+                out.update(b for b, _ in self._file_chunks(entry))
         return out
 
     # ============================================================== storage changes
@@ -1814,6 +1963,176 @@ class Repository:
         config = self.load_config(latest.config)
         return maintenance.list_backends(self, config)
 
+    # ============================================================== history
+    def snapshot(self, name: str) -> Version:
+        """Keep master as it is now under ``name``: gc never collects it."""
+        from metasync import maintenance
+
+        if not is_snapshot_name(name):
+            raise UsageError(f"invalid snapshot name {name!r}; use letters, digits, '.', '_' or '-'")
+
+        def make_new(config: Config) -> Config:
+            master = self.learn_latest().master
+            if master is None:
+                raise UsageError("nothing to keep yet: push something first")
+            if config.snapshot(name) is not None:
+                raise UsageError(f"snapshot {name!r} exists; delete it first or choose another name")
+            return replace(config, snapshots=tuple(sorted((*config.snapshots, (name, master)))))
+
+        return maintenance.change_config(self, make_new).version
+
+    def delete_snapshot(self, name: str) -> Version:
+        """Let gc collect what only snapshot ``name`` kept."""
+        from metasync import maintenance
+
+        def make_new(config: Config) -> Config:
+            if config.snapshot(name) is None:
+                raise UsageError(f"no snapshot named {name!r}")
+            return replace(config, snapshots=tuple(s for s in config.snapshots if s[0] != name))
+
+        return maintenance.change_config(self, make_new).version
+
+    def snapshots(self) -> list[tuple[str, str]]:
+        """``(name, commit id)`` of every snapshot, by name."""
+        return list(self.load_config(self.learn_latest().config).snapshots)
+
+    def set_retention(self, days: int) -> Version:
+        """Keep every version for ``days`` days before gc may collect what only it needs."""
+        from metasync import maintenance
+
+        if days < 0:
+            raise UsageError("the retention must be zero or more days")
+        return maintenance.change_config(
+            self, lambda config: replace(config, retention_days=days)).version
+
+    def gc(self) -> GcReport:
+        """Delete what no version within the retention, no snapshot, no client's state
+        and no push in progress needs (see :func:`metasync.maintenance.collect_garbage`)."""
+        from metasync import maintenance
+
+        return maintenance.collect_garbage(self)
+
+    def restore(self, path: str, version: str | None = None, to: str | Path | None = None) -> RestoreResult:
+        """Bring back ``path`` (a file or a folder, relative to the repository) as it
+        was in an earlier version: ``version`` is a commit id prefix, a snapshot
+        name or ``~N`` (N versions back); by default the newest version in which it
+        existed and differed from the folder. Written to ``to`` (default: ``path``);
+        a file in the way whose content is not in history is kept as a conflict copy."""
+        path = _repo_path(path)
+        latest = self.learn_latest()
+        config = self.load_config(latest.config)
+        if latest.master is None:
+            raise UsageError("nothing has been pushed yet")
+        with self.reading_with(config):
+            commit_id, tree = self._find_version(path, version, latest.master, config)
+            commit = self.load_commit(commit_id)
+            wanted = {p: e for p, e in tree.items() if p == path or p.startswith(path + "/")}
+            dest_root = Path(to).absolute() if to is not None else self.root / path
+            head = self._head_commit()
+            current = self.flatten(head.tree) if head is not None else {}
+            result = RestoreResult(commit_id, commit.time_ns, str(dest_root))
+            stamp = datetime.now().strftime("%Y-%m-%d %H%M%S")
+            for p, entry in sorted(wanted.items()):
+                rel = p[len(path):].lstrip("/")
+                dest = dest_root / rel if rel else dest_root
+                self._restore_entry(entry, dest, current.get(p) if to is None else None, stamp, result)
+        return result
+
+    def _find_version(
+        self, path: str, version: str | None, master: str, config: Config
+    ) -> tuple[str, dict[str, TreeEntry]]:
+        from metasync.maintenance import _history
+
+        chain: list[str] = []
+        current: str | None = master
+        while current is not None:  # first parents: the versions master went through
+            chain.append(current)
+            parents = self.load_commit(current).parents
+            current = parents[0] if parents else None
+        history = _history(self, master)
+
+        def pruned(cid: str) -> bool:
+            return (history[cid].time_ns < config.gc_cutoff_ns and cid != master
+                    and cid not in dict(config.snapshots).values())
+
+        if version is not None:
+            if config.snapshot(version) is not None:
+                commit_id = config.snapshot(version)
+            elif version.startswith("~") and version[1:].isdigit():
+                n = int(version[1:])
+                if n >= len(chain):
+                    raise UsageError(f"history has only {len(chain)} versions; {version} is too far back")
+                commit_id = chain[n]
+            else:
+                found = [c for c in history if c.startswith(version.lower())] if len(version) >= 4 else []
+                if len(found) != 1:
+                    raise UsageError(f"{version!r} names {'no' if not found else 'more than one'} "
+                                     "version; give a commit id (metasync log), a snapshot or ~N")
+                commit_id = found[0]
+            assert commit_id is not None
+            if pruned(commit_id):
+                raise UsageError(f"version {commit_id[:12]} is older than the retention and gc "
+                                 "collected its files; snapshot versions you want to keep")
+            tree = self.tree_at(commit_id)
+            if path not in tree:
+                raise UsageError(f"{path} is not in version {commit_id[:12]}")
+            return commit_id, tree
+        for cid in chain:
+            if pruned(cid):
+                break
+            tree = self.tree_at(cid)
+            if path in tree and not self._same_as_folder(path, tree):
+                return cid, tree
+        raise UsageError(f"no kept version has a {path} that differs from the folder's; "
+                         "see `metasync log` and use --version")
+
+    def _same_as_folder(self, path: str, tree: dict[str, TreeEntry]) -> bool:
+        """True if every file of ``tree`` at or under ``path`` is in the folder as is."""
+        for p, entry in tree.items():
+            if p != path and not p.startswith(path + "/"):
+                continue
+            if not _matches(self, self.root / p, entry):
+                return False
+        return True
+
+    def _restore_entry(self, entry: TreeEntry, dest: Path, in_head: TreeEntry | None,
+                       stamp: str, result: RestoreResult) -> None:
+        if entry.type == "dir":
+            dest.mkdir(parents=True, exist_ok=True)
+            return
+        if os.path.lexists(dest):
+            if _matches(self, dest, entry):
+                return  # already as it was
+            if in_head is None or not _matches(self, dest, in_head):
+                # Its content is in no version: keep it under a conflict name.
+                copy = dest.with_name(conflict_name(dest.name, self.device, stamp))
+                os.rename(dest, copy)
+                result.conflicts.append(str(copy))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_path_for(dest)
+        try:
+            if entry.type == "link":
+                os.symlink(entry.ref, tmp)
+            else:
+                chunks = [(entry.ref, entry.size)] if entry.type == "file" else self._file_chunks(entry)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                             self._file_modes[entry.executable])
+                with os.fdopen(fd, "wb") as fh:
+                    for group in _chunk_groups(chunks):
+                        data = self._read_blobs(group)
+                        for blob_id, length in group:
+                            if len(data[blob_id]) != length:
+                                raise CorruptObject(f"blob {blob_id[:12]} has the wrong length")
+                            fh.write(data[blob_id])
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            os.replace(tmp, dest)
+        except BaseException:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            raise
+        result.restored.append(str(dest))
+
     # ============================================================== fsck
     def fsck(self, *, quick: bool = False, repair: bool = False) -> FsckReport:
         """Check every copy of every object reachable from master's history on every
@@ -1825,7 +2144,8 @@ class Repository:
         config = self.load_config(latest.config)
         backends = self.open_backends(config)
         mapping = mapping_of(config)
-        standalone, packs = self._reachable(latest, report)
+        with self.reading_with(config):
+            standalone, packs = self._reachable(latest, config, report)
         jobs = [(kind, oid, b) for kind, oid in standalone for b in mapping.locate(oid)]
         jobs += [("pack", p, b) for p in sorted(packs) for b in mapping.locate(p)]
         report.objects = len(standalone) + len(packs)
@@ -1864,34 +2184,23 @@ class Repository:
                 report.problems.append(FsckProblem(backend_id, "-", "-", f"unreachable: {exc}"))
         return out
 
-    def _reachable(self, latest: Version, report: FsckReport) -> tuple[list[tuple[str, str]], set[str]]:
-        """Standalone objects ``(kind, id)`` and packs that master's history needs."""
-        commits: list[tuple[str, Commit]] = []
-        todo = [latest.master] if latest.master else []
-        seen_commits: set[str] = set(todo)
-        while todo:  # every commit reachable through any parent (merges have two)
-            current = todo.pop()
-            commit = self.load_commit(current)
-            commits.append((current, commit))
-            for parent in commit.parents:
-                if parent not in seen_commits:
-                    seen_commits.add(parent)
-                    todo.append(parent)
-        standalone = [("commit", cid) for cid, _ in commits]
-        indexes = sorted({i for _, c in commits for i in c.indexes})
-        standalone += [("index", i) for i in indexes]
-        for _, c in commits:
-            self._load_indexes(c)
-        # Every packed object reachable from any commit in history.
+    def _reachable(
+        self, latest: Version, config: Config, report: FsckReport
+    ) -> tuple[list[tuple[str, str]], set[str]]:
+        """Standalone objects ``(kind, id)`` and packs that must exist: every commit of
+        master's history, and the indexes and content of every commit a gc has not
+        pruned (younger than its cutoff, master, or a snapshot)."""
+        from metasync.maintenance import _history
+
+        history = _history(self, latest.master) if latest.master else {}
+        kept = {cid for cid, c in history.items()
+                if c.time_ns >= config.gc_cutoff_ns or cid == latest.master}
+        kept |= {cid for _, cid in config.snapshots if cid in history}
+        standalone = [("commit", cid) for cid in sorted(history)]
+        standalone += [("index", i) for i in sorted({i for cid in kept for i in history[cid].indexes})]
         reachable: set[str] = set()
-        for _, c in commits:
-            for entry in self.flatten(c.tree).values():
-                if entry.type == "dir" or entry.type == "file":
-                    reachable.add(entry.ref)
-                elif entry.type == "chunked":
-                    reachable.add(entry.ref)
-                    reachable.update(b for b, _ in self._file_chunks(entry))
-            reachable.add(c.tree)
+        for cid in sorted(kept):
+            reachable |= self.reachable_objects(history[cid])
         packs: set[str] = set()
         for object_id in reachable:
             loc = self.db.location(object_id)
@@ -1970,6 +2279,40 @@ class Repository:
 
 
 _thread_conns = threading.local()
+
+
+def _repo_path(path: str) -> str:
+    """A path inside the repository, as trees name it: relative, ``/``-separated,
+    with no ``.`` or ``..`` parts."""
+    parts = [p for p in path.replace(os.sep, "/").split("/") if p not in ("", ".")]
+    if not parts or ".." in parts or parts[0] == META_DIR:
+        raise UsageError(f"{path!r} is not a path inside the repository")
+    return "/".join(parts)
+
+
+def _matches(repo: Repository, path: Path, entry: TreeEntry) -> bool:
+    """True if the file, link or folder at ``path`` is exactly ``entry``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if entry.type == "dir":
+        return stat.S_ISDIR(st.st_mode)
+    if entry.type == "link":
+        return stat.S_ISLNK(st.st_mode) and os.readlink(path) == entry.ref
+    if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
+        return False
+    scanned = ScanEntry(str(path), "file", st.st_size, st.st_mtime_ns, st.st_ino,
+                        bool(st.st_mode & stat.S_IXUSR))
+    try:
+        hashed = repo.chunker.hash_file(path, scanned, None)
+    except (OSError, FileChanged):
+        return False
+    return hashed.ref == entry.ref
+
+
+def _bytes_loader(data: bytes) -> Callable[[], BinaryIO]:
+    return lambda: io.BytesIO(data)
 
 
 def _chunk_groups(chunks: list[tuple[str, int]], budget: int = 8 * 1024 * 1024) -> list[list[tuple[str, int]]]:

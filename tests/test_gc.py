@@ -1,0 +1,196 @@
+"""Garbage collection, snapshots and restore, through the real ``metasync`` command.
+
+gc deletes only what no kept version needs: master, every version younger than
+the retention, snapshots, every client's published state, and every push in
+progress (which announces its uploads first). The concurrency test runs a
+pusher and a gc loop in separate processes at once.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from conftest import METASYNC, PASSPHRASE, run_cli, snapshot
+
+NAMESPACE = "metasync"
+
+
+def _objects(backends: list[Path]) -> set[str]:
+    return {p.name for b in backends for p in (b / NAMESPACE / "objects").glob("*/*")}
+
+
+def _stored_bytes(backends: list[Path]) -> int:
+    return sum(p.stat().st_size for b in backends for p in (b / NAMESPACE / "objects").glob("*/*"))
+
+
+def _repo(tmp_path: Path, n: int = 3) -> tuple[Path, list[Path]]:
+    backends = [tmp_path / f"b{i}" for i in range(n)]
+    for b in backends:
+        b.mkdir()
+    a = tmp_path / "A"
+    a.mkdir()
+    run_cli("init", str(a), *(f"--backend=dir:{b}" for b in backends))
+    return a, backends
+
+
+def test_gc_keeps_history_within_retention_and_collects_the_rest(tmp_path: Path) -> None:
+    """With the default 30-day retention, gc deletes nothing a recent version needs
+    (every old version stays restorable); with retention 0 it collects the content
+    only old versions had, and master, log, fsck and a fresh clone are unharmed."""
+    a, backends = _repo(tmp_path)
+    rng = random.Random(1)
+    (a / "keep.txt").write_text("kept all along\n")
+    for i in range(4):
+        (a / f"big{i}.bin").write_bytes(rng.randbytes(300_000))
+        run_cli("push", "-m", f"big {i}", cwd=a)
+    for i in range(3):
+        (a / f"big{i}.bin").unlink()
+    run_cli("push", "-m", "drop three", cwd=a)
+    before = _objects(backends)
+    out = run_cli("gc", cwd=a).stdout
+    assert "nothing to collect" in out
+    assert _objects(backends) == before
+    run_cli("restore", "big1.bin", cwd=a)  # still restorable
+    assert (a / "big1.bin").stat().st_size == 300_000
+    (a / "big1.bin").unlink()
+
+    run_cli("config", "retention", "0", cwd=a)
+    out = run_cli("gc", cwd=a).stdout
+    m = re.search(r"collected (\d+) object copies", out)
+    assert m and int(m.group(1)) > 0, out
+    assert before - _objects(backends)  # some objects are gone (gc also wrote two)
+    assert run_cli("fsck", cwd=a).returncode == 0
+    assert len(run_cli("log", cwd=a).stdout.split("commit ")) - 1 >= 5  # history stays
+    clone = tmp_path / "clone"
+    run_cli("clone", f"dir:{backends[2]}", str(clone))
+    assert snapshot(clone) == snapshot(a)
+    # The collected version cannot be restored, and says why.
+    bad = run_cli("restore", "big1.bin", cwd=a, check=False)
+    assert bad.returncode != 0 and "no kept version has a big1.bin" in bad.stderr, bad.stderr
+
+
+def test_restore_file_deleted_five_versions_ago(tmp_path: Path) -> None:
+    """A file deleted and pushed, then five more versions: ``restore`` brings it back
+    byte for byte; ``--version ~N`` and ``--to`` pick another version and place; a
+    local file in the way whose content is in no version is kept as a conflict copy."""
+    a, _ = _repo(tmp_path)
+    content = random.Random(5).randbytes(1_500_000)  # several chunks
+    (a / "docs").mkdir()
+    (a / "docs" / "report.bin").write_bytes(content)
+    run_cli("push", "-m", "report", cwd=a)
+    (a / "docs" / "report.bin").unlink()
+    run_cli("push", "-m", "deleted", cwd=a)
+    for i in range(5):
+        (a / "notes.txt").write_text(f"version {i}\n")
+        run_cli("push", "-m", f"notes {i}", cwd=a)
+    out = run_cli("restore", "docs/report.bin", cwd=a).stdout
+    assert "restored 1 file(s)" in out
+    assert (a / "docs" / "report.bin").read_bytes() == content
+
+    # Another version, somewhere else: ~2 is two versions before master.
+    run_cli("restore", "notes.txt", "--version", "~2", "--to", str(tmp_path / "old.txt"), cwd=a)
+    assert (tmp_path / "old.txt").read_text() == "version 2\n"
+    assert (a / "notes.txt").read_text() == "version 4\n"
+    # An uncommitted edit in the way survives as a conflict copy.
+    (a / "notes.txt").write_text("edited, never committed\n")
+    out = run_cli("restore", "notes.txt", "--version", "~1", cwd=a).stdout
+    assert "conflict" in out
+    assert (a / "notes.txt").read_text() == "version 3\n"
+    copies = [p for p in a.iterdir() if p.name.startswith("notes (conflict")]
+    assert len(copies) == 1 and copies[0].read_text() == "edited, never committed\n"
+
+
+def test_snapshot_keeps_a_version_from_gc(tmp_path: Path) -> None:
+    """A snapshot keeps its version's content through gc at retention 0, and restore
+    takes it by name; deleting the snapshot lets the next gc collect it."""
+    a, backends = _repo(tmp_path)
+    (a / "photo.bin").write_bytes(random.Random(2).randbytes(400_000))
+    run_cli("push", cwd=a)
+    run_cli("snapshot", "before-cleanup", cwd=a)
+    assert "before-cleanup" in run_cli("snapshot", cwd=a).stdout
+    (a / "photo.bin").unlink()
+    run_cli("push", "-m", "cleanup", cwd=a)
+    run_cli("config", "retention", "0", cwd=a)
+    run_cli("gc", cwd=a)
+    run_cli("restore", "photo.bin", "--version", "before-cleanup", cwd=a)
+    assert (a / "photo.bin").read_bytes() == random.Random(2).randbytes(400_000)
+    (a / "photo.bin").unlink()
+    run_cli("push", cwd=a)
+    size_before = _stored_bytes(backends)
+    run_cli("snapshot", "--delete", "before-cleanup", cwd=a)
+    run_cli("gc", cwd=a)
+    assert _stored_bytes(backends) < size_before - 400_000  # both copies of the photo went
+    assert run_cli("fsck", cwd=a).returncode == 0
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METASYNC_")}
+    env["METASYNC_PASSPHRASE"] = PASSPHRASE
+    return env
+
+
+def test_pushes_while_another_client_runs_gc_in_a_loop(tmp_path: Path) -> None:
+    """Client A edits, adds, deletes and re-creates files (so new commits share
+    content with versions gc is collecting) and pushes, again and again; after each
+    push, ``fsck --quick`` checks master has every object. Client B runs ``gc`` in a
+    loop for 60 s at retention 0. No push fails, no check fails, gc really deletes,
+    and at the end fsck (full) is clean and a fresh clone equals A."""
+    a, backends = _repo(tmp_path)
+    rng = random.Random(9)
+    pool = [rng.randbytes(rng.randint(1000, 200_000)) for _ in range(12)]
+    for i in range(6):
+        (a / f"f{i}.bin").write_bytes(pool[i])
+    run_cli("push", cwd=a)
+    run_cli("config", "retention", "0", cwd=a)
+    b = tmp_path / "B"
+    run_cli("clone", f"dir:{backends[1]}", str(b))
+
+    stop = threading.Event()
+    gc_outputs: list[str] = []
+    gc_failures: list[str] = []
+
+    def gc_loop() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            proc = subprocess.run([METASYNC, "gc"], cwd=b, env=_env(), capture_output=True,
+                                  text=True, stdin=subprocess.DEVNULL)
+            if proc.returncode != 0 and "another metasync command" not in proc.stderr:
+                gc_failures.append(proc.stderr)
+            gc_outputs.append(proc.stdout)
+        stop.set()
+
+    runner = threading.Thread(target=gc_loop)
+    runner.start()
+    pushes = 0
+    try:
+        while not stop.is_set():
+            names = sorted(p.name for p in a.glob("f*.bin"))
+            action = rng.choice(["edit", "add", "delete", "recreate"])
+            if action == "delete" and len(names) > 2:
+                (a / rng.choice(names)).unlink()
+            elif action == "recreate":  # content an earlier version had: deduplicated
+                (a / f"f{rng.randrange(40)}.bin").write_bytes(rng.choice(pool))
+            else:
+                (a / f"f{rng.randrange(40)}.bin").write_bytes(rng.randbytes(rng.randint(100, 150_000)))
+            run_cli("push", "-m", f"push {pushes}", cwd=a)
+            check = run_cli("fsck", "--quick", cwd=a, check=False)
+            assert check.returncode == 0, check.stdout + check.stderr
+            pushes += 1
+    finally:
+        stop.set()
+        runner.join()
+    assert not gc_failures, gc_failures[:3]
+    collected = [o for o in gc_outputs if o.startswith("collected")]
+    assert pushes >= 5 and len(collected) >= 3, (pushes, gc_outputs[-5:])
+    assert run_cli("fsck", cwd=a).returncode == 0
+    clone = tmp_path / "clone"
+    run_cli("clone", f"dir:{backends[2]}", str(clone))
+    assert snapshot(clone) == snapshot(a)
+    run_cli("pull", cwd=b)
+    assert snapshot(b) == snapshot(a)
