@@ -173,22 +173,35 @@ passphrase_file_option = click.option(
 @click.option("--no-encrypt", is_flag=True, help="Store objects unencrypted (not recommended).")
 @click.option("--bft", is_flag=True,
               help="Tolerate backends that lie about their logs (needs 4+ backends: 3f+1).")
+@click.option("--erasure", default=None, metavar="K/N",
+              help="Store objects of 1 MiB or more as N fragments on N backends, any K of "
+                   "which rebuild them (e.g. 2/3: 1.5x storage, survives losing one backend).")
 @passphrase_file_option
 def init(directory: str, backends: tuple[str, ...], replicas: int | None, namespace: str,
-         no_encrypt: bool, bft: bool, passphrase_file: str | None) -> None:
+         no_encrypt: bool, bft: bool, erasure: str | None, passphrase_file: str | None) -> None:
     """Create a repository in DIRECTORY on the given backends."""
     if not backends:
         raise UsageError("give at least one --backend URI, e.g. --backend dir:/mnt/usb/sync")
-    r = replicas if replicas is not None else min(2, len(backends))
+    scheme = None
+    if erasure is not None:
+        from metasync.erasure import ErasureScheme
+
+        parsed = ErasureScheme.parse(erasure)
+        scheme = (parsed.k, parsed.n)
+    # Small objects of an erasure-coded repository are copied as often as it may
+    # lose backends plus one (N - K + 1), so both survive the same losses.
+    default_r = scheme[1] - scheme[0] + 1 if scheme else min(2, len(backends))
+    r = replicas if replicas is not None else min(default_r, len(backends))
     repo = Repository.init(
         directory, list(backends), replicas=r, namespace=namespace, encrypt=not no_encrypt,
-        byzantine=bft,
+        byzantine=bft, erasure=scheme,
         passphrase=None if no_encrypt else _passphrase_source(passphrase_file, confirm=True),
         reporter=_reporter(),
     )
     with repo:
+        layout = f"{r} replica(s)" + (f", erasure {erasure} from 1 MiB" if scheme else "")
         _say(f"Initialized metasync repository in {repo.root} on {len(backends)} backend(s), "
-             f"{r} replica(s), {'encrypted' if not no_encrypt else 'NOT encrypted'}")
+             f"{layout}, {'encrypted' if not no_encrypt else 'NOT encrypted'}")
 
 
 @cli.command()

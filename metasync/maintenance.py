@@ -27,6 +27,14 @@ from typing import TYPE_CHECKING
 from metasync.backends import Backend, public_uri
 from metasync.codec import Codec
 from metasync.consensus import HINT_KEY, encode_hint
+from metasync.erasure import (
+    ErasureScheme,
+    fragment_key,
+    header_length,
+    parse_fragment_key,
+    rebuild_fragment,
+    verify_fragment,
+)
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
@@ -38,7 +46,7 @@ from metasync.errors import (
 )
 from metasync.mapping import StableMapping, movement
 from metasync.objects import BackendSpec, Commit, Config, PackEntry, Version, is_object_id
-from metasync.store import mapping_of, object_key
+from metasync.store import fragment_mapping_of, mapping_of, object_key
 
 if TYPE_CHECKING:
     from metasync.repository import Repository
@@ -53,13 +61,20 @@ class Inventory:
     """Which backend holds a copy of which stored object, and its size."""
 
     copies: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Erasure-coded objects: stored id -> fragment index -> backend -> size.
+    fragments: dict[str, dict[int, dict[str, int]]] = field(default_factory=dict)
     #: Backends whose listing failed, with the reason.
     unreachable: dict[str, str] = field(default_factory=dict)
 
     def held_by(self, backend_id: str) -> tuple[int, int]:
-        """(objects, bytes) one backend holds."""
+        """(objects or fragments, bytes) one backend holds."""
         sizes = [c[backend_id] for c in self.copies.values() if backend_id in c]
+        sizes += [h[backend_id] for f in self.fragments.values() for h in f.values()
+                  if backend_id in h]
         return len(sizes), sum(sizes)
+
+    def stored_ids(self) -> set[str]:
+        return set(self.copies) | set(self.fragments)
 
 
 def parse_object_key(key: str) -> str | None:
@@ -89,6 +104,11 @@ def take_inventory(repo: Repository, backends: dict[str, Backend]) -> Inventory:
             stored_id = parse_object_key(key)
             if stored_id is not None:
                 inventory.copies.setdefault(stored_id, {})[backend_id] = size
+                continue
+            fragment = parse_fragment_key(key)
+            if fragment is not None:
+                by_index = inventory.fragments.setdefault(fragment[0], {})
+                by_index.setdefault(fragment[1], {})[backend_id] = size
     return inventory
 
 
@@ -157,10 +177,13 @@ def rebalance(
     sources = {**(extra or {}), **targets}
     inventory = take_inventory(repo, sources)
     mapping = mapping_of(config)
-    report = RebalanceReport(objects=len(inventory.copies), unreachable=dict(inventory.unreachable),
-                             stored_ids=set(inventory.copies))
+    report = RebalanceReport(objects=len(inventory.stored_ids()),
+                             unreachable=dict(inventory.unreachable),
+                             stored_ids=inventory.stored_ids())
     work = sorted(inventory.copies.items())
-    repo.reporter.start("rebalance", len(work))
+    coded = sorted(inventory.fragments.items())
+    fragment_map = fragment_mapping_of(config)
+    repo.reporter.start("rebalance", len(work) + len(coded))
     try:
         futures: list[Future[_ObjectOutcome]] = [
             repo.store.executor.submit(
@@ -168,6 +191,13 @@ def rebalance(
                 drop, verify_all, inventory.unreachable,
             )
             for stored_id, have in work
+        ]
+        futures += [
+            repo.store.executor.submit(
+                _place_fragments, repo, sources, fragment_map.locate(stored_id), stored_id,
+                held, drop, verify_all, inventory.unreachable, config,
+            )
+            for stored_id, held in coded
         ]
         for future in futures:
             outcome = future.result()
@@ -286,6 +316,110 @@ def _place_one(
             continue
         try:
             backends[backend_id].delete(key)
+            out.dropped += 1
+        except ObjectNotFound:
+            pass
+        except MetasyncError:
+            out.kept += 1
+    return out
+
+
+def _place_fragments(
+    repo: Repository,
+    backends: dict[str, Backend],
+    holders: tuple[str, ...],
+    stored_id: str,
+    held: dict[int, dict[str, int]],
+    drop: bool,
+    verify_all: bool,
+    unreachable: dict[str, str],
+    config: Config,
+) -> _ObjectOutcome:
+    """An erasure-coded object: each of its n holders must hold one fragment, all
+    of different indexes. A fragment stays where it is if that backend is still a
+    holder; a holder without one gets a missing index, copied if some other backend
+    has it, else rebuilt from any k good fragments. With ``drop``, fragments on
+    other backends (and second fragments on a holder) go once every holder's
+    fragment is verified."""
+    out = _ObjectOutcome(stored_id)
+    if config.erasure is None:
+        out.kept += sum(len(h) for h in held.values())
+        return out
+    scheme = ErasureScheme(*config.erasure)
+    hasher = repo.codec.hasher
+    good: dict[int, bytes] = {}
+    verified: dict[str, int] = {}  # backend -> the index it verifiably holds
+
+    def fetch(index: int, backend_id: str) -> bytes | None:
+        if backend_id in unreachable:
+            return None
+        try:
+            data = backends[backend_id].get(fragment_key(stored_id, index))
+            verify_fragment(hasher, stored_id, index, data)
+        except MetasyncError:
+            return None
+        good.setdefault(index, data)
+        return data
+
+    # Which index each holder keeps (its own position's if it has that one).
+    assigned: dict[str, int] = {}
+    for position, backend_id in enumerate(holders):
+        options = sorted(i for i, where in held.items() if backend_id in where)
+        options.sort(key=lambda i: i != position)
+        for index in options:
+            if index in assigned.values():
+                continue
+            if verify_all and fetch(index, backend_id) is None:
+                continue
+            assigned[backend_id] = index
+            if verify_all:
+                verified[backend_id] = index
+            break
+    missing = sorted(set(range(scheme.n)) - set(assigned.values()))
+    empty = [b for b in holders if b not in assigned and b not in unreachable]
+    for backend_id, index in zip(empty, missing, strict=False):
+        data = good.get(index)
+        if data is None:
+            for source in held.get(index, {}):
+                data = fetch(index, source)
+                if data is not None:
+                    break
+        if data is None:
+            for other, holding in sorted(held.items()):
+                if len(good) >= scheme.k:
+                    break
+                for b in holding:
+                    if fetch(other, b) is not None:
+                        break
+            try:
+                data = rebuild_fragment(hasher, scheme, stored_id, good, index)
+            except (CorruptObject, ObjectUnavailable):
+                out.lost = True
+                continue
+        try:
+            backends[backend_id].put(fragment_key(stored_id, index), data)
+        except MetasyncError:
+            continue
+        assigned[backend_id] = index
+        verified[backend_id] = index
+        out.copied += 1
+        out.bytes_copied += len(data)
+    if not drop:
+        return out
+    extras = [(i, b) for i, where in held.items() for b in where if assigned.get(b) != i]
+    if not extras:
+        return out
+    if len(assigned) < len(holders):
+        out.kept += len(extras)
+        return out
+    for backend_id, index in assigned.items():
+        if backend_id not in verified and fetch(index, backend_id) is None:
+            out.kept += len(extras)
+            return out
+        verified[backend_id] = index
+    for index, backend_id in extras:
+        try:
+            backends[backend_id].delete(fragment_key(stored_id, index))
             out.dropped += 1
         except ObjectNotFound:
             pass
@@ -520,8 +654,15 @@ def list_backends(repo: Repository, config: Config) -> BackendListing:
                                  mapping.vnodes(spec.id) / mapping.total_vnodes, objects, size, health))
     logical = sum(max(c.values()) for c in inventory.copies.values())
     stored = sum(sum(c.values()) for c in inventory.copies.values())
-    return BackendListing(infos, config.replicas, config.erasure, len(inventory.copies), logical,
-                          stored, bool(repo.db.get("rebalance_pending")))
+    k = config.erasure[0] if config.erasure else 1
+    header = header_length(config.erasure[1]) if config.erasure else 0
+    for by_index in inventory.fragments.values():
+        sizes = [max(where.values()) for where in by_index.values()]
+        # A fragment is a header and 1/k of the (padded) object.
+        logical += k * (max(sizes) - header)
+        stored += sum(sum(where.values()) for where in by_index.values())
+    return BackendListing(infos, config.replicas, config.erasure, len(inventory.stored_ids()),
+                          logical, stored, bool(repo.db.get("rebalance_pending")))
 
 
 # ============================================================== garbage collection
@@ -626,7 +767,7 @@ def collect_garbage(repo: Repository, now_ns: int | None = None) -> GcReport:
     with repo.reading_with(config):
         inventory = take_inventory(repo, backends)
         states = read_client_states(repo, backends)
-        report.objects = len(inventory.copies)
+        report.objects = len(inventory.stored_ids())
         history = _history(repo, latest.master)
         retained = {cid for cid, c in history.items()
                     if c.time_ns >= cutoff or cid == latest.master}
@@ -646,8 +787,18 @@ def collect_garbage(repo: Repository, now_ns: int | None = None) -> GcReport:
         commit_id = repo.codec.id_of("commit", commit_bytes)
         keep = (set(history) | kept_commits | live_indexes | set(live_packs) | states.pending
                 | {i for _, i, _ in indexes} | {commit_id})
-        garbage = {sid: held for sid, held in inventory.copies.items() if sid not in keep}
-        if not garbage:
+        garbage_keys: dict[str, dict[str, dict[str, int]]] = {}
+        for sid, held in inventory.copies.items():
+            if sid not in keep:
+                for b, size in held.items():
+                    garbage_keys.setdefault(sid, {}).setdefault(b, {})[object_key(sid)] = size
+        for sid, by_index in inventory.fragments.items():
+            if sid not in keep:
+                for index, where in by_index.items():
+                    for b, size in where.items():
+                        garbage_keys.setdefault(sid, {}).setdefault(b, {})[
+                            fragment_key(sid, index)] = size
+        if not garbage_keys:
             return report
         repo.upload_standalone([*indexes, ("commit", commit_id, commit_bytes)])
     new = replace(config, gc_epoch=config.gc_epoch + 1, gc_cutoff_ns=cutoff)
@@ -661,23 +812,24 @@ def collect_garbage(repo: Repository, now_ns: int | None = None) -> GcReport:
     consensus.publish(chosen)
     report.version = chosen
 
-    def delete(item: tuple[str, dict[str, int]]) -> tuple[int, int, int]:
-        stored_id, held = item
+    def delete(item: tuple[str, dict[str, dict[str, int]]]) -> tuple[int, int, int]:
+        _, held = item
         done = size = failed = 0
-        for backend_id, n in held.items():
-            try:
-                backends[backend_id].delete(object_key(stored_id))
-                done += 1
-                size += n
-            except ObjectNotFound:
-                pass
-            except MetasyncError:
-                failed += 1
+        for backend_id, keys in held.items():
+            for key, n in keys.items():
+                try:
+                    backends[backend_id].delete(key)
+                    done += 1
+                    size += n
+                except ObjectNotFound:
+                    pass
+                except MetasyncError:
+                    failed += 1
         return done, size, failed
 
-    repo.reporter.start("gc", len(garbage))
+    repo.reporter.start("gc", len(garbage_keys))
     try:
-        for done, size, failed in repo.store.executor.map(delete, sorted(garbage.items())):
+        for done, size, failed in repo.store.executor.map(delete, sorted(garbage_keys.items())):
             report.deleted += done
             report.bytes_deleted += size
             report.failed += failed

@@ -50,6 +50,7 @@ from metasync.mapping import StableMapping, vnode_unit
 from metasync.merge import Side, merge_trees, same_entry
 from metasync.objects import (
     FORMAT_VERSION,
+    MAX_FRAGMENTS,
     BackendSpec,
     Commit,
     Config,
@@ -99,6 +100,8 @@ MAX_MERGES = 50
 WRITE_BATCH = 2000
 #: Small files of one pack written by one worker task.
 JOB_FILES = 400
+#: Checks fsck starts over when a concurrent gc collects what it was checking.
+FSCK_ATTEMPTS = 5
 #: Most configuration changes one read follows (each costs a round trip or two).
 MAX_CONFIG_HOPS = 1000
 
@@ -380,6 +383,7 @@ class Repository:
         passphrase: PassphraseSource | None = None,
         capacities: list[float] | None = None,
         byzantine: bool = False,
+        erasure: tuple[int, int] | None = None,
         reporter: Reporter | None = None,
     ) -> Repository:
         """Create a repository in ``root`` on the given backends.
@@ -409,6 +413,13 @@ class Repository:
             raise UsageError(
                 f"--replicas {replicas} needs between 1 and {len(uris)} (the number of backends)"
             )
+        if erasure is not None:
+            k, n = erasure
+            if not 1 <= k < n <= min(len(uris), MAX_FRAGMENTS):
+                raise UsageError(
+                    f"--erasure {k}/{n} needs 1 <= K < N <= {min(len(uris), MAX_FRAGMENTS)} "
+                    f"(N fragments go to N different backends; {len(uris)} given)"
+                )
         if byzantine and len(uris) < 4:
             raise UsageError(f"--bft needs at least 4 backends (3f + 1); {len(uris)} given")
         if byzantine and not encrypt:
@@ -436,6 +447,7 @@ class Repository:
             acceptors=tuple(ids),
             vnode_unit=_unit_pair(vnode_unit([Fraction(repr(float(c))) for c in caps])),
             fault_model="byzantine" if byzantine else "crash",
+            erasure=erasure,
         )
         codec = Codec(key)
         config_bytes = config.to_bytes()
@@ -1219,6 +1231,7 @@ class Repository:
         with self.db.transaction():
             for name, value in self._base_settings(version).items():
                 self.db.set(name, value)
+            self.db.set("announced", [])  # all of it is reachable from master now
             for index_id in self.db.local_indexes():
                 self.db.set_index_state(index_id, "remote")
         self._adopt_config()
@@ -1239,16 +1252,16 @@ class Repository:
                 if not items:
                     continue
 
-                def done(stored_id: str, size: int, failures: dict[str, str]) -> None:
+                def done(stored_id: str, written: int, failures: dict[str, str]) -> None:
                     nonlocal total, count
                     with self.db.transaction():
                         for backend_id in failures:
                             self.db.add_missing_copy(stored_id, backend_id)
                         self.db.remove_outbox(stored_id)
                     (self.meta / "outbox" / stored_id).unlink(missing_ok=True)
-                    total += size * (self.config.replicas - len(failures))
+                    total += written
                     count += 1
-                    self.reporter.advance(size * self.config.replicas)
+                    self.reporter.advance(sizes[stored_id] * self.config.replicas)
                     crash_point("upload")
 
                 self.store.upload(items, done)
@@ -1285,10 +1298,18 @@ class Repository:
         announcement to garbage collection: written to a majority of the backends
         before the first upload (or the push fails), so a gc that lists an upload
         also reads its announcement and keeps it (docs/design.md, "Garbage
-        collection"). Without, best effort."""
-        state: dict[str, Any] = {"head": self.head, "prev": self.prev.to_json()}
+        collection"). Announced objects stay in the state until a push of this
+        client is decided. Without ``pending``, best effort."""
+        announced = set(self.db.get("announced", []))
         if pending:
-            state["pending"] = sorted(pending)
+            announced |= set(pending)
+            with self.db.transaction():
+                self.db.set("announced", sorted(announced))
+        state: dict[str, Any] = {"head": self.head, "prev": self.prev.to_json()}
+        if announced:
+            # Every object uploaded since the last decided push stays announced: a
+            # local commit not decided yet may still need it.
+            state["pending"] = sorted(announced)
         name = f"clients/{self.client_id}"
         data = self.codec.encode("client", name, json.dumps(state).encode())
 
@@ -2138,7 +2159,21 @@ class Repository:
         """Check every copy of every object reachable from master's history on every
         backend the latest configuration places it on: by downloading and verifying
         it, or with ``quick`` only that it is listed there. With ``repair``, re-create
-        each missing or corrupt copy from a good one and report what was fixed."""
+        each missing or corrupt copy from a good one and report what was fixed.
+
+        A gc that another client finishes meanwhile may collect versions this check
+        started from: then it starts again from the new latest version (a few times)
+        rather than report their objects as missing."""
+        for _ in range(FSCK_ATTEMPTS):
+            epoch = self.load_config(self.learn_latest().config).gc_epoch
+            report = self._fsck(quick=quick, repair=False)
+            if report.ok or self.load_config(self.learn_latest().config).gc_epoch == epoch:
+                break
+        if repair:
+            report = self._fsck(quick=quick, repair=True)
+        return report
+
+    def _fsck(self, *, quick: bool, repair: bool) -> FsckReport:
         report = FsckReport()
         latest = self.learn_latest()
         config = self.load_config(latest.config)
@@ -2146,9 +2181,18 @@ class Repository:
         mapping = mapping_of(config)
         with self.reading_with(config):
             standalone, packs = self._reachable(latest, config, report)
-        jobs = [(kind, oid, b) for kind, oid in standalone for b in mapping.locate(oid)]
-        jobs += [("pack", p, b) for p in sorted(packs) for b in mapping.locate(p)]
         report.objects = len(standalone) + len(packs)
+        coded: dict[str, dict[int, dict[str, int]]] = {}
+        if config.erasure is not None:
+            from metasync.maintenance import take_inventory
+
+            fragments = take_inventory(self, backends).fragments
+            wanted = {oid for _, oid in standalone} | packs
+            coded = {oid: held for oid, held in fragments.items() if oid in wanted}
+            self._check_fragments(config, backends, coded, quick, report)
+        jobs = [(kind, oid, b) for kind, oid in standalone if oid not in coded
+                for b in mapping.locate(oid)]
+        jobs += [("pack", p, b) for p in sorted(packs) if p not in coded for b in mapping.locate(p)]
         if quick:
             listed = self._listed(backends, report)
             for kind, oid, b in jobs:
@@ -2168,7 +2212,64 @@ class Repository:
                 self.reporter.finish()
         if repair:
             self._repair(report, backends)
+            if coded:
+                self._repair_fragments(config, backends, coded, report)
         return report
+
+    def _check_fragments(
+        self, config: Config, backends: dict[str, Backend],
+        coded: dict[str, dict[int, dict[str, int]]], quick: bool, report: FsckReport,
+    ) -> None:
+        """Each of an erasure-coded object's n holders must hold a fragment of its
+        own index (verified unless ``quick``)."""
+        from metasync.erasure import fragment_key, verify_fragment
+        from metasync.store import fragment_mapping_of
+
+        holders_of = fragment_mapping_of(config)
+
+        def check(item: tuple[str, dict[int, dict[str, int]]]) -> list[FsckProblem]:
+            oid, held = item
+            problems: list[FsckProblem] = []
+            seen: set[int] = set()
+            for backend_id in holders_of.locate(oid):
+                mine = sorted(i for i, where in held.items() if backend_id in where and i not in seen)
+                if not mine:
+                    problems.append(FsckProblem(backend_id, "fragment", oid, "missing"))
+                    continue
+                seen.add(mine[0])
+                if quick:
+                    continue
+                try:
+                    data = backends[backend_id].get(fragment_key(oid, mine[0]))
+                    verify_fragment(self.codec.hasher, oid, mine[0], data)
+                except ObjectNotFound:
+                    problems.append(FsckProblem(backend_id, "fragment", oid, "missing"))
+                except CorruptObject:
+                    problems.append(FsckProblem(backend_id, "fragment", oid, "corrupt"))
+                except BackendError as exc:
+                    problems.append(FsckProblem(backend_id, "fragment", oid, f"unreadable: {exc}"))
+            return problems
+
+        for problems in self.store.executor.map(check, sorted(coded.items())):
+            report.checked_copies += holders_of.replicas
+            report.problems += problems
+
+    def _repair_fragments(
+        self, config: Config, backends: dict[str, Backend],
+        coded: dict[str, dict[int, dict[str, int]]], report: FsckReport,
+    ) -> None:
+        """Re-create missing or corrupt fragments from any k good ones."""
+        from metasync.maintenance import _place_fragments
+        from metasync.store import fragment_mapping_of
+
+        holders_of = fragment_mapping_of(config)
+        broken = {p.object_id for p in report.problems if p.kind == "fragment"}
+        for oid in sorted(broken):
+            outcome = _place_fragments(self, backends, holders_of.locate(oid), oid, coded[oid],
+                                       False, True, {}, config)
+            if not outcome.lost:
+                report.repaired += [p for p in report.problems
+                                    if p.object_id == oid and p.kind == "fragment"]
 
     def _listed(self, backends: dict[str, Backend], report: FsckReport) -> dict[str, set[str]]:
         """The object keys each reachable backend lists (an unreachable one is a problem)."""

@@ -26,6 +26,18 @@ from typing import BinaryIO
 
 from metasync.backends import Backend
 from metasync.codec import Codec
+from metasync.erasure import (
+    ErasureScheme,
+    FragmentHeader,
+    decode_fragments,
+    encode_fragments,
+    fragment_key,
+    header_length,
+    stored_bytes,
+    systematic_ranges,
+    use_erasure,
+    verify_header,
+)
 from metasync.errors import BackendError, CorruptObject, MetasyncError, ObjectUnavailable
 from metasync.mapping import StableMapping
 from metasync.objects import Config, PackEntry
@@ -126,6 +138,85 @@ class RemoteStore:
         self.config = config
         self.backends = backends
         self.mapping = mapping_of(config)
+        self.scheme = ErasureScheme(*config.erasure) if config.erasure else None
+        #: Where an erasure-coded object's fragments go: fragment j on the j-th.
+        self.fragment_mapping = fragment_mapping_of(config)
+        #: Pack layouts learned from fragment headers (None: stored whole).
+        self._layouts: dict[str, FragmentHeader | None] = {}
+
+    def coded(self, size: int) -> bool:
+        """True if an object of ``size`` stored bytes is erasure-coded."""
+        return use_erasure(self.scheme, size, self.config.erasure_threshold)
+
+    def _put_fragments(self, stored_id: str, data: bytes) -> dict[str, str]:
+        """Write fragment j of ``data`` to the j-th fragment holder; return failures."""
+        assert self.scheme is not None
+        fragments = encode_fragments(self.codec.hasher, self.scheme, stored_id, data)
+        failures: dict[str, str] = {}
+        holders = self.fragment_mapping.locate(stored_id)
+        for index, (backend_id, fragment) in enumerate(zip(holders, fragments, strict=True)):
+            reason = self.put_copy(backend_id, stored_id, fragment, fragment_key(stored_id, index))
+            if reason is not None:
+                failures[backend_id] = reason
+        return failures
+
+    def fragment_order(self, stored_id: str, index: int) -> list[str]:
+        """Where to look for fragment ``index``: its holder first, then the others."""
+        holders = self.fragment_mapping.locate(stored_id)
+        first = [holders[index]] if index < len(holders) else []
+        return first + [b for b in self.read_order(stored_id, SMALL_READ) if b not in first]
+
+    def get_fragment(self, stored_id: str, index: int, *, whole: bool = True) -> bytes | None:
+        """Fragment ``index`` (or only its header), from the first backend that has it."""
+        assert self.scheme is not None
+        key = fragment_key(stored_id, index)
+        for backend_id in self.fragment_order(stored_id, index):
+            try:
+                with self.measured(backend_id, SMALL_READ):
+                    backend = self._backend(backend_id)
+                    if whole:
+                        return backend.get(key)
+                    return backend.get_range(key, 0, header_length(self.scheme.n))
+            except BackendError:
+                continue
+        return None
+
+    def decode_coded(self, stored_id: str, check: Callable[[bytes], object]) -> bytes:
+        """The stored bytes of an erasure-coded object, from any k good fragments
+        (data fragments first: they need no decoding arithmetic)."""
+        assert self.scheme is not None
+        fragments: dict[int, bytes] = {}
+        for index in range(self.scheme.n):
+            if len(fragments) >= self.scheme.k:
+                try:
+                    return decode_fragments(self.codec.hasher, stored_id, fragments,
+                                            scheme=self.scheme, check=check)
+                except (CorruptObject, ObjectUnavailable):
+                    pass  # a bad fragment among them: fetch more
+            data = self.get_fragment(stored_id, index)
+            if data is not None:
+                fragments[index] = data
+        return decode_fragments(self.codec.hasher, stored_id, fragments, scheme=self.scheme,
+                                check=check)
+
+    def layout(self, pack_id: str) -> FragmentHeader | None:
+        """The fragment layout of a pack, or None if it is stored whole."""
+        if self.scheme is None:
+            return None
+        if pack_id in self._layouts:
+            return self._layouts[pack_id]
+        found: FragmentHeader | None = None
+        for index in range(self.scheme.n):
+            head = self.get_fragment(pack_id, index, whole=False)
+            if head is None:
+                continue
+            try:
+                found = verify_header(self.codec.hasher, pack_id, index, head)
+                break
+            except CorruptObject:
+                continue
+        self._layouts[pack_id] = found
+        return found
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
@@ -178,12 +269,14 @@ class RemoteStore:
         return self.backends[backend_id]
 
     # --- writes -------------------------------------------------------------------
-    def put_copy(self, backend_id: str, stored_id: str, data: bytes | BinaryIO) -> str | None:
-        """Write one copy (a stream is read from its current position, in pieces);
-        return None on success or the reason it failed."""
+    def put_copy(
+        self, backend_id: str, stored_id: str, data: bytes | BinaryIO, key: str | None = None
+    ) -> str | None:
+        """Write one copy (a stream is read from its current position, in pieces) at
+        ``key`` (default: the object's own key); return None or why it failed."""
         start = 0 if isinstance(data, bytes) else data.tell()
         try:
-            self._backend(backend_id).put(object_key(stored_id), data)
+            self._backend(backend_id).put(key or object_key(stored_id), data)
         except MetasyncError as exc:
             self.down.setdefault(backend_id, str(exc))
             return str(exc)
@@ -198,9 +291,10 @@ class RemoteStore:
         """Upload every ``(stored_id, open)`` to all its holders, many at once;
         ``open()`` returns a fresh readable, seekable stream of the stored bytes.
 
-        ``on_done(stored_id, size, failures)`` runs in the caller's thread as each
-        object reaches at least one holder; ``failures`` maps backend id to reason
-        for the holders it did not reach. The copies of one object are written one
+        ``on_done(stored_id, written, failures)`` runs in the caller's thread as each
+        object reaches enough holders (one, or k fragment holders); ``written`` is
+        the bytes stored on backends, ``failures`` maps backend id to reason for the
+        holders it did not reach. The copies of one object are written one
         after another; different objects (and so different backends) in parallel. Raises
         :class:`ObjectUnavailable` if some object reached no backend at all.
         """
@@ -211,7 +305,12 @@ class RemoteStore:
             # Streamed from the source for each copy: memory stays at a few pieces
             # per worker however large the object.
             with open_() as stream:
-                for backend_id in self.mapping.locate(stored_id):
+                size = stream.seek(0, 2)
+                if self.coded(size):
+                    stream.seek(0)
+                    return stored_id, size, self._put_fragments(stored_id, stream.read())
+                holders = self.mapping.locate(stored_id)
+                for backend_id in holders:
                     stream.seek(0)
                     reason = self.put_copy(backend_id, stored_id, stream)
                     if reason is not None:
@@ -228,10 +327,16 @@ class RemoteStore:
             except BaseException as exc:  # keep draining so no task is left running
                 first_error = first_error or exc
                 continue
-            if len(failures) == len(self.mapping.locate(stored_id)):
+            if self.scheme is not None and self.coded(size):
+                needed, total = self.scheme.k, self.scheme.n
+                written = stored_bytes(self.scheme, size) // total * (total - len(failures))
+            else:
+                needed, total = 1, len(self.mapping.locate(stored_id))
+                written = size * (total - len(failures))
+            if total - len(failures) < needed:
                 unplaced.append(stored_id)  # not reported done: it stays queued
                 continue
-            on_done(stored_id, size, failures)
+            on_done(stored_id, written, failures)
         if first_error is not None:
             raise first_error
         if unplaced:
@@ -243,7 +348,8 @@ class RemoteStore:
 
     # --- reads --------------------------------------------------------------------
     def get_standalone(self, kind: str, object_id: str) -> bytes:
-        """Plaintext of a standalone object, from the best backend with a good copy."""
+        """Plaintext of a standalone object, from the best backend with a good copy
+        (or, in an erasure-coded repository, from its fragments)."""
         reasons: list[str] = []
         for backend_id in self.read_order(object_id, SMALL_READ):
             try:
@@ -256,6 +362,12 @@ class RemoteStore:
                 reasons.append(f"{backend_id}: {exc}")
             except BackendError as exc:
                 reasons.append(f"{backend_id}: {exc}")
+        if self.scheme is not None:
+            try:
+                stored = self.decode_coded(object_id, lambda b: self.codec.decode(kind, object_id, b))
+                return self.codec.decode(kind, object_id, stored)
+            except (CorruptObject, ObjectUnavailable) as exc:
+                reasons.append(str(exc))
         raise ObjectUnavailable(f"no good copy of {kind} {object_id[:12]} ({'; '.join(reasons[-3:])})")
 
     def _read_local(
@@ -290,6 +402,9 @@ class RemoteStore:
         reasons: list[str] = []
         if self.local is not None:
             wanted = self._read_local(pack_id, wanted, result)
+        layout = self.layout(pack_id) if wanted else None
+        if layout is not None:
+            return self._read_coded(pack_id, layout, wanted, result)
         for run in _coalesce(wanted):
             pending = run
             size = run[-1].offset + run[-1].length - run[0].offset
@@ -303,6 +418,53 @@ class RemoteStore:
                     f"no good copy of {len(pending)} object(s) in pack {pack_id[:12]} ({detail})"
                 )
         return result
+
+    def _read_coded(
+        self, pack_id: str, layout: FragmentHeader, wanted: list[PackEntry],
+        result: dict[str, bytes],
+    ) -> dict[str, bytes]:
+        """Entries of an erasure-coded pack: range reads from its data fragments;
+        anything missing or bad there is taken from the pack rebuilt from any k."""
+        still: list[PackEntry] = []
+        for run in _coalesce(wanted):
+            start = run[0].offset
+            end = run[-1].offset + run[-1].length
+            try:
+                pieces = []
+                for index, offset, length in systematic_ranges(layout, start, end - start):
+                    piece = self._range_of_fragment(pack_id, index, offset, length)
+                    if piece is None:
+                        raise ObjectUnavailable(f"fragment {index} of {pack_id[:12]} is missing")
+                    pieces.append(piece)
+                data = b"".join(pieces)
+            except (ObjectUnavailable, CorruptObject):
+                still.extend(run)
+                continue
+            for entry in run:
+                piece = data[entry.offset - start : entry.offset - start + entry.length]
+                try:
+                    result[entry.object_id] = self.codec.decode(entry.kind, entry.object_id, piece)
+                except CorruptObject:
+                    self.stats.corrupt_copies += 1
+                    still.append(entry)
+        if still:
+            whole = self.decode_coded(pack_id, lambda b: self.codec.check_pack(pack_id, b))
+            for entry in still:
+                piece = whole[entry.offset : entry.offset + entry.length]
+                result[entry.object_id] = self.codec.decode(entry.kind, entry.object_id, piece)
+        return result
+
+    def _range_of_fragment(self, pack_id: str, index: int, offset: int, length: int) -> bytes | None:
+        key = fragment_key(pack_id, index)
+        for backend_id in self.fragment_order(pack_id, index):
+            try:
+                with self.measured(backend_id, length):
+                    data = self._backend(backend_id).get_range(key, offset, length)
+                self.stats.add_get(len(data))
+                return data
+            except BackendError:
+                continue
+        return None
 
     def _read_run(
         self, backend_id: str, pack_id: str, run: list[PackEntry], result: dict[str, bytes],
@@ -335,10 +497,24 @@ class RemoteStore:
 
 
 def mapping_of(config: Config) -> StableMapping:
-    """The stable mapping a configuration defines."""
+    """The stable mapping a configuration defines (R copies of whole objects)."""
     return StableMapping(
         [(b.id, b.capacity) for b in config.backends],
         config.replicas,
+        config.partitions,
+        Fraction(*config.vnode_unit),
+    )
+
+
+def fragment_mapping_of(config: Config) -> StableMapping:
+    """Where the n fragments of an erasure-coded object go: the first n distinct
+    backends of the same stable order (so whole copies of small objects, on the
+    first R, sit on a prefix of them). Replication only: the plain mapping."""
+    if config.erasure is None:
+        return mapping_of(config)
+    return StableMapping(
+        [(b.id, b.capacity) for b in config.backends],
+        config.erasure[1],
         config.partitions,
         Fraction(*config.vnode_unit),
     )
