@@ -773,7 +773,8 @@ def collect_garbage(repo: Repository, now_ns: int | None = None) -> GcReport:
                     if c.time_ns >= cutoff or cid == latest.master}
         retained |= {cid for _, cid in config.snapshots}
         retained |= states.heads | states.prev_masters
-        live_packs, live_indexes, kept_commits = _live(repo, retained, config)
+        live_packs, live_indexes, kept_commits = _live(
+            repo, retained, config, required={latest.master, *(c for _, c in config.snapshots)})
         report.pruned_commits = sum(
             1 for cid, c in history.items() if cid not in kept_commits and c.time_ns >= config.gc_cutoff_ns)
         master = history[latest.master]
@@ -854,7 +855,7 @@ def _history(repo: Repository, master: str) -> dict[str, Commit]:
 
 
 def _live(
-    repo: Repository, retained: set[str], config: Config
+    repo: Repository, retained: set[str], config: Config, required: set[str]
 ) -> tuple[dict[str, dict[str, PackEntry]], set[str], set[str]]:
     """Live pack entries by pack, live index ids, and the retained commits whose
     content could be read (a commit pruned by an earlier gc is only a name now).
@@ -881,7 +882,11 @@ def _live(
             commit = repo.load_commit(cid)
             objects = repo.reachable_objects(commit)
             located = [index_map(i) for i in commit.indexes]
-        except ObjectUnavailable:
+        except ObjectUnavailable as exc:
+            if cid in required:  # master or a snapshot must be whole: stop, delete nothing
+                raise ObjectUnavailable(
+                    f"cannot read all of version {cid[:12]} ({exc}); run `metasync fsck`; "
+                    "gc deleted nothing") from None
             continue  # an unpushed head, or a version an earlier gc already collected
         kept.add(cid)
         indexes.update(commit.indexes)
