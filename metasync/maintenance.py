@@ -236,43 +236,33 @@ def _place_one(
     """Copy one object to the holders missing it, then drop extra copies (numcopies)."""
     out = _ObjectOutcome(stored_id)
     key = object_key(stored_id)
-    good: bytes | None = None
     verified: set[str] = set()
     bad: set[str] = set()
 
-    def read_good() -> bytes | None:
-        """A verified copy, from the best backend that has one."""
-        order = sorted(have, key=lambda b: (b in bad, b in verified, b not in holders))
-        for backend_id in order:
-            if backend_id in bad or backend_id in unreachable:
-                continue
-            try:
-                data = backends[backend_id].get(key)
-                verify_stored(repo.codec, stored_id, data)
-            except ObjectNotFound:
-                bad.add(backend_id)
-                continue
-            except MetasyncError:
-                bad.add(backend_id)
-                continue
-            verified.add(backend_id)
-            return data
-        return None
+    def verify_at(backend_id: str) -> bytes | None:
+        """The copy on ``backend_id`` if it is good (and remember which it was)."""
+        if backend_id in unreachable or backend_id in bad:
+            return None
+        try:
+            data = backends[backend_id].get(key)
+            verify_stored(repo.codec, stored_id, data)
+        except MetasyncError:
+            bad.add(backend_id)
+            return None
+        verified.add(backend_id)
+        return data
 
+    good: bytes | None = None
     if verify_all:
         for backend_id in sorted(have):
-            if backend_id in unreachable:
-                continue
-            try:
-                data = backends[backend_id].get(key)
-                verify_stored(repo.codec, stored_id, data)
-                verified.add(backend_id)
-                good = good or data
-            except MetasyncError:
-                bad.add(backend_id)
+            good = verify_at(backend_id) or good
     missing = [h for h in holders if (h not in have or h in bad) and h not in unreachable]
     if missing:
-        good = good or read_good()
+        # A verified copy, from the best backend that has one (holders first).
+        for backend_id in sorted(have, key=lambda b: (b in verified, b not in holders)):
+            if good is not None:
+                break
+            good = verify_at(backend_id)
         if good is None:
             out.lost = True
             return out
@@ -290,24 +280,12 @@ def _place_one(
     extras = [b for b in have if b not in holders]
     if not extras:
         return out
-    needed = len(holders)  # R
-    present = [h for h in holders if h in verified or (h in have and h not in bad)]
-    if len(present) < len(holders):
-        out.kept += len(extras)
-        return out
-    # numcopies: R copies verified by content before any extra copy goes.
-    for h in present:
-        if len([v for v in verified if v in holders]) >= needed:
-            break
-        if h in verified:
-            continue
-        try:
-            data = backends[h].get(key)
-            verify_stored(repo.codec, stored_id, data)
-            verified.add(h)
-        except MetasyncError:
-            bad.add(h)
-    if len([v for v in verified if v in holders]) < needed:
+    # numcopies: every holder has it, and all R of those copies are verified by
+    # content, before any extra copy goes.
+    for h in holders:
+        if h not in verified:
+            verify_at(h)
+    if not all(h in verified for h in holders):
         out.kept += len(extras)
         return out
     for backend_id in extras:
