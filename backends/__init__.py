@@ -46,6 +46,7 @@ BUILTIN_SCHEMES: dict[str, str] = {
     "webdav": "webdav",
     "webdavs": "webdav",
     "rclone": "rclone",
+    "dropbox": "dropbox",
 }
 
 
