@@ -335,7 +335,7 @@ class ClickAuthUI:
             return False
 
     def prompt(self, text: str) -> str:
-        click.echo(text, nl=False)
+        click.echo(text, nl=False, err=True)
         line = sys.stdin.readline()
         if not line:
             raise UsageError("no answer on standard input; sign-in cancelled")

@@ -274,7 +274,8 @@ THROTTLE = "429"  # 429 with a Retry-After
 THROTTLE_NO_RETRY_AFTER = "429-no-retry-after"
 UNAVAILABLE = "503"  # 503 with a Retry-After
 SERVER_ERROR = "500"
-RESET = "reset"  # close the connection without answering
+RESET = "reset"  # close the connection without answering (nothing done)
+LOST_ANSWER = "lost-answer"  # do the request, then close the connection unanswered
 GENERIC_FAULTS = (THROTTLE, THROTTLE_NO_RETRY_AFTER, UNAVAILABLE, SERVER_ERROR)
 
 
@@ -353,6 +354,8 @@ class _Token:
     account: str
     client_id: str
     expires_at: float
+    #: The refresh token whose grant this access token belongs to.
+    grant: str = ""
 
 
 class OAuth2Server:
@@ -412,9 +415,11 @@ class OAuth2Server:
         if secret is not None and not pkce and form.get("client_secret") != secret:
             raise OAuthError("invalid_client", 401, "bad client secret")
 
-    def _issue(self, account: str, client_id: str) -> dict[str, Any]:
+    def _issue(self, account: str, client_id: str, grant: str) -> dict[str, Any]:
         access = "sl." + secrets.token_urlsafe(32)
-        self._access[access] = _Token(account, client_id, self.clock() + self.access_lifetime)
+        self._access[access] = _Token(
+            account, client_id, self.clock() + self.access_lifetime, grant
+        )
         return {
             "access_token": access,
             "token_type": "bearer",
@@ -443,8 +448,8 @@ class OAuth2Server:
                 self._check_client(form, client_id, pkce=challenge is not None)
                 if redirect_uri is not None and form.get("redirect_uri") != redirect_uri:
                     raise OAuthError("invalid_grant", 400, "redirect_uri mismatch")
-                answer = self._issue(self.account, client_id)
                 refresh = secrets.token_urlsafe(32)
+                answer = self._issue(self.account, client_id, refresh)
                 self._refresh[refresh] = (self.account, client_id)
                 answer["refresh_token"] = refresh
                 if scope:
@@ -459,12 +464,17 @@ class OAuth2Server:
                 if form.get("client_id") != client_id:
                     raise OAuthError("invalid_client", 401)
                 self._check_client(form, client_id, pkce=self.clients[client_id] is None)
-                answer = self._issue(account, client_id)
                 if self.rotate_refresh_tokens:
                     del self._refresh[refresh]
                     new = secrets.token_urlsafe(32)
                     self._refresh[new] = owner
+                    for entry in self._access.values():
+                        if entry.grant == refresh:
+                            entry.grant = new
+                    answer = self._issue(account, client_id, new)
                     answer["refresh_token"] = new
+                else:
+                    answer = self._issue(account, client_id, refresh)
                 self.refreshes += 1
                 return answer
         raise OAuthError("unsupported_grant_type")
@@ -486,9 +496,8 @@ class OAuth2Server:
         """Revoke an access token, or a refresh token and every access token it made."""
         with self._lock:
             self._access.pop(token, None)
-            owner = self._refresh.pop(token, None)
-            if owner is not None:
-                for access in [t for t, e in self._access.items() if e.client_id == owner[1]]:
+            if self._refresh.pop(token, None) is not None:
+                for access in [t for t, e in self._access.items() if e.grant == token]:
                     del self._access[access]
 
     def revoke_all(self) -> None:
@@ -601,6 +610,12 @@ class Emulator:
             if match and method == handler.command:
                 request = Request(handler, match)
                 fault = self.faults.take(handler.command, path)
+                if fault == LOST_ANSWER:
+                    try:
+                        fn(request)  # it takes effect; the client never hears of it
+                    finally:
+                        request.drain()
+                    return None
                 if fault is not None:
                     request.drain()
                     return self.render_fault(fault, request)
@@ -629,7 +644,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (ConnectionError, ssl.SSLError, TimeoutError):
             self.close_connection = True
             return
-        if response is None:  # a RESET fault: drop the connection unanswered
+        if response is None:  # RESET or LOST_ANSWER: drop the connection unanswered
             self.close_connection = True
             with contextlib.suppress(OSError):
                 self.connection.setsockopt(
@@ -816,6 +831,7 @@ def environment_for(provider: str, server: EmulatorServer) -> dict[str, str]:
 
 __all__ = [
     "GENERIC_FAULTS",
+    "LOST_ANSWER",
     "RESET",
     "SERVER_ERROR",
     "THROTTLE",

@@ -82,7 +82,7 @@ BLOCK = 4 * 1024 * 1024
 KEEP_REVISIONS = 10
 #: The app key of the test app (a public PKCE client, as `metasync auth` uses).
 TEST_APP_KEY = "metasync-test-app"
-TEST_ACCOUNT_ID = "dbid:AAemulatedUser0000000000000000000000"
+TEST_ACCOUNT_ID = "dbid:AAemulatedUser00000000000000000000000"[:40]
 TEST_EMAIL = "tester@example.com"
 _DISALLOWED = {"desktop.ini", "thumbs.db", ".ds_store", "icon\r", ".dropbox", ".dropbox.attr"}
 
