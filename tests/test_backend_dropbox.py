@@ -28,6 +28,7 @@ from metasync.backends.retry import TransientError
 from metasync.errors import AuthorizationRequired, ObjectNotFound, UsageError
 from tests.emulators.base import LOST_ANSWER, RESET, THROTTLE, EmulatorFaults
 from tests.emulators.dropbox import (
+    DROPBOX_FAULTS,
     TEST_EMAIL,
     TOO_MANY_WRITE_OPERATIONS,
     WRITE_CONFLICT_THROTTLE,
@@ -377,6 +378,43 @@ def test_share_invites_on_dropbox_and_lists_the_rest(
     assert node.shared_folder_id is not None
     assert dropbox_service.emulator.members[node.shared_folder_id] == {"friend@example.com"}
     assert PASSPHRASE  # the repository is encrypted like any other
+
+
+def test_repository_over_a_throttling_dropbox(
+    dropbox_service: DropboxService, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """init, push, clone (from Dropbox), edit, push, pull over dropbox: + two dir:
+    backends (R=2) while Dropbox answers a seeded 35% of requests with 429s
+    (with and without Retry-After), too_many_write_operations, 503 and 500: every
+    command succeeds (8 attempts per request, as a user on a throttled account would
+    set METASYNC_RETRY_ATTEMPTS), the clones match, and fsck passes."""
+    monkeypatch.setenv("METASYNC_RETRY_ATTEMPTS", "8")
+    from conftest import make_tree, snapshot
+
+    dirs = [tmp_path / "d0", tmp_path / "d1"]
+    for d in dirs:
+        d.mkdir()
+    uri = _location(dropbox_service, f"/e2e-{uuid.uuid4().hex[:6]}")
+    src = tmp_path / "src"
+    make_tree(src, small_files=60)
+    faults = dropbox_service.emulator.faults
+    before = faults.injected
+    faults.schedule(0.35, seed=8, kinds=DROPBOX_FAULTS)
+    try:
+        run_cli("init", str(src), "--replicas", "2", "--backend", uri,
+                "--backend", f"dir:{dirs[0]}", "--backend", f"dir:{dirs[1]}")
+        run_cli("push", "-m", "first", cwd=src)
+        clone = tmp_path / "clone"
+        run_cli("clone", uri, str(clone))
+        assert snapshot(clone) == snapshot(src)
+        (clone / "edited.txt").write_text("from the clone\n")
+        run_cli("push", "-m", "edit", cwd=clone)
+        run_cli("pull", cwd=src)
+        assert snapshot(src) == snapshot(clone)
+    finally:
+        faults.clear()
+    run_cli("fsck", cwd=src)
+    assert faults.injected - before >= 15, "Dropbox did not throttle"
 
 
 # --- live tests (real Dropbox; `pytest --live`) ------------------------------------------------
