@@ -168,10 +168,6 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-class _Conflict(Exception):
-    """A conditional write found the path taken or changed (nothing was written)."""
-
-
 def _sdk_hosts(base_url: str | None) -> dict[str, str] | None:
     """The SDK's host map for an API base URL (None: the real hosts). The SDK speaks
     only ``https://{host}/2/...``, so the base must be https."""
@@ -204,12 +200,28 @@ def pin_ca(session: Any, ca_file: str | None) -> Any:
     return session
 
 
+class _TokenRejected(Exception):
+    """The SDK met an expired access token and wanted to refresh it itself."""
+
+
+def _client_class() -> type:
+    import dropbox
+
+    class Client(dropbox.Dropbox):
+        """The SDK client, minus its own token refresh: the TokenSource refreshes (and
+        saves) grants; the SDK never holds a refresh token. Without this the SDK logs
+        a warning and sends the request a second time before giving up."""
+
+        def refresh_access_token(self, host: Any = None, scope: Any = None) -> None:
+            raise _TokenRejected()
+
+    return Client
+
+
 def _make_client(
     token: str, session: Any, timeout: float, hosts: dict[str, str] | None
 ) -> Any:
-    import dropbox
-
-    client = dropbox.Dropbox(
+    client = _client_class()(
         oauth2_access_token=token,
         # One attempt each: ``retrying`` retries, knowing which writes are conditional.
         max_retries_on_error=0,
@@ -392,8 +404,10 @@ class DropboxBackend(ObjectStoreLogs):
         with self._slots:
             try:
                 return fn(client)
-            except (BackendError, _Conflict):
+            except BackendError:
                 raise
+            except _TokenRejected:
+                raise self.tokens.rejected(token, "expired_access_token") from None
             except Exception as exc:
                 translated = self._translate(exc, key, action, token)
                 if translated is exc:
@@ -537,7 +551,8 @@ class DropboxBackend(ObjectStoreLogs):
             if len(body) <= SINGLE_UPLOAD_LIMIT:
                 self._upload(key, body, mode, _content_hash(body))
                 return
-            self._upload_session(key, path, body[:CHUNK_SIZE], io.BytesIO(body[CHUNK_SIZE:]), mode)
+            stream = io.BytesIO(body)
+            self._upload_session(key, path, stream.read(CHUNK_SIZE), stream, mode)
             return
         first = _read_full(data, CHUNK_SIZE)
         if len(first) < CHUNK_SIZE:
