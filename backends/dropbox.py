@@ -34,7 +34,9 @@ from __future__ import annotations
 import builtins
 import contextlib
 import datetime
+import hashlib
 import io
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -47,7 +49,9 @@ from metasync.backends.cloud import (
     AuthRequest,
     AuthUI,
     Grant,
+    PendingUpload,
     TokenSource,
+    UploadJournal,
     auth_hint,
     check_account,
     endpoint,
@@ -65,6 +69,8 @@ from metasync.errors import (
 )
 
 T = TypeVar("T")
+
+log = logging.getLogger("metasync.backends")
 
 #: Streams are read and uploaded in pieces of this size (a multiple of 4 MiB, as
 #: Dropbox asks of upload-session appends).
@@ -107,6 +113,19 @@ def _parse_uri(uri: str) -> tuple[str, dict[str, str]]:
         if part in (".", "..") or part.strip() != part or "\\" in part:
             raise UsageError(f"invalid folder name {part!r} in {uri!r}")
     return ("/" + "/".join(parts)) if parts else "", options
+
+
+class _NoJournal(UploadJournal):
+    """No journal: for sources that cannot be re-read from the start."""
+
+    def __init__(self) -> None:
+        self._fd = None
+
+    def pending(self, now: float | None = None) -> PendingUpload | None:
+        return None
+
+
+_NO_JOURNAL = _NoJournal()
 
 
 def _tags(value: Any) -> builtins.list[str]:
@@ -568,41 +587,114 @@ class DropboxBackend(ObjectStoreLogs):
         Each append is resent on its own after a failure; a resend that Dropbox
         answers with ``incorrect_offset`` tells whether the earlier attempt arrived
         (``correct_offset`` past the piece: it did). The committed file's content hash
-        must equal the one computed while streaming."""
+        must equal the one computed while streaming.
+
+        A seekable source (every object metasync pushes comes from a file) is also
+        journaled (:class:`UploadJournal`): a later ``put`` of the same key after an
+        interruption — the source failing, retries running out, the process killed —
+        re-reads and checks (SHA-256) the part Dropbox already has and continues the
+        same session instead of sending it again; a changed source or an expired
+        session starts over."""
         import dropbox.exceptions as dexc
         import dropbox.files as df
         from dropbox.content_hash import DropboxContentHasher
 
-        hasher = DropboxContentHasher()
+        try:
+            start: int | None = rest.tell() - len(first) if rest.seekable() else None
+        except (AttributeError, OSError, ValueError):
+            start = None
+        target = f"{self._base_url or DROPBOX_API}|{self.account}|{path.lower()}"
+        with UploadJournal("dropbox", target) as journal:
+            if start is None:
+                journal = _NO_JOURNAL
+            resumed = self._resume(key, journal, first, rest, cast(int, start))
+            if resumed is None:
+                if start is not None and rest.tell() != start + len(first):
+                    rest.seek(start)
+                    first = _read_full(rest, CHUNK_SIZE)
+                hasher, sha = DropboxContentHasher(), hashlib.sha256()
+                hasher.update(first)
+                sha.update(first)
+                session_id: str = self._call(
+                    key, "start upload of", lambda c: c.files_upload_session_start(first).session_id
+                )
+                offset = len(first)
+                started = time.time()
+                journal.record(PendingUpload(session_id, offset, sha.hexdigest(), started))
+            else:
+                session_id, offset, hasher, sha, started = resumed
+            while True:
+                piece = _read_full(rest, CHUNK_SIZE)
+                if not piece:
+                    break
+                if offset + len(piece) > MAX_FILE_SIZE:
+                    raise BackendError(
+                        f"cannot write {key!r} on {self.name}: larger than {MAX_FILE_SIZE} "
+                        "bytes, the most Dropbox accepts through its API"
+                    )
+                hasher.update(piece)
+                sha.update(piece)
+
+                def append(client: Any, piece: bytes = piece, at: int = offset) -> None:
+                    cursor = df.UploadSessionCursor(session_id, at)
+                    try:
+                        client.files_upload_session_append_v2(piece, cursor)
+                    except dexc.ApiError as exc:
+                        correct = _find(exc.error, "incorrect_offset")
+                        if correct is not None and correct.correct_offset == at + len(piece):
+                            return  # an earlier attempt arrived; its answer was lost
+                        raise
+
+                self._call(key, "upload part of", append)
+                offset += len(piece)
+                journal.record(PendingUpload(session_id, offset, sha.hexdigest(), started))
+            self._finish_session(key, path, session_id, offset, hasher.hexdigest(), mode)
+            journal.clear()
+
+    def _resume(
+        self, key: str, journal: UploadJournal, first: bytes, rest: BinaryIO, start: int
+    ) -> tuple[str, int, Any, Any, float] | None:
+        """Continue the journaled session of this key if the source's first bytes are
+        the ones Dropbox has and the session is still open; else None (and the caller
+        rewinds the source and starts over)."""
+        import dropbox.files as df
+        from dropbox.content_hash import DropboxContentHasher
+
+        pending = journal.pending()
+        if pending is None:
+            return None
+        journal.clear()  # used now; re-recorded as the upload goes on
+        hasher, sha = DropboxContentHasher(), hashlib.sha256()
         hasher.update(first)
-        session_id: str = self._call(
-            key, "start upload of", lambda c: c.files_upload_session_start(first).session_id
-        )
-        offset = len(first)
-        while True:
-            piece = _read_full(rest, CHUNK_SIZE)
+        sha.update(first)
+        have = len(first)
+        while have < pending.offset:
+            piece = _read_full(rest, min(CHUNK_SIZE, pending.offset - have))
             if not piece:
                 break
-            if offset + len(piece) > MAX_FILE_SIZE:
-                raise BackendError(
-                    f"cannot write {key!r} on {self.name}: larger than {MAX_FILE_SIZE} bytes, "
-                    "the most Dropbox accepts through its API"
-                )
             hasher.update(piece)
+            sha.update(piece)
+            have += len(piece)
+        if have != pending.offset or sha.hexdigest() != pending.prefix_sha256:
+            rest.seek(start)
+            return None
+        cursor = df.UploadSessionCursor(pending.session, pending.offset)
+        try:  # an empty append: is the session open, at this offset?
+            self._call(key, "resume upload of",
+                       lambda c: c.files_upload_session_append_v2(b"", cursor))
+        except BackendError:
+            rest.seek(start)
+            return None
+        log.info("resuming the upload of %r on %s at byte %d", key, self.name, pending.offset)
+        return pending.session, pending.offset, hasher, sha, pending.started
 
-            def append(client: Any, piece: bytes = piece, at: int = offset) -> None:
-                cursor = df.UploadSessionCursor(session_id, at)
-                try:
-                    client.files_upload_session_append_v2(piece, cursor)
-                except dexc.ApiError as exc:
-                    correct = _find(exc.error, "incorrect_offset")
-                    if correct is not None and correct.correct_offset == at + len(piece):
-                        return  # an earlier attempt arrived; its answer was lost
-                    raise
+    def _finish_session(
+        self, key: str, path: str, session_id: str, offset: int, digest: str, mode: Any
+    ) -> None:
+        """Commit an upload session at ``path``; a retried finish whose first attempt
+        committed (``lookup_failed/not_found``) is recognised by the content hash."""
+        import dropbox.files as df
 
-            self._call(key, "upload part of", append)
-            offset += len(piece)
-        digest = hasher.hexdigest()
         commit = df.CommitInfo(path, mode=mode, autorename=False, mute=True, strict_conflict=True)
 
         def finish(client: Any) -> Any:
@@ -619,7 +711,6 @@ class DropboxBackend(ObjectStoreLogs):
         try:
             meta = self._call(key, "finish upload of", finish, on_retry=mark)
         except ObjectNotFound:
-            # lookup_failed/not_found: a retried finish whose first attempt committed.
             if not retried or self._file(key).content_hash != digest:
                 raise BackendError(
                     f"cannot write {key!r} on {self.name}: the upload session vanished"

@@ -176,6 +176,48 @@ def test_interrupted_upload_session_resumes(
     assert faults.pending() == 0
 
 
+class _FailingSource(io.BytesIO):
+    """A seekable source whose reads fail from ``fail_at`` on (a disk going away)."""
+
+    def __init__(self, data: bytes, fail_at: int) -> None:
+        super().__init__(data)
+        self.fail_at = fail_at
+
+    def read(self, size: int | None = -1) -> bytes:
+        if self.tell() >= self.fail_at:
+            raise OSError("the source went away")
+        return super().read(size)
+
+
+def test_upload_resumes_after_an_interrupted_put(
+    dbx: DropboxBackend, dropbox_service: DropboxService
+) -> None:
+    """A put whose source fails after two pieces leaves its upload session journaled
+    on this client; the next put of the same key re-reads and checks the part Dropbox
+    has and sends only the rest into the same session. A different source for a key
+    starts over; nothing is left in the journal."""
+    calls = dropbox_service.emulator.calls
+    data = pattern_bytes(31, 0, 4 * CHUNK_SIZE + 99)
+    with pytest.raises(OSError, match="went away"):
+        dbx.put("big", _FailingSource(data, 2 * CHUNK_SIZE))
+    journal = config_dir() / "uploads"
+    assert len(list(journal.glob("dropbox-*.json"))) == 1
+    before = dict(calls)
+    dbx.put("big", io.BytesIO(data))
+    delta = {k: calls.get(k, 0) - before.get(k, 0) for k in calls}
+    assert delta.get("files/upload_session/start", 0) == 0
+    # one empty append to check the session, then the 3 pieces Dropbox lacked
+    assert delta["files/upload_session/append_v2"] == 4
+    assert dbx.get("big") == data
+    with pytest.raises(OSError):
+        dbx.put("big2", _FailingSource(data, 2 * CHUNK_SIZE))
+    before = dict(calls)
+    dbx.put("big2", io.BytesIO(data[::-1]))
+    assert calls["files/upload_session/start"] - before["files/upload_session/start"] == 1
+    assert dbx.get("big2") == data[::-1]
+    assert not list(journal.glob("dropbox-*.json"))
+
+
 def test_conditional_write_with_lost_answer_is_recognised(
     dbx: DropboxBackend, dropbox_service: DropboxService
 ) -> None:
@@ -460,8 +502,9 @@ def test_faults_helper_counts_both_kinds(dropbox_service: DropboxService) -> Non
         )
         backend.create()
         before = faults.injected
-        faults.break_connections(reset_next=4)
+        faults.break_connections(reset_next=2)
         backend.put("k", b"v")
+        faults.break_connections(reset_next=2)
         assert backend.get("k") == b"v"
         assert faults.injected >= before + 4
         kinds = [fault for fault, _, _ in dropbox_service.emulator.faults.log[-2:]]

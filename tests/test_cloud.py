@@ -217,3 +217,23 @@ def test_grant_json_round_trip() -> None:
     grant = _grant(extra={"scopes": ["a"]})
     assert Grant.from_json(grant.to_json(), "x") == grant
     assert json.loads(grant.to_json())["provider"] == "dropbox"
+
+
+def test_upload_journal_is_exclusive_private_and_expires() -> None:
+    """A journal record survives its writer, is 0600, is held by one upload at a time
+    (a second writer of the same target goes without), and is dropped when older than
+    the providers keep sessions."""
+    from metasync.backends.cloud import UPLOAD_SESSION_MAX_AGE, PendingUpload, UploadJournal
+
+    record = PendingUpload("session-1", 8, "ab" * 32, 1000.0)
+    with UploadJournal("test", "target-1") as journal:
+        assert journal.active and journal.pending(now=1000.0) is None
+        journal.record(record)
+        with UploadJournal("test", "target-1") as second:
+            assert not second.active and second.pending() is None
+            second.record(PendingUpload("other", 1, "", 0.0))  # ignored
+    assert stat.S_IMODE(journal.path.stat().st_mode) == 0o600
+    with UploadJournal("test", "target-1") as again:
+        assert again.pending(now=1001.0) == record
+        assert again.pending(now=1000.0 + UPLOAD_SESSION_MAX_AGE + 1) is None
+        assert not again.path.exists()
