@@ -342,7 +342,14 @@ class ClickAuthUI:
         return line.strip()
 
 
-@cli.command()
+def _auth_help() -> str:
+    from metasync.backends.cloud import AUTH_PROVIDERS
+
+    return (f"Sign in to a cloud PROVIDER ({', '.join(sorted(AUTH_PROVIDERS))}) and keep "
+            "the grant on this computer (OS keyring, else a private file).")
+
+
+@cli.command(help=_auth_help())
 @click.argument("provider")
 @click.option("--account", default="default", show_default=True,
               help="Name for this sign-in; a backend URI selects it with ?account=NAME.")
@@ -354,7 +361,6 @@ class ClickAuthUI:
 @click.option("--code", default=None, help="An authorization code obtained already.")
 def auth(provider: str, account: str, no_browser: bool, app_key: str | None,
          app_secret: str | None, code: str | None) -> None:
-    """Sign in to PROVIDER (dropbox) and keep the grant on this computer."""
     from metasync.backends.cloud import AuthRequest, authorize, endpoint, token_store
 
     store = token_store()
