@@ -327,6 +327,10 @@ class ClickAuthUI:
     def open_browser(self, url: str) -> bool:
         if self.no_browser:
             return False
+        if sys.platform.startswith("linux") and not (
+            os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
+        ):
+            return False  # no desktop: a text browser would take over the terminal
         import webbrowser
 
         try:
