@@ -69,6 +69,7 @@ import json
 import math
 import os
 import secrets
+import socket
 import tempfile
 import threading
 import time
@@ -82,6 +83,7 @@ from urllib.parse import urlencode
 import pytest
 
 from tests.emulators.base import (
+    COPY_CHUNK,
     GENERIC_FAULTS,
     SERVER_ERROR,
     THROTTLE,
@@ -298,6 +300,24 @@ def _parse_range(spec: str, size: int) -> tuple[int, int] | None:
     return start, end
 
 
+def _arriving(request: Request) -> Iterator[bytes]:
+    """The request body as it arrives (``read1``): unlike ``Request.chunks()``, which
+    reads 1 MiB blocks, this hands a handler the start of a body (an upload's
+    ``attributes`` part) before the client has sent the rest, as Box sees it."""
+    if (request.header("Transfer-Encoding") or "").lower() == "chunked":
+        yield from request.chunks()
+        return
+    request._consumed = True  # the handler's drain() must not read it again
+    rfile = request._handler.rfile
+    length = int(request.header("Content-Length", "0") or 0)
+    while length > 0:
+        piece = rfile.read1(min(length, COPY_CHUNK))
+        if not piece:
+            raise ConnectionError("body ended early")
+        length -= len(piece)
+        yield piece
+
+
 def _digest_header(value: str | None) -> str | None:
     """The hex SHA-1 of a ``Digest: sha=<base64>`` header, or None."""
     if not value:
@@ -338,6 +358,9 @@ class BoxEmulator(Emulator):
         self._downloads: dict[str, tuple[str, str, float]] = {}
         self._markers: dict[str, int] = {}
         self.collaborations: dict[str, dict[str, Any]] = {}
+        #: Uploads refused with name_temporarily_reserved (and an event for tests).
+        self.reserved_refusals = 0
+        self.reserved_event = threading.Event()
         self._code_times: dict[str, float] = {}
         self.limiter: _RateLimiter | None = None
         #: Requests per route name, for tests that count round trips.
@@ -377,6 +400,13 @@ class BoxEmulator(Emulator):
                 "The item name is reserved by another processing item. Wait and then retry "
                 "the request, or wait and check the parent folder to see if the name is in use."))
         return super().render_fault(fault, request)
+
+    def dispatch(self, handler: Any) -> Response | None:
+        # Answers go out as headers, then body: without TCP_NODELAY the body waits for
+        # the client's delayed ACK (40 ms a request on Linux).
+        with contextlib.suppress(OSError):
+            handler.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return super().dispatch(handler)
 
     def not_found(self, request: Request) -> Response:
         return json_response(404, error_body(404, "not_found", "Not Found"))
@@ -506,6 +536,8 @@ class BoxEmulator(Emulator):
             raise BoxError(409, "item_name_in_use", "Item with the same name already exists",
                            {"conflicts": [mini] if as_list else mini})
         if (folder.id, name.lower()) in self._reserved:
+            self.reserved_refusals += 1
+            self.reserved_event.set()
             raise BoxError(409, "name_temporarily_reserved",
                            "The item name is reserved by another processing item. Wait and "
                            "then retry the request, or wait and check the parent folder to "
@@ -799,7 +831,7 @@ class BoxEmulator(Emulator):
         if not ctype.lower().startswith("multipart/form-data") or not boundary:
             raise _bad_request("Multipart form data expected")
         delimiter = b"--" + boundary.encode()
-        chunks = request.chunks()
+        chunks = _arriving(request)
         buffer = b""
         attributes: dict[str, Any] | None = None
 
