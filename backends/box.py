@@ -1217,7 +1217,11 @@ class BoxBackend(ObjectStoreLogs):
         (files other tools put there) are skipped."""
         check_prefix(prefix)
         folder = [p for p in prefix.rstrip("/").split("/") if p]
-        return iter(self._walk(folder))
+        try:
+            return iter(self._walk(folder))
+        except ObjectNotFound:  # a cached folder id has gone: look the path up again
+            self._forget_folders()
+            return iter(self._walk(folder))
 
     def _walk(self, folder: builtins.list[str]) -> builtins.list[str]:
         top = self._folder_id([*self.root, *folder], create=False)

@@ -769,3 +769,38 @@ def test_faults_helper_counts_both_kinds(box_service: BoxService) -> None:
         backend.close()
     finally:
         faults.close()
+
+
+def test_ids_looked_up_again_when_gone(box: BoxBackend, box_service: BoxService) -> None:
+    """Box addresses items by id: when another client deletes a file and writes the key
+    again (a new id), this client's cached id answers 404 and is looked up afresh for
+    reads, writes and deletes; a folder deleted behind its back is looked up (and made)
+    again too."""
+    other = open_backend("box:/specific", box.namespace)
+    try:
+        box.put("d/k", b"one")
+        assert box.get("d/k") == b"one"  # id cached
+        other.delete("d/k")
+        other.put("d/k", b"two")
+        assert box.get("d/k") == b"two" and box.size("d/k") == 3
+        other.delete("d/k")
+        other.put("d/k", b"three")
+        box.put("d/k", b"four")
+        assert other.get("d/k") == b"four"
+        other.delete("d/k")
+        other.put("d/k", b"five")
+        box.delete("d/k")
+        with pytest.raises(ObjectNotFound):
+            other.get("d/k")
+        emulator = box_service.emulator
+        folder = emulator.lookup(f"/specific/{box.namespace}/d")
+        assert folder is not None
+        with emulator._lock:  # the user removes the folder in Box's web app
+            folder.trashed = True
+            parent = emulator.items[folder.parent or "0"]
+            del parent.children["d"]
+        assert list(box.list("d")) == []
+        box.put("d/again", b"x")
+        assert other.get("d/again") == b"x"
+    finally:
+        other.close()
