@@ -44,6 +44,7 @@ from __future__ import annotations
 import base64
 import builtins
 import contextlib
+import functools
 import hashlib
 import html
 import io
@@ -197,8 +198,9 @@ def _box_code(exc: BaseException) -> str | None:
     return str(info.code) if info is not None and info.code else None
 
 
+@functools.cache
 def _sdk_classes() -> dict[str, Any]:
-    """SDK classes, imported on first use (the SDK is large)."""
+    """SDK classes, imported on first use (the SDK is large), defined once."""
     from box_sdk_gen.client import BoxClient
     from box_sdk_gen.networking.auth import Authentication
     from box_sdk_gen.networking.base_urls import BaseUrls
