@@ -294,8 +294,19 @@ def test_conditional_writes_and_deletes_with_lost_answers(
     assert faults.pending() == 0
 
 
+@pytest.fixture
+def small_fragments(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Fragments of 2 x 320 KiB and simple uploads up to 512 KiB, so that session tests
+    move a few MiB instead of tens (the protocol is the same)."""
+    from metasync.backends import onedrive
+
+    monkeypatch.setattr(onedrive, "CHUNK_SIZE", 2 * FRAGMENT_UNIT)
+    monkeypatch.setattr(onedrive, "SIMPLE_UPLOAD_LIMIT", 512 * 1024)
+    return 2 * FRAGMENT_UNIT
+
+
 def test_upload_sessions_use_aligned_fragments_and_survive_lost_requests(
-    od: OneDriveBackend, onedrive_service: OneDriveService
+    od: OneDriveBackend, onedrive_service: OneDriveService, small_fragments: int
 ) -> None:
     """A stream above the simple-upload limit goes through createUploadSession and
     fragments whose sizes are multiples of 320 KiB (only the last is shorter). A
@@ -303,7 +314,8 @@ def test_upload_sessions_use_aligned_fragments_and_survive_lost_requests(
     nextExpectedRanges), and a lost answer to the committing fragment all end in the
     exact bytes, committed once."""
     emulator = onedrive_service.emulator
-    size = 2 * CHUNK_SIZE + 12345
+    chunk = small_fragments
+    size = 2 * chunk + 12345
     data = pattern_bytes(21, 0, size)
     before, fragments = dict(emulator.calls), len(emulator.fragments)
     emulator.faults.inject(RESET, LOST_ANSWER, only="^/up/")
@@ -311,13 +323,13 @@ def test_upload_sessions_use_aligned_fragments_and_survive_lost_requests(
     delta = _delta(before, emulator.calls)
     assert delta["create upload session"] == 1 and "put content" not in delta
     sent = emulator.fragments[fragments:]
-    assert [start for start, _, _ in sent] == [0, CHUNK_SIZE, 2 * CHUNK_SIZE]
+    assert [start for start, _, _ in sent] == [0, chunk, 2 * chunk]
     assert all(length % FRAGMENT_UNIT == 0 for _, length, _ in sent[:-1])
     assert all(start % FRAGMENT_UNIT == 0 for start, _, _ in sent)
     assert delta["upload status"] >= 1  # the resend asked which bytes arrived
     assert od.get("big") == data
     emulator.faults.inject(LOST_ANSWER, only="^/up/")
-    small = pattern_bytes(22, 0, SIMPLE_UPLOAD_LIMIT + 1)  # one fragment: it commits
+    small = pattern_bytes(22, 0, chunk)  # one fragment: it commits
     od.put("big", io.BytesIO(small))
     assert od.get("big") == small and emulator.faults.pending() == 0
     assert emulator.sessions() == 0
@@ -337,16 +349,17 @@ class _FailingSource(io.BytesIO):
 
 
 def test_upload_resumes_after_an_interrupted_put(
-    od: OneDriveBackend, onedrive_service: OneDriveService
+    od: OneDriveBackend, onedrive_service: OneDriveService, small_fragments: int
 ) -> None:
     """A put whose source fails after two fragments leaves its upload session
     journaled on this client; the next put of the same key re-reads and checks the
     part the session has, asks it for nextExpectedRanges and sends only the rest, at
     the same 320 KiB-aligned offsets. A different source for a key starts over."""
     emulator = onedrive_service.emulator
-    data = pattern_bytes(31, 0, 4 * CHUNK_SIZE + 99)
+    chunk = small_fragments
+    data = pattern_bytes(31, 0, 4 * chunk + 99)
     with pytest.raises(OSError, match="went away"):
-        od.put("big", _FailingSource(data, 2 * CHUNK_SIZE))
+        od.put("big", _FailingSource(data, 2 * chunk))
     journal = config_dir() / "uploads"
     assert len(list(journal.glob("onedrive-*.json"))) == 1
     before, fragments = dict(emulator.calls), len(emulator.fragments)
@@ -354,11 +367,10 @@ def test_upload_resumes_after_an_interrupted_put(
     delta = _delta(before, emulator.calls)
     assert "create upload session" not in delta
     assert delta["upload status"] == 1 and delta["upload fragment"] == 3
-    assert [s for s, _, _ in emulator.fragments[fragments:]] == [2 * CHUNK_SIZE, 3 * CHUNK_SIZE,
-                                                                4 * CHUNK_SIZE]
+    assert [s for s, _, _ in emulator.fragments[fragments:]] == [2 * chunk, 3 * chunk, 4 * chunk]
     assert od.get("big") == data
     with pytest.raises(OSError):
-        od.put("big2", _FailingSource(data, 2 * CHUNK_SIZE))
+        od.put("big2", _FailingSource(data, 2 * chunk))
     before = dict(emulator.calls)
     od.put("big2", io.BytesIO(data[::-1]))
     assert _delta(before, emulator.calls)["create upload session"] == 1
@@ -418,27 +430,6 @@ def test_expired_token_is_refreshed_with_msal_and_saved(
     other.close()
 
 
-def test_revoked_grant_says_run_metasync_auth(onedrive_service: OneDriveService) -> None:
-    """A grant revoked on Microsoft's side (invalid_grant) fails with one line naming
-    `metasync auth onedrive --account ...`, from the backend and from the CLI (no
-    traceback); an account never signed in says so."""
-    onedrive_service.sign_in("revoked")
-    grant = token_store().load("onedrive", "revoked")
-    assert grant is not None and grant.refresh_token
-    onedrive_service.emulator.oauth.revoke(grant.refresh_token)
-    uri = _location(onedrive_service, "/revoked") + "?account=revoked"
-    backend = open_backend(uri, "ns")
-    with pytest.raises(AuthorizationRequired) as info:
-        backend.get("x")
-    assert "run `metasync auth onedrive --account revoked`" in _one_line(info.value)
-    proc = run_cli("clone", uri, "/tmp/never-" + uuid.uuid4().hex, check=False)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "metasync auth onedrive --account revoked" in proc.stderr
-    nobody = open_backend("onedrive:/revoked?account=nobody", "ns")
-    with pytest.raises(AuthorizationRequired, match="not signed in"):
-        nobody.exists()
-
-
 def test_open_resumes_the_same_version(od: OneDriveBackend, onedrive_service: OneDriveService) -> None:
     """A download cut off mid-file resumes with a Range request to the same download
     URL: the stream returns the version it started with even if the file was replaced,
@@ -487,44 +478,6 @@ def test_listing_pages_and_missing_parents(od: OneDriveBackend, onedrive_service
 # --- sign-in and sharing -------------------------------------------------------------------
 
 
-def test_auth_onedrive_device_code_through_the_cli(onedrive_service: OneDriveService) -> None:
-    """`metasync auth onedrive --no-browser` runs MSAL's device-code flow against the
-    emulator: it prints the verification page and code, the user enters the code there,
-    and the CLI finishes, keeping the grant (MSAL cache included) in a 0600 file; a
-    backend with ?account= then works."""
-    proc = subprocess.Popen(
-        [METASYNC, "auth", "onedrive", "--no-browser", "--account", "cli"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    assert proc.stdout is not None
-    code = None
-    for line in proc.stdout:
-        found = re.search(r"open the page (\S+) and enter the code (\S+)", line)
-        if found:
-            assert found.group(1) == f"{onedrive_service.base_url}/devicelogin"
-            code = found.group(2)
-            break
-    assert code is not None, proc.stderr.read() if proc.stderr else ""
-    ca = ssl.create_default_context(cafile=onedrive_service.ca_file)
-    page = httpx.post(f"{onedrive_service.base_url}/devicelogin", data={"otc": code}, verify=ca)
-    assert page.status_code == 200
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    assert f"Signed in to onedrive as {TEST_EMAIL}" in out
-    store = token_store()
-    assert isinstance(store, FileTokenStore)
-    path = store.path("onedrive", "cli")
-    assert oct(path.stat().st_mode & 0o777) == "0o600"
-    grant = store.load("onedrive", "cli")
-    assert isinstance(grant, Grant) and grant.refresh_token and grant.app_key == TEST_APP_ID
-    assert grant.extra["tenant"] == "common" and "RefreshToken" in grant.extra["msal_cache"]
-    backend = open_backend(_location(onedrive_service, "/authed") + "?account=cli", "ns")
-    backend.create()
-    backend.put("k", b"signed in")
-    assert backend.get("k") == b"signed in"
-    backend.close()
-
-
 class _Form(HTMLParser):
     """The action and hidden fields of the first form of a page."""
 
@@ -541,126 +494,197 @@ class _Form(HTMLParser):
             self.fields[values["name"]] = values.get("value", "")
 
 
-def test_auth_onedrive_in_a_browser(onedrive_service: OneDriveService) -> None:
-    """With a browser, sign-in is MSAL's authorization-code flow (PKCE, nonce): the
-    browser opens the authorize page, Microsoft answers with a form posted to the
-    loopback redirect (response_mode=form_post), MSAL redeems the code."""
-    ca = ssl.create_default_context(cafile=onedrive_service.ca_file)
-    shown: list[str] = []
-    errors: list[BaseException] = []
+class _NoUI:
+    def show(self, text: str) -> None:
+        raise AssertionError(f"nothing should be shown: {text}")
 
-    def browse(url: str) -> None:
-        try:
-            assert "code_challenge_method=S256" in url and "nonce=" in url
-            page = httpx.get(url, verify=ca)
-            form = _Form()
-            form.feed(page.text)
-            assert form.action.startswith("http://localhost:"), form.action
-            answer = httpx.post(form.action, data=form.fields)
-            assert answer.status_code == 200, answer.text
-        except BaseException as exc:  # reported by the test thread below
-            errors.append(exc)
+    def open_browser(self, url: str) -> bool:
+        raise AssertionError("no browser should open")
 
-    class UI:
-        def show(self, text: str) -> None:
-            shown.append(text)
-
-        def open_browser(self, url: str) -> bool:
-            threading.Thread(target=browse, args=(url,), daemon=True).start()
-            return True
-
-        def prompt(self, text: str) -> str:
-            raise AssertionError("no prompt in the browser flow")
-
-    grant = authorize(AuthRequest("onedrive", "browser", TEST_APP_ID, None, False, None,
-                                  Endpoint(onedrive_service.base_url, onedrive_service.ca_file)), UI())
-    assert not errors, errors
-    assert grant.extra["email"] == TEST_EMAIL and grant.refresh_token
-    assert any("browser window" in text for text in shown)
-    backend = open_backend(_location(onedrive_service, "/browser") + "?account=browser", "ns")
-    backend.create()
-    assert backend.exists()
-    backend.close()
+    def prompt(self, text: str) -> str:
+        raise AssertionError("no prompt expected")
 
 
-def test_auth_onedrive_refusals(onedrive_service: OneDriveService) -> None:
-    """--code, --app-secret (OneDrive apps are public clients) and a missing app key
-    each end in one line and a non-zero exit, with nothing saved."""
-    env = {**os.environ}
-    for args in (["--code", "abc"], ["--app-secret", "s3cret"]):
-        proc = subprocess.run([METASYNC, "auth", "onedrive", "--account", "bad", *args],
+class TestOneDriveSignInAndCLI:
+    """Sign-in, sharing and whole repositories through the `metasync` CLI (a class of
+    its own, so that the test workers run it beside the conformance suite and the
+    backend tests)."""
+
+    def test_revoked_grant_says_run_metasync_auth(self, onedrive_service: OneDriveService) -> None:
+        """A grant revoked on Microsoft's side (invalid_grant) fails with one line naming
+        `metasync auth onedrive --account ...`, from the backend and from the CLI (no
+        traceback); an account never signed in says so."""
+        onedrive_service.sign_in("revoked")
+        grant = token_store().load("onedrive", "revoked")
+        assert grant is not None and grant.refresh_token
+        onedrive_service.emulator.oauth.revoke(grant.refresh_token)
+        uri = _location(onedrive_service, "/revoked") + "?account=revoked"
+        backend = open_backend(uri, "ns")
+        with pytest.raises(AuthorizationRequired) as info:
+            backend.get("x")
+        assert "run `metasync auth onedrive --account revoked`" in _one_line(info.value)
+        proc = run_cli("clone", uri, "/tmp/never-" + uuid.uuid4().hex, check=False)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr
+        assert "metasync auth onedrive --account revoked" in proc.stderr
+        nobody = open_backend("onedrive:/revoked?account=nobody", "ns")
+        with pytest.raises(AuthorizationRequired, match="not signed in"):
+            nobody.exists()
+
+    def test_auth_onedrive_device_code_through_the_cli(self, onedrive_service: OneDriveService) -> None:
+        """`metasync auth onedrive --no-browser` runs MSAL's device-code flow against the
+        emulator: it prints the verification page and code, the user enters the code there,
+        and the CLI finishes, keeping the grant (MSAL cache included) in a 0600 file; a
+        backend with ?account= then works."""
+        proc = subprocess.Popen(
+            [METASYNC, "auth", "onedrive", "--no-browser", "--account", "cli"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        assert proc.stdout is not None
+        code = None
+        for line in proc.stdout:
+            found = re.search(r"open the page (\S+) and enter the code (\S+)", line)
+            if found:
+                assert found.group(1) == f"{onedrive_service.base_url}/devicelogin"
+                code = found.group(2)
+                break
+        assert code is not None, proc.stderr.read() if proc.stderr else ""
+        ca = ssl.create_default_context(cafile=onedrive_service.ca_file)
+        page = httpx.post(f"{onedrive_service.base_url}/devicelogin", data={"otc": code}, verify=ca)
+        assert page.status_code == 200
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        assert f"Signed in to onedrive as {TEST_EMAIL}" in out
+        store = token_store()
+        assert isinstance(store, FileTokenStore)
+        path = store.path("onedrive", "cli")
+        assert oct(path.stat().st_mode & 0o777) == "0o600"
+        grant = store.load("onedrive", "cli")
+        assert isinstance(grant, Grant) and grant.refresh_token and grant.app_key == TEST_APP_ID
+        assert grant.extra["tenant"] == "common" and "RefreshToken" in grant.extra["msal_cache"]
+        backend = open_backend(_location(onedrive_service, "/authed") + "?account=cli", "ns")
+        backend.create()
+        backend.put("k", b"signed in")
+        assert backend.get("k") == b"signed in"
+        backend.close()
+
+    def test_auth_onedrive_in_a_browser(self, onedrive_service: OneDriveService) -> None:
+        """With a browser, sign-in is MSAL's authorization-code flow (PKCE, nonce): the
+        browser opens the authorize page, Microsoft answers with a form posted to the
+        loopback redirect (response_mode=form_post), MSAL redeems the code."""
+        ca = ssl.create_default_context(cafile=onedrive_service.ca_file)
+        shown: list[str] = []
+        errors: list[BaseException] = []
+
+        def browse(url: str) -> None:
+            try:
+                assert "code_challenge_method=S256" in url and "nonce=" in url
+                page = httpx.get(url, verify=ca)
+                form = _Form()
+                form.feed(page.text)
+                assert form.action.startswith("http://localhost:"), form.action
+                answer = httpx.post(form.action, data=form.fields)
+                assert answer.status_code == 200, answer.text
+            except BaseException as exc:  # reported by the test thread below
+                errors.append(exc)
+
+        class UI:
+            def show(self, text: str) -> None:
+                shown.append(text)
+
+            def open_browser(self, url: str) -> bool:
+                threading.Thread(target=browse, args=(url,), daemon=True).start()
+                return True
+
+            def prompt(self, text: str) -> str:
+                raise AssertionError("no prompt in the browser flow")
+
+        grant = authorize(AuthRequest("onedrive", "browser", TEST_APP_ID, None, False, None,
+                                      Endpoint(onedrive_service.base_url, onedrive_service.ca_file)), UI())
+        assert not errors, errors
+        assert grant.extra["email"] == TEST_EMAIL and grant.refresh_token
+        assert any("browser window" in text for text in shown)
+        backend = open_backend(_location(onedrive_service, "/browser") + "?account=browser", "ns")
+        backend.create()
+        assert backend.exists()
+        backend.close()
+
+    def test_auth_onedrive_refusals(self, onedrive_service: OneDriveService) -> None:
+        """--code and --app-secret (OneDrive apps are public clients) are refused before
+        anything is sent; through the CLI, a missing app key ends in one line naming the
+        variable and a non-zero exit, with nothing saved."""
+        where = Endpoint(onedrive_service.base_url, onedrive_service.ca_file)
+        for code, secret, match in (("abc", None, "takes no --code"), (None, "s3cret", "public client")):
+            with pytest.raises(UsageError, match=match):
+                authorize(AuthRequest("onedrive", "bad", TEST_APP_ID, secret, True, code, where),
+                          _NoUI())
+        env = {k: v for k, v in os.environ.items() if k != "METASYNC_ONEDRIVE_APP_KEY"}
+        proc = subprocess.run([METASYNC, "auth", "onedrive", "--no-browser", "--account", "bad"],
                               capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
         assert proc.returncode != 0 and "Traceback" not in proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    env.pop("METASYNC_ONEDRIVE_APP_KEY")
-    proc = subprocess.run([METASYNC, "auth", "onedrive", "--no-browser", "--account", "bad"],
-                          capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
-    assert proc.returncode != 0 and "METASYNC_ONEDRIVE_APP_KEY" in proc.stderr
-    assert token_store().load("onedrive", "bad") is None
+        assert "METASYNC_ONEDRIVE_APP_KEY" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        assert token_store().load("onedrive", "bad") is None
 
+    def test_share_invites_on_onedrive_and_lists_the_rest(
+        self, onedrive_service: OneDriveService, tmp_path: Path
+    ) -> None:
+        """`metasync share EMAIL` on a repository over onedrive: + dir: invites the address
+        to write to the OneDrive namespace folder (driveItem invite, idempotent) and names
+        dir: as manual."""
+        folder = _location(onedrive_service, "/shared")
+        namespace = fresh_namespace()
+        store = tmp_path / "dir"
+        store.mkdir()
+        work = tmp_path / "work"
+        work.mkdir()
+        (work / "f.txt").write_text("x")
+        run_cli("init", str(work), "--namespace", namespace, "--backend", folder,
+                "--backend", f"dir:{store}")
+        for _ in range(2):
+            proc = run_cli("share", "friend@example.com", cwd=work, check=False)
+            assert proc.returncode == 0, proc.stderr
+            assert "shared:  onedrive:/shared" in proc.stdout
+            assert f"by hand: dir:{store}" in proc.stdout
+        item = onedrive_service.emulator.item_at(f"/shared/{namespace}")
+        assert onedrive_service.emulator.members[item.id] == {"friend@example.com"}
+        backend = open_backend(folder, namespace)
+        with pytest.raises(UsageError, match="refused"):
+            backend.share("not-an-address@")
+        backend.close()
 
-def test_share_invites_on_onedrive_and_lists_the_rest(
-    onedrive_service: OneDriveService, tmp_path: Path
-) -> None:
-    """`metasync share EMAIL` on a repository over onedrive: + dir: invites the address
-    to write to the OneDrive namespace folder (driveItem invite, idempotent) and names
-    dir: as manual."""
-    folder = _location(onedrive_service, "/shared")
-    namespace = fresh_namespace()
-    store = tmp_path / "dir"
-    store.mkdir()
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "f.txt").write_text("x")
-    run_cli("init", str(work), "--namespace", namespace, "--backend", folder,
-            "--backend", f"dir:{store}")
-    for _ in range(2):
-        proc = run_cli("share", "friend@example.com", cwd=work, check=False)
-        assert proc.returncode == 0, proc.stderr
-        assert "shared:  onedrive:/shared" in proc.stdout
-        assert f"by hand: dir:{store}" in proc.stdout
-    item = onedrive_service.emulator.item_at(f"/shared/{namespace}")
-    assert onedrive_service.emulator.members[item.id] == {"friend@example.com"}
-    backend = open_backend(folder, namespace)
-    with pytest.raises(UsageError, match="refused"):
-        backend.share("not-an-address@")
-    backend.close()
+    def test_repository_over_a_throttling_onedrive(
+        self, onedrive_service: OneDriveService, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """init, push, clone (from OneDrive), edit, push, pull over onedrive: + two dir:
+        backends (R=2) while OneDrive answers a seeded 35% of requests with 429s and 503s
+        (with and without Retry-After) and 500s: every command succeeds (8 attempts per
+        request), the clones match, and fsck passes."""
+        monkeypatch.setenv("METASYNC_RETRY_ATTEMPTS", "8")
+        from conftest import make_tree, snapshot
 
-
-def test_repository_over_a_throttling_onedrive(
-    onedrive_service: OneDriveService, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """init, push, clone (from OneDrive), edit, push, pull over onedrive: + two dir:
-    backends (R=2) while OneDrive answers a seeded 35% of requests with 429s and 503s
-    (with and without Retry-After) and 500s: every command succeeds (8 attempts per
-    request), the clones match, and fsck passes."""
-    monkeypatch.setenv("METASYNC_RETRY_ATTEMPTS", "8")
-    from conftest import make_tree, snapshot
-
-    dirs = [tmp_path / "d0", tmp_path / "d1"]
-    for d in dirs:
-        d.mkdir()
-    uri = _location(onedrive_service, f"/e2e-{uuid.uuid4().hex[:6]}")
-    src = tmp_path / "src"
-    make_tree(src, small_files=40)
-    faults = onedrive_service.emulator.faults
-    before = faults.injected
-    faults.schedule(0.35, seed=8, kinds=ONEDRIVE_FAULTS)
-    try:
-        run_cli("init", str(src), "--replicas", "2", "--backend", uri,
-                "--backend", f"dir:{dirs[0]}", "--backend", f"dir:{dirs[1]}")
-        run_cli("push", "-m", "first", cwd=src)
-        clone = tmp_path / "clone"
-        run_cli("clone", uri, str(clone))
-        assert snapshot(clone) == snapshot(src)
-        (clone / "edited.txt").write_text("from the clone\n")
-        run_cli("push", "-m", "edit", cwd=clone)
-        run_cli("pull", cwd=src)
-        assert snapshot(src) == snapshot(clone)
-    finally:
-        faults.clear()
-    run_cli("fsck", cwd=src)
-    assert faults.injected - before >= 15, "OneDrive did not throttle"
+        dirs = [tmp_path / "d0", tmp_path / "d1"]
+        for d in dirs:
+            d.mkdir()
+        uri = _location(onedrive_service, f"/e2e-{uuid.uuid4().hex[:6]}")
+        src = tmp_path / "src"
+        make_tree(src, small_files=40)
+        faults = onedrive_service.emulator.faults
+        before = faults.injected
+        faults.schedule(0.35, seed=8, kinds=ONEDRIVE_FAULTS)
+        try:
+            run_cli("init", str(src), "--replicas", "2", "--backend", uri,
+                    "--backend", f"dir:{dirs[0]}", "--backend", f"dir:{dirs[1]}")
+            run_cli("push", "-m", "first", cwd=src)
+            clone = tmp_path / "clone"
+            run_cli("clone", uri, str(clone))
+            assert snapshot(clone) == snapshot(src)
+            (clone / "edited.txt").write_text("from the clone\n")
+            run_cli("push", "-m", "edit", cwd=clone)
+            run_cli("pull", cwd=src)
+            assert snapshot(src) == snapshot(clone)
+        finally:
+            faults.clear()
+        run_cli("fsck", cwd=src)
+        assert faults.injected - before >= 15, "OneDrive did not throttle"
 
 
 # --- live tests (real OneDrive; `pytest --live`) ----------------------------------------------
