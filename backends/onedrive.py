@@ -373,9 +373,14 @@ def _msal_app(app_key: str, base_url: str | None, ca_file: str | None, tenant: s
         raise BackendUnavailable(
             f"cannot reach the Microsoft sign-in service: {_one_line(exc)}"
         ) from None
+    except msal.exceptions.MsalServiceError as exc:  # a 5xx answer to the discovery
+        raise TransientError(f"the Microsoft sign-in service failed: {_one_line(exc)}") from None
     except ValueError as exc:
-        if isinstance(exc, json.JSONDecodeError):
-            raise TransientError(f"the Microsoft sign-in service sent a malformed answer ({exc})") from None
+        # MSAL reports every 4xx answer to the OpenID discovery as a ValueError; only a
+        # throttling one (or a malformed document) is worth another try.
+        cause = f"{exc} {exc.__context__ or ''}"  # MSAL re-raises the discovery's error
+        if isinstance(exc.__context__ or exc, json.JSONDecodeError) or "HTTP status: 429" in cause:
+            raise TransientError(f"the Microsoft sign-in service is busy: {_one_line(exc)}") from None
         raise UsageError(f"the Microsoft sign-in service refused tenant {tenant!r}: {_one_line(exc)}") from None
 
 

@@ -428,6 +428,13 @@ def test_expired_token_is_refreshed_with_msal_and_saved(
     assert other.get("k") == b"v"
     assert emulator.oauth.refreshes == before + 1
     other.close()
+    # The identity platform throttling or failing during a refresh is transient too.
+    emulator.oauth.expire_access_tokens()
+    emulator.faults.inject(THROTTLE, SERVER_ERROR, UNAVAILABLE, only=r"/oauth2/v2\.0/token|well-known")
+    third = open_backend(od.uri, od.namespace)
+    assert third.get("k") == b"v"
+    assert emulator.oauth.refreshes == before + 2 and emulator.faults.pending() == 0
+    third.close()
 
 
 def test_open_resumes_the_same_version(od: OneDriveBackend, onedrive_service: OneDriveService) -> None:
