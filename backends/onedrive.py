@@ -1301,8 +1301,10 @@ class OneDriveBackend(ObjectStoreLogs):
         with ThreadPoolExecutor(max_workers=self.transfers) as pool:
             while level:
                 next_level: builtins.list[tuple[str, str]] = []
-                for children, base in zip(pool.map(self._children, [i for i, _ in level]),
-                                          [b for _, b in level], strict=True):
+                ids = [i for i, _ in level]
+                # One folder (a log, a leaf): no thread hand-off.
+                pages = [self._children(ids[0])] if len(ids) == 1 else pool.map(self._children, ids)
+                for children, base in zip(pages, [b for _, b in level], strict=True):
                     for child in children:
                         part = decode_name(str(child.get("name") or ""))
                         if part is None:
