@@ -48,6 +48,7 @@ BUILTIN_SCHEMES: dict[str, str] = {
     "rclone": "rclone",
     "dropbox": "dropbox",
     "box": "box",
+    "onedrive": "onedrive",
 }
 
 

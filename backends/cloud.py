@@ -69,6 +69,7 @@ from metasync.errors import AuthorizationRequired, BackendError, UsageError
 AUTH_PROVIDERS: dict[str, str] = {
     "dropbox": "dropbox",
     "box": "box",
+    "onedrive": "onedrive",
 }
 
 #: An access token this close to its expiry (seconds) is refreshed before use.

@@ -29,6 +29,7 @@ pytest_plugins: list[str] = [
     # Emulators of the cloud providers' REST APIs (tests/emulators/).
     "tests.emulators.dropbox",
     "tests.emulators.box",
+    "tests.emulators.onedrive",
 ]
 
 # Sign-ins (tokens) of the tests live in a throwaway folder, in files: never in the

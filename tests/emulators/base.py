@@ -703,6 +703,10 @@ class _Server(ThreadingHTTPServer):
         # broken client never blocks accept().
         with self._conn_lock:
             self._connections.add(request)
+        # Headers and body go out in separate writes: without TCP_NODELAY the body
+        # waits for the client's delayed ACK (~40 ms per response).
+        with contextlib.suppress(OSError):
+            request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             if self.context is not None:
                 try:
