@@ -47,6 +47,7 @@ BUILTIN_SCHEMES: dict[str, str] = {
     "webdavs": "webdav",
     "rclone": "rclone",
     "dropbox": "dropbox",
+    "gdrive": "gdrive",
 }
 
 

@@ -68,6 +68,7 @@ from metasync.errors import AuthorizationRequired, BackendError, UsageError
 #: defines its ``authorize``. Imported on use, like BUILTIN_SCHEMES.
 AUTH_PROVIDERS: dict[str, str] = {
     "dropbox": "dropbox",
+    "gdrive": "gdrive",
 }
 
 #: An access token this close to its expiry (seconds) is refreshed before use.

@@ -28,6 +28,7 @@ pytest_plugins: list[str] = [
     "tests.servers.rclone",
     # Emulators of the cloud providers' REST APIs (tests/emulators/).
     "tests.emulators.dropbox",
+    "tests.emulators.gdrive",
 ]
 
 # Sign-ins (tokens) of the tests live in a throwaway folder, in files: never in the
