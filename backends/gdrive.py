@@ -248,6 +248,27 @@ def _build_service(http: Any, base_url: str | None) -> Any:
                  client_options=options)
 
 
+class _Resources:
+    """The SDK service with its collections (``files()``, ``revisions()``, ...) made
+    once: the SDK builds every method of a collection each time it is asked for one,
+    which costs more than the request. Requests made from them are independent."""
+
+    def __init__(self, service: Any) -> None:
+        self._service = service
+        self._made: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Callable[[], Any]:
+        def collection() -> Any:
+            with self._lock:
+                made = self._made.get(name)
+                if made is None:
+                    made = self._made[name] = getattr(self._service, name)()
+                return made
+
+        return collection
+
+
 # --- resumable uploads ------------------------------------------------------------------
 
 
@@ -431,7 +452,7 @@ class GDriveBackend(Backend):
     def _drive(self) -> Any:
         with self._lock:
             if self._service is None:
-                self._service = _build_service(self._http(), self._base_url)
+                self._service = _Resources(_build_service(self._http(), self._base_url))
             return self._service
 
     def _translate(self, exc: BaseException, key: str | None, action: str) -> BaseException:
@@ -681,12 +702,12 @@ class GDriveBackend(Backend):
             return []
         return self._children(parents, parts[-1], folders=False)
 
-    def _lookup(self, key: str) -> dict[str, Any] | None:
+    def _lookup(self, key: str, recheck: bool = True) -> dict[str, Any] | None:
         """The file holding ``key`` (the newest of duplicates), None if none. A miss
         with cached folders looks again with the folders re-read (another client may
-        have made a duplicate folder meanwhile)."""
+        have made a duplicate folder meanwhile), unless not ``recheck``."""
         matches = self._matches(key, fresh=False)
-        if not matches:
+        if not matches and recheck:
             matches = self._matches(key, fresh=True)
         if not matches:
             return None
@@ -769,7 +790,9 @@ class GDriveBackend(Backend):
             cached = self._files.get(key)
         if cached is not None:
             return cached
-        found = self._lookup(key)
+        # No second look with the folders re-read: a file missed in a duplicate
+        # folder only gets a newer duplicate, which is then the object.
+        found = self._lookup(key, recheck=False)
         return None if found is None else str(found["id"])
 
     def _put_small(self, key: str, parts: builtins.list[str], body: bytes) -> None:

@@ -46,6 +46,7 @@ import itertools
 import json
 import re
 import secrets
+import socket
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -241,43 +242,55 @@ class _Parser:
         self.pos += 1
         return token
 
-    def parse(self) -> Predicate:
+    def parse(self) -> tuple[Predicate, set[str] | None]:
+        """The predicate, and the parent ids one of which every match must have (if
+        the query says so): the emulator then looks only at those folders' children."""
         if not self.tokens:
-            return lambda item: True
-        pred = self._expr()
+            return (lambda item: True), None
+        pred, parents = self._expr()
         if self._peek() is not None:
             raise invalid("Invalid Value", "q")
-        return pred
+        return pred, parents
 
-    def _expr(self) -> Predicate:
+    def _expr(self) -> tuple[Predicate, set[str] | None]:
         parts = [self._term()]
         while self._peek() == ("word", "or"):
             self._take()
             parts.append(self._term())
-        return lambda item: any(p(item) for p in parts)
+        preds = [p for p, _ in parts]
+        sets = [s for _, s in parts]
+        parents = set().union(*sets) if all(s is not None for s in sets) else None  # type: ignore[arg-type]
+        if len(preds) == 1:
+            return preds[0], parents
+        return (lambda item: any(p(item) for p in preds)), parents
 
-    def _term(self) -> Predicate:
+    def _term(self) -> tuple[Predicate, set[str] | None]:
         parts = [self._factor()]
         while self._peek() == ("word", "and"):
             self._take()
             parts.append(self._factor())
-        return lambda item: all(p(item) for p in parts)
+        preds = [p for p, _ in parts]
+        sets = [s for _, s in parts if s is not None]
+        parents = min(sets, key=len) if sets else None
+        if len(preds) == 1:
+            return preds[0], parents
+        return (lambda item: all(p(item) for p in preds)), parents
 
-    def _factor(self) -> Predicate:
+    def _factor(self) -> tuple[Predicate, set[str] | None]:
         kind, text = self._take()
         if (kind, text) == ("word", "not"):
-            inner = self._factor()
-            return lambda item: not inner(item)
+            inner, _ = self._factor()
+            return (lambda item: not inner(item)), None
         if (kind, text) == ("paren", "("):
-            inner = self._expr()
+            inner, parents = self._expr()
             if self._take() != ("paren", ")"):
                 raise invalid("Invalid Value", "q")
-            return inner
+            return inner, parents
         if kind == "str":
             if self._take() != ("word", "in") or self._take() != ("word", "parents"):
                 raise invalid("Invalid Value", "q")
             parent = ROOT_ID if text == "root" else text
-            return lambda item: parent in item.parents
+            return (lambda item: parent in item.parents), {parent}
         if kind != "word":
             raise invalid("Invalid Value", "q")
         op_kind, op = self._take()
@@ -287,11 +300,11 @@ class _Parser:
         if text in ("name", "mimeType") and value_kind == "str" and op in ("=", "!="):
             attr = "name" if text == "name" else "mime"
             if op == "=":
-                return lambda item: getattr(item, attr) == value
-            return lambda item: getattr(item, attr) != value
+                return (lambda item: getattr(item, attr) == value), None
+            return (lambda item: getattr(item, attr) != value), None
         if text == "trashed" and value in ("true", "false") and op in ("=", "!="):
             want = (value == "true") == (op == "=")
-            return lambda item: item.trashed == want
+            return (lambda item: item.trashed == want), None
         raise invalid("Invalid Value", "q")
 
 
@@ -365,6 +378,8 @@ class GDriveEmulator(Emulator):
         self._pages: dict[str, list[dict[str, Any]]] = {}
         self._page_count = itertools.count()
         self.permissions: dict[str, list[dict[str, Any]]] = {}
+        #: Parent id -> ids of its children (an index for listings).
+        self.children: dict[str, set[str]] = {}
         #: Counters by method, for tests that count round trips.
         self.calls: dict[str, int] = {}
 
@@ -468,7 +483,7 @@ class GDriveEmulator(Emulator):
             if not item.is_folder:
                 blob, size, md5, sha = content or self._empty()
                 item.revisions.append(self._revision(blob, size, md5, sha))
-            self.items[new_id] = item
+            self._add(item)
             return item
         item = self._item(file_id)
         if meta.get("id") not in (None, file_id):
@@ -492,6 +507,11 @@ class GDriveEmulator(Emulator):
         item.version += 1
         return item
 
+    def _add(self, item: Item) -> None:
+        self.items[item.id] = item
+        for parent in item.parents:
+            self.children.setdefault(parent, set()).add(item.id)
+
     def _empty(self) -> tuple[str, int, str, str]:
         blob, size = self.blobs.write([b""])
         return blob, size, hashlib.md5(b"").hexdigest(), hashlib.sha256(b"").hexdigest()
@@ -506,10 +526,13 @@ class GDriveEmulator(Emulator):
         while doomed:
             victim = doomed.pop()
             self.items.pop(victim.id, None)
+            for parent in victim.parents:
+                self.children.get(parent, set()).discard(victim.id)
             for revision in victim.revisions:
                 self.blobs.delete(revision.blob)
             if victim.is_folder:
-                doomed.extend(i for i in self.items.values() if victim.id in i.parents)
+                doomed.extend(self.items[c] for c in self.children.pop(victim.id, set())
+                              if c in self.items)
 
     # --- OAuth ---------------------------------------------------------------------
     @route("GET", "/o/oauth2/auth")
@@ -588,8 +611,13 @@ class GDriveEmulator(Emulator):
                     if rest is None:
                         raise invalid("Invalid Value", "pageToken")
                 else:
-                    predicate = _Parser(query.get("q", "")).parse()
-                    matches = [i for i in self.items.values() if i.id != ROOT_ID and predicate(i)]
+                    predicate, parents = _Parser(query.get("q", "")).parse()
+                    if parents is None:
+                        candidates: Iterator[Item] | list[Item] = iter(self.items.values())
+                    else:
+                        candidates = [self.items[c] for p in parents
+                                      for c in self.children.get(p, ()) if c in self.items]
+                    matches = [i for i in candidates if i.id != ROOT_ID and predicate(i)]
                     matches.sort(key=lambda i: (i.name, i.id))
                     rest = [i.resource() for i in matches]
                 if self.short_pages and next(self._page_count) % 2 == 1:
@@ -893,7 +921,7 @@ class GDriveEmulator(Emulator):
                     continue
                 now = self._clock.now()
                 item = Item(_new_id(), name, FOLDER, [parent], now, now)
-                self.items[item.id] = item
+                self._add(item)
                 parent = item.id
             return parent
 
@@ -905,7 +933,7 @@ class GDriveEmulator(Emulator):
                         [parent], now, now)
             if data is not None:
                 item.revisions.append(self._revision(*self._store([data])))
-            self.items[item.id] = item
+            self._add(item)
             return item.id
 
     def content(self, file_id: str) -> bytes:
@@ -1025,6 +1053,9 @@ def running_gdrive() -> Iterator[GDriveService]:
     folder = Path(tempfile.mkdtemp(prefix="metasync-gdrive-emulator-"))
     emulator = GDriveEmulator(folder)
     server = EmulatorServer(emulator)
+    # Answers are written as headers, then body: without TCP_NODELAY (inherited by
+    # accepted sockets on Linux) each answer waits ~40 ms for the client's delayed ACK.
+    server._server.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         yield GDriveService(server, emulator)
     finally:
