@@ -320,7 +320,7 @@ def _media_upload_class() -> type:
             self.window = self.window[offset - self.window_start :]
             self.window_start = offset
             while not self.eof and len(self.window) <= CHUNK_SIZE:
-                piece = _read_full(self.source, CHUNK_SIZE + 1 - len(self.window))
+                piece = _read_source(self.source, CHUNK_SIZE + 1 - len(self.window))
                 if not piece:
                     self.eof = True
                     break
@@ -331,7 +331,7 @@ def _media_upload_class() -> type:
         def _slide(self) -> None:
             self.hash_upto(self.window_start + len(self.window))
             self.window_start += len(self.window)
-            self.window = _read_full(self.source, CHUNK_SIZE)
+            self.window = _read_source(self.source, CHUNK_SIZE)
             if not self.window:
                 self.eof = True
 
@@ -361,6 +361,21 @@ def _media_upload_class() -> type:
             raise NotImplementedError("a streamed source cannot be serialized")
 
     return ChunkSource
+
+
+class _SourceFailed(Exception):
+    """Reading the caller's source failed (not a network error: never retried)."""
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(str(original))
+        self.original = original
+
+
+def _read_source(source: BinaryIO, size: int) -> bytes:
+    try:
+        return _read_full(source, size)
+    except Exception as exc:
+        raise _SourceFailed(exc) from exc
 
 
 class _UploadSessionGone(Exception):
@@ -510,7 +525,7 @@ class GDriveBackend(Backend):
         with self._slots:
             try:
                 return fn(drive)
-            except BackendError:
+            except (BackendError, _SourceFailed):
                 raise
             except Exception as exc:
                 translated = self._translate(exc, key, action)
@@ -938,6 +953,8 @@ class GDriveBackend(Backend):
         while True:
             try:
                 done = self._call(key, "upload part of", step, on_retry=mark)
+            except _SourceFailed as exc:
+                raise exc.original from None  # journaled: the next put continues
             except _UploadSessionGone:
                 if journal is not None:
                     journal.clear()
@@ -1484,7 +1501,8 @@ class DriveLogs:
 
     def _advance(self, log: str, chain: _Chain, upto: int | None = None) -> None:
         """Read entries past the known end until one is missing (or ``upto`` entries
-        are known): one at first, then up to K at once."""
+        are known): one at first, then 2, 4, ... up to K at once (every entry names
+        the ids of the K after it)."""
         batch = 1
         while upto is None or len(chain.entries) < upto:
             known = len(chain.entries)
@@ -1497,7 +1515,9 @@ class DriveLogs:
                 if entry is None:
                     return
                 self._learn(log, chain, known + offset, cast(str, ids[offset]), entry)
-            batch = SUCCESSORS
+            if not found:
+                return
+            batch = min(SUCCESSORS, 2 * batch)  # a busy log: read further ahead
 
     def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
         """Entries from ``start`` on: the head through the index (cached), then the
@@ -1655,12 +1675,16 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
             shown["state"] = state
             if request.code is None and not shown.get("announced"):
                 shown["announced"] = "1"
-                if not request.no_browser and ui.open_browser(url):
+                if request.no_browser:
+                    ui.show("Visit this address in any browser, allow metasync, then paste "
+                            "the address the browser ends up at (http://localhost:...; the "
+                            f"page itself may fail to load):\n  {url}")
+                elif ui.open_browser(url):
                     ui.show("A browser window asks you to allow metasync; if it did not "
                             f"open, visit:\n  {url}")
                 else:
-                    ui.show("Visit this address, allow metasync, then paste the address "
-                            f"your browser ends up at (http://localhost...):\n  {url}")
+                    ui.show("Visit this address in a browser on this computer and allow "
+                            f"metasync (it returns here by itself):\n  {url}")
             return url, state
 
     flow = Flow.from_client_config(config, list(SCOPES), autogenerate_code_verifier=True)

@@ -474,8 +474,7 @@ class GDriveEmulator(Emulator):
             if len(parents) != 1:
                 raise DriveError(403, "cannotAddParent", "Increasing the number of parents is not allowed.")
             now = self._clock.now()
-            mime = str(meta.get("mimeType") or ("application/octet-stream" if content else
-                                                  "application/octet-stream"))
+            mime = str(meta.get("mimeType") or "application/octet-stream")
             item = Item(new_id, str(meta.get("name") or "Untitled"), mime, parents, now, now,
                         {str(k): str(v) for k, v in (meta.get("properties") or {}).items()})
             if item.is_folder and content is not None:
@@ -554,6 +553,13 @@ class GDriveEmulator(Emulator):
     @route("POST", "/token")
     def token(self, request: Request) -> Response:
         form = request.form()
+        basic = request.header("Authorization") or ""
+        if basic.lower().startswith("basic "):  # client credentials (RFC 6749 §2.3.1)
+            from urllib.parse import unquote
+
+            user, _, password = base64.b64decode(basic[6:]).decode().partition(":")
+            form.setdefault("client_id", unquote(user))
+            form.setdefault("client_secret", unquote(password))
         try:
             answer = self.oauth.token(form)
         except OAuthError as exc:
@@ -839,6 +845,9 @@ class GDriveEmulator(Emulator):
                 raise invalid("Pieces of a resumable upload must be multiples of 256 KiB")
             # A side blob first: a body cut short leaves the session as it was.
             part, size = self.blobs.write(request.chunks())
+            if size != length:
+                self.blobs.delete(part)
+                raise invalid("The piece ended early")
             skip = session.offset - start  # bytes Drive has already (a resent piece)
             with self.blobs.open(part) as piece:
                 piece.seek(skip)
