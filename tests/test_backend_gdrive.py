@@ -60,10 +60,6 @@ class TestGDriveBackend(BackendConformance):
     """The conformance suite through the Google API client against the emulator."""
 
     backend_class = GDriveBackend
-    # Each append is one files.create when uncontended, but six processes racing for
-    # every position cost each loser a read per position; 12 per worker keeps the
-    # test's contention (6 processes on every position) at half the requests.
-    appends_per_worker = 12
 
     @pytest.fixture
     def backend_location(self, gdrive_service: GDriveService) -> Location:
