@@ -1397,6 +1397,18 @@ class DriveLogs:
             time.sleep(0.05 * 2**attempt)  # the creator's commit is not visible yet
         raise TransientError(f"{self.b.name}: {what} exists but cannot be read yet")
 
+    def _create_in(self, file_id: str, body: dict[str, Any], data: bytes,
+                   folders: builtins.list[tuple[str, str, str]], what: str) -> bool:
+        """``create_with_id`` of an item whose parent folders (``(id, parent, name)``,
+        outermost first) are made only when Drive says a parent is missing (404): a
+        reserved folder exists once anyone made it, so the common case costs nothing."""
+        try:
+            return self.b.create_with_id(file_id, body, data, what)
+        except ObjectNotFound:
+            for folder_id, parent, name in folders:
+                self._folder(folder_id, parent, name)
+            return self.b.create_with_id(file_id, body, data, what)
+
     def _node(self, node_id: str, parent: str, name: str, count: int, create: bool) -> builtins.list[str] | None:
         with self._lock:
             cached = self._nodes.get(node_id)
@@ -1407,9 +1419,10 @@ class DriveLogs:
             if not create:
                 return None
             children = self.b.reserve_ids(count)
-            if self.b.create_with_id(node_id, {"name": name, "parents": [parent],
-                                               "mimeType": OCTET},
-                                     encode_node(children), "create a log index node on"):
+            ns_id, folder, _ = self._props()
+            if self._create_in(node_id, {"name": name, "parents": [parent], "mimeType": OCTET},
+                               encode_node(children), [(folder, ns_id, LOG_FOLDER_NAME)],
+                               "create a log index node on"):
                 data = encode_node(children)
             else:  # made by another client (or by our own lost attempt): theirs counts
                 data = self._read(node_id, f"log index node {name}", must_exist=True)
@@ -1421,9 +1434,7 @@ class DriveLogs:
 
     def _bucket(self, log: str, create: bool) -> tuple[str, str] | None:
         """``(id of the bucket's first head, shard folder id)`` for ``log``."""
-        ns_id, folder, root = self._props()
-        if create:
-            self._folder(folder, ns_id, LOG_FOLDER_NAME)
+        _, folder, root = self._props()
         top = self._node(root, folder, "index", FANOUT, create)
         if top is None:
             return None
@@ -1431,10 +1442,13 @@ class DriveLogs:
         node = self._node(top[h[0]], folder, f"index {h[0]:02x}", FANOUT + 1, create)
         if node is None:
             return None
-        shard = node[FANOUT]
-        if create:
-            self._folder(shard, folder, f"{h[0]:02x}")
-        return node[h[1]], shard
+        return node[h[1]], node[FANOUT]
+
+    def _shard_path(self, log: str, shard: str) -> builtins.list[tuple[str, str, str]]:
+        """The folders an entry of ``log`` goes into, outermost first."""
+        ns_id, folder, _ = self._props()
+        first = hashlib.sha256(log.encode()).digest()[0]
+        return [(folder, ns_id, LOG_FOLDER_NAME), (shard, folder, f"{first:02x}")]
 
     def _entry(self, file_id: str, what: str, must_exist: bool) -> LogEntry | None:
         data = self._read(file_id, what, must_exist)
@@ -1459,9 +1473,9 @@ class DriveLogs:
                 mine = LogEntry(token, message, tuple(self.b.reserve_ids(SUCCESSORS)), log,
                                 self.b.reserve_ids(1)[0])
                 name = f"log {log.replace('/', '-')} {0:010d}"
-                if self.b.create_with_id(slot, {"name": name, "parents": [shard],
-                                                "mimeType": OCTET},
-                                         mine.encode(), "append to a log on"):
+                if self._create_in(slot, {"name": name, "parents": [shard], "mimeType": OCTET},
+                                   mine.encode(), self._shard_path(log, shard),
+                                   "append to a log on"):
                     head, made = mine, True
                 else:
                     head = self._entry(slot, "a log head", must_exist=True)
@@ -1547,11 +1561,11 @@ class DriveLogs:
             previous = chain.entries[-1]
             file_id = chain.id_of(position)
         assert file_id is not None
-        _, shard = cast(tuple[str, str], self._bucket(log, True))
+        _, shard = cast(tuple[str, str], self._bucket(log, False))
         mine = LogEntry(token, message, (*previous.successors[1:], self.b.reserve_ids(1)[0]))
         name = f"log {log.replace('/', '-')} {position:010d}"
-        if self.b.create_with_id(file_id, {"name": name, "parents": [shard], "mimeType": OCTET},
-                                 mine.encode(), "append to a log on"):
+        if self._create_in(file_id, {"name": name, "parents": [shard], "mimeType": OCTET},
+                           mine.encode(), self._shard_path(log, shard), "append to a log on"):
             self._learn(log, chain, position, file_id, mine)
             return True
         stored = self._entry(file_id, f"log {log} entry {position}", must_exist=True)

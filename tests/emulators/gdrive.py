@@ -469,10 +469,10 @@ class GDriveEmulator(Emulator):
             if value is not None and name in ("name", "mimeType", "id") and not isinstance(value, str):
                 raise invalid(f"Invalid value for {name}", name)
         if file_id is None:
-            new_id = self._take_id(meta)
             parents = self._check_parents(list(meta.get("parents") or ["root"]))
             if len(parents) != 1:
                 raise DriveError(403, "cannotAddParent", "Increasing the number of parents is not allowed.")
+            new_id = self._take_id(meta)  # a refused create leaves the id usable
             now = self._clock.now()
             mime = str(meta.get("mimeType") or "application/octet-stream")
             item = Item(new_id, str(meta.get("name") or "Untitled"), mime, parents, now, now,
