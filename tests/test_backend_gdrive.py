@@ -7,6 +7,7 @@ revocation), `metasync auth gdrive` against the emulator's OAuth endpoints,
 
 from __future__ import annotations
 
+import hashlib
 import io
 import itertools
 import os
@@ -403,16 +404,50 @@ def test_revoked_grant_says_run_metasync_auth(gdrive_service: GDriveService) -> 
         open_backend("gdrive:revoked?account=nobody", "ns").exists()
 
 
-def test_open_reads_one_revision(gd: GDriveBackend) -> None:
-    """open() reads ranges of the revision it started with: a replace while reading
-    never mixes versions."""
+def test_open_reads_one_revision(gd: GDriveBackend, gdrive_service: GDriveService) -> None:
+    """open() reads ranges of the revision it started with: a replace while reading,
+    and connections dropped meanwhile, never mix versions."""
     old = pattern_bytes(23, 0, 2 * CHUNK_SIZE + 5)
     gd.put("k", old)
     with gd.open("k") as stream:
         first = stream.read(MiB)
         gd.put("k", pattern_bytes(24, 0, 2 * CHUNK_SIZE + 5))
+        gdrive_service.server._server.close_all()  # every open connection drops
         rest = stream.read()
     assert first + rest == old
+
+
+def _colliding_log_names() -> tuple[str, str]:
+    """Two log names in one index bucket (same first two bytes of SHA-256)."""
+    seen: dict[bytes, str] = {}
+    for i in itertools.count():
+        name = f"bucket/{i}"
+        prefix = hashlib.sha256(name.encode()).digest()[:2]
+        if prefix in seen:
+            return seen[prefix], name
+        seen[prefix] = name
+    raise AssertionError("unreachable")
+
+
+def test_logs_sharing_an_index_bucket(gd: GDriveBackend) -> None:
+    """Two logs whose names hash to one bucket: the second log's head is chained
+    after the first's, each keeps its own entries, and a client new to both finds
+    them through the chain (including the log that does not exist yet)."""
+    first, second = _colliding_log_names()
+    assert gd.append(first, b"1a") == 0
+    other = open_backend(gd.uri, gd.namespace)
+    assert other.fetch(second) == []
+    assert other.append(second, b"2a") == 0
+    assert gd.append(second, b"2b") == 1
+    assert gd.append(first, b"1b") == 1
+    fresh = open_backend(gd.uri, gd.namespace)
+    assert fresh.fetch(first) == [(0, b"1a"), (1, b"1b")]
+    assert fresh.fetch(second) == [(0, b"2a"), (1, b"2b")]
+    assert fresh.append_at(second, 0, b"no") is False
+    assert fresh.append_at(second, 2, b"2c") is True
+    assert gd.fetch(second, 2) == [(2, b"2c")]
+    other.close()
+    fresh.close()
 
 
 def test_listing_pages(gd: GDriveBackend, gdrive_service: GDriveService) -> None:
