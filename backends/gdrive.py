@@ -99,6 +99,8 @@ GOOGLE_TOKEN_URI = "https://oauth2.googleapis.com/token"
 #: ``drive.file`` scope would not show.
 SCOPES = ("https://www.googleapis.com/auth/drive",)
 FOLDER = "application/vnd.google-apps.folder"
+#: Redirect address of sign-ins without a local server (nothing listens on port 1).
+MANUAL_REDIRECT = "http://localhost:1/"
 OCTET = "application/octet-stream"
 #: Objects up to this size are one multipart upload; larger ones a resumable upload.
 MULTIPART_LIMIT = 5 * 1024 * 1024
@@ -1701,13 +1703,18 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
                             f"metasync (it returns here by itself):\n  {url}")
             return url, state
 
-    flow = Flow.from_client_config(config, list(SCOPES), autogenerate_code_verifier=True)
+    # Without a local server (--no-browser, --code) the code may come from another run
+    # of this command (a code pasted later with --code), which cannot know this run's
+    # PKCE verifier: those modes use the client secret alone, and a fixed loopback
+    # address nothing listens on (port 1), so the code is bound to a known redirect.
+    manual = request.no_browser or request.code is not None
+    flow = Flow.from_client_config(config, list(SCOPES), autogenerate_code_verifier=not manual)
     pin_ca(flow.oauth2session, ca_file)
     if ca_file:
         flow.oauth2session.verify = ca_file
     try:
-        if request.no_browser or request.code is not None:
-            flow.redirect_uri = f"http://localhost:{_unused_port()}/"
+        if manual:
+            flow.redirect_uri = MANUAL_REDIRECT
             flow.authorization_url()
             answer = request.code if request.code is not None else ui.prompt("Address or code: ")
             code = _code_from_answer(answer, shown["state"])
@@ -1755,7 +1762,3 @@ class _StaticBearer:
         return self.raw.request(uri, method, body=body, headers=headers, **kwargs)
 
 
-def _unused_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 import httpx
 import pytest
@@ -491,6 +492,7 @@ def _approve(url: str, ca_file: str) -> str:
     assert answer.status_code == 302, answer.text
     location = answer.headers["location"]
     assert location.startswith("http://localhost:"), location
+    assert "code=" in location and "state=" in location
     return location
 
 
@@ -542,6 +544,15 @@ def test_auth_gdrive_no_browser(gdrive_service: GDriveService) -> None:
     location = _approve(url, gdrive_service.ca_file).replace("state=", "state=x")
     _, err = proc.communicate(location + "\n", timeout=120)
     assert proc.returncode != 0 and "state differs" in err and "Traceback" not in err
+    # A code from an abandoned --no-browser run, passed later with --code.
+    proc = _auth(["--no-browser", "--account", "later"])
+    location = _approve(_read_url(proc, gdrive_service.base_url), gdrive_service.ca_file)
+    proc.communicate("", timeout=120)
+    code = dict(parse_qsl(urlsplit(location).query))["code"]
+    proc = _auth(["--account", "later", "--code", code])
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    _check_grant(gdrive_service, "later")
     proc = _auth(["--no-browser", "--account", "bad", "--code", "not-a-code"])
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "did not accept" in err and len(err.strip().splitlines()) == 1
