@@ -184,6 +184,25 @@ def test_racing_namespace_creators_agree(gdrive_service: GDriveService) -> None:
     second.put("k", b"v")
     assert first.get("k") == b"v"
     assert len(emulator.path_items(f"racing/{namespace}")) == 2
+    # A creator that did not see the other's folder before making its own removes
+    # its own once it sees it is the later one.
+    late_ns = fresh_namespace()
+    early = open_backend(location, late_ns)
+    early.create()
+    late = open_backend(location, late_ns)
+    assert isinstance(late, GDriveBackend)
+    real = late._find_namespace
+    blind = [True]
+
+    def not_yet_visible() -> dict[str, Any] | None:
+        if blind.pop() if blind else False:
+            return None
+        return real()
+
+    late._find_namespace = not_yet_visible  # type: ignore[method-assign]
+    late.create()
+    (survivor,) = emulator.path_items(f"racing/{late_ns}")
+    assert survivor.id == early.namespace_folder()["id"] == late.namespace_folder()["id"]
 
 
 def test_drive_refuses_a_second_create_of_one_id(gd: GDriveBackend) -> None:
