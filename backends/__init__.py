@@ -49,6 +49,7 @@ BUILTIN_SCHEMES: dict[str, str] = {
     "dropbox": "dropbox",
     "box": "box",
     "onedrive": "onedrive",
+    "gdrive": "gdrive",
 }
 
 

@@ -70,6 +70,7 @@ AUTH_PROVIDERS: dict[str, str] = {
     "dropbox": "dropbox",
     "box": "box",
     "onedrive": "onedrive",
+    "gdrive": "gdrive",
 }
 
 #: An access token this close to its expiry (seconds) is refreshed before use.

@@ -30,6 +30,7 @@ pytest_plugins: list[str] = [
     "tests.emulators.dropbox",
     "tests.emulators.box",
     "tests.emulators.onedrive",
+    "tests.emulators.gdrive",
 ]
 
 # Sign-ins (tokens) of the tests live in a throwaway folder, in files: never in the
