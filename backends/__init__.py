@@ -46,6 +46,10 @@ BUILTIN_SCHEMES: dict[str, str] = {
     "webdav": "webdav",
     "webdavs": "webdav",
     "rclone": "rclone",
+    "dropbox": "dropbox",
+    "box": "box",
+    "onedrive": "onedrive",
+    "gdrive": "gdrive",
 }
 
 

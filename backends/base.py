@@ -89,6 +89,8 @@ class Capabilities:
     case_sensitive: bool = True
     #: ``poll`` can block until a change (long-poll) rather than only compare tokens.
     long_poll: bool = False
+    #: ``share`` gives another user of the service access to the namespace folder.
+    sharing: bool = False
 
 
 class Backend(ABC):
@@ -203,6 +205,12 @@ class Backend(ABC):
         ``position`` entries, atomically against concurrent writers; return False
         (writing nothing) otherwise. Only where ``capabilities.conditional_append``."""
         raise NotImplementedError(f"{type(self).__name__} has no conditional appends")
+
+    def share(self, email: str) -> str:
+        """Give the user ``email`` of this service read-write access to the namespace
+        folder (an invitation they accept on the service); return one line saying what
+        was done. Idempotent. Only where ``capabilities.sharing``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot share folders")
 
     @abstractmethod
     def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:

@@ -489,6 +489,85 @@ def rebalance() -> None:
     _warn_leftovers(report)
 
 
+@cli.command()
+@click.argument("email")
+def share(email: str) -> None:
+    """Share the repository folder with EMAIL on every backend that can."""
+    with _open() as repo:
+        results = repo.share(email)
+    manual = 0
+    for r in results:
+        if r.shared:
+            _say(f"shared:  {r.backend}: {r.detail}")
+        else:
+            manual += 1
+            click.echo(f"by hand: {r.backend}: {r.detail}")
+    if manual:
+        click.echo(f"{manual} of {len(results)} backend(s) need sharing by hand (see above)",
+                   err=True)
+
+
+class ClickAuthUI:
+    """``metasync auth`` talking to the terminal: URLs on stdout, codes from stdin."""
+
+    def __init__(self, no_browser: bool) -> None:
+        self.no_browser = no_browser
+
+    def show(self, text: str) -> None:
+        click.echo(text)
+
+    def open_browser(self, url: str) -> bool:
+        if self.no_browser:
+            return False
+        if sys.platform.startswith("linux") and not (
+            os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
+        ):
+            return False  # no desktop: a text browser would take over the terminal
+        import webbrowser
+
+        try:
+            return webbrowser.open(url)
+        except webbrowser.Error:
+            return False
+
+    def prompt(self, text: str) -> str:
+        click.echo(text, nl=False, err=True)
+        line = sys.stdin.readline()
+        if not line:
+            raise UsageError("no answer on standard input; sign-in cancelled")
+        return line.strip()
+
+
+def _auth_help() -> str:
+    from metasync.backends.cloud import AUTH_PROVIDERS
+
+    return (f"Sign in to a cloud PROVIDER ({', '.join(sorted(AUTH_PROVIDERS))}) and keep "
+            "the grant on this computer (OS keyring, else a private file).")
+
+
+@cli.command(help=_auth_help())
+@click.argument("provider")
+@click.option("--account", default="default", show_default=True,
+              help="Name for this sign-in; a backend URI selects it with ?account=NAME.")
+@click.option("--no-browser", is_flag=True,
+              help="Do not open a browser: print the address to visit and read the code.")
+@click.option("--app-key", default=None, help="Your own app's key (else METASYNC_<PROVIDER>_APP_KEY).")
+@click.option("--app-secret", default=None,
+              help="Your own app's secret, if it has one (else METASYNC_<PROVIDER>_APP_SECRET).")
+@click.option("--code", default=None, help="An authorization code obtained already.")
+def auth(provider: str, account: str, no_browser: bool, app_key: str | None,
+         app_secret: str | None, code: str | None) -> None:
+    from metasync.backends.cloud import AuthRequest, authorize, endpoint, token_store
+
+    store = token_store()
+    request = AuthRequest(provider.lower(), account, app_key, app_secret, no_browser, code,
+                          endpoint(provider.lower()))
+    grant = authorize(request, ClickAuthUI(no_browser), store)
+    who = grant.extra.get("email") or grant.extra.get("account_id") or grant.account
+    _say(f"Signed in to {grant.provider} as {who} (account {grant.account!r}); "
+         f"the sign-in is kept in {store.where}")
+
+
 # ============================================================== daemon
 def _settings_options(f: Callable[..., Any]) -> Callable[..., Any]:
     f = click.option("--settle", type=click.FloatRange(min=0), default=3.0, show_default=True,

@@ -71,3 +71,8 @@ class AlreadyExists(BackendError):
 
 class InvalidKey(BackendError):
     """A key is not a safe relative name (empty part, '..', absolute, bad character)."""
+
+
+class AuthorizationRequired(BackendError):
+    """A cloud provider has no usable sign-in for this client: never signed in, or the
+    grant expired or was revoked. The message says which ``metasync auth`` to run."""

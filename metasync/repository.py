@@ -272,6 +272,17 @@ class FsckReport:
         return all(p in fixed for p in self.problems)
 
 
+@dataclass(frozen=True)
+class ShareResult:
+    """What ``share`` did on one backend."""
+
+    backend: str
+    #: True if the service itself shared the folder (or invited the user).
+    shared: bool
+    #: One line: what was done, or why it must be shared by hand.
+    detail: str
+
+
 class _KnownIds:
     """Which object ids already have a location, answered from any thread."""
 
@@ -2373,6 +2384,28 @@ class Repository:
         except CorruptObject:
             return FsckProblem(backend_id, kind, object_id, "corrupt")
         return None
+
+    # ============================================================== sharing
+    def share(self, email: str) -> list[ShareResult]:
+        """Share the repository folder with ``email`` (paper 3.8) on every backend
+        whose service can (``capabilities.sharing``); the others are reported as
+        needing manual sharing. A failure on one backend does not stop the others."""
+        if "@" not in email or email.startswith("@") or email.endswith("@") or " " in email:
+            raise UsageError(f"{email!r} is not an e-mail address")
+
+        def one(backend: Backend) -> ShareResult:
+            if not backend.capabilities.sharing:
+                return ShareResult(
+                    backend.name, False,
+                    f"{backend.scheme or 'this'}: backends have no sharing API; give {email} "
+                    f"access to {backend.name} (namespace {backend.namespace!r}) by hand",
+                )
+            try:
+                return ShareResult(backend.name, True, backend.share(email))
+            except MetasyncError as exc:
+                return ShareResult(backend.name, False, f"sharing failed: {exc}")
+
+        return list(self.store.executor.map(one, self.backends.values()))
 
     def backend_name(self, backend_id: str) -> str:
         backend = self._opened.get(backend_id)

@@ -21,7 +21,22 @@ pytest.register_assert_rewrite("metasync.backends.conformance")
 from metasync.backends.conformance import deselect_inapplicable  # noqa: E402
 
 # Fixtures that start real servers on loopback, one module per server.
-pytest_plugins: list[str] = ["tests.servers.webdav", "tests.servers.seaweedfs", "tests.servers.sshd", "tests.servers.rclone"]
+pytest_plugins: list[str] = [
+    "tests.servers.webdav",
+    "tests.servers.seaweedfs",
+    "tests.servers.sshd",
+    "tests.servers.rclone",
+    # Emulators of the cloud providers' REST APIs (tests/emulators/).
+    "tests.emulators.dropbox",
+    "tests.emulators.box",
+    "tests.emulators.onedrive",
+    "tests.emulators.gdrive",
+]
+
+# Sign-ins (tokens) of the tests live in a throwaway folder, in files: never in the
+# user's keyring or ~/.config. Set before anything reads them; child processes inherit.
+os.environ["METASYNC_CONFIG_DIR"] = tempfile.mkdtemp(prefix="metasync-test-config-")
+os.environ["METASYNC_TOKEN_STORE"] = "file"
 
 # Backoff between retries in tests: short, so fault-injection tests stay quick.
 os.environ.setdefault("METASYNC_RETRY_BASE", "0.02")
@@ -29,6 +44,16 @@ os.environ.setdefault("METASYNC_RETRY_BASE", "0.02")
 # Under pytest-xdist the workers collect (and deselect); they report the reasons
 # through this file, which the controlling process prints in its summary.
 _DESELECTED_LOG = "METASYNC_TEST_DESELECTED_LOG"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--live",
+        action="store_true",
+        default=False,
+        help="also run tests marked `live` against the real cloud services (they need "
+        "credentials in environment variables; see docs/backends.md)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -40,6 +65,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     lines = deselect_inapplicable(config, items)
+    if not config.getoption("--live"):
+        # Tests against real services are deselected (not skipped) without --live.
+        live = [item for item in items if item.get_closest_marker("live")]
+        if live:
+            config.hook.pytest_deselected(items=live)
+            items[:] = [item for item in items if not item.get_closest_marker("live")]
+            lines += [f"{item.nodeid}: a live test (run with --live)" for item in live]
     if lines:
         with open(os.environ[_DESELECTED_LOG], "a", encoding="utf-8") as log:
             log.writelines(line + "\n" for line in lines)

@@ -1,0 +1,643 @@
+"""What the cloud-provider backends (``dropbox:``, ``gdrive:``, ``box:``, ``onedrive:``)
+share: sign-in grants and where they are kept, app keys, API endpoints (so tests can
+point an SDK at an emulator), the ``metasync auth`` dispatch and throttling answers.
+
+Grants
+    A :class:`Grant` is what a provider's sign-in gives this client: a refresh token
+    (long-lived), the current access token and its expiry, and the app key it was
+    issued to. It is kept *per client* by a :class:`TokenStore` (the OS keyring via
+    the ``keyring`` package when a real keyring is available, else a 0600 JSON file
+    ``<config dir>/tokens/<provider>-<account>.json`` written atomically) and never
+    written to a backend: a repository's configuration names only
+    ``dropbox:PATH?account=NAME``. ``METASYNC_TOKEN_STORE=file|keyring`` forces one.
+
+Refresh
+    A backend asks its :class:`TokenSource` for an access token before each request.
+    An access token within :data:`EXPIRY_MARGIN` of its expiry (or one the service
+    called expired: :meth:`TokenSource.expired`) is refreshed with the provider's
+    ``refresh`` function under a per-grant file lock, after re-reading the store:
+    several processes of one client refresh once, and providers that rotate refresh
+    tokens (Box, Microsoft) never see an old one used twice. A refresh the provider
+    refuses (``invalid_grant``: revoked, expired) raises :class:`AuthorizationRequired`
+    whose message is "... run `metasync auth PROVIDER`".
+
+Config dir
+    ``$METASYNC_CONFIG_DIR``, else ``$XDG_CONFIG_HOME/metasync``, else
+    ``~/.config/metasync``. Tests set ``METASYNC_CONFIG_DIR`` and
+    ``METASYNC_TOKEN_STORE=file`` so they never touch the user's keyring or files.
+
+Endpoints
+    ``METASYNC_<PROVIDER>_API_URL`` (or the URI option ``api=``) replaces the
+    provider's API base URL, and ``METASYNC_<PROVIDER>_CA_FILE`` (or ``ca=``) names a
+    PEM file of CAs to trust for it: how the tests aim the official SDK at an emulator
+    in tests/emulators/. :func:`endpoint` reads them.
+
+App keys
+    ``METASYNC_<PROVIDER>_APP_KEY`` / ``METASYNC_<PROVIDER>_APP_SECRET`` or
+    ``metasync auth PROVIDER --app-key K [--app-secret S]`` select the app a user signs
+    in to (:func:`app_credentials`); the grant remembers it, so backends need no key.
+
+Sign-in
+    ``metasync auth PROVIDER`` calls :func:`authorize`, which imports the provider's
+    backend module (named in :data:`AUTH_PROVIDERS`) and runs its
+    ``authorize(request: AuthRequest, ui: AuthUI) -> Grant``, then saves the grant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib
+import json
+import os
+import re
+import secrets
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from metasync.backends.retry import TransientError
+from metasync.errors import AuthorizationRequired, BackendError, UsageError
+
+#: Provider name (as in ``metasync auth NAME``) -> module of metasync.backends that
+#: defines its ``authorize``. Imported on use, like BUILTIN_SCHEMES.
+AUTH_PROVIDERS: dict[str, str] = {
+    "dropbox": "dropbox",
+    "box": "box",
+    "onedrive": "onedrive",
+    "gdrive": "gdrive",
+}
+
+#: An access token this close to its expiry (seconds) is refreshed before use.
+EXPIRY_MARGIN = 300.0
+#: Account name used when a URI or ``metasync auth`` names none.
+DEFAULT_ACCOUNT = "default"
+#: Keyring service name under which grants are stored.
+KEYRING_SERVICE = "metasync"
+
+_ACCOUNT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def config_dir() -> Path:
+    """metasync's per-user configuration folder (not created here)."""
+    explicit = os.environ.get("METASYNC_CONFIG_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CONFIG_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".config"
+    return base / "metasync"
+
+
+def check_account(account: str) -> str:
+    """``account`` if it is a valid account name (it becomes part of a file name)."""
+    if not _ACCOUNT.match(account) or account in (".", ".."):
+        raise UsageError(
+            f"invalid account name {account!r}: use up to 64 letters, digits, '.', '_', '-'"
+        )
+    return account
+
+
+def auth_hint(provider: str, account: str) -> str:
+    """The command that signs ``account`` in to ``provider`` again."""
+    if account == DEFAULT_ACCOUNT:
+        return f"run `metasync auth {provider}`"
+    return f"run `metasync auth {provider} --account {account}`"
+
+
+# --- grants ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Grant:
+    """One signed-in account of one provider, as this client keeps it."""
+
+    provider: str
+    account: str
+    #: The app (OAuth client id) the grant was issued to; refreshes must use it.
+    app_key: str
+    refresh_token: str | None
+    access_token: str | None = None
+    #: Unix time the access token expires (None: unknown or never).
+    expires_at: float | None = None
+    #: Only for apps that have one (confidential clients); PKCE apps have none.
+    app_secret: str | None = None
+    #: Provider-specific facts (the account's id or e-mail, granted scopes, ...).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def fresh(self, now: float, margin: float = EXPIRY_MARGIN) -> bool:
+        """True if the access token is usable for at least ``margin`` more seconds."""
+        if not self.access_token:
+            return False
+        return self.expires_at is None or self.expires_at - margin > now
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> Grant:
+        try:
+            doc = json.loads(text)
+            grant = cls(**doc)
+            if not isinstance(grant.provider, str) or not isinstance(grant.app_key, str):
+                raise TypeError("provider/app_key")
+        except (ValueError, TypeError) as exc:
+            raise AuthorizationRequired(
+                f"the saved sign-in in {where} is damaged ({exc}); sign in again"
+            ) from None
+        return grant
+
+
+class TokenStore(Protocol):
+    """Where grants are kept on this client."""
+
+    #: Human name of the place, for messages.
+    where: str
+
+    def load(self, provider: str, account: str) -> Grant | None: ...
+
+    def save(self, grant: Grant) -> None: ...
+
+    def delete(self, provider: str, account: str) -> None: ...
+
+
+def _grant_name(provider: str, account: str) -> str:
+    return f"{provider}-{check_account(account)}"
+
+
+class FileTokenStore:
+    """Grants as 0600 JSON files in a 0700 folder, each written atomically."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.where = str(folder)
+
+    def path(self, provider: str, account: str) -> Path:
+        return self.folder / f"{_grant_name(provider, account)}.json"
+
+    def load(self, provider: str, account: str) -> Grant | None:
+        path = self.path(provider, account)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise BackendError(f"cannot read the saved sign-in {path}: {exc.strerror}") from None
+        return Grant.from_json(text, str(path))
+
+    def save(self, grant: Grant) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = self.path(grant.provider, grant.account)
+        tmp = path.with_name(f".tmp-{secrets.token_hex(6)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(grant.to_json())
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        dir_fd = os.open(self.folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def delete(self, provider: str, account: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path(provider, account).unlink()
+
+
+class KeyringTokenStore:
+    """Grants in the OS keyring (Secret Service, macOS Keychain, Windows Credential
+    Locker), one entry per provider and account under the service ``metasync``."""
+
+    def __init__(self) -> None:
+        import keyring
+
+        self._keyring = keyring
+        self.where = f"the {type(keyring.get_keyring()).__name__} keyring"
+
+    def load(self, provider: str, account: str) -> Grant | None:
+        text = self._keyring.get_password(KEYRING_SERVICE, _grant_name(provider, account))
+        return None if text is None else Grant.from_json(text, self.where)
+
+    def save(self, grant: Grant) -> None:
+        self._keyring.set_password(
+            KEYRING_SERVICE, _grant_name(grant.provider, grant.account), grant.to_json()
+        )
+
+    def delete(self, provider: str, account: str) -> None:
+        import keyring.errors
+
+        with contextlib.suppress(keyring.errors.PasswordDeleteError):
+            self._keyring.delete_password(KEYRING_SERVICE, _grant_name(provider, account))
+
+
+def _keyring_usable() -> bool:
+    """True if ``keyring`` finds a real backend (not its fail/null placeholders)."""
+    try:
+        import keyring
+        from keyring.backends import fail
+    except ImportError:
+        return False
+    try:
+        backend = keyring.get_keyring()
+    except Exception:
+        return False
+    if isinstance(backend, fail.Keyring) or type(backend).__module__.endswith(".null"):
+        return False
+    return not (type(backend).__name__ == "ChainerBackend" and not getattr(backend, "backends", None))
+
+
+def token_store() -> TokenStore:
+    """The store of this client: ``METASYNC_TOKEN_STORE`` if set, else the keyring
+    when usable, else files under :func:`config_dir`."""
+    choice = os.environ.get("METASYNC_TOKEN_STORE", "").strip().lower()
+    if choice not in ("", "file", "keyring"):
+        raise UsageError(f"METASYNC_TOKEN_STORE must be 'file' or 'keyring', not {choice!r}")
+    if choice == "keyring" or (choice == "" and _keyring_usable()):
+        if choice == "keyring" and not _keyring_usable():
+            raise UsageError(
+                "METASYNC_TOKEN_STORE=keyring, but no OS keyring is available; unset it to "
+                "keep sign-ins in files"
+            )
+        return KeyringTokenStore()
+    return FileTokenStore(config_dir() / "tokens")
+
+
+@contextlib.contextmanager
+def grant_lock(provider: str, account: str) -> Iterator[None]:
+    """An exclusive lock across processes for refreshing one grant."""
+    folder = config_dir() / "locks"
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(folder / f"{_grant_name(provider, account)}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+#: ``refresh(grant) -> grant``: a provider's refresh; raises AuthorizationRequired if
+#: the provider refuses the grant, a transient BackendError if it cannot be reached.
+Refresher = Callable[[Grant], Grant]
+
+
+class TokenSource:
+    """Valid access tokens for one provider account, refreshed as needed.
+
+    Thread-safe; one per backend instance (or shared). ``clock`` is for tests.
+    """
+
+    def __init__(
+        self,
+        provider: str,
+        account: str,
+        refresh: Refresher,
+        *,
+        store: TokenStore | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.provider = provider
+        self.account = check_account(account)
+        self._refresh = refresh
+        self._store = store
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._grant: Grant | None = None
+        #: Refreshes made by this source (for tests).
+        self.refreshes = 0
+        #: The access token the last refresh of this source produced.
+        self.refreshed_token: str | None = None
+
+    @property
+    def store(self) -> TokenStore:
+        if self._store is None:
+            self._store = token_store()
+        return self._store
+
+    def rejected(self, token: str, detail: str) -> TransientError:
+        """The service refused ``token`` (``detail`` says why): the error to raise.
+        A transient one (after which the next request refreshes) unless ``token`` came
+        from a refresh just now, then :class:`AuthorizationRequired`."""
+        if token == self.refreshed_token:
+            raise AuthorizationRequired(
+                f"{self.provider} refused the sign-in of account {self.account!r} ({detail}); "
+                f"{auth_hint(self.provider, self.account)}"
+            )
+        self.expired(token)
+        return TransientError(f"{self.provider} refused the access token ({detail})", retry_after=0.0)
+
+    def _missing(self) -> AuthorizationRequired:
+        return AuthorizationRequired(
+            f"not signed in to {self.provider} as account {self.account!r} on this "
+            f"computer; {auth_hint(self.provider, self.account)}"
+        )
+
+    def grant(self) -> Grant:
+        """The current grant with a fresh access token (refreshing if needed)."""
+        with self._lock:
+            grant = self._grant
+            if grant is None or not grant.fresh(self._clock()):
+                grant = self._renew(stale=grant.access_token if grant else None)
+                self._grant = grant
+            return grant
+
+    def access_token(self) -> str:
+        token = self.grant().access_token
+        assert token is not None  # grant() returns only fresh grants
+        return token
+
+    def expired(self, token: str) -> None:
+        """The service called ``token`` expired or invalid: refresh before next use.
+
+        A provider that calls a token *invalid* (rather than expired) may have revoked
+        only the access token: refresh once; if the token a refresh just produced is
+        refused too, raise AuthorizationRequired instead."""
+        with self._lock:
+            if self._grant is not None and self._grant.access_token == token:
+                self._grant = replace(self._grant, expires_at=0.0)
+
+    def _renew(self, stale: str | None) -> Grant:
+        with grant_lock(self.provider, self.account):
+            stored = self.store.load(self.provider, self.account)
+            if stored is None:
+                raise self._missing()
+            # Another process (or thread) may have refreshed already.
+            if stored.fresh(self._clock()) and stored.access_token != stale:
+                return stored
+            if not stored.refresh_token:
+                raise AuthorizationRequired(
+                    f"the {self.provider} sign-in of account {self.account!r} expired; "
+                    f"{auth_hint(self.provider, self.account)}"
+                )
+            fresh = self._refresh(stored)
+            self.refreshes += 1
+            self.refreshed_token = fresh.access_token
+            self.store.save(fresh)
+            return fresh
+
+
+# --- sign-in ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a provider's API is: ``base_url`` None means the real service."""
+
+    base_url: str | None = None
+    #: PEM file of CAs to trust (None: the system's).
+    ca_file: str | None = None
+
+
+def endpoint(provider: str, options: dict[str, str] | None = None) -> Endpoint:
+    """The API endpoint of ``provider``: URI options ``api=``/``ca=`` first, then
+    ``METASYNC_<PROVIDER>_API_URL`` / ``METASYNC_<PROVIDER>_CA_FILE``."""
+    options = options or {}
+    prefix = f"METASYNC_{provider.upper()}_"
+    base = options.get("api") or os.environ.get(prefix + "API_URL") or None
+    ca = options.get("ca") or os.environ.get(prefix + "CA_FILE") or None
+    if base is not None:
+        base = base.rstrip("/")
+        if not re.match(r"^https?://[^/?#]+$", base):
+            raise UsageError(
+                f"{provider} API URL {base!r} must be scheme://host[:port] with no path"
+            )
+    return Endpoint(base, ca)
+
+
+def app_credentials(
+    provider: str, app_key: str | None = None, app_secret: str | None = None
+) -> tuple[str, str | None]:
+    """``(app key, app secret or None)`` for signing in to ``provider``: the given
+    values, else ``METASYNC_<PROVIDER>_APP_KEY`` / ``..._APP_SECRET``."""
+    prefix = f"METASYNC_{provider.upper()}_"
+    key = app_key or os.environ.get(prefix + "APP_KEY")
+    secret = app_secret or os.environ.get(prefix + "APP_SECRET") or None
+    if not key:
+        raise UsageError(
+            f"no {provider} app key: register an app (docs/backends.md, section "
+            f"{provider}:) and pass --app-key KEY or set {prefix}APP_KEY"
+        )
+    return key, secret
+
+
+@dataclass(frozen=True)
+class AuthRequest:
+    """What ``metasync auth PROVIDER`` was asked for."""
+
+    provider: str
+    account: str = DEFAULT_ACCOUNT
+    app_key: str | None = None
+    app_secret: str | None = None
+    #: Do not start a browser; print the URL (or device code) and read the answer.
+    no_browser: bool = False
+    #: An authorization code obtained beforehand (skips the prompt).
+    code: str | None = None
+    endpoint: Endpoint = Endpoint()
+
+
+class AuthUI(Protocol):
+    """How a sign-in talks to the user (the CLI supplies one; tests script one)."""
+
+    def show(self, text: str) -> None:
+        """Tell the user something (a URL to open, a device code)."""
+
+    def open_browser(self, url: str) -> bool:
+        """Open ``url`` in a browser; False if none could be started."""
+
+    def prompt(self, text: str) -> str:
+        """Ask for one line (an authorization code); raises UsageError on EOF."""
+
+
+def authorize(request: AuthRequest, ui: AuthUI, store: TokenStore | None = None) -> Grant:
+    """Run ``request.provider``'s sign-in and keep the resulting grant on this client."""
+    module = AUTH_PROVIDERS.get(request.provider)
+    if module is None:
+        known = ", ".join(sorted(AUTH_PROVIDERS))
+        raise UsageError(f"unknown provider {request.provider!r} for `metasync auth`; known: {known}")
+    check_account(request.account)
+    provider_module = importlib.import_module(f"metasync.backends.{module}")
+    grant: Grant = provider_module.authorize(request, ui)
+    store = store or token_store()
+    with grant_lock(grant.provider, grant.account):
+        store.save(grant)
+    return grant
+
+
+# --- resumable uploads -------------------------------------------------------------------
+
+#: How long a provider keeps an unfinished upload session (Dropbox: 7 days, Graph and
+#: Drive: about a week); older journal records are not resumed.
+UPLOAD_SESSION_MAX_AGE = 6 * 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class PendingUpload:
+    """An upload session the provider holds part of: its id (or URL), how many bytes
+    it has, and the SHA-256 of those bytes (so a resumed source is checked to be the
+    same data before the rest is appended)."""
+
+    session: str
+    offset: int
+    prefix_sha256: str
+    started: float
+
+
+class UploadJournal:
+    """This client's record of one unfinished large upload, so that a ``put`` of the
+    same object to the same place after an interruption (a crash, a killed process, a
+    run of failures) continues the provider's upload session instead of starting
+    over. One JSON file per target under ``<config>/uploads/``; while an upload runs
+    it holds an exclusive lock on it, so concurrent writers of one key never share a
+    session (the second one simply uploads without a journal).
+
+    Usage (see dropbox.py ``_upload_session``)::
+
+        with UploadJournal("dropbox", target) as journal:
+            pending = journal.pending()      # None, or a session to resume
+            ... journal.record(PendingUpload(...)) after each piece ...
+            ... journal.clear() once committed ...
+    """
+
+    def __init__(self, provider: str, target: str) -> None:
+        digest = hashlib.sha256(target.encode()).hexdigest()[:32]
+        self.path = config_dir() / "uploads" / f"{provider}-{digest}.json"
+        self._fd: int | None = None
+
+    def __enter__(self) -> UploadJournal:
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # another writer of this target: go without a journal
+            return self
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    @property
+    def active(self) -> bool:
+        """False if another upload of the same target holds the journal."""
+        return self._fd is not None
+
+    def pending(self, now: float | None = None) -> PendingUpload | None:
+        if not self.active:
+            return None
+        try:
+            doc = json.loads(self.path.read_text(encoding="utf-8"))
+            pending = PendingUpload(**doc)
+        except (OSError, ValueError, TypeError):
+            return None
+        if (now if now is not None else time.time()) - pending.started > UPLOAD_SESSION_MAX_AGE:
+            self.clear()
+            return None
+        return pending
+
+    def record(self, pending: PendingUpload) -> None:
+        if not self.active:
+            return
+        tmp = self.path.with_name(f".tmp-{secrets.token_hex(6)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(asdict(pending), fh)
+        os.replace(tmp, self.path)
+
+    def clear(self) -> None:
+        if self.active:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+
+# --- throttling ------------------------------------------------------------------------
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (a number or an HTTP date)."""
+    if value is None or not value.strip():
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    from email.utils import parsedate_to_datetime
+
+    try:
+        when = parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when - (time.time() if now is None else now))
+
+
+def oauth2_refresh(
+    token_url: str,
+    grant: Grant,
+    *,
+    ca_file: str | None = None,
+    extra: dict[str, str] | None = None,
+    timeout: float = 30.0,
+    clock: Callable[[], float] = time.time,
+) -> Grant:
+    """A standard OAuth 2 refresh (RFC 6749 §6) of ``grant`` at ``token_url``.
+
+    Keeps the old refresh token unless the provider returns a new one (rotation).
+    ``invalid_grant``/``invalid_client`` answers raise AuthorizationRequired; a 429,
+    5xx or a network failure raises a transient error (with ``Retry-After``).
+    """
+    import httpx
+
+    form = {
+        "grant_type": "refresh_token",
+        "refresh_token": grant.refresh_token or "",
+        "client_id": grant.app_key,
+        **(extra or {}),
+    }
+    if grant.app_secret:
+        form["client_secret"] = grant.app_secret
+    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
+    try:
+        response = httpx.post(token_url, data=form, timeout=timeout, verify=verify)
+    except httpx.HTTPError as exc:
+        raise TransientError(
+            f"cannot refresh the {grant.provider} sign-in: {exc or type(exc).__name__}"
+        ) from None
+    if response.status_code == 429 or response.status_code >= 500:
+        raise TransientError(
+            f"refreshing the {grant.provider} sign-in: HTTP {response.status_code}",
+            retry_after=parse_retry_after(response.headers.get("Retry-After")),
+        )
+    try:
+        doc = response.json()
+    except ValueError:
+        doc = {}
+    if response.status_code != 200 or "access_token" not in doc:
+        error = doc.get("error") if isinstance(doc, dict) else None
+        if response.status_code in (400, 401) or error:
+            raise AuthorizationRequired(
+                f"{grant.provider} refused the saved sign-in of account {grant.account!r} "
+                f"({error or response.status_code}: revoked or expired); "
+                f"{auth_hint(grant.provider, grant.account)}"
+            )
+        raise BackendError(
+            f"refreshing the {grant.provider} sign-in: unexpected HTTP {response.status_code}"
+        )
+    expires_in = doc.get("expires_in")
+    return replace(
+        grant,
+        access_token=str(doc["access_token"]),
+        refresh_token=str(doc.get("refresh_token") or grant.refresh_token or "") or None,
+        expires_at=clock() + float(expires_in) if expires_in is not None else None,
+    )

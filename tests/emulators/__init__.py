@@ -1,0 +1,1 @@
+"""HTTP emulators of the cloud providers' REST APIs (see base.py), one module each."""
