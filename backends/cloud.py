@@ -73,6 +73,9 @@ AUTH_PROVIDERS: dict[str, str] = {
     "gdrive": "gdrive",
 }
 
+#: A token refused within this many seconds of the refresh that issued it means the
+#: grant itself is gone; refused later (revoked, clock skew), it is refreshed again.
+FRESH_REFUSAL_WINDOW = 60.0
 #: An access token this close to its expiry (seconds) is refreshed before use.
 EXPIRY_MARGIN = 300.0
 #: Account name used when a URI or ``metasync auth`` names none.
@@ -317,6 +320,7 @@ class TokenSource:
         self.refreshes = 0
         #: The access token the last refresh of this source produced.
         self.refreshed_token: str | None = None
+        self._refreshed_at = float("-inf")
 
     @property
     def store(self) -> TokenStore:
@@ -327,8 +331,10 @@ class TokenSource:
     def rejected(self, token: str, detail: str) -> TransientError:
         """The service refused ``token`` (``detail`` says why): the error to raise.
         A transient one (after which the next request refreshes) unless ``token`` came
-        from a refresh just now, then :class:`AuthorizationRequired`."""
-        if token == self.refreshed_token:
+        from a refresh less than ``FRESH_REFUSAL_WINDOW`` seconds ago, then
+        :class:`AuthorizationRequired`."""
+        just_now = self._clock() - self._refreshed_at < FRESH_REFUSAL_WINDOW
+        if token == self.refreshed_token and just_now:
             raise AuthorizationRequired(
                 f"{self.provider} refused the sign-in of account {self.account!r} ({detail}); "
                 f"{auth_hint(self.provider, self.account)}"
@@ -382,6 +388,7 @@ class TokenSource:
             fresh = self._refresh(stored)
             self.refreshes += 1
             self.refreshed_token = fresh.access_token
+            self._refreshed_at = self._clock()
             self.store.save(fresh)
             return fresh
 

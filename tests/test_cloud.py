@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -133,11 +134,19 @@ def test_missing_or_revoked_sign_in_names_the_command(tmp_path: Path) -> None:
     store.save(_grant(account="work", refresh_token=None, access_token=None))
     with pytest.raises(AuthorizationRequired, match="expired; run `metasync auth dropbox"):
         source.access_token()
-    fresh = TokenSource("dropbox", "default", lambda g: g, store=store)
-    fresh.refreshed_token = "tok"
+    # A token refused right after the refresh that issued it: the grant is gone.
+    now = [5000.0]
+    store.save(_grant(access_token=None))
+    fresh = TokenSource("dropbox", "default",
+                        lambda g: replace(g, access_token="tok", expires_at=now[0] + 3600),
+                        store=store, clock=lambda: now[0])
+    assert fresh.access_token() == "tok"
     with pytest.raises(AuthorizationRequired, match="run `metasync auth dropbox`"):
         fresh.rejected("tok", "invalid_access_token")
     assert isinstance(fresh.rejected("older", "expired_access_token"), TransientError)
+    # Refused much later (a revoked access token, clock skew): refresh again.
+    now[0] += 600
+    assert isinstance(fresh.rejected("tok", "invalid_access_token"), TransientError)
 
 
 def test_endpoint_and_app_keys(monkeypatch: pytest.MonkeyPatch) -> None:
