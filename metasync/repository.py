@@ -1643,7 +1643,7 @@ class Repository:
         of a thousand small files costs a few range reads, not a thousand.
         """
         ensured: set[str] = set()
-        by_pack: dict[str, list[WritePlan]] = {}
+        by_pack: dict[str, list[tuple[int, WritePlan]]] = {}
         jobs: list[list[WritePlan]] = []
         links: list[WritePlan] = []
         total = 0
@@ -1661,10 +1661,16 @@ class Repository:
                 loc = self.db.location(entry.ref)
                 if loc is None:
                     raise ObjectUnavailable(f"object {entry.ref[:12]} is in no known pack")
-                by_pack.setdefault(loc[0], []).append((path, entry, [(entry.ref, entry.size)]))
+                by_pack.setdefault(loc[0], []).append(
+                    (loc[1].offset, (path, entry, [(entry.ref, entry.size)])))
             else:
                 jobs.append([(path, entry, self._file_chunks(entry))])
-        for plans in by_pack.values():
+        for placed in by_pack.values():
+            # In pack order: each job's blobs are then neighbours, so its coalesced
+            # range reads cover only them (in path order they are scattered over the
+            # pack, and every job would read most of it).
+            placed.sort(key=lambda item: item[0])
+            plans = [plan for _, plan in placed]
             jobs.extend(plans[k : k + JOB_FILES] for k in range(0, len(plans), JOB_FILES))
         if links:
             jobs.append(links)
