@@ -160,6 +160,8 @@ def test_endpoint_and_app_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(UsageError, match="no path"):
         endpoint("box", {"api": "https://h/path"})
     monkeypatch.delenv("METASYNC_BOX_APP_KEY", raising=False)
+    # The Box emulator's session fixture may have set a secret in this worker.
+    monkeypatch.delenv("METASYNC_BOX_APP_SECRET", raising=False)
     with pytest.raises(UsageError, match="METASYNC_BOX_APP_KEY"):
         app_credentials("box")
     monkeypatch.setenv("METASYNC_BOX_APP_KEY", "k")
