@@ -695,7 +695,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="results file (default bench/results/consensus-<timestamp>.json)")
     parser.add_argument("--skip", choices=("proposers", "clients"), action="append", default=[],
                         help="skip an experiment")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: 3 commits per proposer (same shapes, noisier)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.commits = 3
     latency = args.latency_ms / 1000
     started = datetime.now(UTC).replace(microsecond=0)
     print(f"consensus bench: {args.acceptors} backends, {args.latency_ms:g} ms per request, "
