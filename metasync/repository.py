@@ -11,6 +11,8 @@ brings it into the folder without losing a local change.
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import itertools
 import json
 import os
 import secrets
@@ -19,17 +21,18 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from fractions import Fraction
+from functools import cached_property
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from metasync.backends import Backend, normalize_uri, open_backend, public_uri
 from metasync.codec import Codec, FinishedPack, PackBuilder
-from metasync.consensus import DEFAULT_TIMEOUT, Consensus
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
@@ -59,7 +62,6 @@ from metasync.objects import (
     Version,
     is_object_id,
 )
-from metasync.paxos import Quorums
 from metasync.progress import NullReporter, Reporter
 from metasync.store import RemoteStore, object_key
 from metasync.worktree import (
@@ -75,6 +77,9 @@ from metasync.worktree import (
     temp_path_for,
 )
 
+if TYPE_CHECKING:
+    from metasync.consensus import Consensus
+
 DESCRIPTOR_KEY = "metasync.json"
 KEYFILE_KEY = "keys/master"
 DEFAULT_NAMESPACE = "metasync"
@@ -83,6 +88,11 @@ DEFAULT_PARTITIONS = 16384
 #: moment it was hashed (a write within the filesystem's timestamp granularity
 #: could otherwise go unnoticed; git calls these entries "racily clean").
 RACY_NS = 2_000_000_000
+#: Files being hashed or queued per hashing thread (bounds memory on huge trees).
+HASH_WINDOW = 64
+#: Settings key of the last (scan fingerprint, root tree id) pair computed: lets
+#: ``status`` of an unchanged folder skip rebuilding every tree.
+TREE_MEMO = "tree_memo_v1"
 #: A commit lists at most this many index objects; beyond it they are merged.
 MAX_INDEXES = 64
 #: Pack entries per index object (keeps each well under the readers' size limit).
@@ -94,6 +104,7 @@ WRITE_BATCH = 2000
 #: Small files of one pack written by one worker task.
 JOB_FILES = 400
 
+T = TypeVar("T")
 PassphraseSource = Callable[[], str]
 #: A file to write: its path, its tree entry, and its content as (blob id, length).
 WritePlan = tuple[str, TreeEntry, list[tuple[str, int]]]
@@ -109,10 +120,13 @@ def _now_ns() -> int:
     return time.time_ns()
 
 
-def _timeout(db: LocalDB) -> float:
+def _timeout(db: LocalDB) -> float | None:
     """Seconds consensus waits without progress: ``METASYNC_TIMEOUT`` (set by the
-    CLI's ``--timeout``), else the repository's setting, else the default."""
-    raw = os.environ.get("METASYNC_TIMEOUT") or db.get("timeout", DEFAULT_TIMEOUT)
+    CLI's ``--timeout``), else the repository's setting, else None (the default
+    of :class:`~metasync.consensus.Consensus`)."""
+    raw = os.environ.get("METASYNC_TIMEOUT") or db.get("timeout")
+    if raw is None:
+        return None
     try:
         value = float(raw)
     except (TypeError, ValueError):
@@ -310,13 +324,7 @@ class Repository:
         self.store.local = self.meta / "outbox"
         self.client_id: str = db.get("client_id")
         self.device: str = db.get("device")
-        acceptors = {b: backends[b] for b in config.acceptors}
-        self.consensus = Consensus(
-            acceptors, self.codec, self.client_id,
-            quorums=Quorums.bft(len(acceptors)) if config.fault_model == "byzantine"
-            else Quorums.crash(len(acceptors)),
-            timeout=_timeout(db),
-        )
+        self._consensus_timeout = _timeout(db)  # checked now: a bad value fails every command
         self.chunker = Chunker(self.codec.hasher)
         self.reporter: Reporter = reporter or NullReporter()
         #: Files whose content was read in the last scan (the index saves the rest).
@@ -327,6 +335,21 @@ class Repository:
         self._file_modes = {False: file_mode(False), True: file_mode(True)}
         #: The open lock file while this object has the folder (see _lock_folder).
         self._lock_fd: int | None = None
+
+    @cached_property
+    def consensus(self) -> Consensus:
+        """pPaxos over the configuration's acceptors, made on first use: ``status``
+        and ``commit`` never need it, and its modules cost start-up time."""
+        from metasync.consensus import Consensus
+        from metasync.paxos import Quorums
+
+        acceptors = {b: self.backends[b] for b in self.config.acceptors}
+        quorums = (Quorums.bft(len(acceptors)) if self.config.fault_model == "byzantine"
+                   else Quorums.crash(len(acceptors)))
+        if self._consensus_timeout is None:
+            return Consensus(acceptors, self.codec, self.client_id, quorums=quorums)
+        return Consensus(acceptors, self.codec, self.client_id, quorums=quorums,
+                         timeout=self._consensus_timeout)
 
     # ============================================================== lifecycle
     @classmethod
@@ -691,6 +714,9 @@ class Repository:
         files: dict[str, TreeEntry] = {}
         dirs: set[str] = set()
         to_hash: list[ScanEntry] = []
+        # Index rows are dropped as they are used (only those of files to read again
+        # are kept), so a huge tree never holds the index and the new entries at once.
+        previous: dict[str, IndexRow] = {}
         for path, e in entries.items():
             # Names from scandir are safe components by construction (scan skips
             # .metasync), so the untrusted-name check is not needed here.
@@ -700,7 +726,7 @@ class Repository:
             elif e.type == "link":
                 files[path] = TreeEntry(name, "link", e.target, e.size)
             else:
-                row = rows.get(path)
+                row = rows.pop(path, None)
                 if (
                     row is not None
                     and row.size == e.size
@@ -714,6 +740,9 @@ class Repository:
                     files[path] = TreeEntry(name, row.type, row.ref, e.size, e.executable)  # type: ignore[arg-type]
                 else:
                     to_hash.append(e)
+                    if row is not None:
+                        previous[path] = row
+        del rows
         refreshed: list[IndexRow] = []
         skipped: list[str] = []
         self.files_hashed = len(to_hash)
@@ -722,13 +751,13 @@ class Repository:
             workers = min(len(to_hash), (os.cpu_count() or 2) + 1)
             self.reporter.start("pack" if sink else "hash", sum(e.size for e in to_hash))
             with ThreadPoolExecutor(workers, thread_name_prefix="metasync-hash") as pool:
-                results = pool.map(lambda e: self._hash_one(e, sink), to_hash)
-                for e, result in zip(to_hash, results, strict=True):
+                for e, result in _ordered_map(pool, lambda e: self._hash_one(e, sink), to_hash,
+                                              HASH_WINDOW * workers):
                     self.reporter.advance(e.size)
                     name = e.path.rpartition("/")[2]
                     if result is None:
                         skipped.append(e.path)
-                        old = rows.get(e.path)
+                        old = previous.get(e.path)
                         if old is not None:  # keep the last known version of a busy file
                             files[e.path] = TreeEntry(name, old.type, old.ref, old.size, old.executable)  # type: ignore[arg-type]
                         continue
@@ -791,12 +820,16 @@ class Repository:
             with self.db.transaction():
                 self.db.upsert_index(refreshed)
         head = self._head_commit()
-        root_id, trees = self._build_trees(files, dirs)
         changes: list[Change] = []
-        if head is None or head.tree != root_id:
-            # Descend only into folders whose tree ids differ: an unchanged subtree
-            # costs nothing, and an unchanged folder costs one comparison.
-            self._diff_trees(head.tree if head else None, root_id, trees, "", changes)
+        fingerprint = _tree_fingerprint(files, dirs)
+        if head is None or self.db.get(TREE_MEMO) != [fingerprint, head.tree]:
+            root_id, trees = self._build_trees(files, dirs)
+            if head is not None and head.tree == root_id:
+                self.db.set(TREE_MEMO, [fingerprint, root_id])
+            else:
+                # Descend only into folders whose tree ids differ: an unchanged subtree
+                # costs nothing, and an unchanged folder costs one comparison.
+                self._diff_trees(head.tree if head else None, root_id, trees, "", changes)
         changes.sort(key=lambda c: c.path)
         return Status(
             changes=changes,
@@ -852,6 +885,7 @@ class Repository:
         for path in skipped:
             self.reporter.note(f"skipped {path}: it changed while being read; it is committed next time")
         root_id, trees = self._build_trees(files, dirs)
+        self.db.set(TREE_MEMO, [_tree_fingerprint(files, dirs), root_id])
         head = self._head_commit()
         unchanged = (head is not None and head.tree == root_id) or (
             head is None and not files and not dirs and self.prev.master is None
@@ -1618,6 +1652,44 @@ class Repository:
 
 
 _thread_conns = threading.local()
+
+
+def _ordered_map(
+    pool: ThreadPoolExecutor, fn: Callable[[ScanEntry], T], items: list[ScanEntry], window: int
+) -> Iterator[tuple[ScanEntry, T]]:
+    """``(item, fn(item))`` in order, run on ``pool`` with at most ``window`` tasks
+    queued at once (``pool.map`` makes every future up front: ~1.5 kB each, which
+    for a million files is gigabytes)."""
+    pending: deque[tuple[ScanEntry, Future[T]]] = deque()
+    items_iter = iter(items)
+    for e in itertools.islice(items_iter, window):
+        pending.append((e, pool.submit(fn, e)))
+    while pending:
+        e, fut = pending.popleft()
+        result = fut.result()
+        nxt = next(items_iter, None)
+        if nxt is not None:
+            pending.append((nxt, pool.submit(fn, nxt)))
+        yield e, result
+
+
+def _tree_fingerprint(files: dict[str, TreeEntry], dirs: set[str]) -> str:
+    """A digest of everything :meth:`Repository._build_trees` reads: equal
+    fingerprints give equal root trees (same key, same format)."""
+    # No field holds a NUL (POSIX names and link targets cannot), every field ends
+    # with one, and the counts come first, so the hashed text decodes one way only.
+    h = hashlib.blake2b(digest_size=32)
+    h.update(f"{TREE_MEMO}\0{FORMAT_VERSION}\0{len(files)}\0{len(dirs)}\0".encode())
+    batch: list[str] = []
+    for path in sorted(files):
+        e = files[path]
+        batch.append(f"{path}\0{e.type}\0{e.ref}\0{e.size}\0{'x' if e.executable else '-'}\0")
+        if len(batch) == 4096:
+            h.update("".join(batch).encode("utf-8", "surrogatepass"))
+            batch.clear()
+    batch.extend(f"{d}\0" for d in sorted(dirs))
+    h.update("".join(batch).encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
 
 
 def _chunk_groups(chunks: list[tuple[str, int]], budget: int = 8 * 1024 * 1024) -> list[list[tuple[str, int]]]:
