@@ -123,7 +123,7 @@ def _want_int(value: object, what: str, minimum: int = 0) -> int:
 # ----------------------------------------------------------------------------- file
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """One Blob of a file: its id, where it starts in the file, and its length."""
 
@@ -171,7 +171,7 @@ EntryType = Literal["file", "chunked", "dir", "link"]
 ENTRY_TYPES: tuple[str, ...] = ("file", "chunked", "dir", "link")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TreeEntry:
     """One name in a directory.
 
@@ -289,7 +289,7 @@ class Commit:
 # ----------------------------------------------------------------------------- index
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PackEntry:
     """Where one encoded object sits inside a pack."""
 
