@@ -93,9 +93,13 @@ class Contender:
 
     def _proxy_bytes(self) -> dict[str, int]:
         stats = self.links.stats()
-        return {"bytes_up": sum(s["bytes_up"] for s in stats.values()),
-                "bytes_down": sum(s["bytes_down"] for s in stats.values()),
-                "connections": sum(s["connections"] for s in stats.values())}
+        out = {"bytes_up": sum(s["bytes_up"] for s in stats.values()),
+               "bytes_down": sum(s["bytes_down"] for s in stats.values()),
+               "connections": sum(s["connections"] for s in stats.values())}
+        for kind, s in stats.items():  # per link: which backends a step really used
+            out[f"{kind}_bytes_up"] = s["bytes_up"]
+            out[f"{kind}_bytes_down"] = s["bytes_down"]
+        return out
 
     def timed(self, cmd: list[str | Path], cwd: Path) -> Timing:
         before = self._proxy_bytes()
