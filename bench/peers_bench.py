@@ -284,12 +284,11 @@ def main(argv: list[str] | None = None) -> int:
 
     trees = [load_workload(w) for w in workloads]
     run_id = f"run-{uuid.uuid4().hex[:8]}"
-    scratch = WORK_DIR / "peers"
-    if scratch.exists():
-        shutil.rmtree(scratch)
+    # Per-run folders: two runs at once (say, two profiles) never share a server.
+    scratch = WORK_DIR / f"peers-{run_id}"
     started = time.perf_counter()
     results: dict[str, dict[str, dict[str, Any]]] = {}
-    with running_servers() as servers:
+    with running_servers(WORK_DIR / f"servers-{run_id}") as servers:
         links = Links(servers, args.profile, scratch / "links")
         for spec_kind, spec in links.specs.items():
             log(f"link to {spec_kind}: {spec.describe()}")
