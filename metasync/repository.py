@@ -88,6 +88,8 @@ DEFAULT_PARTITIONS = 16384
 #: moment it was hashed (a write within the filesystem's timestamp granularity
 #: could otherwise go unnoticed; git calls these entries "racily clean").
 RACY_NS = 2_000_000_000
+#: Index rows a commit's scan writes at once (see ``Repository._scan``).
+INDEX_FLUSH = 20_000
 #: Files being hashed or queued per hashing thread (bounds memory on huge trees).
 HASH_WINDOW = 64
 #: Settings key of the last (scan fingerprint, root tree id) pair computed: lets
@@ -704,45 +706,53 @@ class Repository:
 
     # ============================================================== scanning
     def _scan(
-        self, sink: Callable[[str, str, bytes], None] | None
+        self, sink: Callable[[str, str, bytes], None] | None, *, flush_index: bool = False
     ) -> tuple[dict[str, TreeEntry], set[str], list[IndexRow], list[str]]:
         """Scan the folder; return (file and link entries, folders, refreshed index
-        rows, paths skipped because they changed while being read)."""
-        rows = self.db.index_rows()
-        entries = scan(self.root, IgnoreRules.load(self.root, rows))
+        rows, paths skipped because they changed while being read).
+
+        With ``flush_index``, refreshed rows are written to the index in batches as
+        files are hashed and only the last, partial batch is returned (a huge tree
+        then never holds them all). That is safe before the commit is recorded: a
+        commit trusts a row only if its content is in a recorded pack, and status
+        compares the row's content id, which is right whether committed or not."""
+        # Tracked paths are read only if there is an ignore file (load is lazy).
+        entries = scan(self.root, IgnoreRules.load(self.root, self.db.index_paths()))
         self._last_scan = entries
         files: dict[str, TreeEntry] = {}
         dirs: set[str] = set()
         to_hash: list[ScanEntry] = []
-        # Index rows are dropped as they are used (only those of files to read again
-        # are kept), so a huge tree never holds the index and the new entries at once.
+        # Index rows stream from SQLite and are dropped once used (only those of files
+        # to read again are kept), so a huge tree never holds the whole index as well
+        # as the scan. Names from scandir are safe components by construction (scan
+        # skips .metasync), so the untrusted-name check is not needed here.
         previous: dict[str, IndexRow] = {}
+        kinds = {"file": "file", "chunked": "chunked"}  # one str object per kind
+        for row in self.db.iter_index_rows():
+            e = entries.get(row.path)
+            if e is None or e.type != "file":
+                continue
+            if (
+                row.size == e.size
+                and row.mtime_ns == e.mtime_ns
+                and row.ino == e.ino
+                and row.mtime_ns + RACY_NS < row.hashed_at_ns
+                # `status` caches hashes without storing content: a commit must
+                # read a file again unless its content is in some pack.
+                and (sink is None or self.db.location(row.ref) is not None)
+            ):
+                name = e.path.rpartition("/")[2]
+                kind = kinds.get(row.type, row.type)
+                files[e.path] = TreeEntry(name, kind, row.ref, e.size, e.executable)  # type: ignore[arg-type]
+            else:
+                previous[e.path] = row
         for path, e in entries.items():
-            # Names from scandir are safe components by construction (scan skips
-            # .metasync), so the untrusted-name check is not needed here.
-            name = path.rpartition("/")[2]
             if e.type == "dir":
                 dirs.add(path)
             elif e.type == "link":
-                files[path] = TreeEntry(name, "link", e.target, e.size)
-            else:
-                row = rows.pop(path, None)
-                if (
-                    row is not None
-                    and row.size == e.size
-                    and row.mtime_ns == e.mtime_ns
-                    and row.ino == e.ino
-                    and row.mtime_ns + RACY_NS < row.hashed_at_ns
-                    # `status` caches hashes without storing content: a commit must
-                    # read a file again unless its content is in some pack.
-                    and (sink is None or self.db.location(row.ref) is not None)
-                ):
-                    files[path] = TreeEntry(name, row.type, row.ref, e.size, e.executable)  # type: ignore[arg-type]
-                else:
-                    to_hash.append(e)
-                    if row is not None:
-                        previous[path] = row
-        del rows
+                files[path] = TreeEntry(path.rpartition("/")[2], "link", e.target, e.size)
+            elif path not in files:
+                to_hash.append(e)
         refreshed: list[IndexRow] = []
         skipped: list[str] = []
         self.files_hashed = len(to_hash)
@@ -765,6 +775,10 @@ class Repository:
                     refreshed.append(
                         IndexRow(e.path, result[0], result[1], e.size, e.executable, e.mtime_ns, e.ino, hashed_at)
                     )
+                    if flush_index and len(refreshed) >= INDEX_FLUSH:
+                        with self.db.transaction():
+                            self.db.upsert_index(refreshed)
+                        refreshed = []
             self.reporter.finish()
         return files, dirs, refreshed, skipped
 
@@ -786,9 +800,14 @@ class Repository:
         return None
 
     def _build_trees(
-        self, files: dict[str, TreeEntry], dirs: set[str]
+        self,
+        files: dict[str, TreeEntry],
+        dirs: set[str],
+        emit: Callable[[str, bytes], None] | None = None,
     ) -> tuple[str, dict[str, bytes]]:
-        """Root tree id and every tree's canonical bytes, built bottom-up."""
+        """Root tree id and every tree's canonical bytes, built bottom-up. With
+        ``emit``, each tree goes to ``emit(id, bytes)`` as it is built instead of
+        into the returned dict (so a huge tree never holds every tree's bytes)."""
         children: dict[str, list[TreeEntry]] = {d: [] for d in dirs}
         children[""] = []
         for path, entry in files.items():
@@ -798,9 +817,12 @@ class Repository:
         order = sorted((d for d in children if d), key=lambda p: p.count("/"), reverse=True)
         root_id = ""
         for d in [*order, ""]:
-            data = Tree.build(children[d]).to_bytes()
+            data = Tree.build(children.pop(d)).to_bytes()
             tid = self.codec.id_of("tree", data)
-            trees[tid] = data
+            if emit is None:
+                trees[tid] = data
+            else:
+                emit(tid, data)
             if d:
                 parent, _, name = d.rpartition("/")
                 children.setdefault(parent, []).append(TreeEntry(name, "dir", tid))
@@ -881,14 +903,25 @@ class Repository:
         self._resume_checkout()
         self._clean_outbox()
         writer = _ObjectWriter(self)
-        files, dirs, refreshed, skipped = self._scan(writer.sink)
+        files, dirs, refreshed, skipped = self._scan(writer.sink, flush_index=True)
         for path in skipped:
             self.reporter.note(f"skipped {path}: it changed while being read; it is committed next time")
-        root_id, trees = self._build_trees(files, dirs)
-        self.db.set(TREE_MEMO, [_tree_fingerprint(files, dirs), root_id])
+        fingerprint = _tree_fingerprint(files, dirs)
+        empty = not files and not dirs
+
+        def emit(tree_id: str, data: bytes) -> None:
+            # Packed and cached as built; both are keyed by content, so a commit that
+            # fails after this leaves nothing wrong behind.
+            writer.sink("tree", tree_id, data)
+            self.db.cache_object(tree_id, "tree", data)
+
+        with self.db.transaction():
+            root_id, trees = self._build_trees(files, dirs, emit)
+            self.db.set(TREE_MEMO, [fingerprint, root_id])
+        del files
         head = self._head_commit()
         unchanged = (head is not None and head.tree == root_id) or (
-            head is None and not files and not dirs and self.prev.master is None
+            head is None and empty and self.prev.master is None
         )
         if unchanged:
             # Every pack gets an index, even without a commit (a busy file may have left
