@@ -807,12 +807,15 @@ class Repository:
     ) -> tuple[str, dict[str, bytes]]:
         """Root tree id and every tree's canonical bytes, built bottom-up. With
         ``emit``, each tree goes to ``emit(id, bytes)`` as it is built instead of
-        into the returned dict (so a huge tree never holds every tree's bytes)."""
+        into the returned dict, and ``files`` is emptied once read (so a huge tree
+        never holds every tree's bytes, nor the path index next to the trees)."""
         children: dict[str, list[TreeEntry]] = {d: [] for d in dirs}
         children[""] = []
         for path, entry in files.items():
             parent = path.rpartition("/")[0]
             children.setdefault(parent, []).append(entry)
+        if emit is not None:
+            files.clear()
         trees: dict[str, bytes] = {}
         order = sorted((d for d in children if d), key=lambda p: p.count("/"), reverse=True)
         root_id = ""
@@ -916,9 +919,8 @@ class Repository:
             self.db.cache_object(tree_id, "tree", data)
 
         with self.db.transaction():
-            root_id, trees = self._build_trees(files, dirs, emit)
+            root_id, trees = self._build_trees(files, dirs, emit)  # empties files
             self.db.set(TREE_MEMO, [fingerprint, root_id])
-        del files
         head = self._head_commit()
         unchanged = (head is not None and head.tree == root_id) or (
             head is None and empty and self.prev.master is None
