@@ -27,7 +27,9 @@ from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
-RESULTS_DIR = BENCH_DIR / "results"
+#: Where results go; ``bin/bench --quick`` points it elsewhere so smoke runs never
+#: become the latest results.
+RESULTS_DIR = Path(os.environ.get("METASYNC_BENCH_RESULTS") or BENCH_DIR / "results")
 WORK_DIR = BENCH_DIR / "work"
 VENV_BIN = ROOT / ".venv" / "bin"
 METASYNC = VENV_BIN / "metasync"

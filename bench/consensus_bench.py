@@ -55,7 +55,9 @@ from metasync.keys import MasterKey
 from metasync.objects import Version
 
 BENCH_DIR = Path(__file__).resolve().parent
-RESULTS_DIR = BENCH_DIR / "results"
+#: Where results go; ``bin/bench --quick`` points it elsewhere so smoke runs never
+#: become the latest results.
+RESULTS_DIR = Path(os.environ.get("METASYNC_BENCH_RESULTS") or BENCH_DIR / "results")
 CONFIG_ID = hashlib.sha256(b"consensus-bench config").hexdigest()
 GENESIS = Version(0, None, CONFIG_ID)
 PROPOSER_COUNTS = (1, 2, 3, 4, 5)

@@ -43,7 +43,9 @@ from linux_workload import DEFAULT_WORK, Workload, WorkloadError, count_tree, pr
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
-RESULTS_DIR = BENCH_DIR / "results"
+#: Where results go; ``bin/bench --quick`` points it elsewhere so smoke runs never
+#: become the latest results.
+RESULTS_DIR = Path(os.environ.get("METASYNC_BENCH_RESULTS") or BENCH_DIR / "results")
 DEFAULT_METASYNC = ROOT / ".venv" / "bin" / "metasync"
 PASSPHRASE = "metasync-linux-bench"
 TOOLS = ("metasync", "restic", "git")
