@@ -907,6 +907,9 @@ class Repository:
         self._clean_outbox()
         writer = _ObjectWriter(self)
         files, dirs, refreshed, skipped = self._scan(writer.sink, flush_index=True)
+        # A checkout scans again before it compares anything with a scan, so a commit
+        # need not keep this one (on a huge tree it is a third of the memory).
+        self._last_scan = {}
         for path in skipped:
             self.reporter.note(f"skipped {path}: it changed while being read; it is committed next time")
         fingerprint = _tree_fingerprint(files, dirs)
