@@ -113,9 +113,10 @@ def plot_scale(plt: Any, data: dict[str, Any], out: Path) -> list[Path]:
         ax.set_xlabel("files")
         ax.grid(alpha=0.3)
         ax.legend()
+    a2.legend()
     a1.set_ylabel("µs per file")
     a2.set_ylabel("peak RSS, MiB")
-    a2.axhline(1024, color="red", linestyle="--", linewidth=1)
+    a2.axhline(1e9 / 2**20, color="red", linestyle="--", linewidth=1, label="1 GB target")
     fig.suptitle("metasync on many small files (one dir: backend); one run")
     path = out / "bench-scale.png"
     fig.tight_layout()
@@ -157,8 +158,16 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    for kind, fn in (("peers-wan", plot_peers), ("consensus", plot_consensus),
-                     ("scale", plot_scale), ("mapping", plot_mapping)):
+    # Each workload from the newest peers run that has it (runs may cover a few each).
+    by_workload: dict[str, dict[str, Any]] = {}
+    for path in sorted(args.results.glob("peers-wan-2*.json")):
+        data = json.loads(path.read_text())
+        for workload, per in data["results"].items():
+            by_workload[workload] = {**data, "results": {workload: per}}
+    for data in by_workload.values():
+        written += plot_peers(plt, data, args.out)
+    for kind, fn in (("consensus", plot_consensus), ("scale", plot_scale),
+                     ("mapping", plot_mapping)):
         data = latest(args.results, kind)
         if data is not None:
             written += fn(plt, data, args.out)
