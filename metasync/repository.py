@@ -706,7 +706,11 @@ class Repository:
 
     # ============================================================== scanning
     def _scan(
-        self, sink: Callable[[str, str, bytes], None] | None, *, flush_index: bool = False
+        self,
+        sink: Callable[[str, str, bytes], None] | None,
+        *,
+        flush_index: bool = False,
+        keep_scan: bool = True,
     ) -> tuple[dict[str, TreeEntry], set[str], list[IndexRow], list[str]]:
         """Scan the folder; return (file and link entries, folders, refreshed index
         rows, paths skipped because they changed while being read).
@@ -715,10 +719,13 @@ class Repository:
         files are hashed and only the last, partial batch is returned (a huge tree
         then never holds them all). That is safe before the commit is recorded: a
         commit trusts a row only if its content is in a recorded pack, and status
-        compares the row's content id, which is right whether committed or not."""
+        compares the row's content id, which is right whether committed or not.
+
+        ``keep_scan=False`` leaves ``_last_scan`` empty and lets each scanned entry go
+        as soon as it is used (a checkout always scans again before it compares)."""
         # Tracked paths are read only if there is an ignore file (load is lazy).
         entries = scan(self.root, IgnoreRules.load(self.root, self.db.index_paths()))
-        self._last_scan = entries
+        self._last_scan = entries if keep_scan else {}
         files: dict[str, TreeEntry] = {}
         dirs: set[str] = set()
         to_hash: list[ScanEntry] = []
@@ -753,6 +760,7 @@ class Repository:
                 files[path] = TreeEntry(path.rpartition("/")[2], "link", e.target, e.size)
             elif path not in files:
                 to_hash.append(e)
+        del entries  # kept only in _last_scan, if at all
         refreshed: list[IndexRow] = []
         skipped: list[str] = []
         self.files_hashed = len(to_hash)
@@ -760,8 +768,12 @@ class Repository:
             hashed_at = _now_ns()
             workers = min(len(to_hash), (os.cpu_count() or 2) + 1)
             self.reporter.start("pack" if sink else "hash", sum(e.size for e in to_hash))
+            # Handed out one by one, so each entry is freed once hashed.
+            queue = deque(to_hash)
+            to_hash.clear()
+            consume = (queue.popleft() for _ in range(len(queue)))
             with ThreadPoolExecutor(workers, thread_name_prefix="metasync-hash") as pool:
-                for e, result in _ordered_map(pool, lambda e: self._hash_one(e, sink), to_hash,
+                for e, result in _ordered_map(pool, lambda e: self._hash_one(e, sink), consume,
                                               HASH_WINDOW * workers):
                     self.reporter.advance(e.size)
                     name = e.path.rpartition("/")[2]
@@ -906,10 +918,9 @@ class Repository:
         self._resume_checkout()
         self._clean_outbox()
         writer = _ObjectWriter(self)
-        files, dirs, refreshed, skipped = self._scan(writer.sink, flush_index=True)
         # A checkout scans again before it compares anything with a scan, so a commit
         # need not keep this one (on a huge tree it is a third of the memory).
-        self._last_scan = {}
+        files, dirs, refreshed, skipped = self._scan(writer.sink, flush_index=True, keep_scan=False)
         for path in skipped:
             self.reporter.note(f"skipped {path}: it changed while being read; it is committed next time")
         fingerprint = _tree_fingerprint(files, dirs)
@@ -1693,7 +1704,7 @@ _thread_conns = threading.local()
 
 
 def _ordered_map(
-    pool: ThreadPoolExecutor, fn: Callable[[ScanEntry], T], items: list[ScanEntry], window: int
+    pool: ThreadPoolExecutor, fn: Callable[[ScanEntry], T], items: Iterable[ScanEntry], window: int
 ) -> Iterator[tuple[ScanEntry, T]]:
     """``(item, fn(item))`` in order, run on ``pool`` with at most ``window`` tasks
     queued at once (``pool.map`` makes every future up front: ~1.5 kB each, which
