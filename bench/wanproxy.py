@@ -20,10 +20,11 @@ reading while ``MAX_QUEUED`` bytes of its connection are waiting, so a fast
 sender is held back as TCP's window would hold it back, and memory stays
 bounded. Closing one side is forwarded (after the delay) as a half-close.
 
-This module needs no ``tc``/netem (which need privileges and a kernel module
-this machine may not have) and touches nothing but loopback sockets. Timing is
-as good as ``time.sleep``: well under a millisecond on an idle machine, worse on
-a loaded one (the figures this proxy produces come with the machine's load).
+This module needs no ``tc``/netem (which needs root and the ``sch_netem`` kernel
+module; this machine's kernel is built without it) and touches nothing but loopback
+sockets. Timing is as good as ``time.sleep``: well under a millisecond on an idle
+machine, worse on a loaded one (the figures this proxy produces come with the
+machine's load).
 
     proxy = WanProxy("127.0.0.1", 9000, LinkSpec(rtt_ms=50, up_mb_s=10, down_mb_s=10))
     ... connect to 127.0.0.1:proxy.port ...
