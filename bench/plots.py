@@ -158,12 +158,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    # Each workload from the newest peers run that has it (runs may cover a few each).
+    # Each workload from the peers run with the most contenders for it (the newest of
+    # those): a plot never mixes runs.
     by_workload: dict[str, dict[str, Any]] = {}
     for path in sorted(args.results.glob("peers-wan-2*.json")):
         data = json.loads(path.read_text())
         for workload, per in data["results"].items():
-            by_workload[workload] = {**data, "results": {workload: per}}
+            seen = by_workload.get(workload)
+            if seen is None or len(per) >= len(seen["results"][workload]):
+                by_workload[workload] = {**data, "results": {workload: per}}
     for data in by_workload.values():
         written += plot_peers(plt, data, args.out)
     for kind, fn in (("consensus", plot_consensus), ("scale", plot_scale),
