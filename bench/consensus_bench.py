@@ -55,7 +55,9 @@ from metasync.keys import MasterKey
 from metasync.objects import Version
 
 BENCH_DIR = Path(__file__).resolve().parent
-RESULTS_DIR = BENCH_DIR / "results"
+#: Where results go; ``bin/bench --quick`` points it elsewhere so smoke runs never
+#: become the latest results.
+RESULTS_DIR = Path(os.environ.get("METASYNC_BENCH_RESULTS") or BENCH_DIR / "results")
 CONFIG_ID = hashlib.sha256(b"consensus-bench config").hexdigest()
 GENESIS = Version(0, None, CONFIG_ID)
 PROPOSER_COUNTS = (1, 2, 3, 4, 5)
@@ -695,7 +697,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="results file (default bench/results/consensus-<timestamp>.json)")
     parser.add_argument("--skip", choices=("proposers", "clients"), action="append", default=[],
                         help="skip an experiment")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: 3 commits per proposer (same shapes, noisier)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.commits = 3
     latency = args.latency_ms / 1000
     started = datetime.now(UTC).replace(microsecond=0)
     print(f"consensus bench: {args.acceptors} backends, {args.latency_ms:g} ms per request, "

@@ -43,7 +43,9 @@ from linux_workload import DEFAULT_WORK, Workload, WorkloadError, count_tree, pr
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
-RESULTS_DIR = BENCH_DIR / "results"
+#: Where results go; ``bin/bench --quick`` points it elsewhere so smoke runs never
+#: become the latest results.
+RESULTS_DIR = Path(os.environ.get("METASYNC_BENCH_RESULTS") or BENCH_DIR / "results")
 DEFAULT_METASYNC = ROOT / ".venv" / "bin" / "metasync"
 PASSPHRASE = "metasync-linux-bench"
 TOOLS = ("metasync", "restic", "git")
@@ -368,6 +370,15 @@ def compute_ratios(results: dict[str, dict[str, Timing]]) -> dict[str, float]:
     return out
 
 
+def quick_workload(work: Path) -> Workload:
+    """The generated 'paper' workload (``workloads.py``), for a smoke test."""
+    from workloads import prepare as prepare_generated
+
+    tree = prepare_generated("paper", work)
+    files, size, disk = count_tree(tree.path)
+    return Workload(tree.path, files, size, disk, "n/a", "paper workload (--quick)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -381,10 +392,12 @@ def main(argv: list[str] | None = None) -> int:
         "--skip", action="append", choices=TOOLS, default=[], help="skip a tool (repeatable)"
     )
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test on the small 'paper' workload instead of Linux")
     args = parser.parse_args(argv)
 
     try:
-        workload = prepare(args.work)
+        workload = quick_workload(args.work) if args.quick else prepare(args.work)
     except WorkloadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -425,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
 
     now = datetime.now(UTC)
     record = {
-        "benchmark": "linux",
+        "benchmark": "linux-quick" if args.quick else "linux",
         "timestamp": now.isoformat(timespec="seconds"),
         "note": f"{CACHE_NOTE}; status figures are the second of two runs",
         "workload": {
@@ -447,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": sorted(set(args.skip)),
     }
     args.results.mkdir(parents=True, exist_ok=True)
-    out = args.results / f"linux-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
+    kind = "linux-quick" if args.quick else "linux"
+    out = args.results / f"{kind}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(out)

@@ -104,6 +104,18 @@ class LocalDB:
         make = IndexRow._make
         return {r[0]: make(r) for r in cur}
 
+    def iter_index_rows(self) -> Iterator[IndexRow]:
+        """Every index row, streamed (for trees too large to hold the index twice).
+        Reads on the same connection may interleave; writes must wait for the end."""
+        cur = self.conn.execute(
+            "SELECT path, type, ref, size, executable, mtime_ns, ino, hashed_at_ns FROM worktree"
+        )
+        return map(IndexRow._make, cur)
+
+    def index_paths(self) -> Iterator[str]:
+        """Every indexed path, streamed."""
+        return (r[0] for r in self.conn.execute("SELECT path FROM worktree"))
+
     def replace_index(self, rows: Iterable[IndexRow]) -> None:
         with self.transaction():
             self.conn.execute("DELETE FROM worktree")

@@ -127,7 +127,7 @@ def _want_int(value: object, what: str, minimum: int = 0) -> int:
 # ----------------------------------------------------------------------------- file
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """One Blob of a file: its id, where it starts in the file, and its length."""
 
@@ -175,7 +175,7 @@ EntryType = Literal["file", "chunked", "dir", "link"]
 ENTRY_TYPES: tuple[str, ...] = ("file", "chunked", "dir", "link")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TreeEntry:
     """One name in a directory.
 
@@ -293,7 +293,7 @@ class Commit:
 # ----------------------------------------------------------------------------- index
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PackEntry:
     """Where one encoded object sits inside a pack."""
 

@@ -11,7 +11,9 @@ brings it into the folder without losing a local change.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import io
+import itertools
 import json
 import os
 import secrets
@@ -20,18 +22,18 @@ import socket
 import stat
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from fractions import Fraction
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from metasync.backends import Backend, normalize_uri, open_backend, public_uri
 from metasync.codec import PACK_TARGET_SIZE, Codec, FinishedPack, PackBuilder
-from metasync.consensus import DEFAULT_TIMEOUT, Consensus, read_hint
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
@@ -63,7 +65,6 @@ from metasync.objects import (
     is_object_id,
     is_snapshot_name,
 )
-from metasync.paxos import Quorums
 from metasync.progress import NullReporter, Reporter
 from metasync.store import SMALL_READ, RemoteStore, mapping_of, object_key
 from metasync.worktree import (
@@ -80,6 +81,7 @@ from metasync.worktree import (
 )
 
 if TYPE_CHECKING:
+    from metasync.consensus import Consensus
     from metasync.maintenance import BackendListing, ConfigChange, GcReport, RebalanceReport
 
 DESCRIPTOR_KEY = "metasync.json"
@@ -90,6 +92,13 @@ DEFAULT_PARTITIONS = 16384
 #: moment it was hashed (a write within the filesystem's timestamp granularity
 #: could otherwise go unnoticed; git calls these entries "racily clean").
 RACY_NS = 2_000_000_000
+#: Index rows a commit's scan writes at once (see ``Repository._scan``).
+INDEX_FLUSH = 20_000
+#: Files being hashed or queued per hashing thread (bounds memory on huge trees).
+HASH_WINDOW = 64
+#: Settings key of the last (scan fingerprint, root tree id) pair computed: lets
+#: ``status`` of an unchanged folder skip rebuilding every tree.
+TREE_MEMO = "tree_memo_v1"
 #: A commit lists at most this many index objects; beyond it they are merged.
 MAX_INDEXES = 64
 #: Pack entries per index object (keeps each well under the readers' size limit).
@@ -105,6 +114,7 @@ FSCK_ATTEMPTS = 5
 #: Most configuration changes one read follows (each costs a round trip or two).
 MAX_CONFIG_HOPS = 1000
 
+T = TypeVar("T")
 PassphraseSource = Callable[[], str]
 #: A file to write: its path, its tree entry, and its content as (blob id, length).
 WritePlan = tuple[str, TreeEntry, list[tuple[str, int]]]
@@ -135,10 +145,13 @@ def _now_ns() -> int:
     return time.time_ns()
 
 
-def _timeout(db: LocalDB) -> float:
+def _timeout(db: LocalDB) -> float | None:
     """Seconds consensus waits without progress: ``METASYNC_TIMEOUT`` (set by the
-    CLI's ``--timeout``), else the repository's setting, else the default."""
-    raw = os.environ.get("METASYNC_TIMEOUT") or db.get("timeout", DEFAULT_TIMEOUT)
+    CLI's ``--timeout``), else the repository's setting, else None (the default
+    of :class:`~metasync.consensus.Consensus`)."""
+    raw = os.environ.get("METASYNC_TIMEOUT") or db.get("timeout")
+    if raw is None:
+        return None
     try:
         value = float(raw)
     except (TypeError, ValueError):
@@ -368,8 +381,10 @@ class Repository:
         self.store.local = self.meta / "outbox"
         self.client_id: str = db.get("client_id")
         self.device: str = db.get("device")
+        self._consensus_timeout = _timeout(db)  # checked now: a bad value fails every command
+        #: pPaxos drivers by configuration id, made on first use (status and commit
+        #: never need one, and their modules cost start-up time).
         self._consensus: dict[str, Consensus] = {}
-        self.consensus = self.consensus_for(self.config_id, config)
         self.chunker = Chunker(self.codec.hasher)
         self.reporter: Reporter = reporter or NullReporter()
         #: Files whose content was read in the last scan (the index saves the rest).
@@ -380,6 +395,11 @@ class Repository:
         self._file_modes = {False: file_mode(False), True: file_mode(True)}
         #: The open lock file while this object has the folder (see _lock_folder).
         self._lock_fd: int | None = None
+
+    @property
+    def consensus(self) -> Consensus:
+        """pPaxos over the acceptors of this client's configuration (made on first use)."""
+        return self.consensus_for(self.config_id, self.config)
 
     # ============================================================== lifecycle
     @classmethod
@@ -689,6 +709,9 @@ class Repository:
         """The pPaxos driver over the acceptors of configuration ``config_id``."""
         consensus = self._consensus.get(config_id)
         if consensus is None:
+            from metasync.consensus import DEFAULT_TIMEOUT, Consensus
+            from metasync.paxos import Quorums
+
             config = config or self.load_config(config_id)
             backends = self.open_backends(config)
             acceptors = {b: backends[b] for b in config.acceptors}
@@ -696,7 +719,7 @@ class Repository:
                 acceptors, self.codec, self.client_id,
                 quorums=Quorums.bft(len(acceptors)) if config.fault_model == "byzantine"
                 else Quorums.crash(len(acceptors)),
-                timeout=_timeout(self.db),
+                timeout=self._consensus_timeout or DEFAULT_TIMEOUT,
                 config_id=config_id,
             )
             self._consensus[config_id] = consensus
@@ -714,6 +737,8 @@ class Repository:
         failure leaves the start at version 0."""
         overrides: dict[str, str] = self.db.get("uri_overrides", {})
         entry = self.open_backends_by_id({entry_id: overrides[entry_id]})[entry_id]
+        from metasync.consensus import read_hint
+
         hint = read_hint(self.codec, entry)
         if hint is None or hint[0] <= self.prev.number + 1:
             return
@@ -777,7 +802,6 @@ class Repository:
         self.config, self.config_id = config, config_id
         self.backends = self.open_backends(config)
         self.store.reconfigure(config, self.backends)
-        self.consensus = self.consensus_for(config_id, config)
 
     # ============================================================== state
     @property
@@ -881,39 +905,61 @@ class Repository:
 
     # ============================================================== scanning
     def _scan(
-        self, sink: Callable[[str, str, bytes], None] | None
+        self,
+        sink: Callable[[str, str, bytes], None] | None,
+        *,
+        flush_index: bool = False,
+        keep_scan: bool = True,
     ) -> tuple[dict[str, TreeEntry], set[str], list[IndexRow], list[str]]:
         """Scan the folder; return (file and link entries, folders, refreshed index
-        rows, paths skipped because they changed while being read)."""
-        rows = self.db.index_rows()
-        entries = scan(self.root, IgnoreRules.load(self.root, rows))
-        self._last_scan = entries
+        rows, paths skipped because they changed while being read).
+
+        With ``flush_index``, refreshed rows are written to the index in batches as
+        files are hashed and only the last, partial batch is returned (a huge tree
+        then never holds them all). That is safe before the commit is recorded: a
+        commit trusts a row only if its content is in a recorded pack, and status
+        compares the row's content id, which is right whether committed or not.
+
+        ``keep_scan=False`` leaves ``_last_scan`` empty and lets each scanned entry go
+        as soon as it is used (a checkout always scans again before it compares)."""
+        # Tracked paths are read only if there is an ignore file (load is lazy).
+        entries = scan(self.root, IgnoreRules.load(self.root, self.db.index_paths()))
+        self._last_scan = entries if keep_scan else {}
         files: dict[str, TreeEntry] = {}
         dirs: set[str] = set()
         to_hash: list[ScanEntry] = []
+        # Index rows stream from SQLite and are dropped once used (only those of files
+        # to read again are kept), so a huge tree never holds the whole index as well
+        # as the scan. Names from scandir are safe components by construction (scan
+        # skips .metasync), so the untrusted-name check is not needed here.
+        previous: dict[str, IndexRow] = {}
+        kinds = {"file": "file", "chunked": "chunked"}  # one str object per kind
+        for row in self.db.iter_index_rows():
+            e = entries.get(row.path)
+            if e is None or e.type != "file":
+                continue
+            if (
+                row.size == e.size
+                and row.mtime_ns == e.mtime_ns
+                and row.ino == e.ino
+                and row.mtime_ns + RACY_NS < row.hashed_at_ns
+                # `status` caches hashes without storing content: a commit must
+                # read a file again unless its content is in some pack.
+                and (sink is None or self.db.is_located(row.ref))
+            ):
+                name = e.path.rpartition("/")[2]
+                kind = kinds.get(row.type, row.type)
+                files[e.path] = TreeEntry(name, kind, row.ref, e.size, e.executable)  # type: ignore[arg-type]
+            else:
+                previous[e.path] = row
         for path, e in entries.items():
-            # Names from scandir are safe components by construction (scan skips
-            # .metasync), so the untrusted-name check is not needed here.
-            name = path.rpartition("/")[2]
             if e.type == "dir":
                 dirs.add(path)
             elif e.type == "link":
-                files[path] = TreeEntry(name, "link", e.target, e.size)
-            else:
-                row = rows.get(path)
-                if (
-                    row is not None
-                    and row.size == e.size
-                    and row.mtime_ns == e.mtime_ns
-                    and row.ino == e.ino
-                    and row.mtime_ns + RACY_NS < row.hashed_at_ns
-                    # `status` caches hashes without storing content: a commit must
-                    # read a file again unless its content is in some pack.
-                    and (sink is None or self.db.is_located(row.ref))
-                ):
-                    files[path] = TreeEntry(name, row.type, row.ref, e.size, e.executable)  # type: ignore[arg-type]
-                else:
-                    to_hash.append(e)
+                files[path] = TreeEntry(path.rpartition("/")[2], "link", e.target, e.size)
+            elif path not in files:
+                to_hash.append(e)
+        del entries  # kept only in _last_scan, if at all
         refreshed: list[IndexRow] = []
         skipped: list[str] = []
         self.files_hashed = len(to_hash)
@@ -921,14 +967,18 @@ class Repository:
             hashed_at = _now_ns()
             workers = min(len(to_hash), (os.cpu_count() or 2) + 1)
             self.reporter.start("pack" if sink else "hash", sum(e.size for e in to_hash))
+            # Handed out one by one, so each entry is freed once hashed.
+            queue = deque(to_hash)
+            to_hash.clear()
+            consume = (queue.popleft() for _ in range(len(queue)))
             with ThreadPoolExecutor(workers, thread_name_prefix="metasync-hash") as pool:
-                results = pool.map(lambda e: self._hash_one(e, sink), to_hash)
-                for e, result in zip(to_hash, results, strict=True):
+                for e, result in _ordered_map(pool, lambda e: self._hash_one(e, sink), consume,
+                                              HASH_WINDOW * workers):
                     self.reporter.advance(e.size)
                     name = e.path.rpartition("/")[2]
                     if result is None:
                         skipped.append(e.path)
-                        old = rows.get(e.path)
+                        old = previous.get(e.path)
                         if old is not None:  # keep the last known version of a busy file
                             files[e.path] = TreeEntry(name, old.type, old.ref, old.size, old.executable)  # type: ignore[arg-type]
                         continue
@@ -936,6 +986,10 @@ class Repository:
                     refreshed.append(
                         IndexRow(e.path, result[0], result[1], e.size, e.executable, e.mtime_ns, e.ino, hashed_at)
                     )
+                    if flush_index and len(refreshed) >= INDEX_FLUSH:
+                        with self.db.transaction():
+                            self.db.upsert_index(refreshed)
+                        refreshed = []
             self.reporter.finish()
         return files, dirs, refreshed, skipped
 
@@ -957,21 +1011,32 @@ class Repository:
         return None
 
     def _build_trees(
-        self, files: dict[str, TreeEntry], dirs: set[str]
+        self,
+        files: dict[str, TreeEntry],
+        dirs: set[str],
+        emit: Callable[[str, bytes], None] | None = None,
     ) -> tuple[str, dict[str, bytes]]:
-        """Root tree id and every tree's canonical bytes, built bottom-up."""
+        """Root tree id and every tree's canonical bytes, built bottom-up. With
+        ``emit``, each tree goes to ``emit(id, bytes)`` as it is built instead of
+        into the returned dict, and ``files`` is emptied once read (so a huge tree
+        never holds every tree's bytes, nor the path index next to the trees)."""
         children: dict[str, list[TreeEntry]] = {d: [] for d in dirs}
         children[""] = []
         for path, entry in files.items():
             parent = path.rpartition("/")[0]
             children.setdefault(parent, []).append(entry)
+        if emit is not None:
+            files.clear()
         trees: dict[str, bytes] = {}
         order = sorted((d for d in children if d), key=lambda p: p.count("/"), reverse=True)
         root_id = ""
         for d in [*order, ""]:
-            data = Tree.build(children[d]).to_bytes()
+            data = Tree.build(children.pop(d)).to_bytes()
             tid = self.codec.id_of("tree", data)
-            trees[tid] = data
+            if emit is None:
+                trees[tid] = data
+            else:
+                emit(tid, data)
             if d:
                 parent, _, name = d.rpartition("/")
                 children.setdefault(parent, []).append(TreeEntry(name, "dir", tid))
@@ -991,12 +1056,16 @@ class Repository:
             with self.db.transaction():
                 self.db.upsert_index(refreshed)
         head = self._head_commit()
-        root_id, trees = self._build_trees(files, dirs)
         changes: list[Change] = []
-        if head is None or head.tree != root_id:
-            # Descend only into folders whose tree ids differ: an unchanged subtree
-            # costs nothing, and an unchanged folder costs one comparison.
-            self._diff_trees(head.tree if head else None, root_id, trees, "", changes)
+        fingerprint = _tree_fingerprint(files, dirs)
+        if head is None or self.db.get(TREE_MEMO) != [fingerprint, head.tree]:
+            root_id, trees = self._build_trees(files, dirs)
+            if head is not None and head.tree == root_id:
+                self.db.set(TREE_MEMO, [fingerprint, root_id])
+            else:
+                # Descend only into folders whose tree ids differ: an unchanged subtree
+                # costs nothing, and an unchanged folder costs one comparison.
+                self._diff_trees(head.tree if head else None, root_id, trees, "", changes)
         changes.sort(key=lambda c: c.path)
         return Status(
             changes=changes,
@@ -1048,13 +1117,26 @@ class Repository:
         self._resume_checkout()
         self._clean_outbox()
         writer = _ObjectWriter(self)
-        files, dirs, refreshed, skipped = self._scan(writer.sink)
+        # A checkout scans again before it compares anything with a scan, so a commit
+        # need not keep this one (on a huge tree it is a third of the memory).
+        files, dirs, refreshed, skipped = self._scan(writer.sink, flush_index=True, keep_scan=False)
         for path in skipped:
             self.reporter.note(f"skipped {path}: it changed while being read; it is committed next time")
-        root_id, trees = self._build_trees(files, dirs)
+        fingerprint = _tree_fingerprint(files, dirs)
+        empty = not files and not dirs
+
+        def emit(tree_id: str, data: bytes) -> None:
+            # Packed and cached as built; both are keyed by content, so a commit that
+            # fails after this leaves nothing wrong behind.
+            writer.sink("tree", tree_id, data)
+            self.db.cache_object(tree_id, "tree", data)
+
+        with self.db.transaction():
+            root_id, trees = self._build_trees(files, dirs, emit)  # empties files
+            self.db.set(TREE_MEMO, [fingerprint, root_id])
         head = self._head_commit()
         unchanged = (head is not None and head.tree == root_id) or (
-            head is None and not files and not dirs and self.prev.master is None
+            head is None and empty and self.prev.master is None
         )
         if unchanged:
             # Every pack gets an index, even without a commit (a busy file may have left
@@ -2453,6 +2535,44 @@ def _matches(repo: Repository, path: Path, entry: TreeEntry) -> bool:
 
 def _bytes_loader(data: bytes) -> Callable[[], BinaryIO]:
     return lambda: io.BytesIO(data)
+
+
+def _ordered_map(
+    pool: ThreadPoolExecutor, fn: Callable[[ScanEntry], T], items: Iterable[ScanEntry], window: int
+) -> Iterator[tuple[ScanEntry, T]]:
+    """``(item, fn(item))`` in order, run on ``pool`` with at most ``window`` tasks
+    queued at once (``pool.map`` makes every future up front: ~1.5 kB each, which
+    for a million files is gigabytes)."""
+    pending: deque[tuple[ScanEntry, Future[T]]] = deque()
+    items_iter = iter(items)
+    for e in itertools.islice(items_iter, window):
+        pending.append((e, pool.submit(fn, e)))
+    while pending:
+        e, fut = pending.popleft()
+        result = fut.result()
+        nxt = next(items_iter, None)
+        if nxt is not None:
+            pending.append((nxt, pool.submit(fn, nxt)))
+        yield e, result
+
+
+def _tree_fingerprint(files: dict[str, TreeEntry], dirs: set[str]) -> str:
+    """A digest of everything :meth:`Repository._build_trees` reads: equal
+    fingerprints give equal root trees (same key, same format)."""
+    # No field holds a NUL (POSIX names and link targets cannot), every field ends
+    # with one, and the counts come first, so the hashed text decodes one way only.
+    h = hashlib.blake2b(digest_size=32)
+    h.update(f"{TREE_MEMO}\0{FORMAT_VERSION}\0{len(files)}\0{len(dirs)}\0".encode())
+    batch: list[str] = []
+    for path in sorted(files):
+        e = files[path]
+        batch.append(f"{path}\0{e.type}\0{e.ref}\0{e.size}\0{'x' if e.executable else '-'}\0")
+        if len(batch) == 4096:
+            h.update("".join(batch).encode("utf-8", "surrogatepass"))
+            batch.clear()
+    batch.extend(f"{d}\0" for d in sorted(dirs))
+    h.update("".join(batch).encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
 
 
 def _chunk_groups(chunks: list[tuple[str, int]], budget: int = 8 * 1024 * 1024) -> list[list[tuple[str, int]]]:

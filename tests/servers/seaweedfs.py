@@ -239,11 +239,11 @@ class SeaweedS3:
             process.stop()
 
 
-@pytest.fixture(scope="session")
-def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
-    """One ``weed server -s3`` process with bucket ``metasync-tests``."""
-    root = tmp_path_factory.mktemp("seaweedfs")
-    (root / "data").mkdir()
+@contextlib.contextmanager
+def run_seaweedfs(root: Path, bucket: str = "metasync-tests") -> Iterator[SeaweedS3]:
+    """One ``weed server -s3`` process with data under ``root`` and ``bucket``
+    created, stopped when the block exits (the benchmarks use it too)."""
+    (root / "data").mkdir(parents=True, exist_ok=True)
     identity = _write_identity(root)
     master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = free_ports(8)
     server = Process(
@@ -273,7 +273,7 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
         root / "server.log",
         root,
     )
-    service = SeaweedS3(f"http://{HOST}:{s3}", s3, "metasync-tests", [server])
+    service = SeaweedS3(f"http://{HOST}:{s3}", s3, bucket, [server])
     with aws_credentials():
         try:
             server.start()
@@ -281,6 +281,13 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
             yield service
         finally:
             service.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    """One ``weed server -s3`` process with bucket ``metasync-tests``."""
+    with run_seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as service:
+        yield service
 
 
 @dataclass

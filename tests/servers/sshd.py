@@ -153,9 +153,26 @@ def sshd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]
     """A running OpenSSH server on loopback (see the module docstring)."""
     if not os.path.exists(SSHD):
         pytest.fail(f"{SSHD} not found: install openssh-server (bin/setup-system)")
-    base = tmp_path_factory.mktemp("sshd")
+    try:
+        with run_sshd(tmp_path_factory.mktemp("sshd")) as server:
+            yield server
+    except SshdError as exc:
+        pytest.fail(str(exc))
+
+
+class SshdError(RuntimeError):
+    """sshd could not be started."""
+
+
+@contextlib.contextmanager
+def run_sshd(base: Path) -> Iterator[SshServer]:
+    """sshd with its configuration, keys and served folder under ``base``, stopped
+    (with every per-connection child) when the block exits; raises
+    :class:`SshdError` if it does not come up (the benchmarks use it too)."""
+    if not os.path.exists(SSHD):
+        raise SshdError(f"{SSHD} not found: install openssh-server (bin/setup-system)")
     conf_dir = base / "etc"
-    conf_dir.mkdir()
+    conf_dir.mkdir(parents=True)
     root = base / "root"
     root.mkdir()
     host_key = conf_dir / "ssh_host_ed25519_key"
@@ -210,7 +227,7 @@ def sshd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]
         deadline = time.monotonic() + START_TIMEOUT
         while not _answers_ssh(port):
             if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(
+                raise SshdError(
                     f"sshd did not start on port {port} (exit code {proc.poll()}):\n"
                     + log_path.read_text(errors="replace")
                 )
