@@ -53,6 +53,16 @@ BUILTIN_SCHEMES: dict[str, str] = {
 }
 
 
+#: Cloud providers ``metasync auth PROVIDER`` signs in to: name -> module of this
+#: package with its ``authorize`` (imported only when the command runs).
+AUTH_PROVIDERS: dict[str, str] = {
+    "dropbox": "dropbox",
+    "box": "box",
+    "onedrive": "onedrive",
+    "gdrive": "gdrive",
+}
+
+
 def open_backend(uri: str, namespace: str) -> Backend:
     """Open the backend for ``uri`` bound to ``namespace``. Does not touch the service."""
     scheme = scheme_of(uri)

@@ -61,17 +61,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from metasync.backends import AUTH_PROVIDERS
 from metasync.backends.retry import TransientError
 from metasync.errors import AuthorizationRequired, BackendError, UsageError
 
 #: Provider name (as in ``metasync auth NAME``) -> module of metasync.backends that
 #: defines its ``authorize``. Imported on use, like BUILTIN_SCHEMES.
-AUTH_PROVIDERS: dict[str, str] = {
-    "dropbox": "dropbox",
-    "box": "box",
-    "onedrive": "onedrive",
-    "gdrive": "gdrive",
-}
 
 #: A token refused within this many seconds of the refresh that issued it means the
 #: grant itself is gone; refused later (revoked, clock skew), it is refreshed again.

@@ -6,7 +6,8 @@ files is pushed to three such backends with R = 2, then cloned; the clone's rate
 is compared with B. A single backend (R = 1) is measured the same way as the
 baseline. Target: the three-backend clone runs at 2.4 B or more.
 
-    .venv/bin/python bench/parallel_read_bench.py [--rate-mb 10] [--size-mb 150]
+    bin/bench pread                     (or: .venv/bin/python bench/parallel_read_bench.py
+                                         [--rate-mb 10] [--size-mb 150] [--quick])
 
 Writes bench/results/parallel-read-<UTC stamp>.json and prints a table.
 """
@@ -14,18 +15,17 @@ Writes bench/results/parallel-read-<UTC stamp>.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import shutil
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchlib import machine_info, write_results  # noqa: E402
 
 from metasync.repository import Repository  # noqa: E402
 from tests.servers import throttle  # noqa: E402
@@ -72,7 +72,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate-mb", type=float, default=10.0, help="B, in MB/s per backend")
     parser.add_argument("--size-mb", type=int, default=150, help="size of the tree in MiB")
+    parser.add_argument("--quick", action="store_true", help="a 20 MiB tree (smoke test)")
     args = parser.parse_args()
+    if args.quick:
+        args.size_mb = 20
     rate = args.rate_mb * 1e6
     results = []
     for backends, replicas in ((1, 1), (3, 2)):
@@ -88,11 +91,9 @@ def main() -> None:
         shares = " ".join(f"{s:.0%}" for s in r["share_per_backend"])
         print(f"{r['backends']:>8} {r['replicas']:>2} {r['seconds']:>8.2f} {r['mb_per_s']:>7.2f} "
               f"{r['mb_per_s'] / args.rate_mb:>6.2f}  {shares}")
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = ROOT / "bench" / "results" / f"parallel-read-{stamp}.json"
-    out.write_text(json.dumps({"rate_mb_per_s": args.rate_mb, "size_mib": args.size_mb,
-                               "cpus": os.cpu_count(), "runs": results}, indent=2) + "\n")
-    print(f"wrote {out.relative_to(ROOT)}")
+    out = write_results("parallel-read", {"machine": machine_info(), "rate_mb_per_s": args.rate_mb,
+                                          "size_mib": args.size_mb, "runs": results})
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

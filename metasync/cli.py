@@ -539,7 +539,7 @@ class ClickAuthUI:
 
 
 def _auth_help() -> str:
-    from metasync.backends.cloud import AUTH_PROVIDERS
+    from metasync.backends import AUTH_PROVIDERS
 
     return (f"Sign in to a cloud PROVIDER ({', '.join(sorted(AUTH_PROVIDERS))}) and keep "
             "the grant on this computer (OS keyring, else a private file).")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from metasync.objects import TreeEntry
+from metasync.objects import TreeEntry, same_entry
 from metasync.worktree import conflict_name
 
 
@@ -46,15 +46,6 @@ class MergeConflict:
     copy: str
     #: Which side went to the copy: ``"ours"`` or ``"theirs"``.
     moved: str
-
-
-def same_entry(a: TreeEntry | None, b: TreeEntry | None) -> bool:
-    """Same content at a path (folders compare by kind: their contents are paths too)."""
-    if a is None or b is None:
-        return a is b
-    if a.type == "dir" or b.type == "dir":
-        return a.type == b.type
-    return (a.type, a.ref, a.executable) == (b.type, b.ref, b.executable)
 
 
 def merge_trees(

@@ -344,6 +344,15 @@ def parse_pack_entry(item: object) -> PackEntry:
     )
 
 
+def same_entry(a: TreeEntry | None, b: TreeEntry | None) -> bool:
+    """Same content at a path (folders compare by kind: their contents are paths too)."""
+    if a is None or b is None:
+        return a is b
+    if a.type == "dir" or b.type == "dir":
+        return a.type == b.type
+    return (a.type, a.ref, a.executable) == (b.type, b.ref, b.executable)
+
+
 # ----------------------------------------------------------------------------- config
 
 

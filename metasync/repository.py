@@ -49,7 +49,6 @@ from metasync.faults import crash_point
 from metasync.keys import MasterKey, unwrap, wrap
 from metasync.localdb import IndexRow, LocalDB, location_in
 from metasync.mapping import StableMapping, vnode_unit
-from metasync.merge import Side, merge_trees, same_entry
 from metasync.objects import (
     FORMAT_VERSION,
     MAX_FRAGMENTS,
@@ -64,6 +63,7 @@ from metasync.objects import (
     Version,
     is_object_id,
     is_snapshot_name,
+    same_entry,
 )
 from metasync.progress import NullReporter, Reporter
 from metasync.store import SMALL_READ, RemoteStore, mapping_of, object_key
@@ -1484,6 +1484,8 @@ class Repository:
         ours_flat = self.flatten(ours.tree)
         writer = _ObjectWriter(self)
         self._repack_collected(ours_flat, writer)
+        from metasync.merge import Side, merge_trees
+
         merged, conflicts = merge_trees(
             self.flatten(base_commit.tree if base_commit else None),
             Side(ours_flat, ours.device, _stamp(ours.time_ns)),

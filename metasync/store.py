@@ -22,25 +22,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from metasync.backends import Backend
 from metasync.codec import Codec
-from metasync.erasure import (
-    ErasureScheme,
-    FragmentHeader,
-    decode_fragments,
-    encode_fragments,
-    fragment_key,
-    header_length,
-    stored_bytes,
-    systematic_ranges,
-    use_erasure,
-    verify_header,
-)
 from metasync.errors import BackendError, CorruptObject, MetasyncError, ObjectUnavailable
 from metasync.mapping import StableMapping
 from metasync.objects import Config, PackEntry
+
+if TYPE_CHECKING:
+    from metasync.erasure import ErasureScheme, FragmentHeader
 
 #: Entries closer than this in one pack are fetched with one range request.
 COALESCE_GAP = 256 * 1024
@@ -138,7 +129,12 @@ class RemoteStore:
         self.config = config
         self.backends = backends
         self.mapping = mapping_of(config)
-        self.scheme = ErasureScheme(*config.erasure) if config.erasure else None
+        self.scheme: ErasureScheme | None = None
+        if config.erasure:
+            # Imported only by erasure-coded repositories (zfec costs start-up time).
+            from metasync.erasure import ErasureScheme
+
+            self.scheme = ErasureScheme(*config.erasure)
         #: Where an erasure-coded object's fragments go: fragment j on the j-th.
         self.fragment_mapping = fragment_mapping_of(config)
         #: Pack layouts learned from fragment headers (None: stored whole).
@@ -146,10 +142,12 @@ class RemoteStore:
 
     def coded(self, size: int) -> bool:
         """True if an object of ``size`` stored bytes is erasure-coded."""
-        return use_erasure(self.scheme, size, self.config.erasure_threshold)
+        return self.scheme is not None and size >= self.config.erasure_threshold
 
     def _put_fragments(self, stored_id: str, data: bytes) -> dict[str, str]:
         """Write fragment j of ``data`` to the j-th fragment holder; return failures."""
+        from metasync.erasure import encode_fragments, fragment_key
+
         assert self.scheme is not None
         fragments = encode_fragments(self.codec.hasher, self.scheme, stored_id, data)
         failures: dict[str, str] = {}
@@ -168,6 +166,8 @@ class RemoteStore:
 
     def get_fragment(self, stored_id: str, index: int, *, whole: bool = True) -> bytes | None:
         """Fragment ``index`` (or only its header), from the first backend that has it."""
+        from metasync.erasure import fragment_key, header_length
+
         assert self.scheme is not None
         key = fragment_key(stored_id, index)
         for backend_id in self.fragment_order(stored_id, index):
@@ -184,6 +184,8 @@ class RemoteStore:
     def decode_coded(self, stored_id: str, check: Callable[[bytes], object]) -> bytes:
         """The stored bytes of an erasure-coded object, from any k good fragments
         (data fragments first: they need no decoding arithmetic)."""
+        from metasync.erasure import decode_fragments
+
         assert self.scheme is not None
         fragments: dict[int, bytes] = {}
         for index in range(self.scheme.n):
@@ -205,6 +207,8 @@ class RemoteStore:
             return None
         if pack_id in self._layouts:
             return self._layouts[pack_id]
+        from metasync.erasure import verify_header
+
         found: FragmentHeader | None = None
         for index in range(self.scheme.n):
             head = self.get_fragment(pack_id, index, whole=False)
@@ -328,6 +332,8 @@ class RemoteStore:
                 first_error = first_error or exc
                 continue
             if self.scheme is not None and self.coded(size):
+                from metasync.erasure import stored_bytes
+
                 needed, total = self.scheme.k, self.scheme.n
                 written = stored_bytes(self.scheme, size) // total * (total - len(failures))
             else:
@@ -425,6 +431,8 @@ class RemoteStore:
     ) -> dict[str, bytes]:
         """Entries of an erasure-coded pack: range reads from its data fragments;
         anything missing or bad there is taken from the pack rebuilt from any k."""
+        from metasync.erasure import systematic_ranges
+
         still: list[PackEntry] = []
         for run in _coalesce(wanted):
             start = run[0].offset
@@ -455,6 +463,8 @@ class RemoteStore:
         return result
 
     def _range_of_fragment(self, pack_id: str, index: int, offset: int, length: int) -> bytes | None:
+        from metasync.erasure import fragment_key
+
         key = fragment_key(pack_id, index)
         for backend_id in self.fragment_order(pack_id, index):
             try:
