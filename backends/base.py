@@ -91,6 +91,9 @@ class Capabilities:
     long_poll: bool = False
     #: ``share`` gives another user of the service access to the namespace folder.
     sharing: bool = False
+    #: ``delete_log`` removes a whole log, so pPaxos log compaction frees its space
+    #: (a backend without it keeps its logs; compaction still records the floor).
+    log_deletion: bool = True
 
 
 class Backend(ABC):
@@ -216,6 +219,36 @@ class Backend(ABC):
     def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
         """Return ``(position, message)`` for every entry at ``position >= start`` in
         order. A missing log is empty, not an error."""
+
+    def delete_log(self, log: str) -> int:
+        """Remove every entry of ``log`` and return how many objects went; a missing
+        log removes nothing. Entries go highest position first, so a reader at any
+        moment sees a prefix of the log (an earlier state of that acceptor). Only for
+        pPaxos log compaction, once a floor record covers the log (docs/FORMAT.md
+        §9.1), and only where ``capabilities.log_deletion``.
+
+        The default serves every layout whose entries are objects under ``log/``
+        (entry ``p`` named ``p`` in ten or more digits, helper objects named after
+        their position): it lists the log and deletes in that order."""
+        check_key(log)
+        keys = builtins.list(self.list(log))
+
+        def position_first(key: str) -> tuple[int, str]:
+            name = key[len(log) + 1:]
+            digits = name[: len(name) - len(name.lstrip("0123456789"))]
+            return (int(digits) if digits else -1, name)
+
+        removed = 0
+        for key in sorted(keys, key=position_first, reverse=True):
+            try:
+                self.delete(key)
+                removed += 1
+            except ObjectNotFound:
+                pass
+        forget = getattr(self, "_metasync_entry_cache", None)
+        if forget is not None:
+            forget.forget(log)
+        return removed
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections. The default does nothing."""

@@ -813,6 +813,29 @@ class BackendConformance:
         assert backend.fetch("logs/one") == [(0, b"a"), (1, b"c")]
         assert backend.fetch("logs/two") == [(0, b"b")]
 
+    @needs_capability("log_deletion")
+    def test_delete_log_removes_only_that_log(
+        self, backend: Backend, backend_factory: Callable[[], Backend]
+    ) -> None:
+        """delete_log removes every entry of one log (another client then fetches []
+        and can write position 0 again), leaves other logs and objects alone, and
+        removes nothing for a missing log."""
+        require_capability(backend, "log_deletion")
+        for i in range(3):
+            backend.append("log/000000000001", f"m{i}".encode())
+        backend.append("log/000000000002", b"kept")
+        backend.put("log-neighbour", b"object")
+        assert backend.fetch("log/000000000001") != []  # and it may now be cached
+        assert backend.delete_log("log/000000000001") >= 3
+        other = backend_factory()
+        assert backend.fetch("log/000000000001") == other.fetch("log/000000000001") == []
+        assert backend.fetch("log/000000000002") == [(0, b"kept")]
+        assert backend.get("log-neighbour") == b"object"
+        assert backend.delete_log("log/000000000001") == 0
+        assert backend.delete_log("log/000000000099") == 0
+        assert backend.append("log/000000000001", b"again") == 0
+        assert other.fetch("log/000000000001") == [(0, b"again")]
+
     def test_appends_of_two_clients_share_one_order(
         self, backend: Backend, backend_factory: Callable[[], Backend]
     ) -> None:

@@ -408,6 +408,9 @@ class GDriveBackend(Backend):
         case_sensitive=True,
         long_poll=False,
         sharing=True,
+        # A log's first entry is a link of its bucket's chain of log heads (DriveLogs):
+        # removing it would cut other logs off, so Drive keeps its pPaxos logs.
+        log_deletion=False,
     )
 
     def __init__(self, uri: str, namespace: str) -> None:

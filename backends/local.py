@@ -604,6 +604,35 @@ class LocalBackend(Backend):
                     highest = position
         return highest + 1
 
+    def delete_log(self, log: str) -> int:
+        """Unlink the entries of the log folder ``log/``, highest first (a reader sees
+        a prefix meanwhile), then the folder itself; stray temp files go too."""
+        self._key(log)
+        self._require_root()
+        folder = self._path(log)
+        try:
+            names = os.listdir(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
+        except OSError as exc:
+            raise self._error(exc, log, "delete", not_found=False) from exc
+        entries = sorted(((p, n) for n in names if (p := _entry_position(n)) is not None),
+                         reverse=True)
+        removed = 0
+        try:
+            for _, name in entries:
+                _unlink_quietly(os.path.join(folder, name))
+                removed += 1
+            for name in os.listdir(folder):
+                _unlink_quietly(os.path.join(folder, name))
+            os.rmdir(folder)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno != errno.ENOTEMPTY:  # else a late writer added an entry: kept
+                raise self._error(exc, log, "delete", not_found=False) from exc
+        return removed
+
     def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
         """``(position, message)`` for each entry of ``log`` at ``position >= start``,
         in position order. A missing log is ``[]``; temp files and other names in the

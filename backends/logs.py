@@ -95,6 +95,11 @@ class _EntryCache:
             result.append((p, value))
         return result
 
+    def forget(self, log: str) -> None:
+        """Drop the cached entries of ``log`` (it was deleted by log compaction)."""
+        for key in [k for k in self.entries if k[0] == log]:
+            del self.entries[key]
+
 
 def entry_cache(backend: Backend) -> _EntryCache:
     cache = getattr(backend, "_metasync_entry_cache", None)

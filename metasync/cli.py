@@ -428,22 +428,32 @@ def config_retention(days: int) -> None:
 
 
 @cli.command()
-def gc() -> None:
-    """Delete objects no kept version, snapshot or push in progress needs."""
+@click.option("--log-grace", "log_grace_hours", type=click.FloatRange(min=0), default=24.0,
+              show_default=True, metavar="HOURS",
+              help="Compact the logs of versions decided at least this long ago. Below the "
+                   "default, a push suspended for over half of it may have to merge again.")
+def gc(log_grace_hours: float) -> None:
+    """Delete objects no kept version, snapshot or push in progress needs, and
+    compact the agreement logs of old versions."""
     with _open() as repo:
-        report = repo.gc()
+        report = repo.gc(log_grace_s=log_grace_hours * 3600)
     if report.lost_race:
         _say("another client committed meanwhile: nothing was deleted; run `metasync gc` again")
-        return
-    if report.version is None:
+    elif report.version is None:
         _say(f"nothing to collect ({report.objects} objects, all in use)")
-        return
-    _say(f"collected {report.deleted} object copies ({_human(report.bytes_deleted)}) of "
-         f"{report.objects} objects; {report.pruned_commits} older versions pruned; "
-         f"now version {report.version.number}")
+    else:
+        _say(f"collected {report.deleted} object copies ({_human(report.bytes_deleted)}) of "
+             f"{report.objects} objects; {report.pruned_commits} older versions pruned; "
+             f"now version {report.version.number}")
+    if report.log_floor:
+        _say(f"compacted the logs of versions before {report.log_floor} "
+             f"({report.logs_removed} log objects removed)")
     if report.failed:
         click.echo(f"warning: {report.failed} copies could not be deleted (a backend is "
                    "unreachable); the next gc retries them", err=True)
+    if report.log_compaction_error:
+        click.echo(f"warning: log compaction postponed ({report.log_compaction_error}); "
+                   "the next gc tries again", err=True)
 
 
 @cli.command()

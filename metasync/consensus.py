@@ -13,12 +13,14 @@ dropped, exactly like one never written.
 
 from __future__ import annotations
 
+import builtins
 import json
 import random
 import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -36,22 +38,28 @@ from metasync.objects import Version
 from metasync.paxos import (
     Append,
     Backoff,
+    Compacted,
     Contended,
+    DropLogs,
     Fetch,
     Message,
     NoQuorum,
     Quorums,
+    ReadFloor,
     ReadHint,
     Reading,
     Reply,
     Request,
     Run,
     Setup,
+    WriteFloor,
     WriteHint,
+    compact,
     get_recent,
     propose,
     publish_hint,
     read,
+    read_floor,
 )
 
 HINT_KEY = "latest"
@@ -63,8 +71,45 @@ DEFAULT_TIMEOUT = 30.0
 T = TypeVar("T")
 
 
+#: Compaction floors and marks live under this prefix (docs/FORMAT.md §9.1).
+FLOOR_PREFIX = "floor"
+#: A proposal that took longer than this (wall clock, suspend included) checks the
+#: floor once more before its outcome counts: compaction waits twice as long.
+DEFAULT_LOG_GRACE_S = 24 * 3600.0
+
+
 def log_key(instance: int) -> str:
     return f"log/{instance:012d}"
+
+
+def floor_key(below: int) -> str:
+    return f"{FLOOR_PREFIX}/{below:012d}"
+
+
+def mark_key(number: int) -> str:
+    return f"{FLOOR_PREFIX}/mark-{number:012d}"
+
+
+def _instance_of_log(key: str) -> int | None:
+    """The instance of a key ``log/<12 digits>/...``, else None."""
+    parts = key.split("/")
+    if len(parts) >= 2 and parts[0] == "log" and len(parts[1]) == 12 and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
+def _floor_of_key(key: str) -> int | None:
+    name = key[len(FLOOR_PREFIX) + 1:] if key.startswith(FLOOR_PREFIX + "/") else ""
+    return int(name) if len(name) == 12 and name.isdigit() else None
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A gc's note that every instance up to ``number`` was decided by ``time_ns``
+    (its clock): compaction may remove their logs a grace period later."""
+
+    number: int
+    time_ns: int
 
 
 def encode_hint(codec: Codec, number: int, config_id: str) -> bytes:
@@ -119,6 +164,7 @@ class Consensus:
         conditional: bool = True,
         names: dict[str, str] | None = None,
         config_id: str = "",
+        log_grace: float = DEFAULT_LOG_GRACE_S,
     ) -> None:
         self.acceptors = acceptors
         #: The configuration whose acceptors these are. Hints name it, so a reader
@@ -146,6 +192,8 @@ class Consensus:
         self._next: Reading | None = None
         self._errors: dict[str, str] = {}
         self._wrote = False
+        #: Seconds a compaction waits after a mark (see :meth:`compact_logs`).
+        self.log_grace = log_grace
 
     # --- the API ---------------------------------------------------------------------
     def get_recent(self, known: Version) -> Version:
@@ -159,13 +207,74 @@ class Consensus:
         Starts from the logs the last :meth:`get_recent` read, if of this instance."""
         cached = self._next if self._next is not None and self._next.instance == instance else None
         self._next = None
-        return self.run(
-            propose(self.setup, instance, value, self.rng, cached.logs if cached else None)
-        )
+        started = (time.monotonic(), time.time())
+        try:
+            chosen = self.run(
+                propose(self.setup, instance, value, self.rng, cached.logs if cached else None)
+            )
+        except Compacted:
+            return None  # the caller is behind: it learns past the floor and retries
+        took = max(time.monotonic() - started[0], time.time() - started[1])
+        if took > self.log_grace / 2 and self.run(read_floor(self.setup)) > instance:
+            # Stalled (a suspended laptop) long enough for a compaction to have emptied
+            # this instance's logs under the proposal: its outcome cannot be trusted.
+            return None
+        return chosen
+
+    def compact_logs(self, latest: Version, learned_ns: int, now_ns: int) -> tuple[int, int]:
+        """Log compaction, run by gc: remove the logs of every instance below the
+        newest mark older than the grace period (a mark says all instances up to it
+        were decided by then), then leave a mark for ``latest`` (learned at
+        ``learned_ns``). Returns ``(floor, log objects removed)``; the floor is 0 if
+        nothing was old enough. Raises :class:`BackendUnavailable` (nothing deleted)
+        if an acceptor cannot record the floor."""
+        marks: dict[Mark, int] = {}
+        marked: set[str] = set()  # acceptors that already hold a mark for ``latest``
+        with ThreadPoolExecutor(len(self.acceptors), "metasync-marks") as pool:
+            for acceptor, found in zip(self.acceptors,
+                                       pool.map(self._marks, self.acceptors.values()), strict=True):
+                for mark in found:
+                    marks[mark] = marks.get(mark, 0) + 1
+                    if mark.number == latest.number:
+                        marked.add(acceptor)
+        trusted = (len(self.acceptors) - 1) // 3 + 1 if self.quorums.byzantine else 1
+        grace_ns = int(self.log_grace * 1e9)
+        below = max((m.number for m, count in marks.items()
+                     if count >= trusted and now_ns - m.time_ns >= grace_ns
+                     and 0 < m.number <= latest.number), default=0)
+        removed = 0
+        if below:
+            removed = self.run(compact(self.setup, below))
+        key = mark_key(latest.number)
+        data = self.codec.encode("floor", key, json.dumps(
+            {"mark": latest.number, "time_ns": learned_ns}).encode())
+        # An existing mark for the same version stays: its older time ages first.
+        unmarked = [b for a, b in self.acceptors.items() if a not in marked]
+        if unmarked:
+            with ThreadPoolExecutor(len(unmarked), "metasync-marks") as pool:
+                builtins.list(pool.map(lambda b: b.put(key, data), unmarked))
+        return below, removed
+
+    def _marks(self, backend: Backend) -> list[Mark]:
+        out = []
+        for key in backend.list(FLOOR_PREFIX):
+            if not key.startswith(f"{FLOOR_PREFIX}/mark-"):
+                continue
+            try:
+                doc = json.loads(self.codec.decode("floor", key, backend.get(key)))
+                mark = Mark(doc["mark"], doc["time_ns"])
+            except (ObjectNotFound, CorruptObject, ValueError, KeyError, TypeError, RecursionError):
+                continue  # unreadable or forged: as if absent
+            if (type(mark.number) is int and type(mark.time_ns) is int
+                    and key == mark_key(mark.number)):
+                out.append(mark)
+        return out
 
     def learn(self, instance: int) -> Version | None:
-        """The value decided in ``instance``, if a quorum's logs show one."""
-        return self.run(read(self.setup, instance, self.rng)).decided
+        """The value decided in ``instance``, if a quorum's logs show one (``None``
+        also when the instance's logs were compacted)."""
+        reading = self.run(read(self.setup, instance, self.rng, floor=True))
+        return None if reading.floor > instance else reading.decided
 
     def publish(self, version: Version) -> None:
         """Record ``version`` as the latest on every acceptor (best effort)."""
@@ -254,19 +363,25 @@ class Consensus:
             t.start()
         deadline = time.monotonic() + self.timeout
         replies: list[Reply] = []
+        failed: set[str] = set()
+        answered: set[str] = set()
         for req, out, t in zip(batch, outcomes, threads, strict=True):
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():
                 self._errors[req.acceptor] = f"no answer within {self.timeout:g} s"
+                failed.add(req.acceptor)
                 replies.append(None)
             elif out.error is not None:
                 err = out.error
                 why = "unreachable" if isinstance(err, BackendUnavailable) else "failed"
                 self._errors[req.acceptor] = f"{why}: {err}"
+                failed.add(req.acceptor)
                 replies.append(None)
             else:
-                self._errors.pop(req.acceptor, None)
+                answered.add(req.acceptor)
                 replies.append(out.reply)
+        for acceptor in answered - failed:
+            self._errors.pop(acceptor, None)
         return replies
 
     def _one(self, request: Request, out: _Outcome) -> None:
@@ -300,7 +415,46 @@ class Consensus:
         if isinstance(request, WriteHint):
             backend.put(HINT_KEY, encode_hint(self.codec, request.number, self.config_id))
             return True
+        if isinstance(request, ReadFloor):
+            return self._floor(backend)
+        if isinstance(request, WriteFloor):
+            if self._floor(backend) < request.below:
+                key = floor_key(request.below)
+                backend.put(key, self.codec.encode(
+                    "floor", key, json.dumps({"floor": request.below}).encode()))
+            return True
+        if isinstance(request, DropLogs):
+            return self._drop_logs(backend, request.below)
         raise TypeError(f"unknown request {request!r}")
+
+    @staticmethod
+    def _floor(backend: Backend) -> int:
+        """The highest floor named under ``floor/`` (0: never compacted). Names are
+        enough: a floor that is false can only send a reader to an instance whose
+        decision it then confirms on a quorum, or fail (docs/protocol.md)."""
+        return max((f for f in map(_floor_of_key, backend.list(FLOOR_PREFIX)) if f is not None),
+                   default=0)
+
+    @staticmethod
+    def _drop_logs(backend: Backend, below: int) -> int:
+        """Delete the logs of instances below ``below`` on a backend whose floor says
+        so, then the floors and marks it makes redundant. Returns objects removed."""
+        removed = 0
+        if backend.capabilities.log_deletion:
+            instances = {i for i in map(_instance_of_log, backend.list("log"))
+                         if i is not None and i < below}
+            for instance in sorted(instances):
+                removed += backend.delete_log(log_key(instance))
+        for key in builtins.list(backend.list(FLOOR_PREFIX)):
+            floor = _floor_of_key(key)
+            mark = key.rsplit("-", 1)[-1] if key.startswith(mark_key(0)[:-12]) else ""
+            if (floor is not None and floor < below) or (mark.isdigit() and int(mark) < below):
+                try:
+                    backend.delete(key)
+                    removed += 1
+                except ObjectNotFound:
+                    pass
+        return removed
 
     def _encode(self, instance: int, msg: Message) -> bytes:
         return self.codec.encode("log", str(instance), json.dumps(msg.to_json()).encode())

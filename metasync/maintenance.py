@@ -718,9 +718,35 @@ class GcReport:
     cutoff_ns: int = 0
     #: Another client's version won the instance: nothing was deleted.
     lost_race: bool = False
+    #: Log compaction: the floor it set (0: nothing old enough yet) and the log
+    #: objects it removed, or why it was postponed.
+    log_floor: int = 0
+    logs_removed: int = 0
+    log_compaction_error: str = ""
 
 
-def collect_garbage(repo: Repository, now_ns: int | None = None) -> GcReport:
+def collect_garbage(
+    repo: Repository, now_ns: int | None = None, log_grace_s: float | None = None
+) -> GcReport:
+    """Collect unneeded objects (:func:`collect_objects`), then compact the pPaxos
+    logs of versions decided more than the grace period ago (default one day; see
+    :meth:`metasync.consensus.Consensus.compact_logs`). A compaction that cannot
+    record its floor on every backend is postponed, which is no error."""
+    latest = repo.learn_latest()
+    learned_ns = time.time_ns()
+    report = collect_objects(repo, latest, now_ns)
+    consensus = repo.consensus_for(latest.config)
+    if log_grace_s is not None:
+        consensus.log_grace = log_grace_s
+    try:
+        report.log_floor, report.logs_removed = consensus.compact_logs(
+            latest, learned_ns, time.time_ns() if now_ns is None else now_ns)
+    except MetasyncError as exc:
+        report.log_compaction_error = str(exc)
+    return report
+
+
+def collect_objects(repo: Repository, latest: Version, now_ns: int | None = None) -> GcReport:
     """Delete every stored object no version still needs (paper 3.8).
 
     Kept: every commit of master's history (they are small, and keep ``log``
@@ -734,7 +760,6 @@ def collect_garbage(repo: Repository, now_ns: int | None = None) -> GcReport:
     epoch, forgets what it knew of collected objects and re-packs what it needs.
     See docs/design.md, "Garbage collection", for why nothing needed is lost."""
     report = GcReport()
-    latest = repo.learn_latest()
     config = repo.load_config(latest.config)
     if latest.master is None:
         return report

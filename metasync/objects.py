@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Literal
 
 from metasync.errors import CorruptObject, FormatError
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 #: Days a version stays restorable by default (``retention_days``).
 DEFAULT_RETENTION_DAYS = 30
 #: Most erasure-coded fragments per object.

@@ -273,13 +273,40 @@ class WriteHint:
 
 
 @dataclass(frozen=True)
+class ReadFloor:
+    """Read the compaction floor of ``acceptor``: every instance below it may have
+    had its log deleted (docs/FORMAT.md §9.1). Reply: the floor (0: never
+    compacted), or ``None`` if the acceptor did not answer."""
+
+    acceptor: str
+
+
+@dataclass(frozen=True)
+class WriteFloor:
+    """Record ``below`` as ``acceptor``'s compaction floor (a higher floor is kept).
+    Reply ``True`` once recorded, ``None`` if not."""
+
+    acceptor: str
+    below: int
+
+
+@dataclass(frozen=True)
+class DropLogs:
+    """Delete ``acceptor``'s logs of every instance below ``below`` (only after its
+    floor says so). Reply: the number of log objects removed, or ``None``."""
+
+    acceptor: str
+    below: int
+
+
+@dataclass(frozen=True)
 class Backoff:
     """Wait ``seconds`` before the next batch (contention or a missing quorum)."""
 
     seconds: float
 
 
-Request = Fetch | Append | ReadHint | WriteHint
+Request = Fetch | Append | ReadHint | WriteHint | ReadFloor | WriteFloor | DropLogs
 Reply = list[Message | None] | bool | int | None
 #: What a protocol generator yields: a batch of requests to run concurrently (one
 #: round trip), or a backoff. It is sent the replies, aligned with the batch.
@@ -295,6 +322,17 @@ class NoQuorum(Exception):
         self.answered = answered
         self.needed = needed
         self.instance = instance
+
+
+class Compacted(Exception):
+    """The instance is below the acceptors' compaction floor: it was decided long
+    ago and its logs may be gone, so nothing may be proposed or learned there. The
+    caller is behind; it learns from instance ``floor`` (which is kept) instead."""
+
+    def __init__(self, instance: int, floor: int) -> None:
+        super().__init__(f"instance {instance} is below the compaction floor {floor}")
+        self.instance = instance
+        self.floor = floor
 
 
 class Contended(Exception):
@@ -339,20 +377,30 @@ class Reading:
     #: True if any acceptor that answered has accepted some value.
     anything_accepted: bool
     logs: Logs
+    #: The compaction floor the same round trip read (0 if it did not read one).
+    floor: int = 0
 
 
 # ================================================================ protocols
-def read(setup: Setup, instance: int, rng: random.Random) -> Run[Reading]:
-    """Read ``instance`` from every acceptor (one round trip when a quorum answers)."""
+def read(setup: Setup, instance: int, rng: random.Random, *, floor: bool = False) -> Run[Reading]:
+    """Read ``instance`` from every acceptor (one round trip when a quorum answers).
+
+    With ``floor``, the same round trip reads each acceptor's compaction floor, and
+    an acceptor's log counts only if its floor arrived too (see :func:`_floor_of`)."""
     for attempt in range(setup.max_attempts):
         if attempt:
             yield Backoff(_backoff(setup, attempt, rng))
-        replies = yield [Fetch(a, instance) for a in setup.acceptors]
-        logs = _fetched(setup.acceptors, replies)
+        fetches: list[Request] = [Fetch(a, instance) for a in setup.acceptors]
+        replies = yield fetches + _floor_requests(setup) if floor else fetches
+        n = len(setup.acceptors)
+        logs = _fetched(setup.acceptors, replies[:n] if replies is not None else None)
+        seen = 0
+        if floor:
+            logs, seen = _with_floor(setup, logs, replies[n:] if replies is not None else None)
         states = [replay(log) for log in logs.values() if log is not None]
         if len(states) >= setup.quorums.classic:
             return Reading(instance, decided(states, setup.quorums),
-                           any(s.accepts for s in states), logs)
+                           any(s.accepts for s in states), logs, seen)
     raise NoQuorum(len(states), setup.quorums.classic, instance)
 
 
@@ -373,6 +421,9 @@ def propose(
     short = False
     states: dict[str, AcceptorState] = {}
 
+    # Every round trip also reads the compaction floors: a log that looks empty may
+    # have been compacted (see _FloorCheck).
+    check = _FloorCheck(setup, instance)
     use_fast = setup.fast_path and quorums.fast is not None
     if logs:  # a recent read: acceptors that did not answer it are likely down
         reachable = sum(1 for log in known.values() if log is not None)
@@ -380,7 +431,7 @@ def propose(
     if value is not None and use_fast and all(not log for log in known.values()):
         # The fast round: every log we know is empty, so try round 0 at position 0.
         yield from _append_all(setup, instance, known, Message("accept", FAST_ROUND, value),
-                               setup.acceptors, assume_empty=True)
+                               setup.acceptors, check, assume_empty=True)
         done = decided(_states(known).values(), quorums)
         if done is not None:
             return done
@@ -392,7 +443,7 @@ def propose(
             if done is not None:
                 return done
             yield Backoff(_backoff(setup, attempt, rng))
-        yield from _refresh(setup, instance, known)
+        yield from _refresh(setup, instance, known, check)
         states = _states(known)
         short = len(states) < quorums.classic
         if short:
@@ -406,10 +457,11 @@ def propose(
         # Phase 1: prepare a round above everything seen (and above our own last).
         last_round = max(last_round, *(s.highest_seen for s in states.values())) + 1
         rnd = Round(last_round, setup.proposer)
-        yield from _append_all(setup, instance, known, Message("prepare", rnd), setup.acceptors)
+        yield from _append_all(setup, instance, known, Message("prepare", rnd), setup.acceptors,
+                               check)
         granting = _granting(known, rnd)
         if len(granting) < quorums.classic and _unknown(known):
-            yield from _refresh(setup, instance, known)
+            yield from _refresh(setup, instance, known, check)
             granting = _granting(known, rnd)
         if len(granting) < quorums.classic:
             continue
@@ -419,10 +471,11 @@ def propose(
 
         # Phase 2: accept, on every acceptor not known to have promised higher.
         targets = [a for a in setup.acceptors if _may_accept(known[a], rnd)]
-        yield from _append_all(setup, instance, known, Message("accept", rnd, chosen), targets)
+        yield from _append_all(setup, instance, known, Message("accept", rnd, chosen), targets,
+                               check)
         done = decided(_states(known).values(), quorums)
         if done is None and _unknown(known):
-            yield from _refresh(setup, instance, known)
+            yield from _refresh(setup, instance, known, check)
             done = decided(_states(known).values(), quorums)
         if done is not None:
             return done
@@ -438,43 +491,106 @@ def get_recent(
 
     Reads the next instance (one round trip when up to date). If it is decided,
     reads the acceptors' hints; a hint is trusted only once a quorum's logs
-    confirm its instance. Then walks forward
-    until an instance is undecided, finishing any a crashed proposer left
-    half-done. It stops early at a version whose configuration differs from
-    ``known``'s: the acceptors of that configuration decide what follows. Returns the version and the reading of the next instance (views a
-    following :func:`propose` can start from), or ``None`` if it wrote there.
+    confirm its instance. Then walks forward until an instance is undecided,
+    finishing any a crashed proposer left half-done. It stops early at a version
+    whose configuration differs from ``known``'s: the acceptors of that
+    configuration decide what follows. Returns the version and the reading of the
+    next instance (views a following :func:`propose` can start from), or ``None``
+    if it wrote there.
+
+    Every read also reads the compaction floors. An instance below the floor is
+    never read or proposed: the walk jumps to the floor's instance (kept, and
+    decided). A value learned from one round trip is kept only if a later round
+    trip's floor does not cover it (compaction could have emptied its log just
+    before it was read; the floor was recorded before that).
     """
     current = known
-    first: Reading | None = yield from read(setup, current.number + 1, rng)
-    if first is not None and first.decided is not None:
+    learned = False  # current came from this call's reads, not from the caller
+    reading = yield from read(setup, current.number + 1, rng, floor=True)
+    if reading.decided is not None and reading.floor <= reading.instance:
         # Behind: jump ahead by the hints (one more round trip) instead of walking
         # every version. Up to date -- the usual case before a push -- costs none.
         replies = yield [ReadHint(a) for a in setup.acceptors]
         hint = max((h for h in replies or [] if type(h) is int), default=None)
         if hint is not None and hint > current.number + 1:
-            confirmed = yield from read(setup, hint, rng)
-            if confirmed.decided is not None and confirmed.decided.number == hint:
-                current = confirmed.decided
-                first = None
+            confirmed = yield from read(setup, hint, rng, floor=True)
+            if (confirmed.floor <= hint and confirmed.decided is not None
+                    and confirmed.decided.number == hint):
+                current, learned = confirmed.decided, True
                 if current.config != known.config:
-                    return current, None  # the next instance runs on other acceptors
+                    # The next instance runs on other acceptors.
+                    return (yield from _checked(setup, current, rng)), None
+                reading = yield from read(setup, current.number + 1, rng, floor=True)
     while True:
-        reading = first if first is not None else (yield from read(setup, current.number + 1, rng))
-        first = None
+        if reading.floor > reading.instance or (
+                learned and reading.floor > current.number and reading.decided is None):
+            current, learned = (yield from _past_floor(setup, reading.floor, rng)), True
+            if current.config != known.config:
+                return (yield from _checked(setup, current, rng)), None
+            reading = yield from read(setup, current.number + 1, rng, floor=True)
+            continue
         nxt = reading.decided
         if nxt is None:
             if not reading.anything_accepted:
                 return current, reading
-            nxt = yield from propose(setup, current.number + 1, None, rng, reading.logs)
+            try:
+                nxt = yield from propose(setup, current.number + 1, None, rng, reading.logs)
+            except Compacted as exc:
+                reading = Reading(exc.instance, None, False, {}, exc.floor)
+                continue
             if nxt is None:
                 return current, None
         if nxt.number != current.number + 1:
             raise CorruptObject(f"instance {current.number + 1} decided version {nxt.number}")
-        current = nxt
+        current, learned = nxt, True
         if current.config != known.config:
             # A new configuration: the instances after it run on its acceptors, which
             # the caller must switch to (docs/FORMAT.md §9, "Configuration changes").
-            return current, None
+            return (yield from _checked(setup, current, rng)), None
+        reading = yield from read(setup, current.number + 1, rng, floor=True)
+
+
+def _past_floor(setup: Setup, floor: int, rng: random.Random) -> Run[Version]:
+    """The version decided in instance ``floor`` (or a later floor's): compaction
+    keeps that instance's logs and records a floor only once it is decided."""
+    attempt = 0
+    while attempt < setup.max_attempts:
+        reading = yield from read(setup, floor, rng, floor=True)
+        if reading.floor > floor:
+            floor = reading.floor  # compacted again meanwhile: progress, not an attempt
+            continue
+        attempt += 1
+        found = reading.decided
+        if found is None and reading.anything_accepted:
+            # Decided, but this quorum shows too few of the deciding votes (a fast
+            # quorum seen in part): finishing the instance re-proposes that value.
+            try:
+                found = yield from propose(setup, floor, None, rng, reading.logs)
+            except Compacted as exc:
+                floor = exc.floor
+                continue
+        if found is not None:
+            if found.number != floor:
+                raise CorruptObject(f"instance {floor} decided version {found.number}")
+            return found
+        yield Backoff(_backoff(setup, attempt, rng))
+    raise CorruptObject(
+        f"the acceptors say the logs below instance {floor} were compacted, but instance "
+        f"{floor} is not decided on a quorum of them"
+    )
+
+
+def _checked(setup: Setup, current: Version, rng: random.Random) -> Run[Version]:
+    """``current`` (learned from the last round trip) once one more floor read shows
+    its instance was not compacted before that read; else the version past the floor."""
+    while True:
+        replies = yield _floor_requests(setup)
+        floor = _floor_of(setup, replies or [])
+        if floor is None:
+            raise NoQuorum(0, 1, current.number)
+        if floor <= current.number:
+            return current
+        current = yield from _past_floor(setup, floor, rng)
 
 
 def publish_hint(setup: Setup, version: Version) -> Run[None]:
@@ -519,18 +635,22 @@ def _may_accept(log: list[Message | None] | None, rnd: Round) -> bool:
     return promised is None or promised <= rnd
 
 
-def _refresh(setup: Setup, instance: int, known: Logs) -> Generator[Step, Any, None]:
+def _refresh(
+    setup: Setup, instance: int, known: Logs, check: _FloorCheck
+) -> Generator[Step, Any, None]:
     """Fetch every log we do not know exactly (no round trip if we know them all)."""
     stale = _unknown(known)
     if not stale:
         return
-    replies = yield [Fetch(a, instance) for a in stale]
-    known.update(_fetched(stale, replies))
+    replies = yield check.extend([Fetch(a, instance) for a in stale])
+    replies, usable = check.split(len(stale), replies)
+    known.update({a: log if a in usable else None
+                  for a, log in _fetched(stale, replies).items()})
 
 
 def _append_all(
     setup: Setup, instance: int, known: Logs, message: Message, targets: Sequence[str],
-    *, assume_empty: bool = False,
+    check: _FloorCheck, *, assume_empty: bool = False,
 ) -> Generator[Step, Any, None]:
     """Append ``message`` on ``targets`` in one round trip, conditionally where the
     acceptor supports it and we know (or, in the fast round, assume) its length."""
@@ -541,14 +661,97 @@ def _append_all(
             batch.append(Append(a, instance, message, len(log) if log is not None else 0))
         else:
             batch.append(Append(a, instance, message))
-    replies = yield batch
+    replies = yield check.extend(batch)
+    replies, usable = check.split(len(batch), replies)
     replies = replies if replies is not None else [None] * len(batch)
     for request, reply in zip(batch, replies, strict=True):
         assert isinstance(request, Append)
         log = known[request.acceptor]
-        if request.position is not None and reply is True:
+        if request.position is not None and reply is True and request.acceptor in usable:
             base = log if log is not None else []
             known[request.acceptor] = [*base, message]
         else:
             # Plain appends, lost replies and taken positions: read it back if needed.
             known[request.acceptor] = None
+
+
+# ================================================================ compaction
+def _floor_requests(setup: Setup) -> list[Request]:
+    return [ReadFloor(a) for a in setup.acceptors]
+
+
+def _floor_of(setup: Setup, replies: Sequence[Reply]) -> int | None:
+    """The floor that ``ReadFloor`` replies establish, or ``None`` if too few came.
+
+    Crash faults: the highest (compaction records a floor on every acceptor before
+    deleting anywhere, so any one that answers knows it). Byzantine: the
+    ``f + 1``-th highest, which at least one honest acceptor vouches for."""
+    floors = sorted((r for r in replies if type(r) is int and r >= 0), reverse=True)
+    trusted = (setup.quorums.acceptors - 1) // 3 if setup.quorums.byzantine else 0
+    return floors[trusted] if len(floors) > trusted else None
+
+
+def _with_floor(setup: Setup, logs: Logs, replies: Sequence[Reply] | None) -> tuple[Logs, int]:
+    """Keep the logs of acceptors whose floor arrived in the same round trip; return
+    them with the floor (0 if none could be established)."""
+    replies = list(replies) if replies is not None else [None] * len(setup.acceptors)
+    kept = {a: (log if type(replies[i]) is int else None)
+            for i, (a, log) in enumerate(logs.items())}
+    return kept, _floor_of(setup, replies) or 0
+
+
+class _FloorCheck:
+    """Adds a ``ReadFloor`` per acceptor to each of a proposal's round trips.
+
+    Why it is enough (docs/protocol.md, "Log compaction"): compaction writes the
+    floor on every acceptor before deleting any log. If a request of one round trip
+    met a log that compaction had emptied, the floors were all written before it,
+    so the next round trip's floor reads see them and the proposal stops with
+    :class:`Compacted` before concluding anything from that round trip. (That a
+    conclusion drawn *in* such a round trip is sound too takes the grace period:
+    see :func:`compact`.) A reply counts only from an acceptor whose floor arrived
+    in the same round trip."""
+
+    def __init__(self, setup: Setup, instance: int) -> None:
+        self.setup = setup
+        self.instance = instance
+
+    def extend(self, batch: list[Request]) -> list[Request]:
+        return batch + _floor_requests(self.setup)
+
+    def split(self, size: int, replies: list[Reply] | None) -> tuple[list[Reply] | None, set[str]]:
+        """The batch's own replies, and the acceptors whose replies may be used."""
+        if replies is None:
+            return None, set()
+        floors = replies[size:]
+        floor = _floor_of(self.setup, floors)
+        if floor is None:
+            return replies[:size], set()
+        if floor > self.instance:
+            raise Compacted(self.instance, floor)
+        return replies[:size], {a for a, r in zip(self.setup.acceptors, floors, strict=True)
+                                if type(r) is int}
+
+
+def read_floor(setup: Setup) -> Run[int]:
+    """The acceptors' compaction floor (one round trip)."""
+    replies = yield _floor_requests(setup)
+    floor = _floor_of(setup, replies or [])
+    if floor is None:
+        raise NoQuorum(0, 1, 0)
+    return floor
+
+
+def compact(setup: Setup, below: int) -> Run[int]:
+    """Delete every acceptor's logs of the instances below ``below``, which must be
+    a decided instance that every proposal still running began after (the caller's
+    grace period ensures it; see docs/protocol.md). Two round trips: the floor on
+    *every* acceptor, then the deletions. Returns the log objects removed; raises
+    :class:`NoQuorum` (having deleted nothing) if some acceptor did not record the
+    floor. Interrupted deletions are finished by the next compaction."""
+    replies = yield [WriteFloor(a, below) for a in setup.acceptors]
+    recorded = sum(1 for r in replies or [] if r is True)
+    if recorded < len(setup.acceptors):
+        raise NoQuorum(recorded, len(setup.acceptors), below)
+    removed = yield [DropLogs(a, below) for a in setup.acceptors]
+    return sum(r for r in removed or [] if type(r) is int)

@@ -2127,12 +2127,13 @@ class Repository:
         return maintenance.change_config(
             self, lambda config: replace(config, retention_days=days)).version
 
-    def gc(self) -> GcReport:
+    def gc(self, log_grace_s: float | None = None) -> GcReport:
         """Delete what no version within the retention, no snapshot, no client's state
-        and no push in progress needs (see :func:`metasync.maintenance.collect_garbage`)."""
+        and no push in progress needs, and compact old pPaxos logs (see
+        :func:`metasync.maintenance.collect_garbage`)."""
         from metasync import maintenance
 
-        return maintenance.collect_garbage(self)
+        return maintenance.collect_garbage(self, log_grace_s=log_grace_s)
 
     def restore(self, path: str, version: str | None = None, to: str | Path | None = None) -> RestoreResult:
         """Bring back ``path`` (a file or a folder, relative to the repository) as it

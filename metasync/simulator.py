@@ -47,11 +47,14 @@ from metasync.paxos import (
     FAST_ROUND,
     Append,
     Backoff,
+    Compacted,
     Contended,
+    DropLogs,
     Fetch,
     Message,
     NoQuorum,
     Quorums,
+    ReadFloor,
     ReadHint,
     Reading,
     Reply,
@@ -59,6 +62,8 @@ from metasync.paxos import (
     Round,
     Setup,
     Step,
+    WriteFloor,
+    compact,
     get_recent,
     propose,
     publish_hint,
@@ -80,7 +85,8 @@ EVENT_LIMIT = 200_000
 FINAL_PASSES = 4
 
 # Event kinds (ints: cheap to compare, and the heap never compares payloads).
-_DELIVER, _REPLY, _TIMEOUT, _WAKE, _CRASH, _RESTART, _DOWN, _UP, _CUT, _MEND, _HEAL = range(11)
+(_DELIVER, _REPLY, _TIMEOUT, _WAKE, _CRASH, _RESTART, _DOWN, _UP, _CUT, _MEND, _HEAL,
+ _COMPACTOR) = range(12)
 
 Session = Generator[Step, Any, None]
 
@@ -121,6 +127,12 @@ def show_request(req: Request) -> str:
         return f"append #{req.instance} {show_message(req.message)}{pos}"
     if isinstance(req, ReadHint):
         return "read-hint"
+    if isinstance(req, ReadFloor):
+        return "read-floor"
+    if isinstance(req, WriteFloor):
+        return f"write-floor {req.below}"
+    if isinstance(req, DropLogs):
+        return f"drop-logs below {req.below}"
     return f"write-hint {req.number}"
 
 
@@ -158,6 +170,8 @@ class Params:
     partitions: int
     p_hint: float
     think: float
+    #: How often (virtual seconds, on average) the compactor tries; 0: never.
+    compaction_every: float = 0.0
 
     def describe(self) -> str:
         mode = f"bft n={self.acceptors} byzantine={','.join(self.byzantine) or 'none'}" if self.bft \
@@ -172,7 +186,7 @@ class Params:
                 f"p_dup={self.p_dup:.3f} p_torn={self.p_torn:.2f} "
                 f"p_client_crash={self.p_client_crash:.3f} acceptor_crashes={self.acceptor_crashes} "
                 f"partitions={self.partitions} "
-                f"p_exceed={self.p_exceed:.2f}")
+                f"p_exceed={self.p_exceed:.2f} compaction_every={self.compaction_every:g}")
 
 
 def draw_params(rng: random.Random, bft_share: float) -> Params:
@@ -219,6 +233,7 @@ def draw_params(rng: random.Random, bft_share: float) -> Params:
         partitions=0 if calm else rng.choice((0, 0, 2, 6)),
         p_hint=rng.choice((0.0, 0.5, 1.0)),
         think=rng.choice((0.0, 0.05, 0.5, 2.0)),
+        compaction_every=rng.choice((0.0, 0.3, 1.0, 3.0)),
     )
 
 
@@ -231,6 +246,10 @@ class Acceptor:
     logs: dict[int, list[Message | None]] = field(default_factory=dict)
     hint: int | None = None
     down: bool = False
+    #: The compaction floor: logs of instances below it may have been deleted.
+    floor: int = 0
+    #: Each deleted log as it was (for the checker only; no client reads it).
+    archive: dict[int, list[Message | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -261,6 +280,10 @@ class Client:
     final: Version | None = None
     #: The running session's proposer id (what the trace calls the client).
     label: str = ""
+    #: When the running get_recent or propose began (compaction's grace, see below).
+    op_started: float = 0.0
+    #: Whether a get_recent or propose is running.
+    in_op: bool = False
 
 
 @dataclass
@@ -288,6 +311,14 @@ class Simulation:
         self.quorums = Quorums.bft(self.p.acceptors) if self.p.bft else Quorums.crash(self.p.acceptors)
         self.acceptors = {a: Acceptor(a, a in self.p.byzantine) for a in self.names}
         self.clients = [Client(i, k) for i, k in enumerate(self.p.pushes)]
+        #: Deletes old logs now and then (``gc``'s log compaction); never crashes.
+        self.compactor = Client(len(self.clients), 0, finished=True)
+        self.all_clients = [*self.clients, self.compactor]
+        #: Per instance, when some client first reported it decided.
+        self.observed_at: dict[int, float] = {}
+        #: Issue times of the pushing clients' requests not yet delivered.
+        self.undelivered: Counter[float] = Counter()
+        self.compacted_below = 0
         self.tracing = trace
         self.trace: list[str] = []
         self.violations: list[str] = []
@@ -346,6 +377,7 @@ class Simulation:
         if value.number == 0:
             return
         self.observed.setdefault(value.number, []).append((value, f"{c.label} ({how})"))
+        self.observed_at.setdefault(value.number, self.now)
         if value.master is None or value.master not in self.commits:
             self.violation(f"{c.label} learned {value} whose master names no commit ({how})")
             return
@@ -398,11 +430,22 @@ class Simulation:
             cached = None
             self.log(f"{c.label} proposes {short(value)} = {sorted(changes)}")
             try:
+                c.in_op, c.op_started = True, self.now
                 outcome = yield from propose(setup, value.number, value, rng, logs)
             except (NoQuorum, Contended) as exc:
                 self.stats[f"propose raised {type(exc).__name__}"] += 1
                 self.log(f"{c.label} propose failed: {exc}")
                 return False
+            except Compacted as exc:
+                # Behind the compaction floor: learn past it, like after losing.
+                self.stats["proposals stopped at the compaction floor"] += 1
+                self.log(f"{c.label} propose stopped: {exc}")
+                ok, cached = yield from self.learn(c, setup, rng)
+                if not ok:
+                    return False
+                continue
+            finally:
+                c.in_op = False
             self.log(f"{c.label} propose #{value.number} -> {short(outcome)}")
             if outcome is None:
                 self.violation(f"{c.label}: propose of {value} returned None")
@@ -426,11 +469,16 @@ class Simulation:
         """Run get_recent for ``c``: (False, None) if it gave up, else (True, the
         reading of the next instance, if any)."""
         try:
+            c.in_op, c.op_started = True, self.now
             head, reading = yield from get_recent(setup, c.known, rng)
         except (NoQuorum, Contended) as exc:
             self.stats[f"get_recent raised {type(exc).__name__}"] += 1
             self.log(f"{c.label} get_recent failed: {exc}")
             return False, None
+        finally:
+            c.in_op = False
+        if head.number > c.known.number + 1 and c.known.number + 1 < self.compacted_below:
+            self.stats["get_recent jumped over compacted instances"] += 1
         self.log(f"{c.label} get_recent -> {short(head)}")
         self.learned(c, head, "get_recent")
         return True, reading
@@ -448,22 +496,55 @@ class Simulation:
         rng = random.Random(self.rng.getrandbits(64))
         for tries in range(6):
             try:
+                c.in_op, c.op_started = True, self.now
                 head, _ = yield from get_recent(setup, c.known, rng)
             except (NoQuorum, Contended) as exc:
                 self.log(f"{setup.proposer} final get_recent failed: {exc}")
                 yield Backoff(rng.uniform(0.5, 1.0) * 2 ** tries)
                 continue
+            c.in_op = False
             self.learned(c, head, "final get_recent")
             c.final = head
             self.log(f"{setup.proposer} final get_recent -> {short(head)}")
             return
         self.violation(f"liveness: c{c.index}'s get_recent kept failing after all faults healed")
 
+    def compactable(self) -> int:
+        """The highest instance compaction may keep as its floor: one some client saw
+        decided before every running get_recent or propose began and before every
+        request still in flight was sent. This is what the real system's grace
+        period provides (docs/protocol.md, "Log compaction"): a mark waits a day
+        before it is used, and a proposal that ran for half of that re-reads the
+        floor before its outcome counts."""
+        horizon = min([c.op_started for c in self.clients if c.in_op and c.gen is not None]
+                      + [t for t, n in self.undelivered.items() if n > 0], default=self.now)
+        return max((i for i, t in self.observed_at.items() if t < horizon), default=0)
+
+    def compactor_session(self, c: Client, proposer: str) -> Session:
+        """Now and then: compact the logs below the highest instance allowed."""
+        setup = Setup(self.names, frozenset(), self.quorums, proposer, max_attempts=4)
+        rng = random.Random(self.rng.getrandbits(64))
+        while self.faulty or self.unfinished > 0:
+            yield Backoff(rng.expovariate(1.0 / self.p.compaction_every))
+            below = self.compactable()
+            if below <= self.compacted_below:
+                continue
+            self.log(f"{c.label} compacts the logs below {below}")
+            try:
+                removed = yield from compact(setup, below)
+            except NoQuorum as exc:
+                self.stats["compactions postponed (a floor not recorded)"] += 1
+                self.log(f"{c.label} compaction postponed: {exc}")
+                continue
+            self.compacted_below = max(self.compacted_below, below)
+            self.stats["compactions"] += 1
+            self.stats["logs compacted"] += removed
+
     # --------------------------------------------------------------- driving
     def start(self, c: Client, label: str, gen: Session) -> None:
         c.label = label
         c.gen = gen
-        if c.finished:
+        if c.finished and c is not self.compactor:
             c.finished = False
             self.unfinished += 1
         self.advance(c, None)
@@ -492,6 +573,8 @@ class Simulation:
 
     def finish(self, c: Client) -> None:
         c.gen = None
+        if c is self.compactor:
+            return
         if not c.finished:
             c.finished = True
             self.unfinished -= 1
@@ -506,15 +589,25 @@ class Simulation:
                 if key not in self._sent_set:
                     self._sent_set.add(key)
                     self.sent.setdefault(req.instance, []).append(req.message)
-            self.at(self.now + self.delay(req.acceptor), _DELIVER, (c.index, c.epoch, batch.id, i, req))
+            issued = self.now if c is not self.compactor else None
+            if issued is not None:
+                self.undelivered[issued] += 1
+            self.at(self.now + self.delay(req.acceptor), _DELIVER,
+                    (c.index, c.epoch, batch.id, i, req, issued))
         self.at(self.now + self.p.timeout, _TIMEOUT, (c.index, c.epoch, batch.id))
-        if self.faulty and self.rng.random() < self.p.p_client_crash:
+        if c is not self.compactor and self.faulty and self.rng.random() < self.p.p_client_crash:
             self.at(self.now + self.rng.uniform(0, self.p.timeout), _CRASH, (c.index, c.epoch))
 
-    def deliver(self, index: int, epoch: int, batch: int, i: int, req: Request) -> None:
+    def deliver(
+        self, index: int, epoch: int, batch: int, i: int, req: Request, issued: float | None
+    ) -> None:
         """A request reaches its acceptor: apply it (maybe), send a reply (maybe)."""
+        if issued is not None:
+            self.undelivered[issued] -= 1
+            if not self.undelivered[issued]:
+                del self.undelivered[issued]
         acc = self.acceptors[req.acceptor]
-        c = self.clients[index]
+        c = self.all_clients[index]
         cut = (index, acc.name) in self.cuts
         if acc.down or cut or (self.faulty and self.rng.random() < self.p.p_fail):
             why = "down" if acc.down else "partitioned" if cut else "failed"
@@ -562,9 +655,23 @@ class Simulation:
             return True
         if isinstance(req, ReadHint):
             return acc.hint
+        if isinstance(req, ReadFloor):
+            return acc.floor
+        if isinstance(req, WriteFloor):
+            acc.floor = max(acc.floor, req.below)
+            return True
+        if isinstance(req, DropLogs):
+            return self.drop_logs(acc, req.below)
         acc.hint = req.number
         self.hints_written.append(req.number)
         return True
+
+    def drop_logs(self, acc: Acceptor, below: int) -> int:
+        removed = 0
+        for instance in [i for i in acc.logs if i < below]:
+            acc.archive.setdefault(instance, acc.logs[instance])
+            removed += len(acc.logs.pop(instance))
+        return removed
 
     def byzantine_apply(self, acc: Acceptor, req: Request) -> Reply:
         """A Byzantine acceptor: anything the MAC lets it get away with."""
@@ -587,6 +694,16 @@ class Simulation:
             if self.hints_written and rng.random() < 0.7:
                 return rng.choice(self.hints_written)
             return acc.hint if rng.random() < 0.5 else None
+        if isinstance(req, ReadFloor):
+            # Hide the floor, tell it, or claim a higher one.
+            how = rng.random()
+            return 0 if how < 0.3 else acc.floor if how < 0.7 else acc.floor + rng.randint(1, 6)
+        if isinstance(req, WriteFloor):
+            if rng.random() < 0.7:
+                acc.floor = max(acc.floor, req.below)
+            return True
+        if isinstance(req, DropLogs):
+            return self.drop_logs(acc, req.below) if rng.random() < 0.7 else rng.randint(0, 9)
         acc.hint = req.number
         self.hints_written.append(req.number)
         return True
@@ -642,7 +759,7 @@ class Simulation:
             self.deliver(*data)
         elif kind == _REPLY:
             index, epoch, batch_id, i, reply = data
-            c = self.clients[index]
+            c = self.all_clients[index]
             if c.epoch == epoch and c.batch is not None and c.batch.id == batch_id:
                 c.batch.replies[i] = reply
                 c.batch.waiting -= 1
@@ -650,19 +767,19 @@ class Simulation:
                     self.complete(c)
         elif kind == _TIMEOUT:
             index, epoch, batch_id = data
-            c = self.clients[index]
+            c = self.all_clients[index]
             if c.epoch == epoch and c.batch is not None and c.batch.id == batch_id:
                 self.stats["round trips timed out"] += 1
                 self.log(f"{c.label} timeout: {c.batch.waiting} replies missing")
                 self.complete(c)
         elif kind == _WAKE:
             index, epoch = data
-            c = self.clients[index]
+            c = self.all_clients[index]
             if c.epoch == epoch and c.batch is None:
                 self.advance(c, None)
         elif kind == _CRASH:
             index, epoch = data
-            c = self.clients[index]
+            c = self.all_clients[index]
             if c.epoch == epoch and c.gen is not None and self.faulty:
                 self.stats["client crashes"] += 1
                 self.log(f"{c.label} CRASHES")
@@ -716,6 +833,8 @@ class Simulation:
             if data in self.cuts:
                 self.cuts.discard(data)
                 self.log(f"c{data[0]} reaches {data[1]} again")
+        elif kind == _COMPACTOR:
+            self.start(self.compactor, "compactor", self.compactor_session(self.compactor, "compactor"))
         elif kind == _HEAL:
             self.faulty = False
             self.log("HEAL: all acceptors up, no more network faults or client crashes")
@@ -764,6 +883,8 @@ class Simulation:
             c.crashed = True  # "restart" into session 0
             c.session = -1
         self.unfinished = len(self.clients)
+        if p.compaction_every:
+            self.at(0.0, _COMPACTOR, None)
 
         finished = self.loop(p.fault_time + HEAL_LIMIT,
                              lambda: self.unfinished == 0 and not self.faulty)
@@ -773,7 +894,7 @@ class Simulation:
                     self.violation(
                         f"liveness: {c.label} did not finish its pushes within {HEAL_LIMIT:g} s "
                         f"after all faults healed (pending {c.pending}, made {c.created} of {c.pushes})")
-        for c in self.clients:
+        for c in self.all_clients:
             if c.gen is not None:
                 c.gen.close()
             self.finish(c)
@@ -813,7 +934,10 @@ class Simulation:
         counts: Counter[tuple[Round, Version]] = Counter()
         for acc in self.acceptors.values():
             if not acc.byzantine:
-                for rnd, value in replay(acc.logs.get(instance, ())).accepts.items():
+                # A compacted log as it was: what was appended after (by proposers
+                # that then found the floor) decides nothing.
+                log = acc.archive.get(instance, acc.logs.get(instance, ()))
+                for rnd, value in replay(log).accepts.items():
                     counts[(rnd, value)] += 1
         slack = (self.p.acceptors - 1) // 3 if self.p.bft else 0
         out: dict[Version, list[str]] = {}
@@ -825,7 +949,8 @@ class Simulation:
         return out
 
     def check(self) -> None:
-        instances = sorted({i for a in self.acceptors.values() for i in a.logs} | set(self.observed))
+        instances = sorted({i for a in self.acceptors.values() for i in [*a.logs, *a.archive]}
+                           | set(self.observed))
         chosen: dict[int, Version] = {}
         # (a) at most one value chosen per instance, whoever looks.
         for inst in instances:

@@ -15,11 +15,11 @@ import random
 import shutil
 import threading
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import permutations
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from hypothesis import given, settings
@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from metasync.backends.local import LocalBackend
 from metasync.codec import Codec
-from metasync.consensus import HINT_KEY, Consensus, log_key
+from metasync.consensus import HINT_KEY, Consensus, floor_key, log_key
 from metasync.errors import BackendError, BackendUnavailable, CorruptObject
 from metasync.keys import MasterKey
 from metasync.objects import Version
@@ -37,19 +37,24 @@ from metasync.paxos import (
     AcceptorState,
     Append,
     Backoff,
+    Compacted,
     Contended,
+    DropLogs,
     Fetch,
     Message,
     NoQuorum,
     Quorums,
+    ReadFloor,
     ReadHint,
     Reply,
     Request,
     Round,
     Run,
     Setup,
+    WriteFloor,
     WriteHint,
     choose_value,
+    compact,
     decided,
     get_recent,
     propose,
@@ -57,6 +62,7 @@ from metasync.paxos import (
     replay,
 )
 
+T = TypeVar("T")
 CONFIG = "c" * 64
 KEY = MasterKey(bytes(range(64, 96)))
 V0 = Version(0, None, CONFIG)
@@ -395,6 +401,7 @@ class Cluster:
     down: set[str] = field(default_factory=set)
     logs: dict[tuple[str, int], list[Message]] = field(default_factory=lambda: defaultdict(list))
     hints: dict[str, int] = field(default_factory=dict)
+    floors: dict[str, int] = field(default_factory=dict)
 
     def log(self, acceptor: str, instance: int) -> list[Message]:
         return self.logs[(acceptor, instance)]
@@ -412,6 +419,16 @@ class Cluster:
             return True
         if isinstance(req, ReadHint):
             return self.hints.get(req.acceptor)
+        if isinstance(req, ReadFloor):
+            return self.floors.get(req.acceptor, 0)
+        if isinstance(req, WriteFloor):
+            self.floors[req.acceptor] = max(self.floors.get(req.acceptor, 0), req.below)
+            return True
+        if isinstance(req, DropLogs):
+            gone = [key for key in self.logs if key[0] == req.acceptor and key[1] < req.below]
+            for key in gone:
+                del self.logs[key]
+            return len(gone)
         assert isinstance(req, WriteHint)
         self.hints[req.acceptor] = req.number
         return True
@@ -937,6 +954,10 @@ class HungBackend(LocalBackend):
         self.release.wait()
         super().put(key, data)
 
+    def list(self, prefix: str = "") -> Iterator[str]:
+        self.release.wait()
+        return super().list(prefix)
+
 
 @pytest.fixture
 def hung(tmp_path: Path) -> Iterator[Acceptors]:
@@ -1131,3 +1152,115 @@ def test_wrong_version_number_is_corrupt(acceptors: Acceptors) -> None:
     assert c.propose(1, v(5)) == v(5)
     with pytest.raises(CorruptObject):
         c.get_recent(V0)
+
+
+# ---------------------------------------------------------------- log compaction
+def decide_versions(cluster: Cluster, upto: int) -> None:
+    for n in range(1, upto + 1):
+        assert drive(cluster, propose(make_setup(), n, v(n), rng()))[0] == v(n)
+
+
+def test_compaction_records_every_floor_before_deleting_anything() -> None:
+    cluster = Cluster()
+    decide_versions(cluster, 6)
+    run = compact(make_setup(), 4)
+    first = next(run)
+    assert [type(r) for r in first] == [WriteFloor] * 3  # all floors, nothing deleted yet
+    with pytest.raises(NoQuorum):  # one acceptor did not record it: nothing is deleted
+        run.send([True, True, None])
+    assert all(cluster.log(a, 1) for a in names(3))
+    removed, batches = drive(cluster, compact(make_setup(), 4))
+    assert batches == 2 and removed == 9  # instances 1-3 on 3 acceptors
+    assert cluster.floors == {a: 4 for a in names(3)}
+    assert all(not cluster.log(a, i) and cluster.log(a, 4) for a in names(3) for i in (1, 2, 3))
+
+
+def test_reader_behind_the_floor_jumps_to_it_and_walks_on() -> None:
+    cluster = Cluster()
+    decide_versions(cluster, 6)
+    drive(cluster, compact(make_setup(), 4))
+    (latest, reading), batches = drive(cluster, get_recent(make_setup(), V0, rng()))
+    # read 1 (compacted) -> read 4 (the floor) -> read 5 -> read 6 -> read 7 (empty)
+    assert latest == v(6) and reading is not None and reading.instance == 7
+    assert batches == 5
+    # an up-to-date reader pays nothing extra: still one round trip
+    assert drive(cluster, get_recent(make_setup(), v(6), rng()))[1] == 1
+
+
+def test_proposal_below_the_floor_is_stopped_and_decides_nothing() -> None:
+    """A proposer that read instance 2 empty before it was decided and compacted:
+    its logs are gone now, but the floor stops the proposal."""
+    cluster = Cluster()
+    decide_versions(cluster, 6)
+    drive(cluster, compact(make_setup(), 4))
+    with pytest.raises(Compacted) as info:
+        drive(cluster, propose(make_setup(proposer="late"), 2, v(2, "late"), rng(), dict(EMPTY)))
+    assert (info.value.instance, info.value.floor) == (2, 4)
+    # what it appended in that round trip decides nothing a reader would learn
+    assert drive(cluster, get_recent(make_setup(), v(1), rng()))[0][0] == v(6)
+
+
+def test_byzantine_floor_needs_an_honest_voucher() -> None:
+    """In Byzantine mode one acceptor's floor claim is not enough to act on."""
+    setup = make_setup(4, quorums=Quorums.bft(4))
+    cluster = Cluster()
+    for n in range(1, 4):
+        assert drive(cluster, propose(setup, n, v(n), rng()))[0] == v(n)
+    cluster.floors["a0"] = 99  # a lie: nothing was compacted
+    assert drive(cluster, get_recent(setup, V0, rng()))[0][0] == v(3)
+
+
+def test_consensus_compacts_logs_on_backends_after_the_grace(acceptors: Acceptors) -> None:
+    c = client(acceptors, log_grace=3600.0)
+    for n in range(1, 6):
+        assert c.propose(n, v(n)) == v(n)
+    hour = 3600 * 10**9
+    # The first gc leaves a mark: versions up to 5 were decided by (its clock) 1 h.
+    assert c.compact_logs(v(5), learned_ns=hour, now_ns=hour) == (0, 0)
+    # Later gcs before the grace is over change nothing (nor the mark's time).
+    assert c.compact_logs(v(5), learned_ns=2 * hour - 1, now_ns=2 * hour - 1) == (0, 0)
+    floor, removed = c.compact_logs(v(5), learned_ns=2 * hour, now_ns=2 * hour)
+    assert floor == 5 and removed >= 4 * 3
+    for backend in acceptors.values():
+        assert [i for i in range(1, 6) if log_folder(backend, i).exists()] == [5]
+        assert sorted(backend.list("floor")) == ["floor/000000000005", "floor/mark-000000000005"]
+    bob = client(acceptors, "bob")
+    assert bob.get_recent(V0) == v(5)
+    assert bob.propose(3, v(3, "bob")) is None  # behind the floor: told to learn
+    assert bob.learn(3) is None and bob.learn(5) == v(5)
+    assert bob.get_recent(v(1)) == v(5)
+    assert bob.propose(6, v(6, "bob")) == v(6, "bob")
+
+
+class CompactedAfterRun(Consensus):
+    """Runs ``after_run`` once, right after the next protocol run finishes: as if a
+    compaction happened while the proposer was suspended before looking at it."""
+
+    after_run: Callable[[], None] | None = None
+
+    def run(self, protocol: Run[T]) -> T:
+        result = super().run(protocol)
+        hook, self.after_run = self.after_run, None
+        if hook is not None:
+            hook()
+        return result
+
+
+def record_floor(acceptors: Acceptors, below: int) -> None:
+    for backend in acceptors.values():
+        key = floor_key(below)
+        backend.put(key, CODEC.encode("floor", key, json.dumps({"floor": below}).encode()))
+
+
+@pytest.mark.parametrize("grace", [0.0, 3600.0])
+def test_a_proposal_that_outlived_half_the_grace_rechecks_the_floor(
+        tmp_path: Path, grace: float) -> None:
+    """A proposal that took longer than half the grace (a laptop suspended mid-push)
+    counts only if its instance was not compacted meanwhile; a quick one is not
+    second-guessed (its round trips read the floor themselves)."""
+    accs = make_acceptors(tmp_path)
+    c = CompactedAfterRun(accs, CODEC, "alice", sleep=lambda s: None, log_grace=grace)
+    for n in range(1, 4):
+        assert c.propose(n, v(n)) == v(n)
+    c.after_run = lambda: record_floor(accs, 6)
+    assert c.propose(4, v(4)) == (None if grace == 0.0 else v(4))

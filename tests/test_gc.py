@@ -194,3 +194,47 @@ def test_pushes_while_another_client_runs_gc_in_a_loop(tmp_path: Path) -> None:
     assert snapshot(clone) == snapshot(a)
     run_cli("pull", cwd=b)
     assert snapshot(b) == snapshot(a)
+
+
+def _log_instances(backend: Path) -> set[int]:
+    return {int(p.name) for p in (backend / NAMESPACE / "log").glob("*") if p.name.isdigit()}
+
+
+def test_gc_compacts_old_logs_and_clients_behind_them_catch_up(tmp_path: Path) -> None:
+    """gc removes the pPaxos logs of versions decided before its previous run's mark
+    (grace 0 here); a clone that was far behind still pulls and pushes (it jumps
+    over the compacted versions), and a fresh clone and fsck are unharmed."""
+    a, backends = _repo(tmp_path)
+    (a / "first.txt").write_text("one\n")
+    run_cli("push", cwd=a)
+    b = tmp_path / "B"
+    run_cli("clone", f"dir:{backends[0]}", str(b))
+    for i in range(8):
+        (a / f"file{i}.txt").write_text(f"version {i}\n")
+        run_cli("push", cwd=a)
+    first = run_cli("gc", "--log-grace", "0", cwd=a).stdout
+    assert "compacted" not in first  # the first gc leaves a mark only
+    marked = max(_log_instances(backends[0]))
+    (a / "late.txt").write_text("after the mark\n")
+    run_cli("push", cwd=a)
+    out = run_cli("gc", "--log-grace", "0", cwd=a).stdout
+    m = re.search(r"compacted the logs of versions before (\d+) \((\d+) log objects removed\)", out)
+    assert m, out
+    floor = int(m.group(1))
+    assert floor >= marked - 1 and int(m.group(2)) > 0
+    for backend in backends:
+        assert min(_log_instances(backend)) == floor
+    # The default grace (a day) compacts nothing more now.
+    assert "compacted" not in run_cli("gc", cwd=a).stdout
+
+    # B learned version 1 or 2 only: behind the floor. It edits, pushes, and both converge.
+    (b / "first.txt").write_text("edited on B\n")
+    run_cli("push", cwd=b)
+    run_cli("pull", cwd=a)
+    assert snapshot(a) == snapshot(b)
+    assert (a / "first.txt").read_text() == "edited on B\n" and (b / "late.txt").exists()
+    assert run_cli("fsck", cwd=a).returncode == 0
+    clone = tmp_path / "C"
+    run_cli("clone", f"dir:{backends[1]}", str(clone))
+    assert snapshot(clone) == snapshot(a)
+    assert len(run_cli("log", cwd=clone).stdout.split("commit ")) - 1 >= 11  # history whole
