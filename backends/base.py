@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from metasync.errors import BackendError, InvalidKey, ObjectNotFound
+from metasync.errors import BackendError, InvalidKey, ObjectNotFound, UsageError
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9._-]+$")
 #: Prefix of names of in-progress writes: never a key part, never listed.
@@ -36,6 +36,33 @@ def check_key(key: str) -> str:
         if part in (".", "..") or part.startswith(TEMP_PREFIX) or not _KEY_PART.match(part):
             raise InvalidKey(f"invalid backend key {key!r}")
     return key
+
+
+def check_namespace(namespace: str) -> str:
+    """Return ``namespace`` if it is a valid repository namespace (one safe key, see
+    :func:`check_key`), else raise :class:`UsageError` saying which characters to use.
+    Backends call it when bound, before touching the service."""
+    try:
+        return check_key(namespace)
+    except InvalidKey as exc:
+        raise UsageError(
+            f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
+        ) from exc
+
+
+def read_full(stream: BinaryIO, size: int) -> bytes:
+    """Up to ``size`` bytes of ``stream``, fewer only at EOF: unlike one ``read``, which
+    may return less than asked (sockets, pipes, SDK streams), it reads until it has
+    ``size`` bytes or the stream ends."""
+    parts: builtins.list[bytes] = []
+    left = size
+    while left > 0:
+        piece = stream.read(left)
+        if not piece:
+            break
+        parts.append(piece)
+        left -= len(piece)
+    return b"".join(parts)
 
 
 def is_key_part(name: str) -> bool:

@@ -61,7 +61,14 @@ from typing import Any, BinaryIO, TypeVar, cast
 from urllib.parse import parse_qs, parse_qsl, urlsplit
 
 from metasync.backends import register
-from metasync.backends.base import Capabilities, check_key, check_prefix, is_key_part
+from metasync.backends.base import (
+    Capabilities,
+    check_key,
+    check_namespace,
+    check_prefix,
+    is_key_part,
+    read_full,
+)
 from metasync.backends.cloud import (
     AuthRequest,
     AuthUI,
@@ -76,14 +83,13 @@ from metasync.backends.cloud import (
     oauth2_refresh,
     parse_retry_after,
 )
-from metasync.backends.dropbox import _read_full, pin_ca
+from metasync.backends.dropbox import pin_ca
 from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
     BackendUnavailable,
-    InvalidKey,
     ObjectNotFound,
     UsageError,
 )
@@ -326,12 +332,7 @@ class BoxBackend(ObjectStoreLogs):
         Raises :class:`UsageError` for a malformed URI, option or namespace."""
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
-        try:
-            check_key(namespace)
-        except InvalidKey as exc:
-            raise UsageError(
-                f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
-            ) from exc
+        check_namespace(namespace)
         self.account = check_account(options.get("account") or "default")
         try:
             self.transfers = int(options.get("transfers", DEFAULT_TRANSFERS))
@@ -757,7 +758,7 @@ class BoxBackend(ObjectStoreLogs):
             body = bytes(data)
             self._put_source(key, io.BytesIO(body), 0, len(body), seekable=True)
             return
-        first = _read_full(data, CHUNK_SIZE)
+        first = read_full(data, CHUNK_SIZE)
         if len(first) < CHUNK_SIZE:
             self._put_source(key, io.BytesIO(first), 0, len(first), seekable=True)
             return
@@ -775,7 +776,7 @@ class BoxBackend(ObjectStoreLogs):
         with tempfile.TemporaryFile(prefix="metasync-box-") as spool:
             spool.write(first)
             while True:
-                piece = _read_full(data, CHUNK_SIZE)
+                piece = read_full(data, CHUNK_SIZE)
                 if not piece:
                     break
                 spool.write(piece)
@@ -947,7 +948,7 @@ class BoxBackend(ObjectStoreLogs):
             have = {int(p.offset): p for p in parts}
             kept = []
             while offset < size:
-                piece = _read_full(source, min(part_size, size - offset))
+                piece = read_full(source, min(part_size, size - offset))
                 if len(piece) != min(part_size, size - offset):
                     raise BackendError(f"the data for {key!r} ended early")
                 sha1.update(piece)

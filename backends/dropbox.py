@@ -44,7 +44,14 @@ from typing import Any, BinaryIO, TypeVar, cast
 from urllib.parse import parse_qsl
 
 from metasync.backends import register
-from metasync.backends.base import Capabilities, check_key, check_prefix, is_key_part
+from metasync.backends.base import (
+    Capabilities,
+    check_key,
+    check_namespace,
+    check_prefix,
+    is_key_part,
+    read_full,
+)
 from metasync.backends.cloud import (
     AuthRequest,
     AuthUI,
@@ -63,7 +70,6 @@ from metasync.errors import (
     AuthorizationRequired,
     BackendError,
     BackendUnavailable,
-    InvalidKey,
     ObjectNotFound,
     UsageError,
 )
@@ -160,19 +166,6 @@ def _find(value: Any, tag: str) -> Any:
             inner = value.reason
         value = inner
     return None
-
-
-def _read_full(stream: BinaryIO, size: int) -> bytes:
-    """Up to ``size`` bytes of ``stream``, fewer only at EOF."""
-    parts: builtins.list[bytes] = []
-    left = size
-    while left > 0:
-        piece = stream.read(left)
-        if not piece:
-            break
-        parts.append(piece)
-        left -= len(piece)
-    return b"".join(parts)
 
 
 def _content_hash(data: bytes) -> str:
@@ -289,12 +282,7 @@ class DropboxBackend(ObjectStoreLogs):
         Raises :class:`UsageError` for a malformed URI, option or namespace."""
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
-        try:
-            check_key(namespace)
-        except InvalidKey as exc:
-            raise UsageError(
-                f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
-            ) from exc
+        check_namespace(namespace)
         self.account = check_account(options.get("account") or "default")
         try:
             self.transfers = int(options.get("transfers", DEFAULT_TRANSFERS))
@@ -573,7 +561,7 @@ class DropboxBackend(ObjectStoreLogs):
             stream = io.BytesIO(body)
             self._upload_session(key, path, stream.read(CHUNK_SIZE), stream, mode)
             return
-        first = _read_full(data, CHUNK_SIZE)
+        first = read_full(data, CHUNK_SIZE)
         if len(first) < CHUNK_SIZE:
             self._upload(key, first, mode, _content_hash(first))
             return
@@ -611,7 +599,7 @@ class DropboxBackend(ObjectStoreLogs):
             if resumed is None:
                 if start is not None and rest.tell() != start + len(first):
                     rest.seek(start)
-                    first = _read_full(rest, CHUNK_SIZE)
+                    first = read_full(rest, CHUNK_SIZE)
                 hasher, sha = DropboxContentHasher(), hashlib.sha256()
                 hasher.update(first)
                 sha.update(first)
@@ -624,7 +612,7 @@ class DropboxBackend(ObjectStoreLogs):
             else:
                 session_id, offset, hasher, sha, started = resumed
             while True:
-                piece = _read_full(rest, CHUNK_SIZE)
+                piece = read_full(rest, CHUNK_SIZE)
                 if not piece:
                     break
                 if offset + len(piece) > MAX_FILE_SIZE:
@@ -669,7 +657,7 @@ class DropboxBackend(ObjectStoreLogs):
         sha.update(first)
         have = len(first)
         while have < pending.offset:
-            piece = _read_full(rest, min(CHUNK_SIZE, pending.offset - have))
+            piece = read_full(rest, min(CHUNK_SIZE, pending.offset - have))
             if not piece:
                 break
             hasher.update(piece)

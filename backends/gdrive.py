@@ -64,7 +64,15 @@ from typing import Any, BinaryIO, TypeVar, cast
 from urllib.parse import parse_qsl, urlsplit
 
 from metasync.backends import register
-from metasync.backends.base import Backend, Capabilities, check_key, check_prefix, is_key_part
+from metasync.backends.base import (
+    Backend,
+    Capabilities,
+    check_key,
+    check_namespace,
+    check_prefix,
+    is_key_part,
+    read_full,
+)
 from metasync.backends.cloud import (
     AuthRequest,
     AuthUI,
@@ -82,7 +90,6 @@ from metasync.errors import (
     BackendError,
     BackendUnavailable,
     FormatError,
-    InvalidKey,
     ObjectNotFound,
     UsageError,
 )
@@ -158,19 +165,6 @@ def _quote(value: str) -> str:
 
 def _parents_clause(parents: builtins.list[str]) -> str:
     return "(" + " or ".join(f"{_quote(p)} in parents" for p in parents) + ")"
-
-
-def _read_full(stream: BinaryIO, size: int) -> bytes:
-    """Up to ``size`` bytes of ``stream``, fewer only at EOF."""
-    parts: builtins.list[bytes] = []
-    left = size
-    while left > 0:
-        piece = stream.read(left)
-        if not piece:
-            break
-        parts.append(piece)
-        left -= len(piece)
-    return b"".join(parts)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -375,7 +369,7 @@ class _SourceFailed(Exception):
 
 def _read_source(source: BinaryIO, size: int) -> bytes:
     try:
-        return _read_full(source, size)
+        return read_full(source, size)
     except Exception as exc:
         raise _SourceFailed(exc) from exc
 
@@ -416,12 +410,7 @@ class GDriveBackend(Backend):
         Raises :class:`UsageError` for a malformed URI, option or namespace."""
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
-        try:
-            check_key(namespace)
-        except InvalidKey as exc:
-            raise UsageError(
-                f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
-            ) from exc
+        check_namespace(namespace)
         self.account = check_account(options.get("account") or "default")
         try:
             self.transfers = int(options.get("transfers", DEFAULT_TRANSFERS))
@@ -796,7 +785,7 @@ class GDriveBackend(Backend):
             start = data.tell() if data.seekable() else None
         except (AttributeError, OSError, ValueError):
             start = None
-        first = _read_full(data, MULTIPART_LIMIT + 1)
+        first = read_full(data, MULTIPART_LIMIT + 1)
         if len(first) <= MULTIPART_LIMIT:
             self._put_small(key, parts, first)
             return
@@ -892,7 +881,7 @@ class GDriveBackend(Backend):
                     return
                 if source.tell() != start + len(first):
                     source.seek(start)
-                    first = _read_full(source, MULTIPART_LIMIT + 1)
+                    first = read_full(source, MULTIPART_LIMIT + 1)
             upload = _media_upload_class()(source, first)
             file_id = self._existing_id(key)
             drive = self._drive()
@@ -990,7 +979,7 @@ class GDriveBackend(Backend):
         sha.update(first[:have])
         md5.update(first[:have])
         while have < pending.offset:
-            piece = _read_full(source, min(CHUNK_SIZE, pending.offset - have))
+            piece = read_full(source, min(CHUNK_SIZE, pending.offset - have))
             if not piece:
                 break
             sha.update(piece)

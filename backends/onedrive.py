@@ -60,7 +60,14 @@ from typing import Any, BinaryIO, TypeVar, cast
 from urllib.parse import parse_qsl, quote
 
 from metasync.backends import register
-from metasync.backends.base import Capabilities, check_key, check_prefix, is_key_part
+from metasync.backends.base import (
+    Capabilities,
+    check_key,
+    check_namespace,
+    check_prefix,
+    is_key_part,
+    read_full,
+)
 from metasync.backends.cloud import (
     AuthRequest,
     AuthUI,
@@ -80,7 +87,6 @@ from metasync.errors import (
     AuthorizationRequired,
     BackendError,
     BackendUnavailable,
-    InvalidKey,
     ObjectNotFound,
     UsageError,
 )
@@ -253,19 +259,6 @@ def _parse_uri(uri: str) -> tuple[str, dict[str, str]]:
         if part in (".", "..") or part.strip() != part or "\\" in part or ":" in part:
             raise UsageError(f"invalid folder name {part!r} in {uri!r}")
     return ("/" + "/".join(parts)) if parts else "", options
-
-
-def _read_full(stream: BinaryIO, size: int) -> bytes:
-    """Up to ``size`` bytes of ``stream``, fewer only at EOF."""
-    parts: builtins.list[bytes] = []
-    left = size
-    while left > 0:
-        piece = stream.read(left)
-        if not piece:
-            break
-        parts.append(piece)
-        left -= len(piece)
-    return b"".join(parts)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -592,12 +585,7 @@ class OneDriveBackend(ObjectStoreLogs):
         Raises :class:`UsageError` for a malformed URI, option or namespace."""
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
-        try:
-            check_key(namespace)
-        except InvalidKey as exc:
-            raise UsageError(
-                f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
-            ) from exc
+        check_namespace(namespace)
         self.account = check_account(options.get("account") or "default")
         try:
             self.transfers = int(options.get("transfers", DEFAULT_TRANSFERS))
@@ -920,12 +908,12 @@ class OneDriveBackend(ObjectStoreLogs):
             total = data.seek(0, io.SEEK_END) - start
             data.seek(start)
             if total <= SIMPLE_UPLOAD_LIMIT:
-                body = _read_full(data, total)
+                body = read_full(data, total)
                 if len(body) != total:
                     raise BackendError(f"the source of {key!r} changed while it was read")
                 return self._simple_upload(key, body, mode)
             return self._upload_session(key, path, data, start, total, mode)
-        first = _read_full(data, SIMPLE_UPLOAD_LIMIT + 1)
+        first = read_full(data, SIMPLE_UPLOAD_LIMIT + 1)
         if len(first) <= SIMPLE_UPLOAD_LIMIT:
             return self._simple_upload(key, first, mode)
         with tempfile.TemporaryFile(prefix="metasync-onedrive-") as spool:
@@ -1062,7 +1050,7 @@ class OneDriveBackend(ObjectStoreLogs):
             item: dict[str, Any] | None = None
             while offset < total:
                 want = min(CHUNK_SIZE, total - offset)
-                piece = _read_full(source, want)
+                piece = read_full(source, want)
                 if len(piece) != want:
                     raise BackendError(f"the source of {key!r} ended at byte {offset + len(piece)}"
                                        f" of {total}: it changed while it was uploaded")
@@ -1117,7 +1105,7 @@ class OneDriveBackend(ObjectStoreLogs):
         sha, qx = hashlib.sha256(), QuickXorHash()
         have = 0
         while have < pending.offset:
-            piece = _read_full(source, min(CHUNK_SIZE, pending.offset - have))
+            piece = read_full(source, min(CHUNK_SIZE, pending.offset - have))
             if not piece:
                 break
             sha.update(piece)

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO, TypeVar, cast
 from urllib.parse import parse_qsl
 
 from metasync.backends import register
-from metasync.backends.base import Capabilities, check_key, check_prefix
+from metasync.backends.base import Capabilities, check_key, check_namespace, check_prefix, read_full
 from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
@@ -143,19 +143,6 @@ def _invalid_range(exc: BaseException) -> bool:
     return parts is not None and (parts[1] == 416 or parts[0] == "InvalidRange")
 
 
-def _read_full(stream: BinaryIO, size: int) -> bytes:
-    """Up to ``size`` bytes of ``stream``, fewer only at EOF (``read`` may return less)."""
-    parts: builtins.list[bytes] = []
-    left = size
-    while left > 0:
-        piece = stream.read(left)
-        if not piece:
-            break
-        parts.append(piece)
-        left -= len(piece)
-    return b"".join(parts)
-
-
 @register
 class S3Backend(ObjectStoreLogs):
     """An S3 bucket (optionally below a key prefix), URI ``s3://BUCKET/PREFIX?...``.
@@ -196,12 +183,7 @@ class S3Backend(ObjectStoreLogs):
 
         super().__init__(uri, namespace)
         self.bucket, self.prefix, options = _parse_uri(uri)
-        try:
-            check_key(namespace)
-        except InvalidKey as exc:
-            raise UsageError(
-                f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
-            ) from exc
+        check_namespace(namespace)
         try:
             self.transfers = int(options.get("transfers", DEFAULT_TRANSFERS))
         except ValueError:
@@ -415,11 +397,11 @@ class S3Backend(ObjectStoreLogs):
             body = bytes(data)
             self._put_bytes(key, full, body)
             return
-        first = _read_full(data, CHUNK_SIZE)
+        first = read_full(data, CHUNK_SIZE)
         if len(first) < CHUNK_SIZE:
             self._put_bytes(key, full, first)
             return
-        second = _read_full(data, CHUNK_SIZE)
+        second = read_full(data, CHUNK_SIZE)
         if not second:
             self._put_bytes(key, full, first)
             return
@@ -465,7 +447,7 @@ class S3Backend(ObjectStoreLogs):
                 answer = self._call(key, "upload part of", upload)
                 parts.append({"PartNumber": number, "ETag": answer["ETag"]})
                 total += len(piece)
-                piece = following if following is not None else _read_full(rest, CHUNK_SIZE)
+                piece = following if following is not None else read_full(rest, CHUNK_SIZE)
                 following = None
             self._complete(key, full, upload_id, parts, total)
             completed = True

@@ -59,6 +59,7 @@ from metasync.backends.base import (
     TEMP_PREFIX,
     Capabilities,
     check_key,
+    check_namespace,
     check_prefix,
     is_key_part,
 )
@@ -73,7 +74,6 @@ from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
-    InvalidKey,
     ObjectNotFound,
     UsageError,
 )
@@ -251,12 +251,7 @@ class WebdavBackend(RegisterLogs):
                 f"not a {self.scheme}: URI: {self._redact(uri)!r}; "
                 f"use {self.scheme}://[user[:password]@]host[:port]/path"
             )
-        try:
-            check_key(namespace)
-        except InvalidKey as exc:
-            raise UsageError(
-                f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
-            ) from exc
+        check_namespace(namespace)
         options = dict(parse_qsl(parts.query, keep_blank_values=True))
         unknown = set(options) - {"transfers", "timeout", "ca", "logs"}
         if unknown:
