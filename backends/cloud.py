@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from metasync.backends import AUTH_PROVIDERS
-from metasync.backends.retry import TransientError
+from metasync.backends.retry import TransientError, parse_retry_after
 from metasync.errors import AuthorizationRequired, BackendError, UsageError
 
 #: Provider name (as in ``metasync auth NAME``) -> module of metasync.backends that
@@ -564,24 +564,7 @@ class UploadJournal:
                 self.path.unlink()
 
 
-# --- throttling ------------------------------------------------------------------------
-
-
-def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (a number or an HTTP date)."""
-    if value is None or not value.strip():
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    from email.utils import parsedate_to_datetime
-
-    try:
-        when = parsedate_to_datetime(value).timestamp()
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when - (time.time() if now is None else now))
+# --- refresh ---------------------------------------------------------------------------
 
 
 def oauth2_refresh(

@@ -48,7 +48,6 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable, Iterator
-from email.utils import parsedate_to_datetime
 from typing import BinaryIO, NoReturn, TypeVar
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
@@ -70,7 +69,7 @@ from metasync.backends.logs import (
     entry_position,
     log_children,
 )
-from metasync.backends.retry import RetryPolicy, TransientError, retrying
+from metasync.backends.retry import RetryPolicy, TransientError, parse_retry_after, retrying
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
@@ -119,23 +118,6 @@ class _Entry:
         self.etag = etag
         self.modified = modified
 
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    value = response.headers.get("Retry-After")
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        import datetime
-
-        when = parsedate_to_datetime(value)
-        return max(0.0, (when - datetime.datetime.now(when.tzinfo)).total_seconds())
-    except (TypeError, ValueError):
-        return None
 
 
 class _Rewind:
@@ -365,7 +347,7 @@ class WebdavBackend(RegisterLogs):
         if status in _RETRY_STATUSES or (status >= 500 and status != 507):
             return TransientError(
                 f"{what} on {self.name}: HTTP {status} {response.reason_phrase}",
-                retry_after=_retry_after(response),
+                retry_after=parse_retry_after(response.headers.get("Retry-After")),
             )
         if status == 507:
             return BackendError(f"{what} on {self.name}: the server is out of space (507)")
