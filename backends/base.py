@@ -50,6 +50,12 @@ def check_namespace(namespace: str) -> str:
         ) from exc
 
 
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message with its white space folded to single spaces (messages are one
+    line), or the exception's class name if it has no message."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def read_full(stream: BinaryIO, size: int) -> bytes:
     """Up to ``size`` bytes of ``stream``, fewer only at EOF: unlike one ``read``, which
     may return less than asked (sockets, pipes, SDK streams), it reads until it has

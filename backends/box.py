@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any, BinaryIO, TypeVar, cast
-from urllib.parse import parse_qs, parse_qsl, urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from metasync.backends import register
 from metasync.backends.base import (
@@ -67,6 +67,7 @@ from metasync.backends.base import (
     check_namespace,
     check_prefix,
     is_key_part,
+    one_line,
     read_full,
 )
 from metasync.backends.cloud import (
@@ -78,10 +79,11 @@ from metasync.backends.cloud import (
     UploadJournal,
     app_credentials,
     auth_hint,
-    check_account,
-    endpoint,
+    cloud_options,
     oauth2_refresh,
+    parse_cloud_uri,
     parse_retry_after,
+    requests_failure,
 )
 from metasync.backends.dropbox import pin_ca
 from metasync.backends.logs import ObjectStoreLogs
@@ -118,31 +120,16 @@ READ_PIECE = 16 << 10
 DEFAULT_REDIRECT_URI = "http://127.0.0.1:53687/"
 #: How long `metasync auth box` waits for the browser to come back.
 AUTH_TIMEOUT = 300.0
-_OPTIONS = ("account", "transfers", "timeout", "api", "ca")
 
 
 def _parse_uri(uri: str) -> tuple[builtins.list[str], dict[str, str]]:
     """``(location folder names, options)``."""
-    if not uri.startswith("box:"):
-        raise UsageError(f"not a box URI: {uri!r}; use box:PATH")
-    rest, _, query = uri[len("box:") :].partition("?")
-    options: dict[str, str] = {}
-    for name, value in parse_qsl(query, keep_blank_values=True):
-        if name not in _OPTIONS:
-            raise UsageError(
-                f"unknown option {name!r} in {uri!r}; known options: {', '.join(_OPTIONS)}"
-            )
-        options[name] = value
-    parts = [p for p in rest.split("/") if p]
-    for part in parts:
-        if (part in (".", "..") or part.strip() != part or "\\" in part or len(part) > 255
-                or any(ord(c) < 32 for c in part)):
-            raise UsageError(f"invalid folder name {part!r} in {uri!r}")
-    return parts, options
+    return parse_cloud_uri("box", uri, bad_folder_name=_bad_folder_name)
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+def _bad_folder_name(name: str) -> bool:
+    """Box's own limits on folder names: at most 255 characters, no control characters."""
+    return len(name) > 255 or any(ord(c) < 32 for c in name)
 
 
 def _sha1_b64(hex_digest: str) -> str:
@@ -333,15 +320,17 @@ class BoxBackend(ObjectStoreLogs):
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
         check_namespace(namespace)
-        self.account = check_account(options.get("account") or "default")
-        try:
-            self.transfers = int(options.get("transfers", DEFAULT_TRANSFERS))
-            self.timeout = float(options.get("timeout", DEFAULT_TIMEOUT))
-        except ValueError as exc:
-            raise UsageError(f"bad transfers= or timeout= in {uri!r}") from exc
-        if self.transfers < 1 or not self.timeout > 0:
-            raise UsageError(f"transfers= and timeout= must be positive in {uri!r}")
-        where = endpoint("box", options)
+        settings = cloud_options(
+            "box",
+            uri,
+            options,
+            default_transfers=DEFAULT_TRANSFERS,
+            default_timeout=DEFAULT_TIMEOUT,
+        )
+        self.account = settings.account
+        self.transfers = settings.transfers
+        self.timeout = settings.timeout
+        where = settings.endpoint
         self._base_url = where.base_url
         self._ca_file = where.ca_file
         self.tokens = TokenSource("box", self.account, refresher(where.base_url, where.ca_file))
@@ -384,7 +373,6 @@ class BoxBackend(ObjectStoreLogs):
     def _translate(self, exc: BaseException, key: str | None, action: str,
                    token: str) -> BaseException:
         """The backend-contract error for an SDK or transport exception."""
-        import requests.exceptions as rexc
         from box_sdk_gen.box.errors import BoxAPIError, BoxSDKError
 
         what = f"{action} {key!r} on {self.name}" if key is not None else f"{action} {self.name}"
@@ -423,30 +411,15 @@ class BoxBackend(ObjectStoreLogs):
         inner: BaseException = exc
         if isinstance(exc, BoxSDKError):
             if exc.error is None:
-                return BackendError(f"cannot {what}: {_one_line(Exception(exc.message))}")
+                return BackendError(f"cannot {what}: {one_line(Exception(exc.message))}")
             inner = exc.error
-        if isinstance(inner, rexc.SSLError):
-            text = _one_line(inner)
-            if "certificate" in text.lower() or "hostname" in text.lower():
-                return BackendError(f"cannot {what}: TLS certificate check failed ({text})")
-            return TransientError(f"cannot {what}: TLS connection failed ({text})")
-        if isinstance(inner, rexc.ConnectTimeout):
-            return BackendUnavailable(f"cannot {what}: Box cannot be reached (timed out)")
-        if isinstance(inner, rexc.ConnectionError):
-            from urllib3.exceptions import NameResolutionError, NewConnectionError
-
-            reason = getattr(inner.args[0] if inner.args else None, "reason", None)
-            if isinstance(reason, NameResolutionError | NewConnectionError):
-                return BackendUnavailable(
-                    f"cannot {what}: {self._base_url or BOX_API} cannot be reached "
-                    f"({_one_line(reason)}); is the network up?")
-            return TransientError(f"cannot {what}: connection failed ({_one_line(inner)})")
-        if isinstance(inner, rexc.RequestException | OSError):
-            return TransientError(f"cannot {what}: connection failed ({_one_line(inner)})")
+        failure = requests_failure(inner, what, "Box", self._base_url or BOX_API)
+        if failure is not None:
+            return failure
         from urllib3.exceptions import HTTPError as Urllib3Error
 
         if isinstance(inner, Urllib3Error):
-            return TransientError(f"cannot {what}: connection failed ({_one_line(inner)})")
+            return TransientError(f"cannot {what}: connection failed ({one_line(inner)})")
         return exc
 
     def _request(self, key: str | None, action: str, fn: Callable[[Any], T]) -> T:
@@ -1467,7 +1440,7 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
                     f"Box did not accept the code ({detail}; codes are valid 30 seconds); run "
                     "`metasync auth box` again") from None
             raise BackendUnavailable(
-                f"cannot reach Box to finish the sign-in: {_one_line(exc)}") from None
+                f"cannot reach Box to finish the sign-in: {one_line(exc)}") from None
         if not token.refresh_token or not token.access_token:
             raise UsageError("Box returned no refresh token; sign-in cancelled")
         extra: dict[str, Any] = {}

@@ -37,6 +37,11 @@ App keys
     ``metasync auth PROVIDER --app-key K [--app-secret S]`` select the app a user signs
     in to (:func:`app_credentials`); the grant remembers it, so backends need no key.
 
+URIs
+    Every provider's URI is ``PROVIDER:PATH?account=NAME&transfers=N&timeout=S&api=URL&ca=FILE``:
+    :func:`parse_cloud_uri` splits it and :func:`cloud_options` checks the options all
+    providers read alike.
+
 Sign-in
     ``metasync auth PROVIDER`` calls :func:`authorize`, which imports the provider's
     backend module (named in :data:`AUTH_PROVIDERS`) and runs its
@@ -56,14 +61,16 @@ import secrets
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import parse_qsl
 
 from metasync.backends import AUTH_PROVIDERS
+from metasync.backends.base import one_line
 from metasync.backends.retry import TransientError, parse_retry_after
-from metasync.errors import AuthorizationRequired, BackendError, UsageError
+from metasync.errors import AuthorizationRequired, BackendError, BackendUnavailable, UsageError
 
 #: Provider name (as in ``metasync auth NAME``) -> module of metasync.backends that
 #: defines its ``authorize``. Imported on use, like BUILTIN_SCHEMES.
@@ -79,6 +86,8 @@ DEFAULT_ACCOUNT = "default"
 KEYRING_SERVICE = "metasync"
 
 _ACCOUNT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+#: The options every cloud-provider URI takes (and no others).
+CLOUD_URI_OPTIONS = ("account", "transfers", "timeout", "api", "ca")
 
 
 def config_dir() -> Path:
@@ -388,6 +397,79 @@ class TokenSource:
             return fresh
 
 
+# --- URIs ------------------------------------------------------------------------------
+
+
+def parse_cloud_uri(
+    provider: str, uri: str, *, bad_folder_name: Callable[[str], bool] | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """Split ``PROVIDER:PATH?OPTIONS`` into ``(folder names of PATH, options)``; empty
+    parts of PATH are dropped, so ``[]`` is the root of the drive.
+
+    Raises :class:`UsageError` if ``uri`` is not a ``provider:`` URI, names an option
+    not in :data:`CLOUD_URI_OPTIONS`, or has a folder name that is ``.`` or ``..``,
+    starts or ends with white space, holds a backslash, or (the provider's own rules)
+    for which ``bad_folder_name`` is true."""
+    if not uri.startswith(f"{provider}:"):
+        raise UsageError(f"not a {provider} URI: {uri!r}; use {provider}:PATH")
+    rest, _, query = uri[len(provider) + 1 :].partition("?")
+    options: dict[str, str] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name not in CLOUD_URI_OPTIONS:
+            raise UsageError(
+                f"unknown option {name!r} in {uri!r}; known options: "
+                f"{', '.join(CLOUD_URI_OPTIONS)}"
+            )
+        options[name] = value
+    parts = [p for p in rest.split("/") if p]
+    for part in parts:
+        if (
+            part in (".", "..")
+            or part.strip() != part
+            or "\\" in part
+            or (bad_folder_name is not None and bad_folder_name(part))
+        ):
+            raise UsageError(f"invalid folder name {part!r} in {uri!r}")
+    return parts, options
+
+
+@dataclass(frozen=True)
+class CloudOptions:
+    """The URI options every cloud provider reads alike, checked."""
+
+    #: The signed-in account whose grant the backend uses (:func:`check_account`).
+    account: str
+    #: Most requests one backend instance runs at once (at least 1).
+    transfers: int
+    #: Seconds one request may take (positive).
+    timeout: float
+    #: Where the provider's API is (``api=``/``ca=`` or the environment).
+    endpoint: Endpoint
+
+
+def cloud_options(
+    provider: str,
+    uri: str,
+    options: dict[str, str],
+    *,
+    default_transfers: int,
+    default_timeout: float,
+) -> CloudOptions:
+    """The ``account=``, ``transfers=``, ``timeout=``, ``api=`` and ``ca=`` options of
+    ``uri`` (already split into ``options`` by :func:`parse_cloud_uri`), with the
+    defaults for those not given. Raises :class:`UsageError` for an invalid account
+    name, a non-numeric or non-positive ``transfers=``/``timeout=``, or a bad API URL."""
+    account = check_account(options.get("account") or DEFAULT_ACCOUNT)
+    try:
+        transfers = int(options.get("transfers", default_transfers))
+        timeout = float(options.get("timeout", default_timeout))
+    except ValueError as exc:
+        raise UsageError(f"bad transfers= or timeout= in {uri!r}") from exc
+    if transfers < 1 or not timeout > 0:
+        raise UsageError(f"transfers= and timeout= must be positive in {uri!r}")
+    return CloudOptions(account, transfers, timeout, endpoint(provider, options))
+
+
 # --- sign-in ---------------------------------------------------------------------------
 
 
@@ -562,6 +644,61 @@ class UploadJournal:
         if self.active:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+
+
+# --- connection failures -----------------------------------------------------------------
+
+
+def requests_failure(
+    exc: BaseException, what: str, service: str, base_url: str
+) -> BackendError | None:
+    """The error to raise for ``exc`` if it is a failure of the ``requests`` library
+    (which the Dropbox, Box and OneDrive SDKs send through) or of the OS while doing
+    ``what`` (e.g. ``"read 'k' on dropbox:/a"``); None if it is neither.
+
+    - a failed TLS certificate or host name check: :class:`BackendError` (a retry
+      cannot help);
+    - a connect timeout: :class:`BackendUnavailable` saying ``service`` (the
+      provider's name) cannot be reached;
+    - a host name that does not resolve, a refused connection: :class:`BackendUnavailable`
+      naming ``base_url`` (where the API is);
+    - any other TLS, connection or OS failure: :class:`TransientError` (retried)."""
+    import requests.exceptions as rexc
+
+    if isinstance(exc, rexc.SSLError):
+        text = one_line(exc)
+        if "certificate" in text.lower() or "hostname" in text.lower():
+            return BackendError(f"cannot {what}: TLS certificate check failed ({text})")
+        return TransientError(f"cannot {what}: TLS connection failed ({text})")
+    if isinstance(exc, rexc.ConnectTimeout):
+        return BackendUnavailable(f"cannot {what}: {service} cannot be reached (timed out)")
+    if isinstance(exc, rexc.ConnectionError):
+        from urllib3.exceptions import NameResolutionError, NewConnectionError
+
+        reason = getattr(exc.args[0] if exc.args else None, "reason", None)
+        if isinstance(reason, NameResolutionError | NewConnectionError):
+            return BackendUnavailable(
+                f"cannot {what}: {base_url} cannot be reached ({one_line(reason)}); is the "
+                "network up?"
+            )
+    if isinstance(exc, rexc.RequestException | OSError):
+        return TransientError(f"cannot {what}: connection failed ({one_line(exc)})")
+    return None
+
+
+def range_of_chunks(chunks: Iterable[bytes], offset: int, length: int) -> bytes:
+    """The ``length`` bytes from ``offset`` of a whole object given as ``chunks`` (what
+    a service sends when it ignores a ``Range`` header), fewer if it ends first; stops
+    reading once it has them."""
+    data = b""
+    seen = 0
+    for chunk in chunks:
+        if seen + len(chunk) > offset:
+            data += chunk[max(0, offset - seen) :]
+        seen += len(chunk)
+        if len(data) >= length:
+            break
+    return data[:length]
 
 
 # --- refresh ---------------------------------------------------------------------------

@@ -41,7 +41,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, TypeVar, cast
-from urllib.parse import parse_qsl
 
 from metasync.backends import register
 from metasync.backends.base import (
@@ -50,6 +49,7 @@ from metasync.backends.base import (
     check_namespace,
     check_prefix,
     is_key_part,
+    one_line,
     read_full,
 )
 from metasync.backends.cloud import (
@@ -60,9 +60,11 @@ from metasync.backends.cloud import (
     TokenSource,
     UploadJournal,
     auth_hint,
-    check_account,
-    endpoint,
+    cloud_options,
     oauth2_refresh,
+    parse_cloud_uri,
+    range_of_chunks,
+    requests_failure,
 )
 from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
@@ -99,25 +101,11 @@ SCOPES = (
     "files.content.write",
     "sharing.write",
 )
-_OPTIONS = ("account", "transfers", "timeout", "api", "ca")
 
 
 def _parse_uri(uri: str) -> tuple[str, dict[str, str]]:
     """``(location path, options)``: the path is ``""`` (the root) or ``/a/b``."""
-    if not uri.startswith("dropbox:"):
-        raise UsageError(f"not a dropbox URI: {uri!r}; use dropbox:PATH")
-    rest, _, query = uri[len("dropbox:") :].partition("?")
-    options: dict[str, str] = {}
-    for name, value in parse_qsl(query, keep_blank_values=True):
-        if name not in _OPTIONS:
-            raise UsageError(
-                f"unknown option {name!r} in {uri!r}; known options: {', '.join(_OPTIONS)}"
-            )
-        options[name] = value
-    parts = [p for p in rest.split("/") if p]
-    for part in parts:
-        if part in (".", "..") or part.strip() != part or "\\" in part:
-            raise UsageError(f"invalid folder name {part!r} in {uri!r}")
+    parts, options = parse_cloud_uri("dropbox", uri)
     return ("/" + "/".join(parts)) if parts else "", options
 
 
@@ -174,10 +162,6 @@ def _content_hash(data: bytes) -> str:
     hasher = DropboxContentHasher()
     hasher.update(data)
     return str(hasher.hexdigest())
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _sdk_hosts(base_url: str | None) -> dict[str, str] | None:
@@ -283,15 +267,17 @@ class DropboxBackend(ObjectStoreLogs):
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
         check_namespace(namespace)
-        self.account = check_account(options.get("account") or "default")
-        try:
-            self.transfers = int(options.get("transfers", DEFAULT_TRANSFERS))
-            self.timeout = float(options.get("timeout", DEFAULT_TIMEOUT))
-        except ValueError as exc:
-            raise UsageError(f"bad transfers= or timeout= in {uri!r}") from exc
-        if self.transfers < 1 or not self.timeout > 0:
-            raise UsageError(f"transfers= and timeout= must be positive in {uri!r}")
-        where = endpoint("dropbox", options)
+        settings = cloud_options(
+            "dropbox",
+            uri,
+            options,
+            default_transfers=DEFAULT_TRANSFERS,
+            default_timeout=DEFAULT_TIMEOUT,
+        )
+        self.account = settings.account
+        self.transfers = settings.transfers
+        self.timeout = settings.timeout
+        where = settings.endpoint
         self._hosts = _sdk_hosts(where.base_url)
         self._ca_file = where.ca_file
         self._base_url = where.base_url
@@ -336,12 +322,11 @@ class DropboxBackend(ObjectStoreLogs):
     def _translate(self, exc: BaseException, key: str | None, action: str, token: str) -> BaseException:
         """The backend-contract error for an SDK or transport exception."""
         import dropbox.exceptions as dexc
-        import requests.exceptions as rexc
 
         what = f"{action} {key!r} on {self.name}" if key is not None else f"{action} {self.name}"
         if isinstance(exc, dexc.ApiError):
             tags = _tags(exc.error)
-            summary = "/".join(tags) or _one_line(exc)
+            summary = "/".join(tags) or one_line(exc)
             if {"not_found", "not_file", "not_folder"} & set(tags):
                 return ObjectNotFound(f"no object {key!r} on {self.name}")
             if "too_many_write_operations" in tags:
@@ -381,29 +366,8 @@ class DropboxBackend(ObjectStoreLogs):
         if isinstance(exc, dexc.HttpError):
             if exc.status_code in (408, 425, 429) or exc.status_code >= 500:
                 return TransientError(f"cannot {what}: HTTP {exc.status_code}")
-            return BackendError(f"cannot {what}: HTTP {exc.status_code}: {_one_line(exc)}")
-        if isinstance(exc, rexc.SSLError):
-            text = _one_line(exc)
-            if "certificate" in text.lower() or "hostname" in text.lower():
-                return BackendError(f"cannot {what}: TLS certificate check failed ({text})")
-            return TransientError(f"cannot {what}: TLS connection failed ({text})")
-        if isinstance(exc, rexc.ConnectTimeout):
-            return BackendUnavailable(f"cannot {what}: Dropbox cannot be reached (timed out)")
-        if isinstance(exc, rexc.ConnectionError):
-            from urllib3.exceptions import NameResolutionError, NewConnectionError
-
-            inner = getattr(exc.args[0] if exc.args else None, "reason", None)
-
-            if isinstance(inner, NameResolutionError | NewConnectionError):
-                target = self._base_url or DROPBOX_API
-                return BackendUnavailable(
-                    f"cannot {what}: {target} cannot be reached ({_one_line(inner)}); is the "
-                    "network up?"
-                )
-            return TransientError(f"cannot {what}: connection failed ({_one_line(exc)})")
-        if isinstance(exc, rexc.RequestException | OSError):
-            return TransientError(f"cannot {what}: connection failed ({_one_line(exc)})")
-        return exc
+            return BackendError(f"cannot {what}: HTTP {exc.status_code}: {one_line(exc)}")
+        return requests_failure(exc, what, "Dropbox", self._base_url or DROPBOX_API) or exc
 
     def _request(self, key: str | None, action: str, fn: Callable[[Any], T]) -> T:
         """One attempt of ``fn(client)`` in a transfer slot, errors translated."""
@@ -796,15 +760,7 @@ class DropboxBackend(ObjectStoreLogs):
                 if response.status_code == 206:
                     data = cast(bytes, response.content)
                 else:  # the whole file: keep only the range
-                    data = b""
-                    seen = 0
-                    for chunk in response.iter_content(1 << 20):
-                        if seen + len(chunk) > offset:
-                            data += chunk[max(0, offset - seen) :]
-                        seen += len(chunk)
-                        if len(data) >= length:
-                            break
-                    data = data[:length]
+                    data = range_of_chunks(response.iter_content(1 << 20), offset, length)
             return data, int(meta.size)
 
         data, total = self._call(key, "read", read)
@@ -1033,7 +989,7 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
             "again and paste the new code"
         ) from None
     except requests.RequestException as exc:
-        raise BackendUnavailable(f"cannot reach Dropbox to finish the sign-in: {_one_line(exc)}") from None
+        raise BackendUnavailable(f"cannot reach Dropbox to finish the sign-in: {one_line(exc)}") from None
     if not result.refresh_token:
         raise UsageError("Dropbox returned no refresh token; the app must allow offline access")
     extra: dict[str, Any] = {"account_id": result.account_id}

@@ -71,6 +71,7 @@ from metasync.backends.base import (
     check_namespace,
     check_prefix,
     is_key_part,
+    one_line,
     read_full,
 )
 from metasync.backends.cloud import (
@@ -80,9 +81,9 @@ from metasync.backends.cloud import (
     PendingUpload,
     TokenSource,
     UploadJournal,
-    check_account,
-    endpoint,
+    cloud_options,
     oauth2_refresh,
+    parse_cloud_uri,
     parse_retry_after,
 )
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
@@ -130,7 +131,6 @@ FANOUT = 256
 #: Attempts to read an item whose create Drive answered 409 (it exists) but whose
 #: read says 404: a read racing the other creator's commit.
 READ_AFTER_CONFLICT_TRIES = 6
-_OPTIONS = ("account", "transfers", "timeout", "api", "ca")
 _FILE_FIELDS = "id,name,mimeType,size,md5Checksum,headRevisionId,modifiedTime,createdTime,trashed"
 _ID = re.compile(r"^[A-Za-z0-9_-]{8,128}$")
 #: Properties of the namespace folder naming the reserved ids of the log machinery.
@@ -141,21 +141,7 @@ LOG_FOLDER_NAME = "metasync logs"
 
 def _parse_uri(uri: str) -> tuple[list[str], dict[str, str]]:
     """``(location folder names, options)``; ``[]`` is My Drive itself."""
-    if not uri.startswith("gdrive:"):
-        raise UsageError(f"not a gdrive URI: {uri!r}; use gdrive:PATH")
-    rest, _, query = uri[len("gdrive:") :].partition("?")
-    options: dict[str, str] = {}
-    for name, value in parse_qsl(query, keep_blank_values=True):
-        if name not in _OPTIONS:
-            raise UsageError(
-                f"unknown option {name!r} in {uri!r}; known options: {', '.join(_OPTIONS)}"
-            )
-        options[name] = value
-    parts = [p for p in rest.split("/") if p]
-    for part in parts:
-        if part in (".", "..") or part.strip() != part or "\\" in part:
-            raise UsageError(f"invalid folder name {part!r} in {uri!r}")
-    return parts, options
+    return parse_cloud_uri("gdrive", uri)
 
 
 def _quote(value: str) -> str:
@@ -165,10 +151,6 @@ def _quote(value: str) -> str:
 
 def _parents_clause(parents: builtins.list[str]) -> str:
     return "(" + " or ".join(f"{_quote(p)} in parents" for p in parents) + ")"
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _reasons(exc: Any) -> builtins.list[str]:
@@ -411,15 +393,17 @@ class GDriveBackend(Backend):
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
         check_namespace(namespace)
-        self.account = check_account(options.get("account") or "default")
-        try:
-            self.transfers = int(options.get("transfers", DEFAULT_TRANSFERS))
-            self.timeout = float(options.get("timeout", DEFAULT_TIMEOUT))
-        except ValueError as exc:
-            raise UsageError(f"bad transfers= or timeout= in {uri!r}") from exc
-        if self.transfers < 1 or not self.timeout > 0:
-            raise UsageError(f"transfers= and timeout= must be positive in {uri!r}")
-        where = endpoint("gdrive", options)
+        settings = cloud_options(
+            "gdrive",
+            uri,
+            options,
+            default_transfers=DEFAULT_TRANSFERS,
+            default_timeout=DEFAULT_TIMEOUT,
+        )
+        self.account = settings.account
+        self.transfers = settings.transfers
+        self.timeout = settings.timeout
+        where = settings.endpoint
         self._base_url = where.base_url
         self._ca_file = where.ca_file
         self.tokens = TokenSource("gdrive", self.account, refresher(where.base_url, where.ca_file))
@@ -498,16 +482,16 @@ class GDriveBackend(Backend):
                                       retry_after=retry_after)
             return BackendError(f"cannot {what}: HTTP {status} ({summary}): {exc.reason}")
         if isinstance(exc, ssl.SSLCertVerificationError):
-            return BackendError(f"cannot {what}: TLS certificate check failed ({_one_line(exc)})")
+            return BackendError(f"cannot {what}: TLS certificate check failed ({one_line(exc)})")
         if isinstance(exc, httplib2.ServerNotFoundError | ConnectionRefusedError):
             target = self._base_url or DRIVE_API
             return BackendUnavailable(
-                f"cannot {what}: {target} cannot be reached ({_one_line(exc)}); is the network up?"
+                f"cannot {what}: {target} cannot be reached ({one_line(exc)}); is the network up?"
             )
         if isinstance(exc, socket.gaierror):
             return BackendUnavailable(f"cannot {what}: cannot resolve the Google Drive host")
         if isinstance(exc, OSError | http.client.HTTPException | httplib2.HttpLib2Error):
-            return TransientError(f"cannot {what}: connection failed ({_one_line(exc)})")
+            return TransientError(f"cannot {what}: connection failed ({one_line(exc)})")
         return exc
 
     def _request(self, key: str | None, action: str, fn: Callable[[Any], T]) -> T:
@@ -1719,7 +1703,7 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
             "again"
         ) from None
     except requests.RequestException as exc:
-        raise BackendUnavailable(f"cannot reach Google to finish the sign-in: {_one_line(exc)}") from None
+        raise BackendUnavailable(f"cannot reach Google to finish the sign-in: {one_line(exc)}") from None
     except AttributeError as exc:  # WSGITimeoutError: no answer from the browser
         raise UsageError(f"no answer from the browser ({exc}); sign-in cancelled") from None
     token = flow.oauth2session.token

@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, BinaryIO, TypeVar, cast
-from urllib.parse import parse_qsl, quote
+from urllib.parse import quote
 
 from metasync.backends import register
 from metasync.backends.base import (
@@ -66,6 +66,7 @@ from metasync.backends.base import (
     check_namespace,
     check_prefix,
     is_key_part,
+    one_line,
     read_full,
 )
 from metasync.backends.cloud import (
@@ -76,9 +77,11 @@ from metasync.backends.cloud import (
     TokenSource,
     UploadJournal,
     auth_hint,
-    check_account,
-    endpoint,
+    cloud_options,
+    parse_cloud_uri,
     parse_retry_after,
+    range_of_chunks,
+    requests_failure,
 )
 from metasync.backends.dropbox import pin_ca
 from metasync.backends.logs import ObjectStoreLogs
@@ -121,7 +124,6 @@ DEFAULT_TIMEOUT = 60.0
 LIST_PAGE_SIZE = 1000
 #: How long the browser sign-in waits for the user (seconds).
 BROWSER_SIGN_IN_TIMEOUT = 600
-_OPTIONS = ("account", "transfers", "timeout", "api", "ca")
 _TENANT = re.compile(r"^[A-Za-z0-9.-]{1,128}$")
 
 
@@ -244,25 +246,8 @@ def quick_xor(data: bytes | bytearray | memoryview) -> str:
 
 def _parse_uri(uri: str) -> tuple[str, dict[str, str]]:
     """``(location path, options)``: the path is ``""`` (the root) or ``/a/b``."""
-    if not uri.startswith("onedrive:"):
-        raise UsageError(f"not a onedrive URI: {uri!r}; use onedrive:PATH")
-    rest, _, query = uri[len("onedrive:") :].partition("?")
-    options: dict[str, str] = {}
-    for name, value in parse_qsl(query, keep_blank_values=True):
-        if name not in _OPTIONS:
-            raise UsageError(
-                f"unknown option {name!r} in {uri!r}; known options: {', '.join(_OPTIONS)}"
-            )
-        options[name] = value
-    parts = [p for p in rest.split("/") if p]
-    for part in parts:
-        if part in (".", "..") or part.strip() != part or "\\" in part or ":" in part:
-            raise UsageError(f"invalid folder name {part!r} in {uri!r}")
+    parts, options = parse_cloud_uri("onedrive", uri, bad_folder_name=lambda part: ":" in part)
     return ("/" + "/".join(parts)) if parts else "", options
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _graph_error(response: Any) -> tuple[builtins.list[str], str]:
@@ -364,17 +349,17 @@ def _msal_app(app_key: str, base_url: str | None, ca_file: str | None, tenant: s
         )
     except requests.RequestException as exc:
         raise BackendUnavailable(
-            f"cannot reach the Microsoft sign-in service: {_one_line(exc)}"
+            f"cannot reach the Microsoft sign-in service: {one_line(exc)}"
         ) from None
     except msal.exceptions.MsalServiceError as exc:  # a 5xx answer to the discovery
-        raise TransientError(f"the Microsoft sign-in service failed: {_one_line(exc)}") from None
+        raise TransientError(f"the Microsoft sign-in service failed: {one_line(exc)}") from None
     except ValueError as exc:
         # MSAL reports every 4xx answer to the OpenID discovery as a ValueError; only a
         # throttling one (or a malformed document) is worth another try.
         cause = f"{exc} {exc.__context__ or ''}"  # MSAL re-raises the discovery's error
         if isinstance(exc.__context__ or exc, json.JSONDecodeError) or "HTTP status: 429" in cause:
-            raise TransientError(f"the Microsoft sign-in service is busy: {_one_line(exc)}") from None
-        raise UsageError(f"the Microsoft sign-in service refused tenant {tenant!r}: {_one_line(exc)}") from None
+            raise TransientError(f"the Microsoft sign-in service is busy: {one_line(exc)}") from None
+        raise UsageError(f"the Microsoft sign-in service refused tenant {tenant!r}: {one_line(exc)}") from None
 
 
 def _tenant() -> str:
@@ -436,11 +421,11 @@ def refresher(base_url: str | None, ca_file: str | None) -> Callable[[Grant], Gr
                 else app.acquire_token_silent_with_error(list(SCOPES), account, force_refresh=True)
             )
         except requests.RequestException as exc:
-            raise TransientError(f"cannot refresh the OneDrive sign-in: {_one_line(exc)}") from None
+            raise TransientError(f"cannot refresh the OneDrive sign-in: {one_line(exc)}") from None
         except msal.exceptions.MsalServiceError as exc:  # a 5xx from the token endpoint
-            raise TransientError(f"cannot refresh the OneDrive sign-in: {_one_line(exc)}") from None
+            raise TransientError(f"cannot refresh the OneDrive sign-in: {one_line(exc)}") from None
         except ValueError as exc:  # a non-JSON answer (a 429 page, a proxy's error)
-            raise TransientError(f"cannot refresh the OneDrive sign-in: {_one_line(exc)}") from None
+            raise TransientError(f"cannot refresh the OneDrive sign-in: {one_line(exc)}") from None
         if result is None:
             raise AuthorizationRequired(
                 f"the saved OneDrive sign-in of account {grant.account!r} holds no refresh "
@@ -491,10 +476,10 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
             result = _device_sign_in(app, ui)
     except requests.RequestException as exc:
         raise BackendUnavailable(
-            f"cannot reach the Microsoft sign-in service: {_one_line(exc)}"
+            f"cannot reach the Microsoft sign-in service: {one_line(exc)}"
         ) from None
     except (ValueError, msal.exceptions.MsalServiceError) as exc:
-        raise BackendError(f"the Microsoft sign-in failed: {_one_line(exc)}") from None
+        raise BackendError(f"the Microsoft sign-in failed: {one_line(exc)}") from None
     if "access_token" not in result:
         error = result.get("error") or "no token"
         description = (str(result.get("error_description") or "").strip().splitlines() or [""])[0]
@@ -586,15 +571,17 @@ class OneDriveBackend(ObjectStoreLogs):
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
         check_namespace(namespace)
-        self.account = check_account(options.get("account") or "default")
-        try:
-            self.transfers = int(options.get("transfers", DEFAULT_TRANSFERS))
-            self.timeout = float(options.get("timeout", DEFAULT_TIMEOUT))
-        except ValueError as exc:
-            raise UsageError(f"bad transfers= or timeout= in {uri!r}") from exc
-        if self.transfers < 1 or not self.timeout > 0:
-            raise UsageError(f"transfers= and timeout= must be positive in {uri!r}")
-        where = endpoint("onedrive", options)
+        settings = cloud_options(
+            "onedrive",
+            uri,
+            options,
+            default_transfers=DEFAULT_TRANSFERS,
+            default_timeout=DEFAULT_TIMEOUT,
+        )
+        self.account = settings.account
+        self.transfers = settings.transfers
+        self.timeout = settings.timeout
+        where = settings.endpoint
         self._base_url = where.base_url
         self._ca_file = where.ca_file
         #: ``.../v1.0/me/drive``: every request starts here.
@@ -669,29 +656,9 @@ class OneDriveBackend(ObjectStoreLogs):
         return BackendError(f"cannot {what}: HTTP {status} {summary}: {message}")
 
     def _transport_error(self, exc: BaseException, key: str | None, action: str) -> BaseException:
-        import requests.exceptions as rexc
 
         what = self._what(action, key)
-        if isinstance(exc, rexc.SSLError):
-            text = _one_line(exc)
-            if "certificate" in text.lower() or "hostname" in text.lower():
-                return BackendError(f"cannot {what}: TLS certificate check failed ({text})")
-            return TransientError(f"cannot {what}: TLS connection failed ({text})")
-        if isinstance(exc, rexc.ConnectTimeout):
-            return BackendUnavailable(f"cannot {what}: OneDrive cannot be reached (timed out)")
-        if isinstance(exc, rexc.ConnectionError):
-            from urllib3.exceptions import NameResolutionError, NewConnectionError
-
-            inner = getattr(exc.args[0] if exc.args else None, "reason", None)
-            if isinstance(inner, NameResolutionError | NewConnectionError):
-                target = self._base_url or GRAPH_API
-                return BackendUnavailable(
-                    f"cannot {what}: {target} cannot be reached ({_one_line(inner)}); is the "
-                    "network up?"
-                )
-        if isinstance(exc, rexc.RequestException | OSError):
-            return TransientError(f"cannot {what}: connection failed ({_one_line(exc)})")
-        return exc
+        return requests_failure(exc, what, "OneDrive", self._base_url or GRAPH_API) or exc
 
     def _http(
         self,
@@ -1239,15 +1206,8 @@ class OneDriveBackend(ObjectStoreLogs):
                     return b"", size
                 if response.status_code == 206:
                     return cast(bytes, response.content), size
-                data = b""  # the whole file: keep only the range
-                seen = 0
-                for chunk in response.iter_content(1 << 20):
-                    if seen + len(chunk) > offset:
-                        data += chunk[max(0, offset - seen) :]
-                    seen += len(chunk)
-                    if len(data) >= length:
-                        break
-                return data[:length], size
+                # The whole file: keep only the range.
+                return range_of_chunks(response.iter_content(1 << 20), offset, length), size
 
         data, size = self._call(key, "read", read)
         if offset + length > size:

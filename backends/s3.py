@@ -31,7 +31,14 @@ from typing import Any, BinaryIO, TypeVar, cast
 from urllib.parse import parse_qsl
 
 from metasync.backends import register
-from metasync.backends.base import Capabilities, check_key, check_namespace, check_prefix, read_full
+from metasync.backends.base import (
+    Capabilities,
+    check_key,
+    check_namespace,
+    check_prefix,
+    one_line,
+    read_full,
+)
 from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
@@ -258,7 +265,7 @@ class S3Backend(ObjectStoreLogs):
                     f"cannot {what}: the service answered {code or status}",
                     retry_after=_retry_after(headers),
                 )
-            return BackendError(f"cannot {what}: {code or status}: {_one_line(exc)}")
+            return BackendError(f"cannot {what}: {code or status}: {one_line(exc)}")
         if isinstance(exc, bexc.NoCredentialsError | bexc.PartialCredentialsError):
             return BackendError(
                 f"cannot {what}: no AWS credentials found; set AWS_ACCESS_KEY_ID and "
@@ -267,7 +274,7 @@ class S3Backend(ObjectStoreLogs):
         if isinstance(exc, bexc.EndpointConnectionError | bexc.ConnectTimeoutError):
             # Connection refused, unknown host, no route: the service is not there.
             return BackendUnavailable(
-                f"cannot {what}: {self.endpoint or 'S3'} cannot be reached ({_one_line(exc)}); "
+                f"cannot {what}: {self.endpoint or 'S3'} cannot be reached ({one_line(exc)}); "
                 "is the endpoint right and the service running?"
             )
         # Failures after the connection was made (reset, closed, timed out, a body
@@ -280,9 +287,9 @@ class S3Backend(ObjectStoreLogs):
             | bexc.ResponseStreamingError
             | OSError,
         ):
-            return TransientError(f"cannot {what}: connection failed ({_one_line(exc)})")
+            return TransientError(f"cannot {what}: connection failed ({one_line(exc)})")
         if isinstance(exc, bexc.BotoCoreError):
-            return BackendError(f"cannot {what}: {_one_line(exc)}")
+            return BackendError(f"cannot {what}: {one_line(exc)}")
         return exc
 
     def _request(self, key: str | None, action: str, fn: Callable[[], T]) -> T:
@@ -712,6 +719,3 @@ class _ObjectReader(io.RawIOBase):
         self._drop_body()
         super().close()
 
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
