@@ -201,6 +201,8 @@ def test_upload_race_reserved_name_then_conflict(
     outcome: list[object] = []
     worker = threading.Thread(target=lambda: outcome.append(box.put_if_absent("race/k", b"mine")))
     try:
+        # The event stays set from any earlier refusal (the emulator is shared).
+        emulator.reserved_event.clear()
         before = emulator.reserved_refusals
         worker.start()
         assert emulator.reserved_event.wait(60), "the second upload was not refused"
