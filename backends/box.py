@@ -73,13 +73,12 @@ from metasync.backends.base import (
 from metasync.backends.cloud import (
     AuthRequest,
     AuthUI,
+    CloudAccess,
     Grant,
     PendingUpload,
-    TokenSource,
     UploadJournal,
     app_credentials,
     auth_hint,
-    cloud_options,
     oauth2_refresh,
     parse_cloud_uri,
     parse_retry_after,
@@ -87,7 +86,7 @@ from metasync.backends.cloud import (
 )
 from metasync.backends.dropbox import pin_ca
 from metasync.backends.logs import ObjectStoreLogs
-from metasync.backends.retry import RetryPolicy, TransientError, retrying
+from metasync.backends.retry import TransientError, retrying
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
@@ -288,7 +287,7 @@ def refresher(base_url: str | None, ca_file: str | None) -> Callable[[Grant], Gr
 
 
 @register
-class BoxBackend(ObjectStoreLogs):
+class BoxBackend(CloudAccess, ObjectStoreLogs):
     """A folder in Box, URI ``box:PATH?account=NAME`` (see the module docstring).
 
     Thread-safe: one requests session (connection pool) shared by all threads, at most
@@ -320,22 +319,14 @@ class BoxBackend(ObjectStoreLogs):
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
         check_namespace(namespace)
-        settings = cloud_options(
+        self._bind_account(
             "box",
             uri,
             options,
+            refresher,
             default_transfers=DEFAULT_TRANSFERS,
             default_timeout=DEFAULT_TIMEOUT,
         )
-        self.account = settings.account
-        self.transfers = settings.transfers
-        self.timeout = settings.timeout
-        where = settings.endpoint
-        self._base_url = where.base_url
-        self._ca_file = where.ca_file
-        self.tokens = TokenSource("box", self.account, refresher(where.base_url, where.ca_file))
-        self.policy = RetryPolicy()
-        self._slots = threading.BoundedSemaphore(self.transfers)
         self._session: Any = None
         self._client: Any = None
         self._client_token: str | None = None

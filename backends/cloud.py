@@ -39,8 +39,8 @@ App keys
 
 URIs
     Every provider's URI is ``PROVIDER:PATH?account=NAME&transfers=N&timeout=S&api=URL&ca=FILE``:
-    :func:`parse_cloud_uri` splits it and :func:`cloud_options` checks the options all
-    providers read alike.
+    :func:`parse_cloud_uri` splits it and :meth:`CloudAccess._bind_account` reads the
+    options all providers read alike.
 
 Sign-in
     ``metasync auth PROVIDER`` calls :func:`authorize`, which imports the provider's
@@ -69,7 +69,7 @@ from urllib.parse import parse_qsl
 
 from metasync.backends import AUTH_PROVIDERS
 from metasync.backends.base import one_line
-from metasync.backends.retry import TransientError, parse_retry_after
+from metasync.backends.retry import RetryPolicy, TransientError, parse_retry_after
 from metasync.errors import AuthorizationRequired, BackendError, BackendUnavailable, UsageError
 
 #: Provider name (as in ``metasync auth NAME``) -> module of metasync.backends that
@@ -433,41 +433,57 @@ def parse_cloud_uri(
     return parts, options
 
 
-@dataclass(frozen=True)
-class CloudOptions:
-    """The URI options every cloud provider reads alike, checked."""
+class CloudAccess:
+    """What every cloud-provider backend keeps to reach its service: the account it
+    acts as, its limits, where the API is, its access tokens, its retry policy and
+    its transfer slots. A backend class lists it before its storage base class and
+    calls :meth:`_bind_account` from ``__init__`` (it sends no request)."""
 
-    #: The signed-in account whose grant the backend uses (:func:`check_account`).
+    #: The signed-in account whose grant is used (:func:`check_account`).
     account: str
-    #: Most requests one backend instance runs at once (at least 1).
+    #: Most requests of this backend instance at once (at least 1).
     transfers: int
     #: Seconds one request may take (positive).
     timeout: float
-    #: Where the provider's API is (``api=``/``ca=`` or the environment).
-    endpoint: Endpoint
+    #: Access tokens of ``account``, refreshed as needed.
+    tokens: TokenSource
+    policy: RetryPolicy
+    #: The API base URL (None: the real service) and the CA file to trust for it.
+    _base_url: str | None
+    _ca_file: str | None
+    #: Held for the duration of each request: at most ``transfers`` at once.
+    _slots: threading.BoundedSemaphore
 
-
-def cloud_options(
-    provider: str,
-    uri: str,
-    options: dict[str, str],
-    *,
-    default_transfers: int,
-    default_timeout: float,
-) -> CloudOptions:
-    """The ``account=``, ``transfers=``, ``timeout=``, ``api=`` and ``ca=`` options of
-    ``uri`` (already split into ``options`` by :func:`parse_cloud_uri`), with the
-    defaults for those not given. Raises :class:`UsageError` for an invalid account
-    name, a non-numeric or non-positive ``transfers=``/``timeout=``, or a bad API URL."""
-    account = check_account(options.get("account") or DEFAULT_ACCOUNT)
-    try:
-        transfers = int(options.get("transfers", default_transfers))
-        timeout = float(options.get("timeout", default_timeout))
-    except ValueError as exc:
-        raise UsageError(f"bad transfers= or timeout= in {uri!r}") from exc
-    if transfers < 1 or not timeout > 0:
-        raise UsageError(f"transfers= and timeout= must be positive in {uri!r}")
-    return CloudOptions(account, transfers, timeout, endpoint(provider, options))
+    def _bind_account(
+        self,
+        provider: str,
+        uri: str,
+        options: dict[str, str],
+        refresher: Callable[[str | None, str | None], Refresher],
+        *,
+        default_transfers: int,
+        default_timeout: float,
+    ) -> None:
+        """Set the attributes above from the ``account=``, ``transfers=``,
+        ``timeout=``, ``api=`` and ``ca=`` options of ``uri`` (split into ``options``
+        by :func:`parse_cloud_uri`), with the defaults for those not given;
+        ``refresher(base_url, ca_file)`` is the provider's grant refresh. Raises
+        :class:`UsageError` for an invalid account name, a non-numeric or
+        non-positive ``transfers=``/``timeout=``, or a bad API URL."""
+        self.account = check_account(options.get("account") or DEFAULT_ACCOUNT)
+        try:
+            self.transfers = int(options.get("transfers", default_transfers))
+            self.timeout = float(options.get("timeout", default_timeout))
+        except ValueError as exc:
+            raise UsageError(f"bad transfers= or timeout= in {uri!r}") from exc
+        if self.transfers < 1 or not self.timeout > 0:
+            raise UsageError(f"transfers= and timeout= must be positive in {uri!r}")
+        where = endpoint(provider, options)
+        self._base_url = where.base_url
+        self._ca_file = where.ca_file
+        self.tokens = TokenSource(provider, self.account, refresher(where.base_url, where.ca_file))
+        self.policy = RetryPolicy()
+        self._slots = threading.BoundedSemaphore(self.transfers)
 
 
 # --- sign-in ---------------------------------------------------------------------------

@@ -55,19 +55,18 @@ from metasync.backends.base import (
 from metasync.backends.cloud import (
     AuthRequest,
     AuthUI,
+    CloudAccess,
     Grant,
     PendingUpload,
-    TokenSource,
     UploadJournal,
     auth_hint,
-    cloud_options,
     oauth2_refresh,
     parse_cloud_uri,
     range_of_chunks,
     requests_failure,
 )
 from metasync.backends.logs import ObjectStoreLogs
-from metasync.backends.retry import RetryPolicy, TransientError, retrying
+from metasync.backends.retry import TransientError, retrying
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
@@ -241,7 +240,7 @@ def refresher(base_url: str | None, ca_file: str | None) -> Callable[[Grant], Gr
 
 
 @register
-class DropboxBackend(ObjectStoreLogs):
+class DropboxBackend(CloudAccess, ObjectStoreLogs):
     """A folder in Dropbox, URI ``dropbox:PATH?account=NAME`` (see the module docstring).
 
     Thread-safe: one requests session (connection pool) shared by all threads, at
@@ -267,25 +266,17 @@ class DropboxBackend(ObjectStoreLogs):
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
         check_namespace(namespace)
-        settings = cloud_options(
+        self._bind_account(
             "dropbox",
             uri,
             options,
+            refresher,
             default_transfers=DEFAULT_TRANSFERS,
             default_timeout=DEFAULT_TIMEOUT,
         )
-        self.account = settings.account
-        self.transfers = settings.transfers
-        self.timeout = settings.timeout
-        where = settings.endpoint
-        self._hosts = _sdk_hosts(where.base_url)
-        self._ca_file = where.ca_file
-        self._base_url = where.base_url
+        self._hosts = _sdk_hosts(self._base_url)
         #: The namespace folder; every key lives below it.
         self.root = f"{self.location}/{namespace}"
-        self.tokens = TokenSource("dropbox", self.account, refresher(where.base_url, where.ca_file))
-        self.policy = RetryPolicy()
-        self._slots = threading.BoundedSemaphore(self.transfers)
         self._session: Any = None
         self._client: Any = None
         self._client_token: str | None = None

@@ -77,16 +77,16 @@ from metasync.backends.base import (
 from metasync.backends.cloud import (
     AuthRequest,
     AuthUI,
+    CloudAccess,
     Grant,
     PendingUpload,
     TokenSource,
     UploadJournal,
-    cloud_options,
     oauth2_refresh,
     parse_cloud_uri,
     parse_retry_after,
 )
-from metasync.backends.retry import RetryPolicy, TransientError, retrying
+from metasync.backends.retry import TransientError, retrying
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
@@ -364,7 +364,7 @@ class _UploadSessionGone(Exception):
 
 
 @register
-class GDriveBackend(Backend):
+class GDriveBackend(CloudAccess, Backend):
     """A folder in Google Drive, URI ``gdrive:PATH?account=NAME`` (module docstring).
 
     Thread-safe: each thread has its own HTTP connection (httplib2 is not
@@ -393,22 +393,14 @@ class GDriveBackend(Backend):
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
         check_namespace(namespace)
-        settings = cloud_options(
+        self._bind_account(
             "gdrive",
             uri,
             options,
+            refresher,
             default_transfers=DEFAULT_TRANSFERS,
             default_timeout=DEFAULT_TIMEOUT,
         )
-        self.account = settings.account
-        self.transfers = settings.transfers
-        self.timeout = settings.timeout
-        where = settings.endpoint
-        self._base_url = where.base_url
-        self._ca_file = where.ca_file
-        self.tokens = TokenSource("gdrive", self.account, refresher(where.base_url, where.ca_file))
-        self.policy = RetryPolicy()
-        self._slots = threading.BoundedSemaphore(self.transfers)
         self._local = threading.local()
         self._https: builtins.list[_BearerHttp] = []
         self._lock = threading.RLock()

@@ -72,12 +72,11 @@ from metasync.backends.base import (
 from metasync.backends.cloud import (
     AuthRequest,
     AuthUI,
+    CloudAccess,
     Grant,
     PendingUpload,
-    TokenSource,
     UploadJournal,
     auth_hint,
-    cloud_options,
     parse_cloud_uri,
     parse_retry_after,
     range_of_chunks,
@@ -85,7 +84,7 @@ from metasync.backends.cloud import (
 )
 from metasync.backends.dropbox import pin_ca
 from metasync.backends.logs import ObjectStoreLogs
-from metasync.backends.retry import RetryPolicy, TransientError, retrying
+from metasync.backends.retry import TransientError, retrying
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
@@ -545,7 +544,7 @@ def _device_sign_in(app: Any, ui: AuthUI) -> dict[str, Any]:
 
 
 @register
-class OneDriveBackend(ObjectStoreLogs):
+class OneDriveBackend(CloudAccess, ObjectStoreLogs):
     """A folder in OneDrive, URI ``onedrive:PATH?account=NAME`` (see the module docstring).
 
     Thread-safe: one requests session (connection pool) shared by all threads, at most
@@ -571,26 +570,18 @@ class OneDriveBackend(ObjectStoreLogs):
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
         check_namespace(namespace)
-        settings = cloud_options(
+        self._bind_account(
             "onedrive",
             uri,
             options,
+            refresher,
             default_transfers=DEFAULT_TRANSFERS,
             default_timeout=DEFAULT_TIMEOUT,
         )
-        self.account = settings.account
-        self.transfers = settings.transfers
-        self.timeout = settings.timeout
-        where = settings.endpoint
-        self._base_url = where.base_url
-        self._ca_file = where.ca_file
         #: ``.../v1.0/me/drive``: every request starts here.
-        self.drive = f"{where.base_url or GRAPH_API}/v1.0/me/drive"
+        self.drive = f"{self._base_url or GRAPH_API}/v1.0/me/drive"
         #: The namespace folder (a drive path); every key lives below it.
         self.root = f"{self.location}/{encode_name(namespace)}"
-        self.tokens = TokenSource("onedrive", self.account, refresher(where.base_url, where.ca_file))
-        self.policy = RetryPolicy()
-        self._slots = threading.BoundedSemaphore(self.transfers)
         self._session: Any = None
         self._session_lock = threading.Lock()
 
