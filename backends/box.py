@@ -63,6 +63,7 @@ from urllib.parse import parse_qs, urlsplit
 from metasync.backends import register
 from metasync.backends.base import (
     Capabilities,
+    ObjectReader,
     check_key,
     check_namespace,
     check_prefix,
@@ -1273,33 +1274,21 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
         return f"invited {email} to edit the Box folder {where}"
 
 
-class _BoxReader(io.RawIOBase):
+class _BoxReader(ObjectReader):
     """The body of one download, resumed at the current position (same version) if
     the connection fails."""
 
+    _backend: BoxBackend
+
     def __init__(self, backend: BoxBackend, key: str, file_id: str, version: str | None,
                  size: int, stream: Any) -> None:
-        super().__init__()
-        self._backend = backend
-        self._key = key
+        super().__init__(backend, key, size)
         self._file_id = file_id
         self._version = version
-        self._size = size
         self._stream: Any = stream
-        self._pos = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        if self._pos >= self._size or not len(view):
-            return 0
-        piece = self._backend._call(self._key, "read", lambda c: self._next(c, len(view)))
-        n = len(piece)
-        view[:n] = piece
-        self._pos += n
-        return n
+    def _next_piece(self, wanted: int) -> bytes:
+        return self._backend._call(self._key, "read", lambda c: self._next(c, wanted))
 
     def _next(self, client: Any, wanted: int) -> bytes:
         if self._stream is None:
@@ -1312,9 +1301,7 @@ class _BoxReader(io.RawIOBase):
             raise
         if not piece:
             self._stream = None
-            raise TransientError(
-                f"reading {self._key!r} on {self._backend.name} ended at byte {self._pos} "
-                f"of {self._size}")
+            raise self._ended_early()
         return piece
 
     def close(self) -> None:

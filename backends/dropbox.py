@@ -45,6 +45,7 @@ from typing import Any, BinaryIO, TypeVar, cast
 from metasync.backends import register
 from metasync.backends.base import (
     Capabilities,
+    ObjectReader,
     check_key,
     check_namespace,
     check_prefix,
@@ -867,35 +868,20 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
         return f"invited {email} to edit the Dropbox folder {self.root}"
 
 
-class _DropboxReader(io.RawIOBase):
+class _DropboxReader(ObjectReader):
     """The body of one download, resumed at the current position (same ``rev``) if
     the connection fails."""
 
+    _backend: DropboxBackend
+
     def __init__(self, backend: DropboxBackend, key: str, meta: Any, response: Any) -> None:
-        super().__init__()
-        self._backend = backend
-        self._key = key
+        super().__init__(backend, key, int(meta.size))
         self._rev = str(meta.rev)
-        self._size = int(meta.size)
         self._response: Any = response
         self._chunks: Iterator[bytes] | None = response.iter_content(1 << 20)
-        self._buffer = b""
-        self._pos = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        if self._pos >= self._size or not len(view):
-            return 0
-        if not self._buffer:
-            self._buffer = self._backend._call(self._key, "read", lambda c: self._next(c))
-        n = min(len(view), len(self._buffer))
-        view[:n] = self._buffer[:n]
-        self._buffer = self._buffer[n:]
-        self._pos += n
-        return n
+    def _next_piece(self, wanted: int) -> bytes:
+        return self._backend._call(self._key, "read", lambda c: self._next(c))
 
     def _next(self, client: Any) -> bytes:
         if self._chunks is None:
@@ -910,10 +896,7 @@ class _DropboxReader(io.RawIOBase):
             raise
         if not piece:
             self._drop()
-            raise TransientError(
-                f"reading {self._key!r} on {self._backend.name} ended at byte {self._pos} "
-                f"of {self._size}"
-            )
+            raise self._ended_early()
         return cast(bytes, piece)
 
     def _drop(self) -> None:

@@ -67,6 +67,7 @@ from metasync.backends import register
 from metasync.backends.base import (
     Backend,
     Capabilities,
+    ObjectReader,
     check_key,
     check_namespace,
     check_prefix,
@@ -1155,36 +1156,22 @@ class GDriveBackend(CloudAccess, Backend):
         return (f"invited {email} to edit the Google Drive folder {location}/{self.namespace}")
 
 
-class _DriveReader(io.RawIOBase):
+class _DriveReader(ObjectReader):
     """A file read in ranges of one revision; each range retried on its own."""
+
+    _backend: GDriveBackend
 
     def __init__(self, backend: GDriveBackend, key: str, file_id: str,
                  revision: str | None, size: int) -> None:
-        super().__init__()
-        self._backend = backend
-        self._key = key
+        super().__init__(backend, key, size)
         self._file_id = file_id
         self._revision = revision
-        self._size = size
-        self._buffer = b""
-        self._pos = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        if self._pos >= self._size or not len(view):
-            return 0
-        if not self._buffer:
-            self._buffer = self._backend._call(self._key, "read", self._next)
-            if not self._buffer:
-                raise self._backend.truncated_error(self._key, self._size, self._pos)
-        n = min(len(view), len(self._buffer))
-        view[:n] = self._buffer[:n]
-        self._buffer = self._buffer[n:]
-        self._pos += n
-        return n
+    def _next_piece(self, wanted: int) -> bytes:
+        piece = self._backend._call(self._key, "read", self._next)
+        if not piece:
+            raise self._backend.truncated_error(self._key, self._size, self._pos)
+        return piece
 
     def _next(self, drive: Any) -> bytes:
         end = min(self._size, self._pos + CHUNK_SIZE) - 1

@@ -62,6 +62,7 @@ from urllib.parse import quote
 from metasync.backends import register
 from metasync.backends.base import (
     Capabilities,
+    ObjectReader,
     check_key,
     check_namespace,
     check_prefix,
@@ -1313,43 +1314,31 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
         return f"invited {email} to edit the OneDrive folder {self.root}"
 
 
-class _GraphReader(io.RawIOBase):
+class _GraphReader(ObjectReader):
     """The body of one download, resumed at the current position (a ``Range``
     request to the same download URL) if the connection fails, and checked against
     the file's quickXorHash at the end."""
 
+    _backend: OneDriveBackend
+
     def __init__(self, backend: OneDriveBackend, key: str, item: dict[str, Any],
                  response: Any) -> None:
-        super().__init__()
-        self._backend = backend
-        self._key = key
+        super().__init__(backend, key, int(item["size"]))
         self._url = str(item["@microsoft.graph.downloadUrl"])
-        self._size = int(item["size"])
         self._expected = _file_hash(item)
         self._hasher = QuickXorHash()
         self._response: Any = response
         self._chunks: Iterator[bytes] | None = response.iter_content(1 << 20)
-        self._buffer = b""
-        self._pos = 0
 
-    def readable(self) -> bool:
-        return True
+    def _next_piece(self, wanted: int) -> bytes:
+        # Bytes past the stated size are never handed out (nor hashed).
+        return self._backend._call(self._key, "read", self._next)[: self._size - self._pos]
 
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        if self._pos >= self._size or not len(view):
-            return 0
-        if not self._buffer:
-            self._buffer = self._backend._call(self._key, "read", self._next)
-        n = min(len(view), len(self._buffer), self._size - self._pos)
-        view[:n] = self._buffer[:n]
-        self._hasher.update(self._buffer[:n])
-        self._buffer = self._buffer[n:]
-        self._pos += n
+    def _handed_out(self, data: bytes) -> None:
+        self._hasher.update(data)
         if self._pos >= self._size and self._expected not in (None, self._hasher.b64digest()):
             raise BackendError(f"{self._key!r} on {self._backend.name} changed while it was "
                                "read (its quickXorHash does not match)")
-        return n
 
     def _next(self) -> bytes:
         if self._chunks is None:
@@ -1372,10 +1361,7 @@ class _GraphReader(io.RawIOBase):
             raise translated from exc
         if not piece:
             self._drop()
-            raise TransientError(
-                f"reading {self._key!r} on {self._backend.name} ended at byte {self._pos} "
-                f"of {self._size}"
-            )
+            raise self._ended_early()
         return cast(bytes, piece)
 
     def _drop(self) -> None:

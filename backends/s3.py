@@ -33,6 +33,7 @@ from urllib.parse import parse_qsl
 from metasync.backends import register
 from metasync.backends.base import (
     Capabilities,
+    ObjectReader,
     check_key,
     check_namespace,
     check_prefix,
@@ -648,35 +649,23 @@ class S3Backend(ObjectStoreLogs):
             return None
 
 
-class _ObjectReader(io.RawIOBase):
+class _ObjectReader(ObjectReader):
     """The body of one GET, resumed at the current position if the connection fails.
 
     A resumed GET asks for the same version (``If-Match`` on the first answer's
     ETag), so a stream never mixes two versions of an overwritten object.
     """
 
+    _backend: S3Backend
+
     def __init__(self, backend: S3Backend, key: str, full: str, answer: dict[str, Any]) -> None:
-        super().__init__()
-        self._backend = backend
-        self._key = key
+        super().__init__(backend, key, int(answer.get("ContentLength", 0)))
         self._full = full
         self._etag = str(answer.get("ETag", ""))
-        self._size = int(answer.get("ContentLength", 0))
         self._body: Any = answer["Body"]
-        self._pos = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        if self._pos >= self._size or not len(view):
-            return 0
-        want = min(len(view), self._size - self._pos)
-        data = self._backend._call(self._key, "read", lambda: self._read(want))
-        view[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
+    def _next_piece(self, wanted: int) -> bytes:
+        return self._backend._call(self._key, "read", lambda: self._read(wanted))
 
     def _read(self, want: int) -> bytes:
         if self._body is None:
@@ -703,10 +692,7 @@ class _ObjectReader(io.RawIOBase):
         if not data:
             # The connection ended early: resume from here on the next attempt.
             self._drop_body()
-            raise TransientError(
-                f"reading {self._key!r} on {self._backend.name} ended at byte {self._pos} "
-                f"of {self._size}"
-            )
+            raise self._ended_early()
         return data
 
     def _drop_body(self) -> None:
