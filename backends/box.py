@@ -65,13 +65,13 @@ from metasync.backends.base import (
     Capabilities,
     ObjectReader,
     check_key,
-    check_namespace,
     check_prefix,
     is_key_part,
     one_line,
     read_full,
 )
 from metasync.backends.cloud import (
+    DEFAULT_TIMEOUT,
     AuthRequest,
     AuthUI,
     CloudAccess,
@@ -109,8 +109,6 @@ CHUNK_SIZE = 8 << 20
 #: Largest object sent in one upload request; larger ones go through a chunked
 #: upload session (Box: direct uploads up to 50 MB, sessions from 20 MB).
 SINGLE_UPLOAD_LIMIT = 50_000_000
-DEFAULT_TRANSFERS = 4
-DEFAULT_TIMEOUT = 60.0
 #: Entries asked for per listing page (Box's maximum).
 LIST_LIMIT = 1000
 #: Read size on download streams (the SDK's stream concatenates 1 KiB pieces up to it).
@@ -319,15 +317,7 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
         Raises :class:`UsageError` for a malformed URI, option or namespace."""
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
-        check_namespace(namespace)
-        self._bind_account(
-            "box",
-            uri,
-            options,
-            refresher,
-            default_transfers=DEFAULT_TRANSFERS,
-            default_timeout=DEFAULT_TIMEOUT,
-        )
+        self._bind_account("box", uri, namespace, options, refresher)
         self._session: Any = None
         self._client: Any = None
         self._client_token: str | None = None

@@ -68,7 +68,7 @@ from typing import Any, Protocol
 from urllib.parse import parse_qsl
 
 from metasync.backends import AUTH_PROVIDERS
-from metasync.backends.base import one_line
+from metasync.backends.base import Backend, ObjectReader, check_namespace, one_line
 from metasync.backends.retry import RetryPolicy, TransientError, parse_retry_after
 from metasync.errors import AuthorizationRequired, BackendError, BackendUnavailable, UsageError
 
@@ -88,6 +88,10 @@ KEYRING_SERVICE = "metasync"
 _ACCOUNT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 #: The options every cloud-provider URI takes (and no others).
 CLOUD_URI_OPTIONS = ("account", "transfers", "timeout", "api", "ca")
+#: Requests of one backend instance at once, and seconds one request may take, where
+#: the URI does not say (``transfers=``, ``timeout=``).
+DEFAULT_TRANSFERS = 4
+DEFAULT_TIMEOUT = 60.0
 
 
 def config_dir() -> Path:
@@ -458,22 +462,21 @@ class CloudAccess:
         self,
         provider: str,
         uri: str,
+        namespace: str,
         options: dict[str, str],
         refresher: Callable[[str | None, str | None], Refresher],
-        *,
-        default_transfers: int,
-        default_timeout: float,
     ) -> None:
-        """Set the attributes above from the ``account=``, ``transfers=``,
-        ``timeout=``, ``api=`` and ``ca=`` options of ``uri`` (split into ``options``
-        by :func:`parse_cloud_uri`), with the defaults for those not given;
-        ``refresher(base_url, ca_file)`` is the provider's grant refresh. Raises
-        :class:`UsageError` for an invalid account name, a non-numeric or
-        non-positive ``transfers=``/``timeout=``, or a bad API URL."""
+        """Check ``namespace`` and set the attributes above from the ``account=``,
+        ``transfers=``, ``timeout=``, ``api=`` and ``ca=`` options of ``uri`` (split
+        into ``options`` by :func:`parse_cloud_uri`), with the defaults for those not
+        given; ``refresher(base_url, ca_file)`` is the provider's grant refresh.
+        Raises :class:`UsageError` for an invalid namespace or account name, a
+        non-numeric or non-positive ``transfers=``/``timeout=``, or a bad API URL."""
+        check_namespace(namespace)
         self.account = check_account(options.get("account") or DEFAULT_ACCOUNT)
         try:
-            self.transfers = int(options.get("transfers", default_transfers))
-            self.timeout = float(options.get("timeout", default_timeout))
+            self.transfers = int(options.get("transfers", DEFAULT_TRANSFERS))
+            self.timeout = float(options.get("timeout", DEFAULT_TIMEOUT))
         except ValueError as exc:
             raise UsageError(f"bad transfers= or timeout= in {uri!r}") from exc
         if self.transfers < 1 or not self.timeout > 0:
@@ -700,6 +703,49 @@ def requests_failure(
     if isinstance(exc, rexc.RequestException | OSError):
         return TransientError(f"cannot {what}: connection failed ({one_line(exc)})")
     return None
+
+
+class ResponseReader(ObjectReader):
+    """An :class:`ObjectReader` over a streamed ``requests`` response (what Dropbox's
+    SDK and Graph's download URLs give). A subclass's ``_next_piece`` reopens the
+    download at ``_pos`` (:meth:`_open`) when ``_chunks`` is None, then takes
+    :meth:`_next_chunk`. A response that fails or ends before the object is dropped
+    (its connection closed), so the retry reopens it."""
+
+    def __init__(self, backend: Backend, key: str, size: int, response: Any) -> None:
+        super().__init__(backend, key, size)
+        self._response: Any = None
+        self._chunks: Iterator[bytes] | None = None
+        self._open(response)
+
+    def _open(self, response: Any) -> None:
+        """Read on from ``response`` (a download from ``_pos`` on)."""
+        self._response = response
+        self._chunks = response.iter_content(1 << 20)
+
+    def _next_chunk(self) -> bytes:
+        """The next chunk of the open response; raises (dropping the response) if
+        reading it fails or it ends before the object does."""
+        assert self._chunks is not None
+        try:
+            piece = next(self._chunks, b"")
+        except BaseException:
+            self._drop()
+            raise
+        if not piece:
+            self._drop()
+            raise self._ended_early()
+        return piece
+
+    def _drop(self) -> None:
+        response, self._response, self._chunks = self._response, None, None
+        if response is not None:
+            with contextlib.suppress(Exception):
+                response.close()
+
+    def close(self) -> None:
+        self._drop()
+        super().close()
 
 
 def range_of_chunks(chunks: Iterable[bytes], offset: int, length: int) -> bytes:

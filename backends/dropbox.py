@@ -45,20 +45,20 @@ from typing import Any, BinaryIO, TypeVar, cast
 from metasync.backends import register
 from metasync.backends.base import (
     Capabilities,
-    ObjectReader,
     check_key,
-    check_namespace,
     check_prefix,
     is_key_part,
     one_line,
     read_full,
 )
 from metasync.backends.cloud import (
+    DEFAULT_TIMEOUT,
     AuthRequest,
     AuthUI,
     CloudAccess,
     Grant,
     PendingUpload,
+    ResponseReader,
     UploadJournal,
     auth_hint,
     oauth2_refresh,
@@ -87,8 +87,6 @@ CHUNK_SIZE = 8 << 20
 SINGLE_UPLOAD_LIMIT = 150 * 1024 * 1024
 #: Largest file an upload session can make (Dropbox's limit for API uploads).
 MAX_FILE_SIZE = 350 * (1 << 30)
-DEFAULT_TRANSFERS = 4
-DEFAULT_TIMEOUT = 60.0
 #: Entries asked for per listing page (Dropbox's maximum).
 LIST_LIMIT = 2000
 #: The real service's token endpoint and hosts.
@@ -266,15 +264,7 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
         Raises :class:`UsageError` for a malformed URI, option or namespace."""
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
-        check_namespace(namespace)
-        self._bind_account(
-            "dropbox",
-            uri,
-            options,
-            refresher,
-            default_transfers=DEFAULT_TRANSFERS,
-            default_timeout=DEFAULT_TIMEOUT,
-        )
+        self._bind_account("dropbox", uri, namespace, options, refresher)
         self._hosts = _sdk_hosts(self._base_url)
         #: The namespace folder; every key lives below it.
         self.root = f"{self.location}/{namespace}"
@@ -868,46 +858,26 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
         return f"invited {email} to edit the Dropbox folder {self.root}"
 
 
-class _DropboxReader(ObjectReader):
+class _DropboxReader(ResponseReader):
     """The body of one download, resumed at the current position (same ``rev``) if
     the connection fails."""
 
     _backend: DropboxBackend
 
     def __init__(self, backend: DropboxBackend, key: str, meta: Any, response: Any) -> None:
-        super().__init__(backend, key, int(meta.size))
+        super().__init__(backend, key, int(meta.size), response)
         self._rev = str(meta.rev)
-        self._response: Any = response
-        self._chunks: Iterator[bytes] | None = response.iter_content(1 << 20)
 
     def _next_piece(self, wanted: int) -> bytes:
         return self._backend._call(self._key, "read", lambda c: self._next(c))
 
     def _next(self, client: Any) -> bytes:
         if self._chunks is None:
-            _, self._response = client.files_download(
+            _, response = client.files_download(
                 f"rev:{self._rev}", extra_headers={"Range": f"bytes={self._pos}-"}
             )
-            self._chunks = self._response.iter_content(1 << 20)
-        try:
-            piece = next(self._chunks, b"")
-        except BaseException:
-            self._drop()
-            raise
-        if not piece:
-            self._drop()
-            raise self._ended_early()
-        return cast(bytes, piece)
-
-    def _drop(self) -> None:
-        response, self._response, self._chunks = self._response, None, None
-        if response is not None:
-            with contextlib.suppress(Exception):
-                response.close()
-
-    def close(self) -> None:
-        self._drop()
-        super().close()
+            self._open(response)
+        return self._next_chunk()
 
 
 # --- sign-in -----------------------------------------------------------------------------

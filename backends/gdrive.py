@@ -69,13 +69,13 @@ from metasync.backends.base import (
     Capabilities,
     ObjectReader,
     check_key,
-    check_namespace,
     check_prefix,
     is_key_part,
     one_line,
     read_full,
 )
 from metasync.backends.cloud import (
+    DEFAULT_TIMEOUT,
     AuthRequest,
     AuthUI,
     CloudAccess,
@@ -117,8 +117,6 @@ MULTIPART_LIMIT = 5 * 1024 * 1024
 CHUNK_SIZE = 8 << 20
 #: Largest file Drive stores (5 TiB, the discovery document's ``maxSize``).
 MAX_FILE_SIZE = 5 * (1 << 40)
-DEFAULT_TRANSFERS = 4
-DEFAULT_TIMEOUT = 60.0
 #: Items asked for per listing page (Drive's maximum).
 PAGE_SIZE = 1000
 #: Parent ids per listing query (the query stays well below URL length limits).
@@ -393,15 +391,7 @@ class GDriveBackend(CloudAccess, Backend):
         Raises :class:`UsageError` for a malformed URI, option or namespace."""
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
-        check_namespace(namespace)
-        self._bind_account(
-            "gdrive",
-            uri,
-            options,
-            refresher,
-            default_transfers=DEFAULT_TRANSFERS,
-            default_timeout=DEFAULT_TIMEOUT,
-        )
+        self._bind_account("gdrive", uri, namespace, options, refresher)
         self._local = threading.local()
         self._https: builtins.list[_BearerHttp] = []
         self._lock = threading.RLock()

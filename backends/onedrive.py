@@ -62,20 +62,20 @@ from urllib.parse import quote
 from metasync.backends import register
 from metasync.backends.base import (
     Capabilities,
-    ObjectReader,
     check_key,
-    check_namespace,
     check_prefix,
     is_key_part,
     one_line,
     read_full,
 )
 from metasync.backends.cloud import (
+    DEFAULT_TIMEOUT,
     AuthRequest,
     AuthUI,
     CloudAccess,
     Grant,
     PendingUpload,
+    ResponseReader,
     UploadJournal,
     auth_hint,
     parse_cloud_uri,
@@ -118,8 +118,6 @@ CHUNK_SIZE = 32 * FRAGMENT_UNIT
 SIMPLE_UPLOAD_LIMIT = 4 * 1024 * 1024
 #: Largest file OneDrive accepts.
 MAX_FILE_SIZE = 250 * (1 << 30)
-DEFAULT_TRANSFERS = 4
-DEFAULT_TIMEOUT = 60.0
 #: Children asked for per listing page.
 LIST_PAGE_SIZE = 1000
 #: How long the browser sign-in waits for the user (seconds).
@@ -570,15 +568,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
         Raises :class:`UsageError` for a malformed URI, option or namespace."""
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
-        check_namespace(namespace)
-        self._bind_account(
-            "onedrive",
-            uri,
-            options,
-            refresher,
-            default_transfers=DEFAULT_TRANSFERS,
-            default_timeout=DEFAULT_TIMEOUT,
-        )
+        self._bind_account("onedrive", uri, namespace, options, refresher)
         #: ``.../v1.0/me/drive``: every request starts here.
         self.drive = f"{self._base_url or GRAPH_API}/v1.0/me/drive"
         #: The namespace folder (a drive path); every key lives below it.
@@ -1314,7 +1304,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
         return f"invited {email} to edit the OneDrive folder {self.root}"
 
 
-class _GraphReader(ObjectReader):
+class _GraphReader(ResponseReader):
     """The body of one download, resumed at the current position (a ``Range``
     request to the same download URL) if the connection fails, and checked against
     the file's quickXorHash at the end."""
@@ -1323,12 +1313,10 @@ class _GraphReader(ObjectReader):
 
     def __init__(self, backend: OneDriveBackend, key: str, item: dict[str, Any],
                  response: Any) -> None:
-        super().__init__(backend, key, int(item["size"]))
+        super().__init__(backend, key, int(item["size"]), response)
         self._url = str(item["@microsoft.graph.downloadUrl"])
         self._expected = _file_hash(item)
         self._hasher = QuickXorHash()
-        self._response: Any = response
-        self._chunks: Iterator[bytes] | None = response.iter_content(1 << 20)
 
     def _next_piece(self, wanted: int) -> bytes:
         # Bytes past the stated size are never handed out (nor hashed).
@@ -1350,26 +1338,11 @@ class _GraphReader(ObjectReader):
                 self._drop()
                 raise BackendError(f"{self._key!r} on {self._backend.name}: the download could "
                                    "not be resumed (no partial content)")
-            self._chunks = self._response.iter_content(1 << 20)
+            self._open(self._response)
         try:
-            piece = next(self._chunks, b"")
+            return self._next_chunk()
         except Exception as exc:
-            self._drop()
             translated = self._backend._transport_error(exc, self._key, "read")
             if translated is exc:
                 raise
             raise translated from exc
-        if not piece:
-            self._drop()
-            raise self._ended_early()
-        return cast(bytes, piece)
-
-    def _drop(self) -> None:
-        response, self._response, self._chunks = self._response, None, None
-        if response is not None:
-            with contextlib.suppress(Exception):
-                response.close()
-
-    def close(self) -> None:
-        self._drop()
-        super().close()
