@@ -119,6 +119,16 @@ def start_auth(provider: str, args: list[str], env: dict[str, str] | None = None
     )
 
 
+def read_printed_url(proc: subprocess.Popen[str], prefix: str) -> str:
+    """The first line starting with ``prefix`` that `metasync auth` (``proc``) prints:
+    the address the user is asked to open."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.strip().startswith(prefix):
+            return line.strip()
+    raise AssertionError("no authorization address printed")
+
+
 def init_repository_to_share(tmp_path: Path, location: str, namespace: str) -> tuple[Path, Path]:
     """``(work tree, dir: store)`` of a new repository over ``location`` (a provider
     URI) and a ``dir:`` store, as `metasync share` is tried on."""

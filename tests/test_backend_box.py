@@ -54,6 +54,7 @@ from tests.providers_common import (
     init_repository_to_share,
     one_line,
     open_live_backend,
+    read_printed_url,
     specific_backend,
     start_auth,
 )
@@ -500,11 +501,7 @@ def test_auth_box_no_browser(box_service: BoxService) -> None:
     grant kept in a 0600 file, and a backend with ?account= then works."""
     proc = _auth(["--no-browser", "--account", "cli"], {**os.environ})
     assert proc.stdout is not None and proc.stdin is not None
-    url = ""
-    for line in proc.stdout:
-        if line.strip().startswith("https://"):
-            url = line.strip()
-            break
+    url = read_printed_url(proc, "https://")
     assert url.startswith(box_service.base_url + "/api/oauth2/authorize?"), url
     query = parse_qs(urlsplit(url).query)
     assert query["client_id"] == [TEST_CLIENT_ID] and query["response_type"] == ["code"]

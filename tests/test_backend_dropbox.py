@@ -45,6 +45,7 @@ from tests.providers_common import (
     init_repository_to_share,
     one_line,
     open_live_backend,
+    read_printed_url,
     specific_backend,
     start_auth,
 )
@@ -319,11 +320,7 @@ def test_auth_dropbox_no_browser(dropbox_service: DropboxService) -> None:
     env = {**os.environ}
     proc = _auth(["--no-browser", "--account", "cli"], env)
     assert proc.stdout is not None and proc.stdin is not None
-    url = ""
-    for line in proc.stdout:
-        if line.strip().startswith("https://"):
-            url = line.strip()
-            break
+    url = read_printed_url(proc, "https://")
     assert url.startswith(dropbox_service.base_url + "/oauth2/authorize?"), url
     assert "code_challenge_method=S256" in url and "token_access_type=offline" in url
     ca = ssl.create_default_context(cafile=dropbox_service.ca_file)

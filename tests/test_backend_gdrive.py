@@ -56,6 +56,7 @@ from tests.providers_common import (
     init_repository_to_share,
     one_line,
     open_live_backend,
+    read_printed_url,
     specific_backend,
     start_auth,
 )
@@ -463,14 +464,6 @@ def _auth(args: list[str]) -> subprocess.Popen[str]:
     return start_auth("gdrive", args)
 
 
-def _read_url(proc: subprocess.Popen[str], base: str) -> str:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.strip().startswith(base):
-            return line.strip()
-    raise AssertionError("no authorization address printed")
-
-
 def _approve(url: str, ca_file: str) -> str:
     """The user approves in the browser: the emulator redirects to the loopback."""
     answer = httpx.get(url, verify=ssl.create_default_context(cafile=ca_file))
@@ -501,7 +494,7 @@ def test_auth_gdrive_loopback(gdrive_service: GDriveService) -> None:
     the browser's redirect to the loopback address reaches metasync's one-shot local
     server, which finishes the sign-in by itself."""
     proc = _auth(["--account", "loopback"])
-    url = _read_url(proc, gdrive_service.base_url + "/o/oauth2/auth?")
+    url = read_printed_url(proc, gdrive_service.base_url + "/o/oauth2/auth?")
     for part in ("code_challenge_method=S256", "access_type=offline",
                  "redirect_uri=http%3A%2F%2Flocalhost%3A"):
         assert part in url
@@ -519,19 +512,19 @@ def test_auth_gdrive_no_browser(gdrive_service: GDriveService) -> None:
     the address the browser ended up at; a pasted address of another sign-in, an
     empty answer and a bad code each fail in one line with nothing saved."""
     proc = _auth(["--no-browser", "--account", "headless"])
-    url = _read_url(proc, gdrive_service.base_url + "/o/oauth2/auth?")
+    url = read_printed_url(proc, gdrive_service.base_url + "/o/oauth2/auth?")
     location = _approve(url, gdrive_service.ca_file)
     _out, err = proc.communicate(location + "\n", timeout=120)
     assert proc.returncode == 0, err
     _check_grant(gdrive_service, "headless")
     proc = _auth(["--no-browser", "--account", "bad"])
-    url = _read_url(proc, gdrive_service.base_url)
+    url = read_printed_url(proc, gdrive_service.base_url)
     location = _approve(url, gdrive_service.ca_file).replace("state=", "state=x")
     _, err = proc.communicate(location + "\n", timeout=120)
     assert proc.returncode != 0 and "state differs" in err and "Traceback" not in err
     # A code from an abandoned --no-browser run, passed later with --code.
     proc = _auth(["--no-browser", "--account", "later"])
-    location = _approve(_read_url(proc, gdrive_service.base_url), gdrive_service.ca_file)
+    location = _approve(read_printed_url(proc, gdrive_service.base_url), gdrive_service.ca_file)
     proc.communicate("", timeout=120)
     code = dict(parse_qsl(urlsplit(location).query))["code"]
     proc = _auth(["--account", "later", "--code", code])
