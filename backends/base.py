@@ -14,13 +14,15 @@ Error contract (every method):
 from __future__ import annotations
 
 import builtins
+import io
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
-from metasync.errors import BackendError, InvalidKey, ObjectNotFound
+from metasync.backends.retry import TransientError
+from metasync.errors import BackendError, InvalidKey, ObjectNotFound, UsageError
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9._-]+$")
 #: Prefix of names of in-progress writes: never a key part, never listed.
@@ -36,6 +38,39 @@ def check_key(key: str) -> str:
         if part in (".", "..") or part.startswith(TEMP_PREFIX) or not _KEY_PART.match(part):
             raise InvalidKey(f"invalid backend key {key!r}")
     return key
+
+
+def check_namespace(namespace: str) -> str:
+    """Return ``namespace`` if it is a valid repository namespace (one safe key, see
+    :func:`check_key`), else raise :class:`UsageError` saying which characters to use.
+    Backends call it when bound, before touching the service."""
+    try:
+        return check_key(namespace)
+    except InvalidKey as exc:
+        raise UsageError(
+            f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
+        ) from exc
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message with its white space folded to single spaces (messages are one
+    line), or the exception's class name if it has no message."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def read_full(stream: BinaryIO, size: int) -> bytes:
+    """Up to ``size`` bytes of ``stream``, fewer only at EOF: unlike one ``read``, which
+    may return less than asked (sockets, pipes, SDK streams), it reads until it has
+    ``size`` bytes or the stream ends."""
+    parts: builtins.list[bytes] = []
+    left = size
+    while left > 0:
+        piece = stream.read(left)
+        if not piece:
+            break
+        parts.append(piece)
+        left -= len(piece)
+    return b"".join(parts)
 
 
 def is_key_part(name: str) -> bool:
@@ -252,3 +287,58 @@ class Backend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections. The default does nothing."""
+
+
+class ObjectReader(io.RawIOBase):
+    """The stream :meth:`Backend.open` returns (inside an ``io.BufferedReader``): the
+    ``size`` bytes of the object ``key``, handed out from position ``_pos`` on.
+
+    A subclass fetches the bytes in :meth:`_next_piece`, resuming at ``_pos`` after a
+    failure as its service allows; this class hands them out through ``readinto``,
+    keeps what a caller did not take for the next call, and reads nothing more once
+    ``size`` bytes were handed out."""
+
+    def __init__(self, backend: Backend, key: str, size: int) -> None:
+        super().__init__()
+        self._backend = backend
+        self._key = key
+        self._size = size
+        #: Bytes handed out so far (the position in the object).
+        self._pos = 0
+        #: Bytes fetched but not yet handed out.
+        self._buffer = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        if self._pos >= self._size or not len(view):
+            return 0
+        if not self._buffer:
+            self._buffer = self._next_piece(min(len(view), self._size - self._pos))
+        n = min(len(view), len(self._buffer))
+        piece = self._buffer[:n]
+        view[:n] = piece
+        self._buffer = self._buffer[n:]
+        self._pos += n
+        self._handed_out(piece)
+        return n
+
+    def _next_piece(self, wanted: int) -> bytes:
+        """The object's next bytes from ``_pos`` (``wanted`` is what the caller asked
+        for, at most what is left; a piece may be shorter or longer). An empty piece
+        ends the stream early, so a subclass raises instead (:meth:`_ended_early`)."""
+        raise NotImplementedError
+
+    def _handed_out(self, data: bytes) -> None:
+        """Called with the bytes each ``readinto`` handed out, after ``_pos`` moved past
+        them (a subclass checks a hash here). The default does nothing."""
+
+    def _ended_early(self) -> TransientError:
+        """The error for a connection that ended before the object did: transient, so
+        the backend's retry resumes at ``_pos``."""
+        return TransientError(
+            f"reading {self._key!r} on {self._backend.name} ended at byte {self._pos} "
+            f"of {self._size}"
+        )

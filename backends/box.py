@@ -58,32 +58,40 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any, BinaryIO, TypeVar, cast
-from urllib.parse import parse_qs, parse_qsl, urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from metasync.backends import register
-from metasync.backends.base import Capabilities, check_key, check_prefix, is_key_part
+from metasync.backends.base import (
+    Capabilities,
+    ObjectReader,
+    check_key,
+    check_prefix,
+    is_key_part,
+    one_line,
+    read_full,
+)
 from metasync.backends.cloud import (
+    DEFAULT_TIMEOUT,
     AuthRequest,
     AuthUI,
+    CloudAccess,
     Grant,
     PendingUpload,
-    TokenSource,
     UploadJournal,
     app_credentials,
     auth_hint,
-    check_account,
-    endpoint,
     oauth2_refresh,
+    parse_cloud_uri,
     parse_retry_after,
+    requests_failure,
 )
-from metasync.backends.dropbox import _read_full, pin_ca
+from metasync.backends.dropbox import pin_ca
 from metasync.backends.logs import ObjectStoreLogs
-from metasync.backends.retry import RetryPolicy, TransientError, retrying
+from metasync.backends.retry import TransientError, retrying
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
     BackendUnavailable,
-    InvalidKey,
     ObjectNotFound,
     UsageError,
 )
@@ -101,8 +109,6 @@ CHUNK_SIZE = 8 << 20
 #: Largest object sent in one upload request; larger ones go through a chunked
 #: upload session (Box: direct uploads up to 50 MB, sessions from 20 MB).
 SINGLE_UPLOAD_LIMIT = 50_000_000
-DEFAULT_TRANSFERS = 4
-DEFAULT_TIMEOUT = 60.0
 #: Entries asked for per listing page (Box's maximum).
 LIST_LIMIT = 1000
 #: Read size on download streams (the SDK's stream concatenates 1 KiB pieces up to it).
@@ -112,31 +118,16 @@ READ_PIECE = 16 << 10
 DEFAULT_REDIRECT_URI = "http://127.0.0.1:53687/"
 #: How long `metasync auth box` waits for the browser to come back.
 AUTH_TIMEOUT = 300.0
-_OPTIONS = ("account", "transfers", "timeout", "api", "ca")
 
 
 def _parse_uri(uri: str) -> tuple[builtins.list[str], dict[str, str]]:
     """``(location folder names, options)``."""
-    if not uri.startswith("box:"):
-        raise UsageError(f"not a box URI: {uri!r}; use box:PATH")
-    rest, _, query = uri[len("box:") :].partition("?")
-    options: dict[str, str] = {}
-    for name, value in parse_qsl(query, keep_blank_values=True):
-        if name not in _OPTIONS:
-            raise UsageError(
-                f"unknown option {name!r} in {uri!r}; known options: {', '.join(_OPTIONS)}"
-            )
-        options[name] = value
-    parts = [p for p in rest.split("/") if p]
-    for part in parts:
-        if (part in (".", "..") or part.strip() != part or "\\" in part or len(part) > 255
-                or any(ord(c) < 32 for c in part)):
-            raise UsageError(f"invalid folder name {part!r} in {uri!r}")
-    return parts, options
+    return parse_cloud_uri("box", uri, bad_folder_name=_bad_folder_name)
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+def _bad_folder_name(name: str) -> bool:
+    """Box's own limits on folder names: at most 255 characters, no control characters."""
+    return len(name) > 255 or any(ord(c) < 32 for c in name)
 
 
 def _sha1_b64(hex_digest: str) -> str:
@@ -295,7 +286,7 @@ def refresher(base_url: str | None, ca_file: str | None) -> Callable[[Grant], Gr
 
 
 @register
-class BoxBackend(ObjectStoreLogs):
+class BoxBackend(CloudAccess, ObjectStoreLogs):
     """A folder in Box, URI ``box:PATH?account=NAME`` (see the module docstring).
 
     Thread-safe: one requests session (connection pool) shared by all threads, at most
@@ -326,26 +317,7 @@ class BoxBackend(ObjectStoreLogs):
         Raises :class:`UsageError` for a malformed URI, option or namespace."""
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
-        try:
-            check_key(namespace)
-        except InvalidKey as exc:
-            raise UsageError(
-                f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
-            ) from exc
-        self.account = check_account(options.get("account") or "default")
-        try:
-            self.transfers = int(options.get("transfers", DEFAULT_TRANSFERS))
-            self.timeout = float(options.get("timeout", DEFAULT_TIMEOUT))
-        except ValueError as exc:
-            raise UsageError(f"bad transfers= or timeout= in {uri!r}") from exc
-        if self.transfers < 1 or not self.timeout > 0:
-            raise UsageError(f"transfers= and timeout= must be positive in {uri!r}")
-        where = endpoint("box", options)
-        self._base_url = where.base_url
-        self._ca_file = where.ca_file
-        self.tokens = TokenSource("box", self.account, refresher(where.base_url, where.ca_file))
-        self.policy = RetryPolicy()
-        self._slots = threading.BoundedSemaphore(self.transfers)
+        self._bind_account("box", uri, namespace, options, refresher)
         self._session: Any = None
         self._client: Any = None
         self._client_token: str | None = None
@@ -383,7 +355,6 @@ class BoxBackend(ObjectStoreLogs):
     def _translate(self, exc: BaseException, key: str | None, action: str,
                    token: str) -> BaseException:
         """The backend-contract error for an SDK or transport exception."""
-        import requests.exceptions as rexc
         from box_sdk_gen.box.errors import BoxAPIError, BoxSDKError
 
         what = f"{action} {key!r} on {self.name}" if key is not None else f"{action} {self.name}"
@@ -422,30 +393,15 @@ class BoxBackend(ObjectStoreLogs):
         inner: BaseException = exc
         if isinstance(exc, BoxSDKError):
             if exc.error is None:
-                return BackendError(f"cannot {what}: {_one_line(Exception(exc.message))}")
+                return BackendError(f"cannot {what}: {one_line(Exception(exc.message))}")
             inner = exc.error
-        if isinstance(inner, rexc.SSLError):
-            text = _one_line(inner)
-            if "certificate" in text.lower() or "hostname" in text.lower():
-                return BackendError(f"cannot {what}: TLS certificate check failed ({text})")
-            return TransientError(f"cannot {what}: TLS connection failed ({text})")
-        if isinstance(inner, rexc.ConnectTimeout):
-            return BackendUnavailable(f"cannot {what}: Box cannot be reached (timed out)")
-        if isinstance(inner, rexc.ConnectionError):
-            from urllib3.exceptions import NameResolutionError, NewConnectionError
-
-            reason = getattr(inner.args[0] if inner.args else None, "reason", None)
-            if isinstance(reason, NameResolutionError | NewConnectionError):
-                return BackendUnavailable(
-                    f"cannot {what}: {self._base_url or BOX_API} cannot be reached "
-                    f"({_one_line(reason)}); is the network up?")
-            return TransientError(f"cannot {what}: connection failed ({_one_line(inner)})")
-        if isinstance(inner, rexc.RequestException | OSError):
-            return TransientError(f"cannot {what}: connection failed ({_one_line(inner)})")
+        failure = requests_failure(inner, what, "Box", self._base_url or BOX_API)
+        if failure is not None:
+            return failure
         from urllib3.exceptions import HTTPError as Urllib3Error
 
         if isinstance(inner, Urllib3Error):
-            return TransientError(f"cannot {what}: connection failed ({_one_line(inner)})")
+            return TransientError(f"cannot {what}: connection failed ({one_line(inner)})")
         return exc
 
     def _request(self, key: str | None, action: str, fn: Callable[[Any], T]) -> T:
@@ -757,7 +713,7 @@ class BoxBackend(ObjectStoreLogs):
             body = bytes(data)
             self._put_source(key, io.BytesIO(body), 0, len(body), seekable=True)
             return
-        first = _read_full(data, CHUNK_SIZE)
+        first = read_full(data, CHUNK_SIZE)
         if len(first) < CHUNK_SIZE:
             self._put_source(key, io.BytesIO(first), 0, len(first), seekable=True)
             return
@@ -775,7 +731,7 @@ class BoxBackend(ObjectStoreLogs):
         with tempfile.TemporaryFile(prefix="metasync-box-") as spool:
             spool.write(first)
             while True:
-                piece = _read_full(data, CHUNK_SIZE)
+                piece = read_full(data, CHUNK_SIZE)
                 if not piece:
                     break
                 spool.write(piece)
@@ -947,7 +903,7 @@ class BoxBackend(ObjectStoreLogs):
             have = {int(p.offset): p for p in parts}
             kept = []
             while offset < size:
-                piece = _read_full(source, min(part_size, size - offset))
+                piece = read_full(source, min(part_size, size - offset))
                 if len(piece) != min(part_size, size - offset):
                     raise BackendError(f"the data for {key!r} ended early")
                 sha1.update(piece)
@@ -1308,33 +1264,21 @@ class BoxBackend(ObjectStoreLogs):
         return f"invited {email} to edit the Box folder {where}"
 
 
-class _BoxReader(io.RawIOBase):
+class _BoxReader(ObjectReader):
     """The body of one download, resumed at the current position (same version) if
     the connection fails."""
 
+    _backend: BoxBackend
+
     def __init__(self, backend: BoxBackend, key: str, file_id: str, version: str | None,
                  size: int, stream: Any) -> None:
-        super().__init__()
-        self._backend = backend
-        self._key = key
+        super().__init__(backend, key, size)
         self._file_id = file_id
         self._version = version
-        self._size = size
         self._stream: Any = stream
-        self._pos = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        if self._pos >= self._size or not len(view):
-            return 0
-        piece = self._backend._call(self._key, "read", lambda c: self._next(c, len(view)))
-        n = len(piece)
-        view[:n] = piece
-        self._pos += n
-        return n
+    def _next_piece(self, wanted: int) -> bytes:
+        return self._backend._call(self._key, "read", lambda c: self._next(c, wanted))
 
     def _next(self, client: Any, wanted: int) -> bytes:
         if self._stream is None:
@@ -1347,9 +1291,7 @@ class _BoxReader(io.RawIOBase):
             raise
         if not piece:
             self._stream = None
-            raise TransientError(
-                f"reading {self._key!r} on {self._backend.name} ended at byte {self._pos} "
-                f"of {self._size}")
+            raise self._ended_early()
         return piece
 
     def close(self) -> None:
@@ -1466,7 +1408,7 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
                     f"Box did not accept the code ({detail}; codes are valid 30 seconds); run "
                     "`metasync auth box` again") from None
             raise BackendUnavailable(
-                f"cannot reach Box to finish the sign-in: {_one_line(exc)}") from None
+                f"cannot reach Box to finish the sign-in: {one_line(exc)}") from None
         if not token.refresh_token or not token.access_token:
             raise UsageError("Box returned no refresh token; sign-in cancelled")
         extra: dict[str, Any] = {}

@@ -37,6 +37,11 @@ App keys
     ``metasync auth PROVIDER --app-key K [--app-secret S]`` select the app a user signs
     in to (:func:`app_credentials`); the grant remembers it, so backends need no key.
 
+URIs
+    Every provider's URI is ``PROVIDER:PATH?account=NAME&transfers=N&timeout=S&api=URL&ca=FILE``:
+    :func:`parse_cloud_uri` splits it and :meth:`CloudAccess._bind_account` reads the
+    options all providers read alike.
+
 Sign-in
     ``metasync auth PROVIDER`` calls :func:`authorize`, which imports the provider's
     backend module (named in :data:`AUTH_PROVIDERS`) and runs its
@@ -56,14 +61,16 @@ import secrets
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import parse_qsl
 
 from metasync.backends import AUTH_PROVIDERS
-from metasync.backends.retry import TransientError
-from metasync.errors import AuthorizationRequired, BackendError, UsageError
+from metasync.backends.base import Backend, ObjectReader, check_namespace, one_line
+from metasync.backends.retry import RetryPolicy, TransientError, parse_retry_after
+from metasync.errors import AuthorizationRequired, BackendError, BackendUnavailable, UsageError
 
 #: Provider name (as in ``metasync auth NAME``) -> module of metasync.backends that
 #: defines its ``authorize``. Imported on use, like BUILTIN_SCHEMES.
@@ -79,6 +86,12 @@ DEFAULT_ACCOUNT = "default"
 KEYRING_SERVICE = "metasync"
 
 _ACCOUNT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+#: The options every cloud-provider URI takes (and no others).
+CLOUD_URI_OPTIONS = ("account", "transfers", "timeout", "api", "ca")
+#: Requests of one backend instance at once, and seconds one request may take, where
+#: the URI does not say (``transfers=``, ``timeout=``).
+DEFAULT_TRANSFERS = 4
+DEFAULT_TIMEOUT = 60.0
 
 
 def config_dir() -> Path:
@@ -388,6 +401,94 @@ class TokenSource:
             return fresh
 
 
+# --- URIs ------------------------------------------------------------------------------
+
+
+def parse_cloud_uri(
+    provider: str, uri: str, *, bad_folder_name: Callable[[str], bool] | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """Split ``PROVIDER:PATH?OPTIONS`` into ``(folder names of PATH, options)``; empty
+    parts of PATH are dropped, so ``[]`` is the root of the drive.
+
+    Raises :class:`UsageError` if ``uri`` is not a ``provider:`` URI, names an option
+    not in :data:`CLOUD_URI_OPTIONS`, or has a folder name that is ``.`` or ``..``,
+    starts or ends with white space, holds a backslash, or (the provider's own rules)
+    for which ``bad_folder_name`` is true."""
+    if not uri.startswith(f"{provider}:"):
+        raise UsageError(f"not a {provider} URI: {uri!r}; use {provider}:PATH")
+    rest, _, query = uri[len(provider) + 1 :].partition("?")
+    options: dict[str, str] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name not in CLOUD_URI_OPTIONS:
+            raise UsageError(
+                f"unknown option {name!r} in {uri!r}; known options: "
+                f"{', '.join(CLOUD_URI_OPTIONS)}"
+            )
+        options[name] = value
+    parts = [p for p in rest.split("/") if p]
+    for part in parts:
+        if (
+            part in (".", "..")
+            or part.strip() != part
+            or "\\" in part
+            or (bad_folder_name is not None and bad_folder_name(part))
+        ):
+            raise UsageError(f"invalid folder name {part!r} in {uri!r}")
+    return parts, options
+
+
+class CloudAccess:
+    """What every cloud-provider backend keeps to reach its service: the account it
+    acts as, its limits, where the API is, its access tokens, its retry policy and
+    its transfer slots. A backend class lists it before its storage base class and
+    calls :meth:`_bind_account` from ``__init__`` (it sends no request)."""
+
+    #: The signed-in account whose grant is used (:func:`check_account`).
+    account: str
+    #: Most requests of this backend instance at once (at least 1).
+    transfers: int
+    #: Seconds one request may take (positive).
+    timeout: float
+    #: Access tokens of ``account``, refreshed as needed.
+    tokens: TokenSource
+    policy: RetryPolicy
+    #: The API base URL (None: the real service) and the CA file to trust for it.
+    _base_url: str | None
+    _ca_file: str | None
+    #: Held for the duration of each request: at most ``transfers`` at once.
+    _slots: threading.BoundedSemaphore
+
+    def _bind_account(
+        self,
+        provider: str,
+        uri: str,
+        namespace: str,
+        options: dict[str, str],
+        refresher: Callable[[str | None, str | None], Refresher],
+    ) -> None:
+        """Check ``namespace`` and set the attributes above from the ``account=``,
+        ``transfers=``, ``timeout=``, ``api=`` and ``ca=`` options of ``uri`` (split
+        into ``options`` by :func:`parse_cloud_uri`), with the defaults for those not
+        given; ``refresher(base_url, ca_file)`` is the provider's grant refresh.
+        Raises :class:`UsageError` for an invalid namespace or account name, a
+        non-numeric or non-positive ``transfers=``/``timeout=``, or a bad API URL."""
+        check_namespace(namespace)
+        self.account = check_account(options.get("account") or DEFAULT_ACCOUNT)
+        try:
+            self.transfers = int(options.get("transfers", DEFAULT_TRANSFERS))
+            self.timeout = float(options.get("timeout", DEFAULT_TIMEOUT))
+        except ValueError as exc:
+            raise UsageError(f"bad transfers= or timeout= in {uri!r}") from exc
+        if self.transfers < 1 or not self.timeout > 0:
+            raise UsageError(f"transfers= and timeout= must be positive in {uri!r}")
+        where = endpoint(provider, options)
+        self._base_url = where.base_url
+        self._ca_file = where.ca_file
+        self.tokens = TokenSource(provider, self.account, refresher(where.base_url, where.ca_file))
+        self.policy = RetryPolicy()
+        self._slots = threading.BoundedSemaphore(self.transfers)
+
+
 # --- sign-in ---------------------------------------------------------------------------
 
 
@@ -564,24 +665,105 @@ class UploadJournal:
                 self.path.unlink()
 
 
-# --- throttling ------------------------------------------------------------------------
+# --- connection failures -----------------------------------------------------------------
 
 
-def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (a number or an HTTP date)."""
-    if value is None or not value.strip():
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    from email.utils import parsedate_to_datetime
+def requests_failure(
+    exc: BaseException, what: str, service: str, base_url: str
+) -> BackendError | None:
+    """The error to raise for ``exc`` if it is a failure of the ``requests`` library
+    (which the Dropbox, Box and OneDrive SDKs send through) or of the OS while doing
+    ``what`` (e.g. ``"read 'k' on dropbox:/a"``); None if it is neither.
 
-    try:
-        when = parsedate_to_datetime(value).timestamp()
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when - (time.time() if now is None else now))
+    - a failed TLS certificate or host name check: :class:`BackendError` (a retry
+      cannot help);
+    - a connect timeout: :class:`BackendUnavailable` saying ``service`` (the
+      provider's name) cannot be reached;
+    - a host name that does not resolve, a refused connection: :class:`BackendUnavailable`
+      naming ``base_url`` (where the API is);
+    - any other TLS, connection or OS failure: :class:`TransientError` (retried)."""
+    import requests.exceptions as rexc
+
+    if isinstance(exc, rexc.SSLError):
+        text = one_line(exc)
+        if "certificate" in text.lower() or "hostname" in text.lower():
+            return BackendError(f"cannot {what}: TLS certificate check failed ({text})")
+        return TransientError(f"cannot {what}: TLS connection failed ({text})")
+    if isinstance(exc, rexc.ConnectTimeout):
+        return BackendUnavailable(f"cannot {what}: {service} cannot be reached (timed out)")
+    if isinstance(exc, rexc.ConnectionError):
+        from urllib3.exceptions import NameResolutionError, NewConnectionError
+
+        reason = getattr(exc.args[0] if exc.args else None, "reason", None)
+        if isinstance(reason, NameResolutionError | NewConnectionError):
+            return BackendUnavailable(
+                f"cannot {what}: {base_url} cannot be reached ({one_line(reason)}); is the "
+                "network up?"
+            )
+    if isinstance(exc, rexc.RequestException | OSError):
+        return TransientError(f"cannot {what}: connection failed ({one_line(exc)})")
+    return None
+
+
+class ResponseReader(ObjectReader):
+    """An :class:`ObjectReader` over a streamed ``requests`` response (what Dropbox's
+    SDK and Graph's download URLs give). A subclass's ``_next_piece`` reopens the
+    download at ``_pos`` (:meth:`_open`) when ``_chunks`` is None, then takes
+    :meth:`_next_chunk`. A response that fails or ends before the object is dropped
+    (its connection closed), so the retry reopens it."""
+
+    def __init__(self, backend: Backend, key: str, size: int, response: Any) -> None:
+        super().__init__(backend, key, size)
+        self._response: Any = None
+        self._chunks: Iterator[bytes] | None = None
+        self._open(response)
+
+    def _open(self, response: Any) -> None:
+        """Read on from ``response`` (a download from ``_pos`` on)."""
+        self._response = response
+        self._chunks = response.iter_content(1 << 20)
+
+    def _next_chunk(self) -> bytes:
+        """The next chunk of the open response; raises (dropping the response) if
+        reading it fails or it ends before the object does."""
+        assert self._chunks is not None
+        try:
+            piece = next(self._chunks, b"")
+        except BaseException:
+            self._drop()
+            raise
+        if not piece:
+            self._drop()
+            raise self._ended_early()
+        return piece
+
+    def _drop(self) -> None:
+        response, self._response, self._chunks = self._response, None, None
+        if response is not None:
+            with contextlib.suppress(Exception):
+                response.close()
+
+    def close(self) -> None:
+        self._drop()
+        super().close()
+
+
+def range_of_chunks(chunks: Iterable[bytes], offset: int, length: int) -> bytes:
+    """The ``length`` bytes from ``offset`` of a whole object given as ``chunks`` (what
+    a service sends when it ignores a ``Range`` header), fewer if it ends first; stops
+    reading once it has them."""
+    data = b""
+    seen = 0
+    for chunk in chunks:
+        if seen + len(chunk) > offset:
+            data += chunk[max(0, offset - seen) :]
+        seen += len(chunk)
+        if len(data) >= length:
+            break
+    return data[:length]
+
+
+# --- refresh ---------------------------------------------------------------------------
 
 
 def oauth2_refresh(

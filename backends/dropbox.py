@@ -41,29 +41,37 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, TypeVar, cast
-from urllib.parse import parse_qsl
 
 from metasync.backends import register
-from metasync.backends.base import Capabilities, check_key, check_prefix, is_key_part
+from metasync.backends.base import (
+    Capabilities,
+    check_key,
+    check_prefix,
+    is_key_part,
+    one_line,
+    read_full,
+)
 from metasync.backends.cloud import (
+    DEFAULT_TIMEOUT,
     AuthRequest,
     AuthUI,
+    CloudAccess,
     Grant,
     PendingUpload,
-    TokenSource,
+    ResponseReader,
     UploadJournal,
     auth_hint,
-    check_account,
-    endpoint,
     oauth2_refresh,
+    parse_cloud_uri,
+    range_of_chunks,
+    requests_failure,
 )
 from metasync.backends.logs import ObjectStoreLogs
-from metasync.backends.retry import RetryPolicy, TransientError, retrying
+from metasync.backends.retry import TransientError, retrying
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
     BackendUnavailable,
-    InvalidKey,
     ObjectNotFound,
     UsageError,
 )
@@ -79,8 +87,6 @@ CHUNK_SIZE = 8 << 20
 SINGLE_UPLOAD_LIMIT = 150 * 1024 * 1024
 #: Largest file an upload session can make (Dropbox's limit for API uploads).
 MAX_FILE_SIZE = 350 * (1 << 30)
-DEFAULT_TRANSFERS = 4
-DEFAULT_TIMEOUT = 60.0
 #: Entries asked for per listing page (Dropbox's maximum).
 LIST_LIMIT = 2000
 #: The real service's token endpoint and hosts.
@@ -93,25 +99,11 @@ SCOPES = (
     "files.content.write",
     "sharing.write",
 )
-_OPTIONS = ("account", "transfers", "timeout", "api", "ca")
 
 
 def _parse_uri(uri: str) -> tuple[str, dict[str, str]]:
     """``(location path, options)``: the path is ``""`` (the root) or ``/a/b``."""
-    if not uri.startswith("dropbox:"):
-        raise UsageError(f"not a dropbox URI: {uri!r}; use dropbox:PATH")
-    rest, _, query = uri[len("dropbox:") :].partition("?")
-    options: dict[str, str] = {}
-    for name, value in parse_qsl(query, keep_blank_values=True):
-        if name not in _OPTIONS:
-            raise UsageError(
-                f"unknown option {name!r} in {uri!r}; known options: {', '.join(_OPTIONS)}"
-            )
-        options[name] = value
-    parts = [p for p in rest.split("/") if p]
-    for part in parts:
-        if part in (".", "..") or part.strip() != part or "\\" in part:
-            raise UsageError(f"invalid folder name {part!r} in {uri!r}")
+    parts, options = parse_cloud_uri("dropbox", uri)
     return ("/" + "/".join(parts)) if parts else "", options
 
 
@@ -162,29 +154,12 @@ def _find(value: Any, tag: str) -> Any:
     return None
 
 
-def _read_full(stream: BinaryIO, size: int) -> bytes:
-    """Up to ``size`` bytes of ``stream``, fewer only at EOF."""
-    parts: builtins.list[bytes] = []
-    left = size
-    while left > 0:
-        piece = stream.read(left)
-        if not piece:
-            break
-        parts.append(piece)
-        left -= len(piece)
-    return b"".join(parts)
-
-
 def _content_hash(data: bytes) -> str:
     from dropbox.content_hash import DropboxContentHasher
 
     hasher = DropboxContentHasher()
     hasher.update(data)
     return str(hasher.hexdigest())
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _sdk_hosts(base_url: str | None) -> dict[str, str] | None:
@@ -264,7 +239,7 @@ def refresher(base_url: str | None, ca_file: str | None) -> Callable[[Grant], Gr
 
 
 @register
-class DropboxBackend(ObjectStoreLogs):
+class DropboxBackend(CloudAccess, ObjectStoreLogs):
     """A folder in Dropbox, URI ``dropbox:PATH?account=NAME`` (see the module docstring).
 
     Thread-safe: one requests session (connection pool) shared by all threads, at
@@ -289,29 +264,10 @@ class DropboxBackend(ObjectStoreLogs):
         Raises :class:`UsageError` for a malformed URI, option or namespace."""
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
-        try:
-            check_key(namespace)
-        except InvalidKey as exc:
-            raise UsageError(
-                f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
-            ) from exc
-        self.account = check_account(options.get("account") or "default")
-        try:
-            self.transfers = int(options.get("transfers", DEFAULT_TRANSFERS))
-            self.timeout = float(options.get("timeout", DEFAULT_TIMEOUT))
-        except ValueError as exc:
-            raise UsageError(f"bad transfers= or timeout= in {uri!r}") from exc
-        if self.transfers < 1 or not self.timeout > 0:
-            raise UsageError(f"transfers= and timeout= must be positive in {uri!r}")
-        where = endpoint("dropbox", options)
-        self._hosts = _sdk_hosts(where.base_url)
-        self._ca_file = where.ca_file
-        self._base_url = where.base_url
+        self._bind_account("dropbox", uri, namespace, options, refresher)
+        self._hosts = _sdk_hosts(self._base_url)
         #: The namespace folder; every key lives below it.
         self.root = f"{self.location}/{namespace}"
-        self.tokens = TokenSource("dropbox", self.account, refresher(where.base_url, where.ca_file))
-        self.policy = RetryPolicy()
-        self._slots = threading.BoundedSemaphore(self.transfers)
         self._session: Any = None
         self._client: Any = None
         self._client_token: str | None = None
@@ -348,12 +304,11 @@ class DropboxBackend(ObjectStoreLogs):
     def _translate(self, exc: BaseException, key: str | None, action: str, token: str) -> BaseException:
         """The backend-contract error for an SDK or transport exception."""
         import dropbox.exceptions as dexc
-        import requests.exceptions as rexc
 
         what = f"{action} {key!r} on {self.name}" if key is not None else f"{action} {self.name}"
         if isinstance(exc, dexc.ApiError):
             tags = _tags(exc.error)
-            summary = "/".join(tags) or _one_line(exc)
+            summary = "/".join(tags) or one_line(exc)
             if {"not_found", "not_file", "not_folder"} & set(tags):
                 return ObjectNotFound(f"no object {key!r} on {self.name}")
             if "too_many_write_operations" in tags:
@@ -393,29 +348,8 @@ class DropboxBackend(ObjectStoreLogs):
         if isinstance(exc, dexc.HttpError):
             if exc.status_code in (408, 425, 429) or exc.status_code >= 500:
                 return TransientError(f"cannot {what}: HTTP {exc.status_code}")
-            return BackendError(f"cannot {what}: HTTP {exc.status_code}: {_one_line(exc)}")
-        if isinstance(exc, rexc.SSLError):
-            text = _one_line(exc)
-            if "certificate" in text.lower() or "hostname" in text.lower():
-                return BackendError(f"cannot {what}: TLS certificate check failed ({text})")
-            return TransientError(f"cannot {what}: TLS connection failed ({text})")
-        if isinstance(exc, rexc.ConnectTimeout):
-            return BackendUnavailable(f"cannot {what}: Dropbox cannot be reached (timed out)")
-        if isinstance(exc, rexc.ConnectionError):
-            from urllib3.exceptions import NameResolutionError, NewConnectionError
-
-            inner = getattr(exc.args[0] if exc.args else None, "reason", None)
-
-            if isinstance(inner, NameResolutionError | NewConnectionError):
-                target = self._base_url or DROPBOX_API
-                return BackendUnavailable(
-                    f"cannot {what}: {target} cannot be reached ({_one_line(inner)}); is the "
-                    "network up?"
-                )
-            return TransientError(f"cannot {what}: connection failed ({_one_line(exc)})")
-        if isinstance(exc, rexc.RequestException | OSError):
-            return TransientError(f"cannot {what}: connection failed ({_one_line(exc)})")
-        return exc
+            return BackendError(f"cannot {what}: HTTP {exc.status_code}: {one_line(exc)}")
+        return requests_failure(exc, what, "Dropbox", self._base_url or DROPBOX_API) or exc
 
     def _request(self, key: str | None, action: str, fn: Callable[[Any], T]) -> T:
         """One attempt of ``fn(client)`` in a transfer slot, errors translated."""
@@ -573,7 +507,7 @@ class DropboxBackend(ObjectStoreLogs):
             stream = io.BytesIO(body)
             self._upload_session(key, path, stream.read(CHUNK_SIZE), stream, mode)
             return
-        first = _read_full(data, CHUNK_SIZE)
+        first = read_full(data, CHUNK_SIZE)
         if len(first) < CHUNK_SIZE:
             self._upload(key, first, mode, _content_hash(first))
             return
@@ -611,7 +545,7 @@ class DropboxBackend(ObjectStoreLogs):
             if resumed is None:
                 if start is not None and rest.tell() != start + len(first):
                     rest.seek(start)
-                    first = _read_full(rest, CHUNK_SIZE)
+                    first = read_full(rest, CHUNK_SIZE)
                 hasher, sha = DropboxContentHasher(), hashlib.sha256()
                 hasher.update(first)
                 sha.update(first)
@@ -624,7 +558,7 @@ class DropboxBackend(ObjectStoreLogs):
             else:
                 session_id, offset, hasher, sha, started = resumed
             while True:
-                piece = _read_full(rest, CHUNK_SIZE)
+                piece = read_full(rest, CHUNK_SIZE)
                 if not piece:
                     break
                 if offset + len(piece) > MAX_FILE_SIZE:
@@ -669,7 +603,7 @@ class DropboxBackend(ObjectStoreLogs):
         sha.update(first)
         have = len(first)
         while have < pending.offset:
-            piece = _read_full(rest, min(CHUNK_SIZE, pending.offset - have))
+            piece = read_full(rest, min(CHUNK_SIZE, pending.offset - have))
             if not piece:
                 break
             hasher.update(piece)
@@ -808,15 +742,7 @@ class DropboxBackend(ObjectStoreLogs):
                 if response.status_code == 206:
                     data = cast(bytes, response.content)
                 else:  # the whole file: keep only the range
-                    data = b""
-                    seen = 0
-                    for chunk in response.iter_content(1 << 20):
-                        if seen + len(chunk) > offset:
-                            data += chunk[max(0, offset - seen) :]
-                        seen += len(chunk)
-                        if len(data) >= length:
-                            break
-                    data = data[:length]
+                    data = range_of_chunks(response.iter_content(1 << 20), offset, length)
             return data, int(meta.size)
 
         data, total = self._call(key, "read", read)
@@ -932,64 +858,26 @@ class DropboxBackend(ObjectStoreLogs):
         return f"invited {email} to edit the Dropbox folder {self.root}"
 
 
-class _DropboxReader(io.RawIOBase):
+class _DropboxReader(ResponseReader):
     """The body of one download, resumed at the current position (same ``rev``) if
     the connection fails."""
 
+    _backend: DropboxBackend
+
     def __init__(self, backend: DropboxBackend, key: str, meta: Any, response: Any) -> None:
-        super().__init__()
-        self._backend = backend
-        self._key = key
+        super().__init__(backend, key, int(meta.size), response)
         self._rev = str(meta.rev)
-        self._size = int(meta.size)
-        self._response: Any = response
-        self._chunks: Iterator[bytes] | None = response.iter_content(1 << 20)
-        self._buffer = b""
-        self._pos = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        if self._pos >= self._size or not len(view):
-            return 0
-        if not self._buffer:
-            self._buffer = self._backend._call(self._key, "read", lambda c: self._next(c))
-        n = min(len(view), len(self._buffer))
-        view[:n] = self._buffer[:n]
-        self._buffer = self._buffer[n:]
-        self._pos += n
-        return n
+    def _next_piece(self, wanted: int) -> bytes:
+        return self._backend._call(self._key, "read", lambda c: self._next(c))
 
     def _next(self, client: Any) -> bytes:
         if self._chunks is None:
-            _, self._response = client.files_download(
+            _, response = client.files_download(
                 f"rev:{self._rev}", extra_headers={"Range": f"bytes={self._pos}-"}
             )
-            self._chunks = self._response.iter_content(1 << 20)
-        try:
-            piece = next(self._chunks, b"")
-        except BaseException:
-            self._drop()
-            raise
-        if not piece:
-            self._drop()
-            raise TransientError(
-                f"reading {self._key!r} on {self._backend.name} ended at byte {self._pos} "
-                f"of {self._size}"
-            )
-        return cast(bytes, piece)
-
-    def _drop(self) -> None:
-        response, self._response, self._chunks = self._response, None, None
-        if response is not None:
-            with contextlib.suppress(Exception):
-                response.close()
-
-    def close(self) -> None:
-        self._drop()
-        super().close()
+            self._open(response)
+        return self._next_chunk()
 
 
 # --- sign-in -----------------------------------------------------------------------------
@@ -1045,7 +933,7 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
             "again and paste the new code"
         ) from None
     except requests.RequestException as exc:
-        raise BackendUnavailable(f"cannot reach Dropbox to finish the sign-in: {_one_line(exc)}") from None
+        raise BackendUnavailable(f"cannot reach Dropbox to finish the sign-in: {one_line(exc)}") from None
     if not result.refresh_token:
         raise UsageError("Dropbox returned no refresh token; the app must allow offline access")
     extra: dict[str, Any] = {"account_id": result.account_id}

@@ -64,25 +64,34 @@ from typing import Any, BinaryIO, TypeVar, cast
 from urllib.parse import parse_qsl, urlsplit
 
 from metasync.backends import register
-from metasync.backends.base import Backend, Capabilities, check_key, check_prefix, is_key_part
+from metasync.backends.base import (
+    Backend,
+    Capabilities,
+    ObjectReader,
+    check_key,
+    check_prefix,
+    is_key_part,
+    one_line,
+    read_full,
+)
 from metasync.backends.cloud import (
+    DEFAULT_TIMEOUT,
     AuthRequest,
     AuthUI,
+    CloudAccess,
     Grant,
     PendingUpload,
     TokenSource,
     UploadJournal,
-    check_account,
-    endpoint,
     oauth2_refresh,
+    parse_cloud_uri,
     parse_retry_after,
 )
-from metasync.backends.retry import RetryPolicy, TransientError, retrying
+from metasync.backends.retry import TransientError, retrying
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
     FormatError,
-    InvalidKey,
     ObjectNotFound,
     UsageError,
 )
@@ -108,8 +117,6 @@ MULTIPART_LIMIT = 5 * 1024 * 1024
 CHUNK_SIZE = 8 << 20
 #: Largest file Drive stores (5 TiB, the discovery document's ``maxSize``).
 MAX_FILE_SIZE = 5 * (1 << 40)
-DEFAULT_TRANSFERS = 4
-DEFAULT_TIMEOUT = 60.0
 #: Items asked for per listing page (Drive's maximum).
 PAGE_SIZE = 1000
 #: Parent ids per listing query (the query stays well below URL length limits).
@@ -123,7 +130,6 @@ FANOUT = 256
 #: Attempts to read an item whose create Drive answered 409 (it exists) but whose
 #: read says 404: a read racing the other creator's commit.
 READ_AFTER_CONFLICT_TRIES = 6
-_OPTIONS = ("account", "transfers", "timeout", "api", "ca")
 _FILE_FIELDS = "id,name,mimeType,size,md5Checksum,headRevisionId,modifiedTime,createdTime,trashed"
 _ID = re.compile(r"^[A-Za-z0-9_-]{8,128}$")
 #: Properties of the namespace folder naming the reserved ids of the log machinery.
@@ -134,21 +140,7 @@ LOG_FOLDER_NAME = "metasync logs"
 
 def _parse_uri(uri: str) -> tuple[list[str], dict[str, str]]:
     """``(location folder names, options)``; ``[]`` is My Drive itself."""
-    if not uri.startswith("gdrive:"):
-        raise UsageError(f"not a gdrive URI: {uri!r}; use gdrive:PATH")
-    rest, _, query = uri[len("gdrive:") :].partition("?")
-    options: dict[str, str] = {}
-    for name, value in parse_qsl(query, keep_blank_values=True):
-        if name not in _OPTIONS:
-            raise UsageError(
-                f"unknown option {name!r} in {uri!r}; known options: {', '.join(_OPTIONS)}"
-            )
-        options[name] = value
-    parts = [p for p in rest.split("/") if p]
-    for part in parts:
-        if part in (".", "..") or part.strip() != part or "\\" in part:
-            raise UsageError(f"invalid folder name {part!r} in {uri!r}")
-    return parts, options
+    return parse_cloud_uri("gdrive", uri)
 
 
 def _quote(value: str) -> str:
@@ -158,23 +150,6 @@ def _quote(value: str) -> str:
 
 def _parents_clause(parents: builtins.list[str]) -> str:
     return "(" + " or ".join(f"{_quote(p)} in parents" for p in parents) + ")"
-
-
-def _read_full(stream: BinaryIO, size: int) -> bytes:
-    """Up to ``size`` bytes of ``stream``, fewer only at EOF."""
-    parts: builtins.list[bytes] = []
-    left = size
-    while left > 0:
-        piece = stream.read(left)
-        if not piece:
-            break
-        parts.append(piece)
-        left -= len(piece)
-    return b"".join(parts)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _reasons(exc: Any) -> builtins.list[str]:
@@ -375,7 +350,7 @@ class _SourceFailed(Exception):
 
 def _read_source(source: BinaryIO, size: int) -> bytes:
     try:
-        return _read_full(source, size)
+        return read_full(source, size)
     except Exception as exc:
         raise _SourceFailed(exc) from exc
 
@@ -388,7 +363,7 @@ class _UploadSessionGone(Exception):
 
 
 @register
-class GDriveBackend(Backend):
+class GDriveBackend(CloudAccess, Backend):
     """A folder in Google Drive, URI ``gdrive:PATH?account=NAME`` (module docstring).
 
     Thread-safe: each thread has its own HTTP connection (httplib2 is not
@@ -419,26 +394,7 @@ class GDriveBackend(Backend):
         Raises :class:`UsageError` for a malformed URI, option or namespace."""
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
-        try:
-            check_key(namespace)
-        except InvalidKey as exc:
-            raise UsageError(
-                f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
-            ) from exc
-        self.account = check_account(options.get("account") or "default")
-        try:
-            self.transfers = int(options.get("transfers", DEFAULT_TRANSFERS))
-            self.timeout = float(options.get("timeout", DEFAULT_TIMEOUT))
-        except ValueError as exc:
-            raise UsageError(f"bad transfers= or timeout= in {uri!r}") from exc
-        if self.transfers < 1 or not self.timeout > 0:
-            raise UsageError(f"transfers= and timeout= must be positive in {uri!r}")
-        where = endpoint("gdrive", options)
-        self._base_url = where.base_url
-        self._ca_file = where.ca_file
-        self.tokens = TokenSource("gdrive", self.account, refresher(where.base_url, where.ca_file))
-        self.policy = RetryPolicy()
-        self._slots = threading.BoundedSemaphore(self.transfers)
+        self._bind_account("gdrive", uri, namespace, options, refresher)
         self._local = threading.local()
         self._https: builtins.list[_BearerHttp] = []
         self._lock = threading.RLock()
@@ -512,16 +468,16 @@ class GDriveBackend(Backend):
                                       retry_after=retry_after)
             return BackendError(f"cannot {what}: HTTP {status} ({summary}): {exc.reason}")
         if isinstance(exc, ssl.SSLCertVerificationError):
-            return BackendError(f"cannot {what}: TLS certificate check failed ({_one_line(exc)})")
+            return BackendError(f"cannot {what}: TLS certificate check failed ({one_line(exc)})")
         if isinstance(exc, httplib2.ServerNotFoundError | ConnectionRefusedError):
             target = self._base_url or DRIVE_API
             return BackendUnavailable(
-                f"cannot {what}: {target} cannot be reached ({_one_line(exc)}); is the network up?"
+                f"cannot {what}: {target} cannot be reached ({one_line(exc)}); is the network up?"
             )
         if isinstance(exc, socket.gaierror):
             return BackendUnavailable(f"cannot {what}: cannot resolve the Google Drive host")
         if isinstance(exc, OSError | http.client.HTTPException | httplib2.HttpLib2Error):
-            return TransientError(f"cannot {what}: connection failed ({_one_line(exc)})")
+            return TransientError(f"cannot {what}: connection failed ({one_line(exc)})")
         return exc
 
     def _request(self, key: str | None, action: str, fn: Callable[[Any], T]) -> T:
@@ -799,7 +755,7 @@ class GDriveBackend(Backend):
             start = data.tell() if data.seekable() else None
         except (AttributeError, OSError, ValueError):
             start = None
-        first = _read_full(data, MULTIPART_LIMIT + 1)
+        first = read_full(data, MULTIPART_LIMIT + 1)
         if len(first) <= MULTIPART_LIMIT:
             self._put_small(key, parts, first)
             return
@@ -895,7 +851,7 @@ class GDriveBackend(Backend):
                     return
                 if source.tell() != start + len(first):
                     source.seek(start)
-                    first = _read_full(source, MULTIPART_LIMIT + 1)
+                    first = read_full(source, MULTIPART_LIMIT + 1)
             upload = _media_upload_class()(source, first)
             file_id = self._existing_id(key)
             drive = self._drive()
@@ -993,7 +949,7 @@ class GDriveBackend(Backend):
         sha.update(first[:have])
         md5.update(first[:have])
         while have < pending.offset:
-            piece = _read_full(source, min(CHUNK_SIZE, pending.offset - have))
+            piece = read_full(source, min(CHUNK_SIZE, pending.offset - have))
             if not piece:
                 break
             sha.update(piece)
@@ -1193,36 +1149,22 @@ class GDriveBackend(Backend):
         return (f"invited {email} to edit the Google Drive folder {location}/{self.namespace}")
 
 
-class _DriveReader(io.RawIOBase):
+class _DriveReader(ObjectReader):
     """A file read in ranges of one revision; each range retried on its own."""
+
+    _backend: GDriveBackend
 
     def __init__(self, backend: GDriveBackend, key: str, file_id: str,
                  revision: str | None, size: int) -> None:
-        super().__init__()
-        self._backend = backend
-        self._key = key
+        super().__init__(backend, key, size)
         self._file_id = file_id
         self._revision = revision
-        self._size = size
-        self._buffer = b""
-        self._pos = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        if self._pos >= self._size or not len(view):
-            return 0
-        if not self._buffer:
-            self._buffer = self._backend._call(self._key, "read", self._next)
-            if not self._buffer:
-                raise self._backend.truncated_error(self._key, self._size, self._pos)
-        n = min(len(view), len(self._buffer))
-        view[:n] = self._buffer[:n]
-        self._buffer = self._buffer[n:]
-        self._pos += n
-        return n
+    def _next_piece(self, wanted: int) -> bytes:
+        piece = self._backend._call(self._key, "read", self._next)
+        if not piece:
+            raise self._backend.truncated_error(self._key, self._size, self._pos)
+        return piece
 
     def _next(self, drive: Any) -> bytes:
         end = min(self._size, self._pos + CHUNK_SIZE) - 1
@@ -1733,7 +1675,7 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
             "again"
         ) from None
     except requests.RequestException as exc:
-        raise BackendUnavailable(f"cannot reach Google to finish the sign-in: {_one_line(exc)}") from None
+        raise BackendUnavailable(f"cannot reach Google to finish the sign-in: {one_line(exc)}") from None
     except AttributeError as exc:  # WSGITimeoutError: no answer from the browser
         raise UsageError(f"no answer from the browser ({exc}); sign-in cancelled") from None
     token = flow.oauth2session.token

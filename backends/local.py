@@ -36,6 +36,7 @@ from metasync.backends.base import (
     Backend,
     Capabilities,
     check_key,
+    check_namespace,
     check_prefix,
     is_key_part,
 )
@@ -166,12 +167,7 @@ class LocalBackend(Backend):
         # runs, and the URI is stored in the shared configuration.
         if not path or not os.path.isabs(path):
             raise UsageError(f"backend path must be absolute: {path!r}; use dir:/absolute/path")
-        try:
-            check_key(namespace)
-        except InvalidKey as exc:
-            raise UsageError(
-                f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
-            ) from exc
+        check_namespace(namespace)
         #: The folder named in the URI; it must exist before :meth:`create`.
         self.location: str = os.path.normpath(path)
         #: The namespace folder holding every key.

@@ -57,30 +57,39 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, BinaryIO, TypeVar, cast
-from urllib.parse import parse_qsl, quote
+from urllib.parse import quote
 
 from metasync.backends import register
-from metasync.backends.base import Capabilities, check_key, check_prefix, is_key_part
+from metasync.backends.base import (
+    Capabilities,
+    check_key,
+    check_prefix,
+    is_key_part,
+    one_line,
+    read_full,
+)
 from metasync.backends.cloud import (
+    DEFAULT_TIMEOUT,
     AuthRequest,
     AuthUI,
+    CloudAccess,
     Grant,
     PendingUpload,
-    TokenSource,
+    ResponseReader,
     UploadJournal,
     auth_hint,
-    check_account,
-    endpoint,
+    parse_cloud_uri,
     parse_retry_after,
+    range_of_chunks,
+    requests_failure,
 )
 from metasync.backends.dropbox import pin_ca
 from metasync.backends.logs import ObjectStoreLogs
-from metasync.backends.retry import RetryPolicy, TransientError, retrying
+from metasync.backends.retry import TransientError, retrying
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
     BackendUnavailable,
-    InvalidKey,
     ObjectNotFound,
     UsageError,
 )
@@ -109,13 +118,10 @@ CHUNK_SIZE = 32 * FRAGMENT_UNIT
 SIMPLE_UPLOAD_LIMIT = 4 * 1024 * 1024
 #: Largest file OneDrive accepts.
 MAX_FILE_SIZE = 250 * (1 << 30)
-DEFAULT_TRANSFERS = 4
-DEFAULT_TIMEOUT = 60.0
 #: Children asked for per listing page.
 LIST_PAGE_SIZE = 1000
 #: How long the browser sign-in waits for the user (seconds).
 BROWSER_SIGN_IN_TIMEOUT = 600
-_OPTIONS = ("account", "transfers", "timeout", "api", "ca")
 _TENANT = re.compile(r"^[A-Za-z0-9.-]{1,128}$")
 
 
@@ -238,38 +244,8 @@ def quick_xor(data: bytes | bytearray | memoryview) -> str:
 
 def _parse_uri(uri: str) -> tuple[str, dict[str, str]]:
     """``(location path, options)``: the path is ``""`` (the root) or ``/a/b``."""
-    if not uri.startswith("onedrive:"):
-        raise UsageError(f"not a onedrive URI: {uri!r}; use onedrive:PATH")
-    rest, _, query = uri[len("onedrive:") :].partition("?")
-    options: dict[str, str] = {}
-    for name, value in parse_qsl(query, keep_blank_values=True):
-        if name not in _OPTIONS:
-            raise UsageError(
-                f"unknown option {name!r} in {uri!r}; known options: {', '.join(_OPTIONS)}"
-            )
-        options[name] = value
-    parts = [p for p in rest.split("/") if p]
-    for part in parts:
-        if part in (".", "..") or part.strip() != part or "\\" in part or ":" in part:
-            raise UsageError(f"invalid folder name {part!r} in {uri!r}")
+    parts, options = parse_cloud_uri("onedrive", uri, bad_folder_name=lambda part: ":" in part)
     return ("/" + "/".join(parts)) if parts else "", options
-
-
-def _read_full(stream: BinaryIO, size: int) -> bytes:
-    """Up to ``size`` bytes of ``stream``, fewer only at EOF."""
-    parts: builtins.list[bytes] = []
-    left = size
-    while left > 0:
-        piece = stream.read(left)
-        if not piece:
-            break
-        parts.append(piece)
-        left -= len(piece)
-    return b"".join(parts)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _graph_error(response: Any) -> tuple[builtins.list[str], str]:
@@ -371,17 +347,17 @@ def _msal_app(app_key: str, base_url: str | None, ca_file: str | None, tenant: s
         )
     except requests.RequestException as exc:
         raise BackendUnavailable(
-            f"cannot reach the Microsoft sign-in service: {_one_line(exc)}"
+            f"cannot reach the Microsoft sign-in service: {one_line(exc)}"
         ) from None
     except msal.exceptions.MsalServiceError as exc:  # a 5xx answer to the discovery
-        raise TransientError(f"the Microsoft sign-in service failed: {_one_line(exc)}") from None
+        raise TransientError(f"the Microsoft sign-in service failed: {one_line(exc)}") from None
     except ValueError as exc:
         # MSAL reports every 4xx answer to the OpenID discovery as a ValueError; only a
         # throttling one (or a malformed document) is worth another try.
         cause = f"{exc} {exc.__context__ or ''}"  # MSAL re-raises the discovery's error
         if isinstance(exc.__context__ or exc, json.JSONDecodeError) or "HTTP status: 429" in cause:
-            raise TransientError(f"the Microsoft sign-in service is busy: {_one_line(exc)}") from None
-        raise UsageError(f"the Microsoft sign-in service refused tenant {tenant!r}: {_one_line(exc)}") from None
+            raise TransientError(f"the Microsoft sign-in service is busy: {one_line(exc)}") from None
+        raise UsageError(f"the Microsoft sign-in service refused tenant {tenant!r}: {one_line(exc)}") from None
 
 
 def _tenant() -> str:
@@ -443,11 +419,11 @@ def refresher(base_url: str | None, ca_file: str | None) -> Callable[[Grant], Gr
                 else app.acquire_token_silent_with_error(list(SCOPES), account, force_refresh=True)
             )
         except requests.RequestException as exc:
-            raise TransientError(f"cannot refresh the OneDrive sign-in: {_one_line(exc)}") from None
+            raise TransientError(f"cannot refresh the OneDrive sign-in: {one_line(exc)}") from None
         except msal.exceptions.MsalServiceError as exc:  # a 5xx from the token endpoint
-            raise TransientError(f"cannot refresh the OneDrive sign-in: {_one_line(exc)}") from None
+            raise TransientError(f"cannot refresh the OneDrive sign-in: {one_line(exc)}") from None
         except ValueError as exc:  # a non-JSON answer (a 429 page, a proxy's error)
-            raise TransientError(f"cannot refresh the OneDrive sign-in: {_one_line(exc)}") from None
+            raise TransientError(f"cannot refresh the OneDrive sign-in: {one_line(exc)}") from None
         if result is None:
             raise AuthorizationRequired(
                 f"the saved OneDrive sign-in of account {grant.account!r} holds no refresh "
@@ -498,10 +474,10 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
             result = _device_sign_in(app, ui)
     except requests.RequestException as exc:
         raise BackendUnavailable(
-            f"cannot reach the Microsoft sign-in service: {_one_line(exc)}"
+            f"cannot reach the Microsoft sign-in service: {one_line(exc)}"
         ) from None
     except (ValueError, msal.exceptions.MsalServiceError) as exc:
-        raise BackendError(f"the Microsoft sign-in failed: {_one_line(exc)}") from None
+        raise BackendError(f"the Microsoft sign-in failed: {one_line(exc)}") from None
     if "access_token" not in result:
         error = result.get("error") or "no token"
         description = (str(result.get("error_description") or "").strip().splitlines() or [""])[0]
@@ -567,7 +543,7 @@ def _device_sign_in(app: Any, ui: AuthUI) -> dict[str, Any]:
 
 
 @register
-class OneDriveBackend(ObjectStoreLogs):
+class OneDriveBackend(CloudAccess, ObjectStoreLogs):
     """A folder in OneDrive, URI ``onedrive:PATH?account=NAME`` (see the module docstring).
 
     Thread-safe: one requests session (connection pool) shared by all threads, at most
@@ -592,30 +568,11 @@ class OneDriveBackend(ObjectStoreLogs):
         Raises :class:`UsageError` for a malformed URI, option or namespace."""
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
-        try:
-            check_key(namespace)
-        except InvalidKey as exc:
-            raise UsageError(
-                f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
-            ) from exc
-        self.account = check_account(options.get("account") or "default")
-        try:
-            self.transfers = int(options.get("transfers", DEFAULT_TRANSFERS))
-            self.timeout = float(options.get("timeout", DEFAULT_TIMEOUT))
-        except ValueError as exc:
-            raise UsageError(f"bad transfers= or timeout= in {uri!r}") from exc
-        if self.transfers < 1 or not self.timeout > 0:
-            raise UsageError(f"transfers= and timeout= must be positive in {uri!r}")
-        where = endpoint("onedrive", options)
-        self._base_url = where.base_url
-        self._ca_file = where.ca_file
+        self._bind_account("onedrive", uri, namespace, options, refresher)
         #: ``.../v1.0/me/drive``: every request starts here.
-        self.drive = f"{where.base_url or GRAPH_API}/v1.0/me/drive"
+        self.drive = f"{self._base_url or GRAPH_API}/v1.0/me/drive"
         #: The namespace folder (a drive path); every key lives below it.
         self.root = f"{self.location}/{encode_name(namespace)}"
-        self.tokens = TokenSource("onedrive", self.account, refresher(where.base_url, where.ca_file))
-        self.policy = RetryPolicy()
-        self._slots = threading.BoundedSemaphore(self.transfers)
         self._session: Any = None
         self._session_lock = threading.Lock()
 
@@ -681,29 +638,9 @@ class OneDriveBackend(ObjectStoreLogs):
         return BackendError(f"cannot {what}: HTTP {status} {summary}: {message}")
 
     def _transport_error(self, exc: BaseException, key: str | None, action: str) -> BaseException:
-        import requests.exceptions as rexc
 
         what = self._what(action, key)
-        if isinstance(exc, rexc.SSLError):
-            text = _one_line(exc)
-            if "certificate" in text.lower() or "hostname" in text.lower():
-                return BackendError(f"cannot {what}: TLS certificate check failed ({text})")
-            return TransientError(f"cannot {what}: TLS connection failed ({text})")
-        if isinstance(exc, rexc.ConnectTimeout):
-            return BackendUnavailable(f"cannot {what}: OneDrive cannot be reached (timed out)")
-        if isinstance(exc, rexc.ConnectionError):
-            from urllib3.exceptions import NameResolutionError, NewConnectionError
-
-            inner = getattr(exc.args[0] if exc.args else None, "reason", None)
-            if isinstance(inner, NameResolutionError | NewConnectionError):
-                target = self._base_url or GRAPH_API
-                return BackendUnavailable(
-                    f"cannot {what}: {target} cannot be reached ({_one_line(inner)}); is the "
-                    "network up?"
-                )
-        if isinstance(exc, rexc.RequestException | OSError):
-            return TransientError(f"cannot {what}: connection failed ({_one_line(exc)})")
-        return exc
+        return requests_failure(exc, what, "OneDrive", self._base_url or GRAPH_API) or exc
 
     def _http(
         self,
@@ -920,12 +857,12 @@ class OneDriveBackend(ObjectStoreLogs):
             total = data.seek(0, io.SEEK_END) - start
             data.seek(start)
             if total <= SIMPLE_UPLOAD_LIMIT:
-                body = _read_full(data, total)
+                body = read_full(data, total)
                 if len(body) != total:
                     raise BackendError(f"the source of {key!r} changed while it was read")
                 return self._simple_upload(key, body, mode)
             return self._upload_session(key, path, data, start, total, mode)
-        first = _read_full(data, SIMPLE_UPLOAD_LIMIT + 1)
+        first = read_full(data, SIMPLE_UPLOAD_LIMIT + 1)
         if len(first) <= SIMPLE_UPLOAD_LIMIT:
             return self._simple_upload(key, first, mode)
         with tempfile.TemporaryFile(prefix="metasync-onedrive-") as spool:
@@ -1062,7 +999,7 @@ class OneDriveBackend(ObjectStoreLogs):
             item: dict[str, Any] | None = None
             while offset < total:
                 want = min(CHUNK_SIZE, total - offset)
-                piece = _read_full(source, want)
+                piece = read_full(source, want)
                 if len(piece) != want:
                     raise BackendError(f"the source of {key!r} ended at byte {offset + len(piece)}"
                                        f" of {total}: it changed while it was uploaded")
@@ -1117,7 +1054,7 @@ class OneDriveBackend(ObjectStoreLogs):
         sha, qx = hashlib.sha256(), QuickXorHash()
         have = 0
         while have < pending.offset:
-            piece = _read_full(source, min(CHUNK_SIZE, pending.offset - have))
+            piece = read_full(source, min(CHUNK_SIZE, pending.offset - have))
             if not piece:
                 break
             sha.update(piece)
@@ -1251,15 +1188,8 @@ class OneDriveBackend(ObjectStoreLogs):
                     return b"", size
                 if response.status_code == 206:
                     return cast(bytes, response.content), size
-                data = b""  # the whole file: keep only the range
-                seen = 0
-                for chunk in response.iter_content(1 << 20):
-                    if seen + len(chunk) > offset:
-                        data += chunk[max(0, offset - seen) :]
-                    seen += len(chunk)
-                    if len(data) >= length:
-                        break
-                return data[:length], size
+                # The whole file: keep only the range.
+                return range_of_chunks(response.iter_content(1 << 20), offset, length), size
 
         data, size = self._call(key, "read", read)
         if offset + length > size:
@@ -1374,43 +1304,29 @@ class OneDriveBackend(ObjectStoreLogs):
         return f"invited {email} to edit the OneDrive folder {self.root}"
 
 
-class _GraphReader(io.RawIOBase):
+class _GraphReader(ResponseReader):
     """The body of one download, resumed at the current position (a ``Range``
     request to the same download URL) if the connection fails, and checked against
     the file's quickXorHash at the end."""
 
+    _backend: OneDriveBackend
+
     def __init__(self, backend: OneDriveBackend, key: str, item: dict[str, Any],
                  response: Any) -> None:
-        super().__init__()
-        self._backend = backend
-        self._key = key
+        super().__init__(backend, key, int(item["size"]), response)
         self._url = str(item["@microsoft.graph.downloadUrl"])
-        self._size = int(item["size"])
         self._expected = _file_hash(item)
         self._hasher = QuickXorHash()
-        self._response: Any = response
-        self._chunks: Iterator[bytes] | None = response.iter_content(1 << 20)
-        self._buffer = b""
-        self._pos = 0
 
-    def readable(self) -> bool:
-        return True
+    def _next_piece(self, wanted: int) -> bytes:
+        # Bytes past the stated size are never handed out (nor hashed).
+        return self._backend._call(self._key, "read", self._next)[: self._size - self._pos]
 
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        if self._pos >= self._size or not len(view):
-            return 0
-        if not self._buffer:
-            self._buffer = self._backend._call(self._key, "read", self._next)
-        n = min(len(view), len(self._buffer), self._size - self._pos)
-        view[:n] = self._buffer[:n]
-        self._hasher.update(self._buffer[:n])
-        self._buffer = self._buffer[n:]
-        self._pos += n
+    def _handed_out(self, data: bytes) -> None:
+        self._hasher.update(data)
         if self._pos >= self._size and self._expected not in (None, self._hasher.b64digest()):
             raise BackendError(f"{self._key!r} on {self._backend.name} changed while it was "
                                "read (its quickXorHash does not match)")
-        return n
 
     def _next(self) -> bytes:
         if self._chunks is None:
@@ -1422,29 +1338,11 @@ class _GraphReader(io.RawIOBase):
                 self._drop()
                 raise BackendError(f"{self._key!r} on {self._backend.name}: the download could "
                                    "not be resumed (no partial content)")
-            self._chunks = self._response.iter_content(1 << 20)
+            self._open(self._response)
         try:
-            piece = next(self._chunks, b"")
+            return self._next_chunk()
         except Exception as exc:
-            self._drop()
             translated = self._backend._transport_error(exc, self._key, "read")
             if translated is exc:
                 raise
             raise translated from exc
-        if not piece:
-            self._drop()
-            raise TransientError(
-                f"reading {self._key!r} on {self._backend.name} ended at byte {self._pos} "
-                f"of {self._size}"
-            )
-        return cast(bytes, piece)
-
-    def _drop(self) -> None:
-        response, self._response, self._chunks = self._response, None, None
-        if response is not None:
-            with contextlib.suppress(Exception):
-                response.close()
-
-    def close(self) -> None:
-        self._drop()
-        super().close()

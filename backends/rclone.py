@@ -58,7 +58,13 @@ from typing import Any, BinaryIO, cast
 import httpx
 
 from metasync.backends import register
-from metasync.backends.base import TEMP_PREFIX, Capabilities, check_key, check_prefix
+from metasync.backends.base import (
+    TEMP_PREFIX,
+    Capabilities,
+    check_key,
+    check_namespace,
+    check_prefix,
+)
 from metasync.backends.logs import RegisterLogs
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
@@ -560,12 +566,7 @@ class RcloneBackend(RegisterLogs):
         the rclone process starts with the first operation."""
         super().__init__(uri, namespace)
         self.options = parse_uri(uri)
-        try:
-            check_key(namespace)
-        except InvalidKey as exc:
-            raise UsageError(
-                f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
-            ) from exc
+        check_namespace(namespace)
         self.location = self.options.location
         self.policy = RetryPolicy()
         self._slots = threading.BoundedSemaphore(self.options.transfers)

@@ -43,6 +43,25 @@ class TransientError(BackendError):
         self.retry_after = retry_after
 
 
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header value (delay seconds or an HTTP
+    date, RFC 9110 §10.2.3), never negative; None if ``value`` is missing, blank or
+    neither. ``now`` (Unix time) is for tests."""
+    if value is None or not value.strip():
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    from email.utils import parsedate_to_datetime
+
+    try:
+        when = parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when - (time.time() if now is None else now))
+
+
 def _env_number(name: str, default: float) -> float:
     try:
         return float(os.environ.get(name, default))

@@ -31,7 +31,15 @@ from typing import Any, BinaryIO, TypeVar, cast
 from urllib.parse import parse_qsl
 
 from metasync.backends import register
-from metasync.backends.base import Capabilities, check_key, check_prefix
+from metasync.backends.base import (
+    Capabilities,
+    ObjectReader,
+    check_key,
+    check_namespace,
+    check_prefix,
+    one_line,
+    read_full,
+)
 from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
@@ -143,19 +151,6 @@ def _invalid_range(exc: BaseException) -> bool:
     return parts is not None and (parts[1] == 416 or parts[0] == "InvalidRange")
 
 
-def _read_full(stream: BinaryIO, size: int) -> bytes:
-    """Up to ``size`` bytes of ``stream``, fewer only at EOF (``read`` may return less)."""
-    parts: builtins.list[bytes] = []
-    left = size
-    while left > 0:
-        piece = stream.read(left)
-        if not piece:
-            break
-        parts.append(piece)
-        left -= len(piece)
-    return b"".join(parts)
-
-
 @register
 class S3Backend(ObjectStoreLogs):
     """An S3 bucket (optionally below a key prefix), URI ``s3://BUCKET/PREFIX?...``.
@@ -196,12 +191,7 @@ class S3Backend(ObjectStoreLogs):
 
         super().__init__(uri, namespace)
         self.bucket, self.prefix, options = _parse_uri(uri)
-        try:
-            check_key(namespace)
-        except InvalidKey as exc:
-            raise UsageError(
-                f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
-            ) from exc
+        check_namespace(namespace)
         try:
             self.transfers = int(options.get("transfers", DEFAULT_TRANSFERS))
         except ValueError:
@@ -276,7 +266,7 @@ class S3Backend(ObjectStoreLogs):
                     f"cannot {what}: the service answered {code or status}",
                     retry_after=_retry_after(headers),
                 )
-            return BackendError(f"cannot {what}: {code or status}: {_one_line(exc)}")
+            return BackendError(f"cannot {what}: {code or status}: {one_line(exc)}")
         if isinstance(exc, bexc.NoCredentialsError | bexc.PartialCredentialsError):
             return BackendError(
                 f"cannot {what}: no AWS credentials found; set AWS_ACCESS_KEY_ID and "
@@ -285,7 +275,7 @@ class S3Backend(ObjectStoreLogs):
         if isinstance(exc, bexc.EndpointConnectionError | bexc.ConnectTimeoutError):
             # Connection refused, unknown host, no route: the service is not there.
             return BackendUnavailable(
-                f"cannot {what}: {self.endpoint or 'S3'} cannot be reached ({_one_line(exc)}); "
+                f"cannot {what}: {self.endpoint or 'S3'} cannot be reached ({one_line(exc)}); "
                 "is the endpoint right and the service running?"
             )
         # Failures after the connection was made (reset, closed, timed out, a body
@@ -298,9 +288,9 @@ class S3Backend(ObjectStoreLogs):
             | bexc.ResponseStreamingError
             | OSError,
         ):
-            return TransientError(f"cannot {what}: connection failed ({_one_line(exc)})")
+            return TransientError(f"cannot {what}: connection failed ({one_line(exc)})")
         if isinstance(exc, bexc.BotoCoreError):
-            return BackendError(f"cannot {what}: {_one_line(exc)}")
+            return BackendError(f"cannot {what}: {one_line(exc)}")
         return exc
 
     def _request(self, key: str | None, action: str, fn: Callable[[], T]) -> T:
@@ -415,11 +405,11 @@ class S3Backend(ObjectStoreLogs):
             body = bytes(data)
             self._put_bytes(key, full, body)
             return
-        first = _read_full(data, CHUNK_SIZE)
+        first = read_full(data, CHUNK_SIZE)
         if len(first) < CHUNK_SIZE:
             self._put_bytes(key, full, first)
             return
-        second = _read_full(data, CHUNK_SIZE)
+        second = read_full(data, CHUNK_SIZE)
         if not second:
             self._put_bytes(key, full, first)
             return
@@ -465,7 +455,7 @@ class S3Backend(ObjectStoreLogs):
                 answer = self._call(key, "upload part of", upload)
                 parts.append({"PartNumber": number, "ETag": answer["ETag"]})
                 total += len(piece)
-                piece = following if following is not None else _read_full(rest, CHUNK_SIZE)
+                piece = following if following is not None else read_full(rest, CHUNK_SIZE)
                 following = None
             self._complete(key, full, upload_id, parts, total)
             completed = True
@@ -659,35 +649,23 @@ class S3Backend(ObjectStoreLogs):
             return None
 
 
-class _ObjectReader(io.RawIOBase):
+class _ObjectReader(ObjectReader):
     """The body of one GET, resumed at the current position if the connection fails.
 
     A resumed GET asks for the same version (``If-Match`` on the first answer's
     ETag), so a stream never mixes two versions of an overwritten object.
     """
 
+    _backend: S3Backend
+
     def __init__(self, backend: S3Backend, key: str, full: str, answer: dict[str, Any]) -> None:
-        super().__init__()
-        self._backend = backend
-        self._key = key
+        super().__init__(backend, key, int(answer.get("ContentLength", 0)))
         self._full = full
         self._etag = str(answer.get("ETag", ""))
-        self._size = int(answer.get("ContentLength", 0))
         self._body: Any = answer["Body"]
-        self._pos = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        if self._pos >= self._size or not len(view):
-            return 0
-        want = min(len(view), self._size - self._pos)
-        data = self._backend._call(self._key, "read", lambda: self._read(want))
-        view[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
+    def _next_piece(self, wanted: int) -> bytes:
+        return self._backend._call(self._key, "read", lambda: self._read(wanted))
 
     def _read(self, want: int) -> bytes:
         if self._body is None:
@@ -714,10 +692,7 @@ class _ObjectReader(io.RawIOBase):
         if not data:
             # The connection ended early: resume from here on the next attempt.
             self._drop_body()
-            raise TransientError(
-                f"reading {self._key!r} on {self._backend.name} ended at byte {self._pos} "
-                f"of {self._size}"
-            )
+            raise self._ended_early()
         return data
 
     def _drop_body(self) -> None:
@@ -730,6 +705,3 @@ class _ObjectReader(io.RawIOBase):
         self._drop_body()
         super().close()
 
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__

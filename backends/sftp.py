@@ -82,6 +82,7 @@ from metasync.backends.base import (
     TEMP_PREFIX,
     Capabilities,
     check_key,
+    check_namespace,
     check_prefix,
     is_key_part,
     public_uri,
@@ -91,7 +92,6 @@ from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
-    InvalidKey,
     ObjectNotFound,
     UsageError,
 )
@@ -424,12 +424,7 @@ class SftpBackend(ObjectStoreLogs):
                 f"unknown option {unknown[0]!r} in {shown!r}; known options: {', '.join(_OPTIONS)}"
             )
         single = {name: values[-1] for name, values in options.items()}
-        try:
-            check_key(namespace)
-        except InvalidKey as exc:
-            raise UsageError(
-                f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
-            ) from exc
+        check_namespace(namespace)
         self.host: str = parts.hostname
         self.port: int = port or 22
         self.user: str = urllib.parse.unquote(parts.username or "") or getpass.getuser()

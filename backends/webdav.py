@@ -48,7 +48,6 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable, Iterator
-from email.utils import parsedate_to_datetime
 from typing import BinaryIO, NoReturn, TypeVar
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
@@ -59,6 +58,7 @@ from metasync.backends.base import (
     TEMP_PREFIX,
     Capabilities,
     check_key,
+    check_namespace,
     check_prefix,
     is_key_part,
 )
@@ -69,11 +69,10 @@ from metasync.backends.logs import (
     entry_position,
     log_children,
 )
-from metasync.backends.retry import RetryPolicy, TransientError, retrying
+from metasync.backends.retry import RetryPolicy, TransientError, parse_retry_after, retrying
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
-    InvalidKey,
     ObjectNotFound,
     UsageError,
 )
@@ -119,23 +118,6 @@ class _Entry:
         self.etag = etag
         self.modified = modified
 
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    value = response.headers.get("Retry-After")
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        import datetime
-
-        when = parsedate_to_datetime(value)
-        return max(0.0, (when - datetime.datetime.now(when.tzinfo)).total_seconds())
-    except (TypeError, ValueError):
-        return None
 
 
 class _Rewind:
@@ -251,12 +233,7 @@ class WebdavBackend(RegisterLogs):
                 f"not a {self.scheme}: URI: {self._redact(uri)!r}; "
                 f"use {self.scheme}://[user[:password]@]host[:port]/path"
             )
-        try:
-            check_key(namespace)
-        except InvalidKey as exc:
-            raise UsageError(
-                f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
-            ) from exc
+        check_namespace(namespace)
         options = dict(parse_qsl(parts.query, keep_blank_values=True))
         unknown = set(options) - {"transfers", "timeout", "ca", "logs"}
         if unknown:
@@ -370,7 +347,7 @@ class WebdavBackend(RegisterLogs):
         if status in _RETRY_STATUSES or (status >= 500 and status != 507):
             return TransientError(
                 f"{what} on {self.name}: HTTP {status} {response.reason_phrase}",
-                retry_after=_retry_after(response),
+                retry_after=parse_retry_after(response.headers.get("Retry-After")),
             )
         if status == 507:
             return BackendError(f"{what} on {self.name}: the server is out of space (507)")

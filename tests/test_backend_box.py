@@ -9,7 +9,6 @@ emulator's OAuth endpoints, `metasync share`, an end-to-end run, and live tests
 from __future__ import annotations
 
 import io
-import itertools
 import os
 import ssl
 import subprocess
@@ -24,11 +23,11 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import pytest
 
-from conftest import METASYNC, run_cli
+from conftest import run_cli
 from metasync.backends import open_backend
 from metasync.backends.box import CHUNK_SIZE, SINGLE_UPLOAD_LIMIT, BoxBackend
 from metasync.backends.cloud import FileTokenStore, Grant, config_dir, token_store
-from metasync.backends.conformance import BackendConformance, Location, pattern_bytes
+from metasync.backends.conformance import pattern_bytes
 from metasync.backends.retry import TransientError
 from metasync.errors import AuthorizationRequired, ObjectNotFound, UsageError
 from tests.emulators.base import LOST_ANSWER, RESET, SERVER_ERROR, THROTTLE, UNAVAILABLE
@@ -41,41 +40,38 @@ from tests.emulators.box import (
     TEST_LOGIN,
     BoxService,
 )
-
-MiB = 1 << 20
-_counter = itertools.count()
-
-
-def fresh_namespace() -> str:
-    return f"ns-{next(_counter)}-{uuid.uuid4().hex[:6]}"
+from tests.providers_common import (
+    FailingSource,
+    MiB,
+    ProviderConformance,
+    call_delta,
+    check_faults_helper,
+    check_live_round_trip,
+    check_repository_over_throttling,
+    check_share,
+    emulator_location,
+    fresh_namespace,
+    init_repository_to_share,
+    one_line,
+    open_live_backend,
+    read_printed_url,
+    specific_backend,
+    start_auth,
+)
 
 
 def _location(service: BoxService, folder: str) -> str:
-    service.emulator.make_folder(folder)
-    return f"box:{folder}"
+    return emulator_location(service, "box", folder)
 
 
-class TestBoxBackend(BackendConformance):
+class TestBoxBackend(ProviderConformance):
     """The conformance suite through the Box SDK against the emulator."""
 
     backend_class = BoxBackend
 
     @pytest.fixture
-    def backend_location(self, box_service: BoxService) -> Location:
-        return (_location(box_service, "/conformance"), fresh_namespace())
-
-    @pytest.fixture
-    def unicode_location(self, box_service: BoxService) -> Location:
-        return (_location(box_service, "/ünï cødé ☃/with space"), fresh_namespace())
-
-    @pytest.fixture
-    def faulty_location(self, box_service: BoxService) -> Iterator[tuple[str, str, Any]]:
-        faults = box_service.faults_via_proxy()
-        try:
-            uri = _location(box_service, "/faulty") + f"?api={faults.base_url}"
-            yield (uri, fresh_namespace(), faults)
-        finally:
-            faults.close()
+    def service(self, box_service: BoxService) -> BoxService:
+        return box_service
 
 
 # --- Box-specific behaviour -------------------------------------------------------------------
@@ -83,23 +79,10 @@ class TestBoxBackend(BackendConformance):
 
 @pytest.fixture
 def box(box_service: BoxService) -> Iterator[BoxBackend]:
-    backend = open_backend(_location(box_service, "/specific"), fresh_namespace())
-    assert isinstance(backend, BoxBackend)
-    backend.create()
-    yield backend
-    box_service.emulator.faults.clear()
-    box_service.emulator.limit_rates(None, None)
-    backend.close()
-
-
-def _one_line(exc: BaseException) -> str:
-    message = str(exc)
-    assert "\n" not in message, message
-    return message
-
-
-def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
-    return {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+    with specific_backend(box_service, _location(box_service, "/specific")) as backend:
+        assert isinstance(backend, BoxBackend)
+        yield backend
+        box_service.emulator.limit_rates(None, None)
 
 
 @pytest.mark.parametrize(
@@ -132,7 +115,7 @@ def test_layout_and_names(box_service: BoxService) -> None:
     missing = open_backend("box:/no such folder", "ns")
     with pytest.raises(Exception) as info:
         missing.create()
-    assert "create it there first" in _one_line(info.value)
+    assert "create it there first" in one_line(info.value)
     assert box_service.emulator.lookup("/no such folder") is None
     assert open_backend("box:?account=work", "ns").name == "box:/?account=work"
 
@@ -201,6 +184,8 @@ def test_upload_race_reserved_name_then_conflict(
     outcome: list[object] = []
     worker = threading.Thread(target=lambda: outcome.append(box.put_if_absent("race/k", b"mine")))
     try:
+        # The event stays set from any earlier refusal (the emulator is shared).
+        emulator.reserved_event.clear()
         before = emulator.reserved_refusals
         worker.start()
         assert emulator.reserved_event.wait(60), "the second upload was not refused"
@@ -272,19 +257,6 @@ def test_conditional_writes_with_lost_answers_are_recognised(
     assert faults.pending() == 0
 
 
-class _FailingSource(io.BytesIO):
-    """A seekable source whose reads fail from ``fail_at`` on (a disk going away)."""
-
-    def __init__(self, data: bytes, fail_at: int) -> None:
-        super().__init__(data)
-        self.fail_at = fail_at
-
-    def read(self, size: int | None = -1) -> bytes:
-        if self.tell() >= self.fail_at:
-            raise OSError("the source went away")
-        return super().read(size)
-
-
 #: Box opens chunked sessions from 20 MB; the backend's switch point (50 MB) is lowered
 #: to that in these tests so they move less data (the 100 MB conformance object goes
 #: through a session at the real switch point).
@@ -312,7 +284,7 @@ def test_large_object_goes_through_a_chunked_session(
     before = dict(emulator.calls)
     emulator.faults.inject(RESET, LOST_ANSWER, only=r"/upload_sessions/[0-9A-F]+$")
     chunked.put("big", io.BytesIO(data))
-    delta = _delta(emulator.calls, before)
+    delta = call_delta(before, emulator.calls)
     assert delta.get("upload_sessions/create") == 1
     assert delta.get("upload_sessions/part") == PARTS + 1  # one part arrived twice
     assert delta.get("upload_sessions/parts", 0) >= 1  # ...and found in the part list
@@ -321,14 +293,14 @@ def test_large_object_goes_through_a_chunked_session(
     emulator.faults.inject(LOST_ANSWER, only=r"/commit$")
     before = dict(emulator.calls)
     chunked.put("big", io.BytesIO(data[::-1]))  # a new version, through a session too
-    delta = _delta(emulator.calls, before)
+    delta = call_delta(before, emulator.calls)
     assert delta.get("upload_sessions/create_version") == 1
     assert delta.get("upload_sessions/commit") == 2  # committed but lost; then 404
     assert chunked.get_range("big", 0, 100) == data[::-1][:100]
     assert emulator.faults.pending() == 0
     before = dict(emulator.calls)
     chunked.put("small", io.BytesIO(data[: 2 * CHUNK_SIZE]))
-    assert _delta(emulator.calls, before).get("files/upload") == 1
+    assert call_delta(before, emulator.calls).get("files/upload") == 1
 
 
 def test_chunked_upload_resumes_after_an_interrupted_put(
@@ -344,12 +316,12 @@ def test_chunked_upload_resumes_after_an_interrupted_put(
     data = pattern_bytes(42, 0, BIG)
     journal = config_dir() / "uploads"
     with pytest.raises(OSError, match="went away"):
-        chunked.put("big", _FailingSource(data, 2 * 8 * MiB))
+        chunked.put("big", FailingSource(data, 2 * 8 * MiB))
     assert len(list(journal.glob("box-*.json"))) == 1
     sessions = set(emulator.sessions)
     before = dict(emulator.calls)
     chunked.put("big", io.BytesIO(data))
-    delta = _delta(emulator.calls, before)
+    delta = call_delta(before, emulator.calls)
     assert "upload_sessions/create" not in delta
     assert delta["upload_sessions/part"] == PARTS - 2
     assert chunked.get_range("big", 0, 1000) == data[:1000] and chunked.size("big") == BIG
@@ -357,20 +329,20 @@ def test_chunked_upload_resumes_after_an_interrupted_put(
     assert not set(emulator.sessions) & sessions  # committed, gone
     # A different source for the key: the old session is aborted, a new one made.
     with pytest.raises(OSError):
-        chunked.put("big2", _FailingSource(data, 8 * MiB))
+        chunked.put("big2", FailingSource(data, 8 * MiB))
     before = dict(emulator.calls)
     chunked.put("big2", io.BytesIO(data[::-1]))
-    delta = _delta(emulator.calls, before)
+    delta = call_delta(before, emulator.calls)
     assert delta["upload_sessions/abort"] == 1 and delta["upload_sessions/create"] == 1
     assert chunked.get_range("big2", 0, 100) == data[::-1][:100]
     # An expired session: start over.
     with pytest.raises(OSError):
-        chunked.put("big3", _FailingSource(data, 8 * MiB))
+        chunked.put("big3", FailingSource(data, 8 * MiB))
     emulator.expire_upload_sessions()
     emulator.commit_processing = 2  # and Box answers 202 (processing) twice
     before = dict(emulator.calls)
     chunked.put("big3", io.BytesIO(data))
-    delta = _delta(emulator.calls, before)
+    delta = call_delta(before, emulator.calls)
     assert delta["upload_sessions/create"] == 1 and delta["upload_sessions/commit"] == 3
     assert emulator.commit_processing == 0
     assert chunked.get_range("big3", BIG - 10, 10) == data[-10:]
@@ -391,7 +363,7 @@ def test_throttling_answers_become_retry_after(box: BoxBackend, box_service: Box
             with pytest.raises(TransientError) as info:
                 box.get("k")
             assert info.value.retry_after == 7.0, kind
-        assert "throttling" in _one_line(info.value) or "503" in _one_line(info.value)
+        assert "throttling" in one_line(info.value) or "503" in one_line(info.value)
     finally:
         faults.retry_after = 0
     box.policy.attempts = 5
@@ -447,7 +419,7 @@ def test_revoked_grant_says_run_metasync_auth(box_service: BoxService) -> None:
     backend = open_backend(uri, "ns")
     with pytest.raises(AuthorizationRequired) as info:
         backend.get("x")
-    assert "run `metasync auth box --account revoked`" in _one_line(info.value)
+    assert "run `metasync auth box --account revoked`" in one_line(info.value)
     proc = run_cli("clone", uri, "/tmp/never-" + uuid.uuid4().hex, check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "metasync auth box --account revoked" in proc.stderr
@@ -500,10 +472,7 @@ def test_listing_pages_and_skips_foreign_names(box: BoxBackend, box_service: Box
 
 
 def _auth(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [METASYNC, "auth", "box", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env=env,
-    )
+    return start_auth("box", args, env)
 
 
 def _check_saved_grant(service: BoxService, account: str) -> None:
@@ -532,11 +501,7 @@ def test_auth_box_no_browser(box_service: BoxService) -> None:
     grant kept in a 0600 file, and a backend with ?account= then works."""
     proc = _auth(["--no-browser", "--account", "cli"], {**os.environ})
     assert proc.stdout is not None and proc.stdin is not None
-    url = ""
-    for line in proc.stdout:
-        if line.strip().startswith("https://"):
-            url = line.strip()
-            break
+    url = read_printed_url(proc, "https://")
     assert url.startswith(box_service.base_url + "/api/oauth2/authorize?"), url
     query = parse_qs(urlsplit(url).query)
     assert query["client_id"] == [TEST_CLIENT_ID] and query["response_type"] == ["code"]
@@ -654,17 +619,8 @@ def test_share_invites_on_box_and_lists_the_rest(box_service: BoxService, tmp_pa
     and names dir: as one to share by hand."""
     folder = _location(box_service, "/shared")
     namespace = fresh_namespace()
-    store = tmp_path / "dir"
-    store.mkdir()
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "f.txt").write_text("x")
-    run_cli("init", str(work), "--namespace", namespace, "--backend", folder,
-            "--backend", f"dir:{store}")
-    proc = run_cli("share", "friend@example.com", cwd=work, check=False)
-    assert proc.returncode == 0, proc.stderr
-    assert "shared:  box:/shared" in proc.stdout
-    assert f"by hand: dir:{store}" in proc.stdout
+    work, store = init_repository_to_share(tmp_path, folder, namespace)
+    check_share(work, store, "box:/shared")
     node = box_service.emulator.lookup(f"/shared/{namespace}")
     assert node is not None
     again = open_backend(folder, namespace)  # a second time: harmless
@@ -683,32 +639,10 @@ def test_repository_over_a_throttling_box(
     a user on a throttled account would set METASYNC_RETRY_ATTEMPTS), the clones
     match, and fsck passes."""
     monkeypatch.setenv("METASYNC_RETRY_ATTEMPTS", "8")
-    from conftest import make_tree, snapshot
-
-    dirs = [tmp_path / "d0", tmp_path / "d1"]
-    for d in dirs:
-        d.mkdir()
-    uri = _location(box_service, f"/e2e-{uuid.uuid4().hex[:6]}")
-    src = tmp_path / "src"
-    make_tree(src, small_files=25)
-    faults = box_service.emulator.faults
-    before = faults.injected
-    faults.schedule(0.35, seed=8, kinds=BOX_FAULTS)
-    try:
-        run_cli("init", str(src), "--replicas", "2", "--backend", uri,
-                "--backend", f"dir:{dirs[0]}", "--backend", f"dir:{dirs[1]}")
-        run_cli("push", "-m", "first", cwd=src)
-        clone = tmp_path / "clone"
-        run_cli("clone", uri, str(clone))
-        assert snapshot(clone) == snapshot(src)
-        (clone / "edited.txt").write_text("from the clone\n")
-        run_cli("push", "-m", "edit", cwd=clone)
-        run_cli("pull", cwd=src)
-        assert snapshot(src) == snapshot(clone)
-    finally:
-        faults.clear()
-    run_cli("fsck", cwd=src)
-    assert faults.injected - before >= 15, "Box did not throttle"
+    check_repository_over_throttling(
+        box_service, _location(box_service, f"/e2e-{uuid.uuid4().hex[:6]}"), tmp_path,
+        rate=0.35, seed=8, kinds=BOX_FAULTS, small_files=25, provider="Box",
+    )
 
 
 # --- live tests (real Box; `pytest --live`) ------------------------------------------------------
@@ -726,24 +660,10 @@ def test_live_box_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
     if not client_id or not secret or not refresh:
         pytest.fail("--live needs METASYNC_LIVE_BOX_CLIENT_ID, METASYNC_LIVE_BOX_CLIENT_SECRET "
                     "and METASYNC_LIVE_BOX_REFRESH_TOKEN")
-    for name in ("METASYNC_BOX_API_URL", "METASYNC_BOX_CA_FILE"):
-        monkeypatch.delenv(name, raising=False)
     token_store().save(Grant("box", "live", client_id, refresh, app_secret=secret))
-    path = os.environ.get("METASYNC_LIVE_BOX_PATH", "")
-    backend = open_backend(f"box:{path}?account=live", f"live-{uuid.uuid4().hex[:8]}")
+    backend = open_live_backend("box", monkeypatch)
     try:
-        backend.create()
-        backend.put("k", b"v1")
-        assert backend.get("k") == b"v1"
-        assert backend.put_if_absent("k", b"v1") is False
-        assert backend.append("log", b"a") == 0 and backend.append("log", b"b") == 1
-        assert backend.fetch("log") == [(0, b"a"), (1, b"b")]
-        token = backend.poll("k")
-        assert token is not None and backend.replace_if("k", b"v2", token)
-        assert backend.replace_if("k", b"v3", token) is False
-        backend.delete("k")
-        with pytest.raises(ObjectNotFound):
-            backend.get("k")
+        check_live_round_trip(backend)
     finally:
         backend.close()
         saved = token_store().load("box", "live")
@@ -753,22 +673,7 @@ def test_live_box_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_faults_helper_counts_both_kinds(box_service: BoxService) -> None:
     """EmulatorFaults (faulty_location) injects TCP resets and Box's HTTP faults alike."""
-    faults = box_service.faults_via_proxy()
-    try:
-        backend = open_backend(
-            _location(box_service, "/faulty") + f"?api={faults.base_url}", fresh_namespace())
-        backend.create()
-        before = faults.injected
-        faults.break_connections(reset_next=2)
-        backend.put("k", b"v")
-        faults.break_connections(reset_next=2)
-        assert backend.get("k") == b"v"
-        assert faults.injected >= before + 4
-        kinds = [fault for fault, _, _ in box_service.emulator.faults.log[-2:]]
-        assert kinds == ["429", "503"]
-        backend.close()
-    finally:
-        faults.close()
+    check_faults_helper(box_service, _location(box_service, "/faulty"), ["429", "503"])
 
 
 def test_ids_looked_up_again_when_gone(box: BoxBackend, box_service: BoxService) -> None:

@@ -6,7 +6,6 @@ the emulator's OAuth endpoints, `metasync share`, and live tests (``--live``).""
 from __future__ import annotations
 
 import io
-import itertools
 import os
 import re
 import ssl
@@ -14,19 +13,18 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from conftest import METASYNC, PASSPHRASE, run_cli
+from conftest import PASSPHRASE, run_cli
 from metasync.backends import open_backend
 from metasync.backends.cloud import FileTokenStore, Grant, config_dir, token_store
-from metasync.backends.conformance import BackendConformance, Location, pattern_bytes
+from metasync.backends.conformance import pattern_bytes
 from metasync.backends.dropbox import CHUNK_SIZE, DropboxBackend
 from metasync.backends.retry import TransientError
-from metasync.errors import AuthorizationRequired, ObjectNotFound, UsageError
-from tests.emulators.base import LOST_ANSWER, RESET, THROTTLE, EmulatorFaults
+from metasync.errors import AuthorizationRequired, UsageError
+from tests.emulators.base import LOST_ANSWER, RESET, THROTTLE
 from tests.emulators.dropbox import (
     DROPBOX_FAULTS,
     TEST_EMAIL,
@@ -34,41 +32,37 @@ from tests.emulators.dropbox import (
     WRITE_CONFLICT_THROTTLE,
     DropboxService,
 )
-
-MiB = 1 << 20
-_counter = itertools.count()
-
-
-def fresh_namespace() -> str:
-    return f"ns-{next(_counter)}-{uuid.uuid4().hex[:6]}"
+from tests.providers_common import (
+    FailingSource,
+    MiB,
+    ProviderConformance,
+    check_faults_helper,
+    check_live_round_trip,
+    check_repository_over_throttling,
+    check_share,
+    emulator_location,
+    fresh_namespace,
+    init_repository_to_share,
+    one_line,
+    open_live_backend,
+    read_printed_url,
+    specific_backend,
+    start_auth,
+)
 
 
 def _location(service: DropboxService, folder: str) -> str:
-    service.emulator.make_folder(folder)
-    return f"dropbox:{folder}"
+    return emulator_location(service, "dropbox", folder)
 
 
-class TestDropboxBackend(BackendConformance):
+class TestDropboxBackend(ProviderConformance):
     """The conformance suite through the Dropbox SDK against the emulator."""
 
     backend_class = DropboxBackend
 
     @pytest.fixture
-    def backend_location(self, dropbox_service: DropboxService) -> Location:
-        return (_location(dropbox_service, "/conformance"), fresh_namespace())
-
-    @pytest.fixture
-    def unicode_location(self, dropbox_service: DropboxService) -> Location:
-        return (_location(dropbox_service, "/ünï cødé ☃/with space"), fresh_namespace())
-
-    @pytest.fixture
-    def faulty_location(self, dropbox_service: DropboxService) -> Iterator[tuple[str, str, Any]]:
-        faults = dropbox_service.faults_via_proxy()
-        try:
-            uri = _location(dropbox_service, "/faulty") + f"?api={faults.base_url}"
-            yield (uri, fresh_namespace(), faults)
-        finally:
-            faults.close()
+    def service(self, dropbox_service: DropboxService) -> DropboxService:
+        return dropbox_service
 
 
 # --- Dropbox-specific behaviour -------------------------------------------------------------
@@ -76,18 +70,9 @@ class TestDropboxBackend(BackendConformance):
 
 @pytest.fixture
 def dbx(dropbox_service: DropboxService) -> Iterator[DropboxBackend]:
-    backend = open_backend(_location(dropbox_service, "/specific"), fresh_namespace())
-    assert isinstance(backend, DropboxBackend)
-    backend.create()
-    yield backend
-    dropbox_service.emulator.faults.clear()
-    backend.close()
-
-
-def _one_line(exc: BaseException) -> str:
-    message = str(exc)
-    assert "\n" not in message, message
-    return message
+    with specific_backend(dropbox_service, _location(dropbox_service, "/specific")) as backend:
+        assert isinstance(backend, DropboxBackend)
+        yield backend
 
 
 @pytest.mark.parametrize(
@@ -119,7 +104,7 @@ def test_layout_and_names(dropbox_service: DropboxService) -> None:
     missing = open_backend("dropbox:/no such folder", "ns")
     with pytest.raises(Exception) as info:
         missing.create()
-    assert "create it there first" in _one_line(info.value)
+    assert "create it there first" in one_line(info.value)
     assert "/no such folder" not in dropbox_service.emulator.nodes
     assert open_backend("dropbox:?account=work", "ns").name == "dropbox:/?account=work"
 
@@ -176,19 +161,6 @@ def test_interrupted_upload_session_resumes(
     assert faults.pending() == 0
 
 
-class _FailingSource(io.BytesIO):
-    """A seekable source whose reads fail from ``fail_at`` on (a disk going away)."""
-
-    def __init__(self, data: bytes, fail_at: int) -> None:
-        super().__init__(data)
-        self.fail_at = fail_at
-
-    def read(self, size: int | None = -1) -> bytes:
-        if self.tell() >= self.fail_at:
-            raise OSError("the source went away")
-        return super().read(size)
-
-
 def test_upload_resumes_after_an_interrupted_put(
     dbx: DropboxBackend, dropbox_service: DropboxService
 ) -> None:
@@ -199,7 +171,7 @@ def test_upload_resumes_after_an_interrupted_put(
     calls = dropbox_service.emulator.calls
     data = pattern_bytes(31, 0, 4 * CHUNK_SIZE + 99)
     with pytest.raises(OSError, match="went away"):
-        dbx.put("big", _FailingSource(data, 2 * CHUNK_SIZE))
+        dbx.put("big", FailingSource(data, 2 * CHUNK_SIZE))
     journal = config_dir() / "uploads"
     assert len(list(journal.glob("dropbox-*.json"))) == 1
     before = dict(calls)
@@ -210,7 +182,7 @@ def test_upload_resumes_after_an_interrupted_put(
     assert delta["files/upload_session/append_v2"] == 4
     assert dbx.get("big") == data
     with pytest.raises(OSError):
-        dbx.put("big2", _FailingSource(data, 2 * CHUNK_SIZE))
+        dbx.put("big2", FailingSource(data, 2 * CHUNK_SIZE))
     before = dict(calls)
     dbx.put("big2", io.BytesIO(data[::-1]))
     assert calls["files/upload_session/start"] - before["files/upload_session/start"] == 1
@@ -252,7 +224,7 @@ def test_throttling_answers_become_retry_after(
             with pytest.raises(TransientError) as info:
                 dbx.get("k")
             assert info.value.retry_after == 7.0, kind
-            assert "throttling" in _one_line(info.value)
+            assert "throttling" in one_line(info.value)
         faults.inject(WRITE_CONFLICT_THROTTLE, only="files/upload$")
         with pytest.raises(TransientError, match="busy"):
             dbx.put("k", b"w")
@@ -289,7 +261,7 @@ def test_revoked_grant_says_run_metasync_auth(dropbox_service: DropboxService) -
     backend = open_backend(uri, "ns")
     with pytest.raises(AuthorizationRequired) as info:
         backend.get("x")
-    assert "run `metasync auth dropbox --account revoked`" in _one_line(info.value)
+    assert "run `metasync auth dropbox --account revoked`" in one_line(info.value)
     proc = run_cli("clone", uri, "/tmp/never-" + uuid.uuid4().hex, check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "metasync auth dropbox --account revoked" in proc.stderr
@@ -338,10 +310,7 @@ def test_listing_pages_and_skips_foreign_names(
 
 
 def _auth(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [METASYNC, "auth", "dropbox", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env=env,
-    )
+    return start_auth("dropbox", args, env)
 
 
 def test_auth_dropbox_no_browser(dropbox_service: DropboxService) -> None:
@@ -351,11 +320,7 @@ def test_auth_dropbox_no_browser(dropbox_service: DropboxService) -> None:
     env = {**os.environ}
     proc = _auth(["--no-browser", "--account", "cli"], env)
     assert proc.stdout is not None and proc.stdin is not None
-    url = ""
-    for line in proc.stdout:
-        if line.strip().startswith("https://"):
-            url = line.strip()
-            break
+    url = read_printed_url(proc, "https://")
     assert url.startswith(dropbox_service.base_url + "/oauth2/authorize?"), url
     assert "code_challenge_method=S256" in url and "token_access_type=offline" in url
     ca = ssl.create_default_context(cafile=dropbox_service.ca_file)
@@ -402,20 +367,10 @@ def test_share_invites_on_dropbox_and_lists_the_rest(
 ) -> None:
     """`metasync share EMAIL` on a repository over dropbox: + dir: shares the Dropbox
     namespace folder (invitation as editor, idempotent) and names dir: as manual."""
-    folder = _location(dropbox_service, "/shared")
     namespace = fresh_namespace()
-    store = tmp_path / "dir"
-    store.mkdir()
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "f.txt").write_text("x")
-    run_cli("init", str(work), "--namespace", namespace, "--backend", folder,
-            "--backend", f"dir:{store}")
+    work, store = init_repository_to_share(tmp_path, _location(dropbox_service, "/shared"), namespace)
     for _ in range(2):
-        proc = run_cli("share", "friend@example.com", cwd=work, check=False)
-        assert proc.returncode == 0, proc.stderr
-        assert "shared:  dropbox:/shared" in proc.stdout
-        assert f"by hand: dir:{store}" in proc.stdout
+        check_share(work, store, "dropbox:/shared")
     node = dropbox_service.emulator.nodes[f"/shared/{namespace}"]
     assert node.shared_folder_id is not None
     assert dropbox_service.emulator.members[node.shared_folder_id] == {"friend@example.com"}
@@ -431,32 +386,10 @@ def test_repository_over_a_throttling_dropbox(
     command succeeds (8 attempts per request, as a user on a throttled account would
     set METASYNC_RETRY_ATTEMPTS), the clones match, and fsck passes."""
     monkeypatch.setenv("METASYNC_RETRY_ATTEMPTS", "8")
-    from conftest import make_tree, snapshot
-
-    dirs = [tmp_path / "d0", tmp_path / "d1"]
-    for d in dirs:
-        d.mkdir()
-    uri = _location(dropbox_service, f"/e2e-{uuid.uuid4().hex[:6]}")
-    src = tmp_path / "src"
-    make_tree(src, small_files=60)
-    faults = dropbox_service.emulator.faults
-    before = faults.injected
-    faults.schedule(0.35, seed=8, kinds=DROPBOX_FAULTS)
-    try:
-        run_cli("init", str(src), "--replicas", "2", "--backend", uri,
-                "--backend", f"dir:{dirs[0]}", "--backend", f"dir:{dirs[1]}")
-        run_cli("push", "-m", "first", cwd=src)
-        clone = tmp_path / "clone"
-        run_cli("clone", uri, str(clone))
-        assert snapshot(clone) == snapshot(src)
-        (clone / "edited.txt").write_text("from the clone\n")
-        run_cli("push", "-m", "edit", cwd=clone)
-        run_cli("pull", cwd=src)
-        assert snapshot(src) == snapshot(clone)
-    finally:
-        faults.clear()
-    run_cli("fsck", cwd=src)
-    assert faults.injected - before >= 15, "Dropbox did not throttle"
+    check_repository_over_throttling(
+        dropbox_service, _location(dropbox_service, f"/e2e-{uuid.uuid4().hex[:6]}"), tmp_path,
+        rate=0.35, seed=8, kinds=DROPBOX_FAULTS, small_files=60, provider="Dropbox",
+    )
 
 
 # --- live tests (real Dropbox; `pytest --live`) ------------------------------------------------
@@ -471,44 +404,16 @@ def test_live_dropbox_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
     refresh = os.environ.get("METASYNC_LIVE_DROPBOX_REFRESH_TOKEN")
     if not app_key or not refresh:
         pytest.fail("--live needs METASYNC_LIVE_DROPBOX_APP_KEY and METASYNC_LIVE_DROPBOX_REFRESH_TOKEN")
-    for name in ("METASYNC_DROPBOX_API_URL", "METASYNC_DROPBOX_CA_FILE"):
-        monkeypatch.delenv(name, raising=False)
     token_store().save(Grant("dropbox", "live", app_key, refresh))
-    path = os.environ.get("METASYNC_LIVE_DROPBOX_PATH", "")
-    backend = open_backend(f"dropbox:{path}?account=live", f"live-{uuid.uuid4().hex[:8]}")
+    backend = open_live_backend("dropbox", monkeypatch)
     try:
-        backend.create()
-        backend.put("k", b"v1")
-        assert backend.get("k") == b"v1"
-        assert backend.put_if_absent("k", b"v1") is False
-        assert backend.append("log", b"a") == 0 and backend.append("log", b"b") == 1
-        assert backend.fetch("log") == [(0, b"a"), (1, b"b")]
-        token = backend.poll("k")
-        assert token is not None and backend.replace_if("k", b"v2", token)
-        assert backend.replace_if("k", b"v3", token) is False
-        backend.delete("k")
-        with pytest.raises(ObjectNotFound):
-            backend.get("k")
+        check_live_round_trip(backend)
     finally:
         backend.close()
 
 
 def test_faults_helper_counts_both_kinds(dropbox_service: DropboxService) -> None:
     """EmulatorFaults (faulty_location) injects TCP resets and HTTP faults alike."""
-    faults: EmulatorFaults = dropbox_service.faults_via_proxy()
-    try:
-        backend = open_backend(
-            _location(dropbox_service, "/faulty") + f"?api={faults.base_url}", fresh_namespace()
-        )
-        backend.create()
-        before = faults.injected
-        faults.break_connections(reset_next=2)
-        backend.put("k", b"v")
-        faults.break_connections(reset_next=2)
-        assert backend.get("k") == b"v"
-        assert faults.injected >= before + 4
-        kinds = [fault for fault, _, _ in dropbox_service.emulator.faults.log[-2:]]
-        assert kinds == ["429", "too_many_write_operations"]
-        backend.close()
-    finally:
-        faults.close()
+    check_faults_helper(
+        dropbox_service, _location(dropbox_service, "/faulty"), ["429", "too_many_write_operations"]
+    )

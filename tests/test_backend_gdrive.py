@@ -22,10 +22,10 @@ from urllib.parse import parse_qsl, urlsplit
 import httpx
 import pytest
 
-from conftest import METASYNC, run_cli
+from conftest import run_cli
 from metasync.backends import open_backend
 from metasync.backends.cloud import FileTokenStore, Grant, config_dir, token_store
-from metasync.backends.conformance import BackendConformance, Location, pattern_bytes
+from metasync.backends.conformance import pattern_bytes
 from metasync.backends.gdrive import CHUNK_SIZE, GDriveBackend
 from metasync.backends.retry import TransientError
 from metasync.errors import (
@@ -44,41 +44,37 @@ from tests.emulators.gdrive import (
     USER_RATE_LIMIT,
     GDriveService,
 )
-
-MiB = 1 << 20
-_counter = itertools.count()
-
-
-def fresh_namespace() -> str:
-    return f"ns-{next(_counter)}-{uuid.uuid4().hex[:6]}"
+from tests.providers_common import (
+    FailingSource,
+    MiB,
+    ProviderConformance,
+    call_delta,
+    check_repository_over_throttling,
+    check_share,
+    emulator_location,
+    fresh_namespace,
+    init_repository_to_share,
+    one_line,
+    open_live_backend,
+    read_printed_url,
+    specific_backend,
+    start_auth,
+)
 
 
 def _location(service: GDriveService, folder: str) -> str:
-    service.emulator.make_folder(folder)
-    return f"gdrive:{folder}"
+    return emulator_location(service, "gdrive", folder)
 
 
-class TestGDriveBackend(BackendConformance):
+class TestGDriveBackend(ProviderConformance):
     """The conformance suite through the Google API client against the emulator."""
 
     backend_class = GDriveBackend
+    folder_root = ""
 
     @pytest.fixture
-    def backend_location(self, gdrive_service: GDriveService) -> Location:
-        return (_location(gdrive_service, "conformance"), fresh_namespace())
-
-    @pytest.fixture
-    def unicode_location(self, gdrive_service: GDriveService) -> Location:
-        return (_location(gdrive_service, "ünï cødé ☃/with space"), fresh_namespace())
-
-    @pytest.fixture
-    def faulty_location(self, gdrive_service: GDriveService) -> Iterator[tuple[str, str, Any]]:
-        faults = gdrive_service.faults_via_proxy()
-        try:
-            uri = _location(gdrive_service, "faulty") + f"?api={faults.base_url}"
-            yield (uri, fresh_namespace(), faults)
-        finally:
-            faults.close()
+    def service(self, gdrive_service: GDriveService) -> GDriveService:
+        return gdrive_service
 
 
 # --- Drive-specific behaviour -----------------------------------------------------------------
@@ -86,22 +82,9 @@ class TestGDriveBackend(BackendConformance):
 
 @pytest.fixture
 def gd(gdrive_service: GDriveService) -> Iterator[GDriveBackend]:
-    backend = open_backend(_location(gdrive_service, "specific"), fresh_namespace())
-    assert isinstance(backend, GDriveBackend)
-    backend.create()
-    yield backend
-    gdrive_service.emulator.faults.clear()
-    backend.close()
-
-
-def _one_line(exc: BaseException) -> str:
-    message = str(exc)
-    assert "\n" not in message, message
-    return message
-
-
-def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    return {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+    with specific_backend(gdrive_service, _location(gdrive_service, "specific")) as backend:
+        assert isinstance(backend, GDriveBackend)
+        yield backend
 
 
 @pytest.mark.parametrize(
@@ -134,7 +117,7 @@ def test_layout_and_location(gdrive_service: GDriveService) -> None:
     missing = open_backend("gdrive:no such folder", "ns")
     with pytest.raises(BackendUnavailable) as info:
         missing.create()
-    assert "create it there first" in _one_line(info.value)
+    assert "create it there first" in one_line(info.value)
     twice = emulator.make_folder("twice")
     emulator.add_item(emulator.items[twice].parents[0], "twice", None)
     with pytest.raises(BackendError, match="2 folders named 'twice'"):
@@ -236,12 +219,12 @@ def test_log_appends_race_for_reserved_ids(gd: GDriveBackend, gdrive_service: GD
     assert gd.append("log/x", b"d") == 3
     before = dict(emulator.calls)
     assert gd.append("log/x", b"e") == 4
-    assert _delta(before, emulator.calls) == {"files.create": 1}
+    assert call_delta(before, emulator.calls) == {"files.create": 1}
     before = dict(emulator.calls)
     assert other.fetch("log/x", 3) == [(3, b"d"), (4, b"e")]
     assert gd.fetch("log/x", 5) == []
     # entry 3, then entries 4 and 5 at once (5 is missing), then entry 5 again
-    assert _delta(before, emulator.calls)["files.get"] == 4
+    assert call_delta(before, emulator.calls)["files.get"] == 4
     assert gd.fetch("log/x") == other.fetch("log/x") == [
         (0, b"a"), (1, b"b"), (2, b"c"), (3, b"d"), (4, b"e")]
     assert sorted(gd.list()) == []  # the log machinery is not keys
@@ -263,19 +246,6 @@ def test_damaged_log_entry_is_refused(gd: GDriveBackend, gdrive_service: GDriveS
         fresh.fetch("log/y")
 
 
-class _FailingSource(io.BytesIO):
-    """A seekable source whose reads fail from ``fail_at`` on (a disk going away)."""
-
-    def __init__(self, data: bytes, fail_at: int) -> None:
-        super().__init__(data)
-        self.fail_at = fail_at
-
-    def read(self, size: int | None = -1) -> bytes:
-        if self.tell() >= self.fail_at:
-            raise OSError("the source went away")
-        return super().read(size)
-
-
 def test_resumable_upload_continues_after_an_interrupted_put(
     gd: GDriveBackend, gdrive_service: GDriveService
 ) -> None:
@@ -286,20 +256,20 @@ def test_resumable_upload_continues_after_an_interrupted_put(
     calls = gdrive_service.emulator.calls
     data = pattern_bytes(31, 0, 4 * CHUNK_SIZE + 99)
     with pytest.raises(OSError, match="went away"):
-        gd.put("big", _FailingSource(data, 2 * CHUNK_SIZE + 10))
+        gd.put("big", FailingSource(data, 2 * CHUNK_SIZE + 10))
     journal = config_dir() / "uploads"
     assert len(list(journal.glob("gdrive-*.json"))) == 1
     before = dict(calls)
     gd.put("big", io.BytesIO(data))
-    delta = _delta(before, calls)
+    delta = call_delta(before, calls)
     assert "files.create" not in delta  # the session was not opened again
     assert delta["upload.put"] == 1 + 3  # a status query, then the 3 pieces Drive lacked
     assert gd.get("big") == data
     with pytest.raises(OSError):
-        gd.put("big2", _FailingSource(data, 2 * CHUNK_SIZE + 10))
+        gd.put("big2", FailingSource(data, 2 * CHUNK_SIZE + 10))
     before = dict(calls)
     gd.put("big2", io.BytesIO(data[::-1]))
-    assert _delta(before, calls)["files.create"] == 1
+    assert call_delta(before, calls)["files.create"] == 1
     assert gd.get("big2") == data[::-1]
     assert not list(journal.glob("gdrive-*.json"))
 
@@ -355,7 +325,7 @@ def test_daily_upload_cap_is_not_retried(gd: GDriveBackend, gdrive_service: GDri
         with pytest.raises(BackendError) as info:
             gd.put("k", b"v")
         assert not isinstance(info.value, TransientError)
-        assert "daily upload limit" in _one_line(info.value) and "postponed" in str(info.value)
+        assert "daily upload limit" in one_line(info.value) and "postponed" in str(info.value)
         with pytest.raises(BackendError, match="daily upload limit"):
             gd.put("big", io.BytesIO(pattern_bytes(3, 0, CHUNK_SIZE + 1)))
         assert gd.policy.retries == before
@@ -416,7 +386,7 @@ def test_revoked_grant_says_run_metasync_auth(gdrive_service: GDriveService) -> 
     backend = open_backend(uri, "ns")
     with pytest.raises(AuthorizationRequired) as info:
         backend.get("x")
-    assert "run `metasync auth gdrive --account revoked`" in _one_line(info.value)
+    assert "run `metasync auth gdrive --account revoked`" in one_line(info.value)
     proc = run_cli("clone", uri, "/tmp/never-" + uuid.uuid4().hex, check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "metasync auth gdrive --account revoked" in proc.stderr
@@ -491,18 +461,7 @@ def test_listing_pages(gd: GDriveBackend, gdrive_service: GDriveService) -> None
 
 
 def _auth(args: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [METASYNC, "auth", "gdrive", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env={**os.environ},
-    )
-
-
-def _read_url(proc: subprocess.Popen[str], base: str) -> str:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.strip().startswith(base):
-            return line.strip()
-    raise AssertionError("no authorization address printed")
+    return start_auth("gdrive", args)
 
 
 def _approve(url: str, ca_file: str) -> str:
@@ -535,7 +494,7 @@ def test_auth_gdrive_loopback(gdrive_service: GDriveService) -> None:
     the browser's redirect to the loopback address reaches metasync's one-shot local
     server, which finishes the sign-in by itself."""
     proc = _auth(["--account", "loopback"])
-    url = _read_url(proc, gdrive_service.base_url + "/o/oauth2/auth?")
+    url = read_printed_url(proc, gdrive_service.base_url + "/o/oauth2/auth?")
     for part in ("code_challenge_method=S256", "access_type=offline",
                  "redirect_uri=http%3A%2F%2Flocalhost%3A"):
         assert part in url
@@ -553,19 +512,19 @@ def test_auth_gdrive_no_browser(gdrive_service: GDriveService) -> None:
     the address the browser ended up at; a pasted address of another sign-in, an
     empty answer and a bad code each fail in one line with nothing saved."""
     proc = _auth(["--no-browser", "--account", "headless"])
-    url = _read_url(proc, gdrive_service.base_url + "/o/oauth2/auth?")
+    url = read_printed_url(proc, gdrive_service.base_url + "/o/oauth2/auth?")
     location = _approve(url, gdrive_service.ca_file)
     _out, err = proc.communicate(location + "\n", timeout=120)
     assert proc.returncode == 0, err
     _check_grant(gdrive_service, "headless")
     proc = _auth(["--no-browser", "--account", "bad"])
-    url = _read_url(proc, gdrive_service.base_url)
+    url = read_printed_url(proc, gdrive_service.base_url)
     location = _approve(url, gdrive_service.ca_file).replace("state=", "state=x")
     _, err = proc.communicate(location + "\n", timeout=120)
     assert proc.returncode != 0 and "state differs" in err and "Traceback" not in err
     # A code from an abandoned --no-browser run, passed later with --code.
     proc = _auth(["--no-browser", "--account", "later"])
-    location = _approve(_read_url(proc, gdrive_service.base_url), gdrive_service.ca_file)
+    location = _approve(read_printed_url(proc, gdrive_service.base_url), gdrive_service.ca_file)
     proc.communicate("", timeout=120)
     code = dict(parse_qsl(urlsplit(location).query))["code"]
     proc = _auth(["--account", "later", "--code", code])
@@ -585,20 +544,10 @@ def test_share_invites_a_writer(gdrive_service: GDriveService, tmp_path: Path) -
     """`metasync share EMAIL` on a repository over gdrive: + dir: gives EMAIL a writer
     permission on the namespace folder (once, however often it runs) and names dir:
     as manual."""
-    folder = _location(gdrive_service, "shared")
     namespace = fresh_namespace()
-    store = tmp_path / "dir"
-    store.mkdir()
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "f.txt").write_text("x")
-    run_cli("init", str(work), "--namespace", namespace, "--backend", folder,
-            "--backend", f"dir:{store}")
+    work, store = init_repository_to_share(tmp_path, _location(gdrive_service, "shared"), namespace)
     for _ in range(2):
-        proc = run_cli("share", "friend@example.com", cwd=work, check=False)
-        assert proc.returncode == 0, proc.stderr
-        assert "shared:  gdrive:shared" in proc.stdout
-        assert f"by hand: dir:{store}" in proc.stdout
+        check_share(work, store, "gdrive:shared")
     (ns,) = gdrive_service.emulator.path_items(f"shared/{namespace}")
     granted = gdrive_service.emulator.permissions[ns.id]
     assert [(p["emailAddress"], p["role"]) for p in granted] == [("friend@example.com", "writer")]
@@ -613,32 +562,10 @@ def test_repository_over_a_throttling_gdrive(
     backends (R=2) while Drive answers a seeded 30% of requests with 429s, 403 rate
     limits, 503 and 500: every command succeeds, the clones match, fsck passes."""
     monkeypatch.setenv("METASYNC_RETRY_ATTEMPTS", "8")
-    from conftest import make_tree, snapshot
-
-    dirs = [tmp_path / "d0", tmp_path / "d1"]
-    for d in dirs:
-        d.mkdir()
-    uri = _location(gdrive_service, f"e2e-{uuid.uuid4().hex[:6]}")
-    src = tmp_path / "src"
-    make_tree(src, small_files=40)
-    faults = gdrive_service.emulator.faults
-    before = faults.injected
-    faults.schedule(0.3, seed=9, kinds=GDRIVE_FAULTS)
-    try:
-        run_cli("init", str(src), "--replicas", "2", "--backend", uri,
-                "--backend", f"dir:{dirs[0]}", "--backend", f"dir:{dirs[1]}")
-        run_cli("push", "-m", "first", cwd=src)
-        clone = tmp_path / "clone"
-        run_cli("clone", uri, str(clone))
-        assert snapshot(clone) == snapshot(src)
-        (clone / "edited.txt").write_text("from the clone\n")
-        run_cli("push", "-m", "edit", cwd=clone)
-        run_cli("pull", cwd=src)
-        assert snapshot(src) == snapshot(clone)
-    finally:
-        faults.clear()
-    run_cli("fsck", cwd=src)
-    assert faults.injected - before >= 15, "Drive did not throttle"
+    check_repository_over_throttling(
+        gdrive_service, _location(gdrive_service, f"e2e-{uuid.uuid4().hex[:6]}"), tmp_path,
+        rate=0.3, seed=9, kinds=GDRIVE_FAULTS, small_files=40, provider="Drive",
+    )
 
 
 # --- live tests (real Google Drive; `pytest --live`) ------------------------------------------------
@@ -655,12 +582,9 @@ def test_live_gdrive_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
     values = [os.environ.get(n) for n in names]
     if not all(values):
         pytest.fail(f"--live needs {', '.join(names)}")
-    for name in ("METASYNC_GDRIVE_API_URL", "METASYNC_GDRIVE_CA_FILE"):
-        monkeypatch.delenv(name, raising=False)
     app_key, app_secret, refresh = (str(v) for v in values)
     token_store().save(Grant("gdrive", "live", app_key, refresh, app_secret=app_secret))
-    path = os.environ.get("METASYNC_LIVE_GDRIVE_PATH", "")
-    backend = open_backend(f"gdrive:{path}?account=live", f"live-{uuid.uuid4().hex[:8]}")
+    backend = open_live_backend("gdrive", monkeypatch)
     try:
         backend.create()
         backend.put("k", b"v1")

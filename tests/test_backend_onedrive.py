@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import io
-import itertools
 import os
 import random
 import re
@@ -21,7 +20,6 @@ import uuid
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -37,7 +35,7 @@ from metasync.backends.cloud import (
     config_dir,
     token_store,
 )
-from metasync.backends.conformance import BackendConformance, Location, pattern_bytes
+from metasync.backends.conformance import pattern_bytes
 from metasync.backends.onedrive import (
     CHUNK_SIZE,
     FRAGMENT_UNIT,
@@ -66,41 +64,36 @@ from tests.emulators.onedrive import (
     OneDriveService,
     check_name,
 )
-
-MiB = 1 << 20
-_counter = itertools.count()
-
-
-def fresh_namespace() -> str:
-    return f"ns-{next(_counter)}-{uuid.uuid4().hex[:6]}"
+from tests.providers_common import (
+    FailingSource,
+    MiB,
+    ProviderConformance,
+    call_delta,
+    check_live_round_trip,
+    check_repository_over_throttling,
+    check_share,
+    emulator_location,
+    fresh_namespace,
+    init_repository_to_share,
+    one_line,
+    open_live_backend,
+    specific_backend,
+)
 
 
 def _location(service: OneDriveService, folder: str) -> str:
-    service.emulator.make_folder(folder)
-    return f"onedrive:{folder}"
+    return emulator_location(service, "onedrive", folder)
 
 
-class TestOneDriveBackend(BackendConformance):
+class TestOneDriveBackend(ProviderConformance):
     """The conformance suite through Graph and MSAL against the emulator."""
 
     backend_class = OneDriveBackend
+    unicode_folder = "ünï cødé ☃/with space & 100%"
 
     @pytest.fixture
-    def backend_location(self, onedrive_service: OneDriveService) -> Location:
-        return (_location(onedrive_service, "/conformance"), fresh_namespace())
-
-    @pytest.fixture
-    def unicode_location(self, onedrive_service: OneDriveService) -> Location:
-        return (_location(onedrive_service, "/ünï cødé ☃/with space & 100%"), fresh_namespace())
-
-    @pytest.fixture
-    def faulty_location(self, onedrive_service: OneDriveService) -> Iterator[tuple[str, str, Any]]:
-        faults = onedrive_service.faults_via_proxy()
-        try:
-            uri = _location(onedrive_service, "/faulty") + f"?api={faults.base_url}"
-            yield (uri, fresh_namespace(), faults)
-        finally:
-            faults.close()
+    def service(self, onedrive_service: OneDriveService) -> OneDriveService:
+        return onedrive_service
 
 
 # --- OneDrive-specific behaviour ------------------------------------------------------------
@@ -108,23 +101,10 @@ class TestOneDriveBackend(BackendConformance):
 
 @pytest.fixture
 def od(onedrive_service: OneDriveService) -> Iterator[OneDriveBackend]:
-    backend = open_backend(_location(onedrive_service, "/specific"), fresh_namespace())
-    assert isinstance(backend, OneDriveBackend)
-    backend.create()
-    yield backend
-    onedrive_service.emulator.faults.clear()
-    onedrive_service.emulator.faults.retry_after = 0
-    backend.close()
-
-
-def _one_line(exc: BaseException) -> str:
-    message = str(exc)
-    assert "\n" not in message, message
-    return message
-
-
-def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    return {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+    with specific_backend(onedrive_service, _location(onedrive_service, "/specific")) as backend:
+        assert isinstance(backend, OneDriveBackend)
+        yield backend
+        onedrive_service.emulator.faults.retry_after = 0
 
 
 @pytest.mark.parametrize(
@@ -320,7 +300,7 @@ def test_upload_sessions_use_aligned_fragments_and_survive_lost_requests(
     before, fragments = dict(emulator.calls), len(emulator.fragments)
     emulator.faults.inject(RESET, LOST_ANSWER, only="^/up/")
     od.put("big", io.BytesIO(data))
-    delta = _delta(before, emulator.calls)
+    delta = call_delta(before, emulator.calls)
     assert delta["create upload session"] == 1 and "put content" not in delta
     sent = emulator.fragments[fragments:]
     assert [start for start, _, _ in sent] == [0, chunk, 2 * chunk]
@@ -335,19 +315,6 @@ def test_upload_sessions_use_aligned_fragments_and_survive_lost_requests(
     assert emulator.sessions() == 0
 
 
-class _FailingSource(io.BytesIO):
-    """A seekable source whose reads fail from ``fail_at`` on (a disk going away)."""
-
-    def __init__(self, data: bytes, fail_at: int) -> None:
-        super().__init__(data)
-        self.fail_at = fail_at
-
-    def read(self, size: int | None = -1) -> bytes:
-        if self.tell() >= self.fail_at:
-            raise OSError("the source went away")
-        return super().read(size)
-
-
 def test_upload_resumes_after_an_interrupted_put(
     od: OneDriveBackend, onedrive_service: OneDriveService, small_fragments: int
 ) -> None:
@@ -359,21 +326,21 @@ def test_upload_resumes_after_an_interrupted_put(
     chunk = small_fragments
     data = pattern_bytes(31, 0, 4 * chunk + 99)
     with pytest.raises(OSError, match="went away"):
-        od.put("big", _FailingSource(data, 2 * chunk))
+        od.put("big", FailingSource(data, 2 * chunk))
     journal = config_dir() / "uploads"
     assert len(list(journal.glob("onedrive-*.json"))) == 1
     before, fragments = dict(emulator.calls), len(emulator.fragments)
     od.put("big", io.BytesIO(data))
-    delta = _delta(before, emulator.calls)
+    delta = call_delta(before, emulator.calls)
     assert "create upload session" not in delta
     assert delta["upload status"] == 1 and delta["upload fragment"] == 3
     assert [s for s, _, _ in emulator.fragments[fragments:]] == [2 * chunk, 3 * chunk, 4 * chunk]
     assert od.get("big") == data
     with pytest.raises(OSError):
-        od.put("big2", _FailingSource(data, 2 * chunk))
+        od.put("big2", FailingSource(data, 2 * chunk))
     before = dict(emulator.calls)
     od.put("big2", io.BytesIO(data[::-1]))
-    assert _delta(before, emulator.calls)["create upload session"] == 1
+    assert call_delta(before, emulator.calls)["create upload session"] == 1
     assert od.get("big2") == data[::-1]
     assert not list(journal.glob("onedrive-*.json"))
     assert emulator.sessions() == 0, "the abandoned session was not cancelled"
@@ -395,7 +362,7 @@ def test_throttling_answers_become_retry_after(
         with pytest.raises(TransientError) as info:
             od.get("k")
         assert info.value.retry_after == retry_after, kind
-        assert "throttling" in _one_line(info.value) or "answered 500" in str(info.value)
+        assert "throttling" in one_line(info.value) or "answered 500" in str(info.value)
     faults.retry_after = 0
     od.policy.attempts = 5
     faults.inject(*ONEDRIVE_FAULTS[:4], only="/content$")
@@ -529,7 +496,7 @@ class TestOneDriveSignInAndCLI:
         backend = open_backend(uri, "ns")
         with pytest.raises(AuthorizationRequired) as info:
             backend.get("x")
-        assert "run `metasync auth onedrive --account revoked`" in _one_line(info.value)
+        assert "run `metasync auth onedrive --account revoked`" in one_line(info.value)
         proc = run_cli("clone", uri, "/tmp/never-" + uuid.uuid4().hex, check=False)
         assert proc.returncode != 0 and "Traceback" not in proc.stderr
         assert "metasync auth onedrive --account revoked" in proc.stderr
@@ -639,18 +606,9 @@ class TestOneDriveSignInAndCLI:
         dir: as manual."""
         folder = _location(onedrive_service, "/shared")
         namespace = fresh_namespace()
-        store = tmp_path / "dir"
-        store.mkdir()
-        work = tmp_path / "work"
-        work.mkdir()
-        (work / "f.txt").write_text("x")
-        run_cli("init", str(work), "--namespace", namespace, "--backend", folder,
-                "--backend", f"dir:{store}")
+        work, store = init_repository_to_share(tmp_path, folder, namespace)
         for _ in range(2):
-            proc = run_cli("share", "friend@example.com", cwd=work, check=False)
-            assert proc.returncode == 0, proc.stderr
-            assert "shared:  onedrive:/shared" in proc.stdout
-            assert f"by hand: dir:{store}" in proc.stdout
+            check_share(work, store, "onedrive:/shared")
         item = onedrive_service.emulator.item_at(f"/shared/{namespace}")
         assert onedrive_service.emulator.members[item.id] == {"friend@example.com"}
         backend = open_backend(folder, namespace)
@@ -666,32 +624,11 @@ class TestOneDriveSignInAndCLI:
         (with and without Retry-After) and 500s: every command succeeds (8 attempts per
         request), the clones match, and fsck passes."""
         monkeypatch.setenv("METASYNC_RETRY_ATTEMPTS", "8")
-        from conftest import make_tree, snapshot
-
-        dirs = [tmp_path / "d0", tmp_path / "d1"]
-        for d in dirs:
-            d.mkdir()
-        uri = _location(onedrive_service, f"/e2e-{uuid.uuid4().hex[:6]}")
-        src = tmp_path / "src"
-        make_tree(src, small_files=40)
-        faults = onedrive_service.emulator.faults
-        before = faults.injected
-        faults.schedule(0.35, seed=8, kinds=ONEDRIVE_FAULTS)
-        try:
-            run_cli("init", str(src), "--replicas", "2", "--backend", uri,
-                    "--backend", f"dir:{dirs[0]}", "--backend", f"dir:{dirs[1]}")
-            run_cli("push", "-m", "first", cwd=src)
-            clone = tmp_path / "clone"
-            run_cli("clone", uri, str(clone))
-            assert snapshot(clone) == snapshot(src)
-            (clone / "edited.txt").write_text("from the clone\n")
-            run_cli("push", "-m", "edit", cwd=clone)
-            run_cli("pull", cwd=src)
-            assert snapshot(src) == snapshot(clone)
-        finally:
-            faults.clear()
-        run_cli("fsck", cwd=src)
-        assert faults.injected - before >= 15, "OneDrive did not throttle"
+        check_repository_over_throttling(
+            onedrive_service, _location(onedrive_service, f"/e2e-{uuid.uuid4().hex[:6]}"),
+            tmp_path, rate=0.35, seed=8, kinds=ONEDRIVE_FAULTS, small_files=40,
+            provider="OneDrive",
+        )
 
 
 # --- live tests (real OneDrive; `pytest --live`) ----------------------------------------------
@@ -707,27 +644,13 @@ def test_live_onedrive_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
     if not saved:
         pytest.fail("--live needs METASYNC_LIVE_ONEDRIVE_GRANT (a saved `metasync auth "
                     "onedrive` grant, as JSON)")
-    for name in ("METASYNC_ONEDRIVE_API_URL", "METASYNC_ONEDRIVE_CA_FILE"):
-        monkeypatch.delenv(name, raising=False)
     grant = Grant.from_json(saved, "METASYNC_LIVE_ONEDRIVE_GRANT")
     token_store().save(Grant(**{**grant.__dict__, "account": "live", "access_token": None}))
-    path = os.environ.get("METASYNC_LIVE_ONEDRIVE_PATH", "")
-    backend = open_backend(f"onedrive:{path}?account=live", f"live-{uuid.uuid4().hex[:8]}")
+    backend = open_live_backend("onedrive", monkeypatch)
     try:
-        backend.create()
-        backend.put("k", b"v1")
-        assert backend.get("k") == b"v1"
-        assert backend.put_if_absent("k", b"v1") is False
-        assert backend.append("log", b"a") == 0 and backend.append("log", b"b") == 1
-        assert backend.fetch("log") == [(0, b"a"), (1, b"b")]
-        token = backend.poll("k")
-        assert token is not None and backend.replace_if("k", b"v2", token)
-        assert backend.replace_if("k", b"v3", token) is False
+        check_live_round_trip(backend)
         big = pattern_bytes(9, 0, CHUNK_SIZE + 5)
         backend.put("big", io.BytesIO(big))
         assert backend.get("big") == big
-        backend.delete("k")
-        with pytest.raises(ObjectNotFound):
-            backend.get("k")
     finally:
         backend.close()

@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import threading
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,7 +22,9 @@ from metasync.backends.cloud import (
     app_credentials,
     endpoint,
     oauth2_refresh,
+    parse_cloud_uri,
     parse_retry_after,
+    range_of_chunks,
     token_store,
 )
 from metasync.backends.retry import TransientError
@@ -191,6 +194,44 @@ class _TokenEmulator(Emulator):
             return json_response(200, self.oauth.token(request.form()))
         except OAuthError as exc:
             return json_response(exc.status, {"error": exc.error})
+
+
+def test_parse_cloud_uri() -> None:
+    """Folder names and options of PROVIDER:PATH?OPTIONS; the shared folder-name rules
+    and a provider's own (``bad_folder_name``) both refuse a name."""
+    assert parse_cloud_uri("box", "box:/a//b/?account=w&timeout=5") == (
+        ["a", "b"], {"account": "w", "timeout": "5"})
+    assert parse_cloud_uri("gdrive", "gdrive:") == ([], {})
+    for uri, match in [("dropbox:/a", "not a box URI"), ("box:/a?x=1", "unknown option 'x'"),
+                       ("box:/a/ b", "invalid folder name"), ("box:/a\\b", "invalid folder name")]:
+        with pytest.raises(UsageError, match=match):
+            parse_cloud_uri("box", uri)
+    with pytest.raises(UsageError, match="invalid folder name 'a:b'"):
+        parse_cloud_uri("onedrive", "onedrive:/a:b", bad_folder_name=lambda name: ":" in name)
+
+
+def test_range_of_chunks() -> None:
+    """The range from a whole object sent in chunks (a service that ignored Range),
+    cut at chunk boundaries correctly, shorter only where the object ends, and not
+    reading past the range."""
+    data = bytes(range(100))
+
+    def chunks(size: int) -> list[bytes]:
+        return [data[i : i + size] for i in range(0, len(data), size)]
+
+    for size in (1, 7, 10, 100):
+        assert range_of_chunks(chunks(size), 13, 20) == data[13:33]
+        assert range_of_chunks(chunks(size), 0, 100) == data
+        assert range_of_chunks(chunks(size), 95, 10) == data[95:]
+    taken: list[bytes] = []
+
+    def counted() -> Iterator[bytes]:
+        for piece in chunks(10):
+            taken.append(piece)
+            yield piece
+
+    assert range_of_chunks(counted(), 5, 10) == data[5:15]
+    assert len(taken) == 2
 
 
 def test_oauth2_refresh_against_the_emulator_token_endpoint() -> None:

@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 from tests.servers.faultproxy import FaultProxy
@@ -439,11 +439,7 @@ class OAuth2Server:
                     raise OAuthError("invalid_grant", 400, "code was issued to another client")
                 if challenge is not None:
                     verifier = form.get("code_verifier", "")
-                    digest = hashlib.sha256(verifier.encode()).digest()
-                    import base64
-
-                    expected = base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
-                    if expected != challenge:
+                    if pkce_challenge(verifier) != challenge:
                         raise OAuthError("invalid_grant", 400, "invalid code verifier")
                 self._check_client(form, client_id, pkce=challenge is not None)
                 if redirect_uri is not None and form.get("redirect_uri") != redirect_uri:
@@ -818,6 +814,104 @@ class EmulatorFaults:
         self.proxy.close()
 
 
+def pkce_challenge(verifier: str) -> str:
+    """The S256 PKCE code challenge of ``verifier`` (RFC 7636 §4.2)."""
+    import base64
+
+    digest = hashlib.sha256(verifier.encode()).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def parse_range(spec: str, size: int) -> tuple[int, int] | None:
+    """``[start, end)`` of a single ``bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` range of
+    an object of ``size`` bytes; None if ``spec`` is not one such range or is outside
+    the object (the services then answer the whole object or 416)."""
+    unit, _, value = spec.partition("=")
+    if unit.strip() != "bytes" or "," in value:
+        return None
+    first, _, last = value.strip().partition("-")
+    try:
+        if first == "":
+            n = int(last)
+            return (max(0, size - n), size) if n > 0 and size > 0 else None
+        start = int(first)
+        end = min(size, int(last) + 1) if last else size
+    except ValueError:
+        return None
+    if start >= size or end <= start:
+        return None
+    return start, end
+
+
+# --- running a provider's emulator for tests ----------------------------------------------
+
+E = TypeVar("E", bound=Emulator)
+S = TypeVar("S", bound="EmulatorService")
+
+
+@dataclass
+class EmulatorService:
+    """A running emulator plus what clients need to reach it. Each provider's
+    subclass narrows ``emulator`` and says how to aim clients at it (:meth:`env`), how
+    to sign an account in (:meth:`sign_in`) and which HTTP faults its
+    :meth:`faults_via_proxy` injects."""
+
+    server: EmulatorServer
+    emulator: Emulator
+
+    @property
+    def base_url(self) -> str:
+        return self.server.base_url
+
+    @property
+    def ca_file(self) -> str:
+        assert self.server.ca_file is not None
+        return self.server.ca_file
+
+    def env(self) -> dict[str, str]:
+        """Environment aiming `metasync` (and the backend) at this emulator."""
+        raise NotImplementedError
+
+    def sign_in(self, account: str = "default") -> None:
+        """Keep a grant for ``account`` in the test token store (as `metasync auth`
+        would after the user approved)."""
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def emulator_server(
+    provider: str, make_emulator: Callable[[Path], E]
+) -> Iterator[tuple[EmulatorServer, E]]:
+    """An emulator made by ``make_emulator(folder)`` (a fresh temporary folder for its
+    blobs) served over TLS until the block ends."""
+    folder = Path(tempfile.mkdtemp(prefix=f"metasync-{provider}-emulator-"))
+    emulator = make_emulator(folder)
+    server = EmulatorServer(emulator)
+    try:
+        yield server, emulator
+    finally:
+        server.close()
+
+
+def serve_for_session(service: S) -> Iterator[S]:
+    """The body of a provider's session fixture (``yield from``): aims the process
+    environment at ``service`` (child processes inherit it), signs the default account
+    in, yields ``service``, and afterwards restores the environment as it was."""
+    import os
+
+    saved = {k: os.environ.get(k) for k in service.env()}
+    os.environ.update(service.env())
+    try:
+        service.sign_in()
+        yield service
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -845,16 +939,21 @@ __all__ = [
     "Emulator",
     "EmulatorFaults",
     "EmulatorServer",
+    "EmulatorService",
     "FaultInjector",
     "OAuth2Server",
     "OAuthError",
     "Request",
     "Response",
     "emulator_ca",
+    "emulator_server",
     "environment_for",
     "free_port",
     "json_response",
+    "parse_range",
+    "pkce_challenge",
     "route",
     "serve",
+    "serve_for_session",
     "text_response",
 ]

@@ -67,10 +67,8 @@ import hashlib
 import itertools
 import json
 import math
-import os
 import secrets
 import socket
-import tempfile
 import threading
 import time
 from collections import deque
@@ -92,13 +90,17 @@ from tests.emulators.base import (
     BlobStore,
     Emulator,
     EmulatorFaults,
-    EmulatorServer,
+    EmulatorService,
     OAuth2Server,
     OAuthError,
     Request,
     Response,
+    emulator_server,
+    environment_for,
     json_response,
+    parse_range,
     route,
+    serve_for_session,
     text_response,
 )
 
@@ -279,25 +281,6 @@ def _host_base(request: Request, fallback: str) -> str:
     if not host:
         return fallback
     return f"{fallback.split('://', 1)[0]}://{host}"
-
-
-def _parse_range(spec: str, size: int) -> tuple[int, int] | None:
-    """``[start, end)`` of a single ``bytes=a-b`` / ``bytes=a-`` / ``bytes=-n``."""
-    unit, _, value = spec.partition("=")
-    if unit.strip() != "bytes" or "," in value:
-        return None
-    first, _, last = value.strip().partition("-")
-    try:
-        if first == "":
-            n = int(last)
-            return (max(0, size - n), size) if n > 0 and size > 0 else None
-        start = int(first)
-        end = min(size, int(last) + 1) if last else size
-    except ValueError:
-        return None
-    if start >= size or end <= start:
-        return None
-    return start, end
 
 
 def _arriving(request: Request) -> Iterator[bytes]:
@@ -807,7 +790,7 @@ class BoxEmulator(Emulator):
         spec = request.header("Range")
         start, end, status = 0, size, 200
         if spec:
-            parsed = _parse_range(spec, size)
+            parsed = parse_range(spec, size)
             if parsed is None:
                 handle.close()
                 return Response(416, {"Content-Range": f"bytes */{size}"})
@@ -1298,26 +1281,14 @@ class BoxEmulator(Emulator):
 
 
 @dataclass
-class BoxService:
-    """A running emulator plus what clients need to reach it."""
+class BoxService(EmulatorService):
+    """A running Box emulator plus what clients need to reach it."""
 
-    server: EmulatorServer
     emulator: BoxEmulator
 
-    @property
-    def base_url(self) -> str:
-        return self.server.base_url
-
-    @property
-    def ca_file(self) -> str:
-        assert self.server.ca_file is not None
-        return self.server.ca_file
-
     def env(self) -> dict[str, str]:
-        """Environment aiming `metasync` (and the backend) at this emulator."""
         return {
-            "METASYNC_BOX_API_URL": self.base_url,
-            "METASYNC_BOX_CA_FILE": self.ca_file,
+            **environment_for("box", self.server),
             "METASYNC_BOX_APP_KEY": TEST_CLIENT_ID,
             "METASYNC_BOX_APP_SECRET": TEST_CLIENT_SECRET,
         }
@@ -1348,13 +1319,8 @@ class BoxService:
 
 @contextlib.contextmanager
 def running_box() -> Iterator[BoxService]:
-    folder = Path(tempfile.mkdtemp(prefix="metasync-box-emulator-"))
-    emulator = BoxEmulator(folder)
-    server = EmulatorServer(emulator)
-    try:
+    with emulator_server("box", BoxEmulator) as (server, emulator):
         yield BoxService(server, emulator)
-    finally:
-        server.close()
 
 
 @pytest.fixture(scope="session")
@@ -1362,14 +1328,4 @@ def box_service() -> Iterator[BoxService]:
     """A Box emulator for the whole session, aimed at by the process environment
     (child processes inherit it), with the default account signed in."""
     with running_box() as service:
-        saved = {k: os.environ.get(k) for k in service.env()}
-        os.environ.update(service.env())
-        try:
-            service.sign_in()
-            yield service
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        yield from serve_for_session(service)

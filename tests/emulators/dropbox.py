@@ -42,7 +42,6 @@ import hashlib
 import itertools
 import json
 import secrets
-import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -61,13 +60,18 @@ from tests.emulators.base import (
     BlobStore,
     Emulator,
     EmulatorFaults,
-    EmulatorServer,
+    EmulatorService,
     OAuth2Server,
     OAuthError,
     Request,
     Response,
+    emulator_server,
+    environment_for,
     json_response,
+    parse_range,
+    pkce_challenge,
     route,
+    serve_for_session,
     text_response,
 )
 
@@ -740,7 +744,7 @@ class DropboxEmulator(Emulator):
             }
             spec = request.header("Range")
             if spec:
-                parsed = _parse_range(spec, size)
+                parsed = parse_range(spec, size)
                 if parsed is None:
                     handle.close()
                     return text_response(416, "Range Not Satisfiable",
@@ -830,48 +834,17 @@ class DropboxEmulator(Emulator):
         self.blobs.close()
 
 
-def _parse_range(spec: str, size: int) -> tuple[int, int] | None:
-    """``[start, end)`` of a single ``bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` range."""
-    unit, _, value = spec.partition("=")
-    if unit.strip() != "bytes" or "," in value:
-        return None
-    first, _, last = value.strip().partition("-")
-    if first == "":
-        n = int(last)
-        return (max(0, size - n), size) if n > 0 and size > 0 else None
-    start = int(first)
-    end = min(size, int(last) + 1) if last else size
-    if start >= size or end <= start:
-        return None
-    return start, end
-
-
 # --- fixtures --------------------------------------------------------------------------------
 
 
 @dataclass
-class DropboxService:
-    """A running emulator plus what clients need to reach it."""
+class DropboxService(EmulatorService):
+    """A running Dropbox emulator plus what clients need to reach it."""
 
-    server: EmulatorServer
     emulator: DropboxEmulator
 
-    @property
-    def base_url(self) -> str:
-        return self.server.base_url
-
-    @property
-    def ca_file(self) -> str:
-        assert self.server.ca_file is not None
-        return self.server.ca_file
-
     def env(self) -> dict[str, str]:
-        """Environment aiming `metasync` (and the backend) at this emulator."""
-        return {
-            "METASYNC_DROPBOX_API_URL": self.base_url,
-            "METASYNC_DROPBOX_CA_FILE": self.ca_file,
-            "METASYNC_DROPBOX_APP_KEY": TEST_APP_KEY,
-        }
+        return {**environment_for("dropbox", self.server), "METASYNC_DROPBOX_APP_KEY": TEST_APP_KEY}
 
     def sign_in(self, account: str = "default") -> None:
         """Store a grant for ``account`` in the test token store (as `metasync auth
@@ -880,7 +853,7 @@ class DropboxService:
 
         code = self.emulator.oauth.approve(
             {"client_id": TEST_APP_KEY, "response_type": "code",
-             "code_challenge": _challenge("v" * 64), "code_challenge_method": "S256"}
+             "code_challenge": pkce_challenge("v" * 64), "code_challenge_method": "S256"}
         )
         answer = self.emulator.oauth.token(
             {"grant_type": "authorization_code", "code": code, "client_id": TEST_APP_KEY,
@@ -903,38 +876,15 @@ class DropboxService:
         )
 
 
-def _challenge(verifier: str) -> str:
-    import base64
-
-    return base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).rstrip(b"=").decode()
-
-
 @contextlib.contextmanager
 def running_dropbox() -> Iterator[DropboxService]:
-    folder = Path(tempfile.mkdtemp(prefix="metasync-dropbox-emulator-"))
-    emulator = DropboxEmulator(folder)
-    server = EmulatorServer(emulator)
-    try:
+    with emulator_server("dropbox", DropboxEmulator) as (server, emulator):
         yield DropboxService(server, emulator)
-    finally:
-        server.close()
 
 
 @pytest.fixture(scope="session")
 def dropbox_service() -> Iterator[DropboxService]:
     """A Dropbox emulator for the whole session, aimed at by the process environment
     (child processes inherit it), with the default account signed in."""
-    import os
-
     with running_dropbox() as service:
-        saved = {k: os.environ.get(k) for k in service.env()}
-        os.environ.update(service.env())
-        try:
-            service.sign_in()
-            yield service
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        yield from serve_for_session(service)

@@ -47,7 +47,6 @@ import json
 import re
 import secrets
 import socket
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -66,13 +65,18 @@ from tests.emulators.base import (
     BlobStore,
     Emulator,
     EmulatorFaults,
-    EmulatorServer,
+    EmulatorService,
     OAuth2Server,
     OAuthError,
     Request,
     Response,
+    emulator_server,
+    environment_for,
     json_response,
+    parse_range,
+    pkce_challenge,
     route,
+    serve_for_session,
     text_response,
 )
 
@@ -687,7 +691,7 @@ class GDriveEmulator(Emulator):
         spec = request.header("Range")
         if not spec:
             return Response(200, headers, handle=handle, start=0, end=size)
-        parsed = _parse_range(spec, size)
+        parsed = parse_range(spec, size)
         if parsed is None:
             handle.close()
             return DriveError(416, "requestedRangeNotSatisfiable",
@@ -986,44 +990,18 @@ def _multipart(request: Request) -> tuple[dict[str, Any], bytes]:
     return meta, parts[1]
 
 
-def _parse_range(spec: str, size: int) -> tuple[int, int] | None:
-    unit, _, value = spec.partition("=")
-    if unit.strip() != "bytes" or "," in value:
-        return None
-    first, _, last = value.strip().partition("-")
-    if first == "":
-        n = int(last)
-        return (max(0, size - n), size) if n > 0 and size > 0 else None
-    start = int(first)
-    end = min(size, int(last) + 1) if last else size
-    if start >= size or end <= start:
-        return None
-    return start, end
-
-
 # --- fixtures --------------------------------------------------------------------------------
 
 
 @dataclass
-class GDriveService:
-    """A running emulator plus what clients need to reach it."""
+class GDriveService(EmulatorService):
+    """A running Google Drive emulator plus what clients need to reach it."""
 
-    server: EmulatorServer
     emulator: GDriveEmulator
-
-    @property
-    def base_url(self) -> str:
-        return self.server.base_url
-
-    @property
-    def ca_file(self) -> str:
-        assert self.server.ca_file is not None
-        return self.server.ca_file
 
     def env(self) -> dict[str, str]:
         return {
-            "METASYNC_GDRIVE_API_URL": self.base_url,
-            "METASYNC_GDRIVE_CA_FILE": self.ca_file,
+            **environment_for("gdrive", self.server),
             "METASYNC_GDRIVE_APP_KEY": TEST_CLIENT_ID,
             "METASYNC_GDRIVE_APP_SECRET": TEST_CLIENT_SECRET,
         }
@@ -1035,8 +1013,7 @@ class GDriveService:
         from metasync.backends.cloud import Grant, grant_lock, token_store
 
         verifier = "v" * 64
-        challenge = base64.urlsafe_b64encode(
-            hashlib.sha256(verifier.encode()).digest()).rstrip(b"=").decode()
+        challenge = pkce_challenge(verifier)
         code = self.emulator.oauth.approve(
             {"client_id": TEST_CLIENT_ID, "response_type": "code", "code_challenge": challenge,
              "code_challenge_method": "S256"})
@@ -1059,36 +1036,19 @@ class GDriveService:
 
 @contextlib.contextmanager
 def running_gdrive() -> Iterator[GDriveService]:
-    folder = Path(tempfile.mkdtemp(prefix="metasync-gdrive-emulator-"))
-    emulator = GDriveEmulator(folder)
-    server = EmulatorServer(emulator)
-    # Answers are written as headers, then body: without TCP_NODELAY (inherited by
-    # accepted sockets on Linux) each answer waits ~40 ms for the client's delayed ACK.
-    server._server.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
+    with emulator_server("gdrive", GDriveEmulator) as (server, emulator):
+        # Answers are written as headers, then body: without TCP_NODELAY (inherited by
+        # accepted sockets on Linux) each answer waits ~40 ms for the client's delayed ACK.
+        server._server.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         yield GDriveService(server, emulator)
-    finally:
-        server.close()
 
 
 @pytest.fixture(scope="session")
 def gdrive_service() -> Iterator[GDriveService]:
     """A Google Drive emulator for the whole session, aimed at by the process
     environment (child processes inherit it), with the default account signed in."""
-    import os
-
     with running_gdrive() as service:
-        saved = {k: os.environ.get(k) for k in service.env()}
-        os.environ.update(service.env())
-        try:
-            service.sign_in()
-            yield service
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        yield from serve_for_session(service)
 
 
 __all__ = ["GDRIVE_FAULTS", "GDriveEmulator", "GDriveService"]

@@ -67,7 +67,6 @@ import itertools
 import json
 import re
 import secrets
-import tempfile
 import threading
 import time
 import uuid
@@ -88,13 +87,17 @@ from tests.emulators.base import (
     BlobStore,
     Emulator,
     EmulatorFaults,
-    EmulatorServer,
+    EmulatorService,
     OAuth2Server,
     OAuthError,
     Request,
     Response,
+    emulator_server,
+    environment_for,
     json_response,
+    parse_range,
     route,
+    serve_for_session,
     text_response,
 )
 
@@ -700,7 +703,7 @@ class OneDriveEmulator(Emulator):
         headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
         spec = request.header("Range")
         if spec:
-            parsed = _parse_range(spec, size)
+            parsed = parse_range(spec, size)
             if parsed is None:
                 handle.close()
                 return json_response(416, graph_error_body(
@@ -1144,48 +1147,17 @@ def _entity_tags(value: str) -> list[str]:
     return tags or [value.strip()]
 
 
-def _parse_range(spec: str, size: int) -> tuple[int, int] | None:
-    """``[start, end)`` of a single ``bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` range."""
-    unit, _, value = spec.partition("=")
-    if unit.strip() != "bytes" or "," in value:
-        return None
-    first, _, last = value.strip().partition("-")
-    if first == "":
-        n = int(last)
-        return (max(0, size - n), size) if n > 0 and size > 0 else None
-    start = int(first)
-    end = min(size, int(last) + 1) if last else size
-    if start >= size or end <= start:
-        return None
-    return start, end
-
-
 # --- fixtures --------------------------------------------------------------------------------
 
 
 @dataclass
-class OneDriveService:
-    """A running emulator plus what clients need to reach it."""
+class OneDriveService(EmulatorService):
+    """A running OneDrive emulator plus what clients need to reach it."""
 
-    server: EmulatorServer
     emulator: OneDriveEmulator
 
-    @property
-    def base_url(self) -> str:
-        return self.server.base_url
-
-    @property
-    def ca_file(self) -> str:
-        assert self.server.ca_file is not None
-        return self.server.ca_file
-
     def env(self) -> dict[str, str]:
-        """Environment aiming `metasync` (and the backend) at this emulator."""
-        return {
-            "METASYNC_ONEDRIVE_API_URL": self.base_url,
-            "METASYNC_ONEDRIVE_CA_FILE": self.ca_file,
-            "METASYNC_ONEDRIVE_APP_KEY": TEST_APP_ID,
-        }
+        return {**environment_for("onedrive", self.server), "METASYNC_ONEDRIVE_APP_KEY": TEST_APP_ID}
 
     def sign_in(self, account: str = "default") -> None:
         """Sign ``account`` in through MSAL's device-code flow against the emulator,
@@ -1220,33 +1192,16 @@ class OneDriveService:
 
 @contextlib.contextmanager
 def running_onedrive() -> Iterator[OneDriveService]:
-    folder = Path(tempfile.mkdtemp(prefix="metasync-onedrive-emulator-"))
-    emulator = OneDriveEmulator(folder)
-    server = EmulatorServer(emulator)
-    try:
+    with emulator_server("onedrive", OneDriveEmulator) as (server, emulator):
         yield OneDriveService(server, emulator)
-    finally:
-        server.close()
 
 
 @pytest.fixture(scope="session")
 def onedrive_service() -> Iterator[OneDriveService]:
     """A OneDrive emulator for the whole session, aimed at by the process environment
     (child processes inherit it), with the default account signed in."""
-    import os
-
     with running_onedrive() as service:
-        saved = {k: os.environ.get(k) for k in service.env()}
-        os.environ.update(service.env())
-        try:
-            service.sign_in()
-            yield service
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        yield from serve_for_session(service)
 
 
 __all__ = [
