@@ -56,6 +56,7 @@ from metasync.paxos import (
     WriteHint,
     compact,
     get_recent,
+    past_floor,
     propose,
     publish_hint,
     read,
@@ -73,6 +74,9 @@ T = TypeVar("T")
 
 #: Compaction floors and marks live under this prefix (docs/FORMAT.md §9.1).
 FLOOR_PREFIX = "floor"
+#: Jumps over compaction floors one get_recent makes before giving up (a floor that
+#: keeps moving); each jump is progress.
+MAX_FLOOR_JUMPS = 20
 #: A proposal that took longer than this (wall clock, suspend included) checks the
 #: floor once more before its outcome counts: compaction waits twice as long.
 DEFAULT_LOG_GRACE_S = 24 * 3600.0
@@ -106,10 +110,23 @@ def _floor_of_key(key: str) -> int | None:
 @dataclass(frozen=True)
 class Mark:
     """A gc's note that every instance up to ``number`` was decided by ``time_ns``
-    (its clock): compaction may remove their logs a grace period later."""
+    (its clock), and that ``acceptors`` ran the instances after it: compaction may
+    remove their logs a grace period later."""
 
     number: int
     time_ns: int
+    acceptors: tuple[str, ...]
+
+
+class FloorElsewhere(MetasyncError):
+    """The client is behind a log compaction whose floor instance was decided by
+    other acceptors than this configuration's: it must find the newest version
+    another way (the backends' hints, as a fresh clone does)."""
+
+    def __init__(self, floor: int) -> None:
+        super().__init__(f"this client is behind the log compaction at version {floor}, "
+                         "which other backends decided")
+        self.floor = floor
 
 
 def encode_hint(codec: Codec, number: int, config_id: str) -> bytes:
@@ -197,10 +214,40 @@ class Consensus:
 
     # --- the API ---------------------------------------------------------------------
     def get_recent(self, known: Version) -> Version:
-        """The newest decided version at or after ``known``."""
-        version, reading = self.run(get_recent(self.setup, known, self.rng))
-        self._next = reading
-        return version
+        """The newest decided version at or after ``known``. Behind a log compaction,
+        it jumps to the floor's instance if this configuration's acceptors decided
+        it (the floor record names them), else raises :class:`FloorElsewhere`."""
+        for _ in range(MAX_FLOOR_JUMPS):
+            try:
+                version, reading = self.run(get_recent(self.setup, known, self.rng))
+            except Compacted as exc:
+                ran_by = self._floor_acceptors(exc.floor)
+                if ran_by is None:
+                    continue  # superseded by a newer floor meanwhile: read again
+                if ran_by != set(self.acceptors):
+                    raise FloorElsewhere(exc.floor) from None
+                known = self.run(past_floor(self.setup, exc.floor, self.rng))
+                if known.config != self.config_id:
+                    return known  # the caller continues on that configuration's acceptors
+                continue
+            self._next = reading
+            return version
+        raise BackendError("the log compaction floor kept moving while reading; retry",
+                           transient=True)
+
+    def _floor_acceptors(self, floor: int) -> set[str] | None:
+        """The acceptor ids a floor record names (those that ran its instance), from
+        the first acceptor that has it readable; None if none has (superseded)."""
+        key = floor_key(floor)
+        for backend in self.acceptors.values():
+            try:
+                doc = json.loads(self.codec.decode("floor", key, backend.get(key)))
+                ids = doc["acceptors"]
+            except (MetasyncError, ValueError, KeyError, TypeError, RecursionError):
+                continue
+            if isinstance(ids, list) and all(isinstance(i, str) for i in ids):
+                return set(ids)
+        return None
 
     def propose(self, instance: int, value: Version | None) -> Version | None:
         """Run ``instance`` to a decision; return the decided value (maybe another's).
@@ -239,15 +286,19 @@ class Consensus:
                         marked.add(acceptor)
         trusted = (len(self.acceptors) - 1) // 3 + 1 if self.quorums.byzantine else 1
         grace_ns = int(self.log_grace * 1e9)
-        below = max((m.number for m, count in marks.items()
+        ours = tuple(sorted(self.acceptors))
+        # The floor is the instance after a mark: it ran on the mark's acceptors,
+        # which must be these (a reader jumps there on the acceptors it names), and
+        # it is decided (a later version exists).
+        below = max((m.number + 1 for m, count in marks.items()
                      if count >= trusted and now_ns - m.time_ns >= grace_ns
-                     and 0 < m.number <= latest.number), default=0)
+                     and m.acceptors == ours and 0 < m.number < latest.number), default=0)
         removed = 0
         if below:
             removed = self.run(compact(self.setup, below))
         key = mark_key(latest.number)
         data = self.codec.encode("floor", key, json.dumps(
-            {"mark": latest.number, "time_ns": learned_ns}).encode())
+            {"mark": latest.number, "time_ns": learned_ns, "acceptors": list(ours)}).encode())
         # An existing mark for the same version stays: its older time ages first.
         unmarked = [b for a, b in self.acceptors.items() if a not in marked]
         if unmarked:
@@ -262,11 +313,12 @@ class Consensus:
                 continue
             try:
                 doc = json.loads(self.codec.decode("floor", key, backend.get(key)))
-                mark = Mark(doc["mark"], doc["time_ns"])
+                ids = doc["acceptors"]
+                mark = Mark(doc["mark"], doc["time_ns"], tuple(ids))
             except (ObjectNotFound, CorruptObject, ValueError, KeyError, TypeError, RecursionError):
                 continue  # unreadable or forged: as if absent
-            if (type(mark.number) is int and type(mark.time_ns) is int
-                    and key == mark_key(mark.number)):
+            if (type(mark.number) is int and type(mark.time_ns) is int and isinstance(ids, list)
+                    and all(isinstance(i, str) for i in ids) and key == mark_key(mark.number)):
                 out.append(mark)
         return out
 
@@ -419,9 +471,10 @@ class Consensus:
             return self._floor(backend)
         if isinstance(request, WriteFloor):
             if self._floor(backend) < request.below:
+                # Compaction runs on the acceptors that ran the floor's instance.
                 key = floor_key(request.below)
-                backend.put(key, self.codec.encode(
-                    "floor", key, json.dumps({"floor": request.below}).encode()))
+                backend.put(key, self.codec.encode("floor", key, json.dumps(
+                    {"floor": request.below, "acceptors": sorted(self.acceptors)}).encode()))
             return True
         if isinstance(request, DropLogs):
             return self._drop_logs(backend, request.below)

@@ -499,10 +499,10 @@ def get_recent(
     if it wrote there.
 
     Every read also reads the compaction floors. An instance below the floor is
-    never read or proposed: the walk jumps to the floor's instance (kept, and
-    decided). A value learned from one round trip is kept only if a later round
-    trip's floor does not cover it (compaction could have emptied its log just
-    before it was read; the floor was recorded before that).
+    never read or proposed: the walk raises :class:`Compacted`, and the caller
+    jumps with :func:`past_floor`. A value learned from one round trip is kept only
+    if a later round trip's floor does not cover it (compaction could have emptied
+    its log just before it was read; the floor was recorded before that).
     """
     current = known
     learned = False  # current came from this call's reads, not from the caller
@@ -524,20 +524,14 @@ def get_recent(
     while True:
         if reading.floor > reading.instance or (
                 learned and reading.floor > current.number and reading.decided is None):
-            current, learned = (yield from _past_floor(setup, reading.floor, rng)), True
-            if current.config != known.config:
-                return (yield from _checked(setup, current, rng)), None
-            reading = yield from read(setup, current.number + 1, rng, floor=True)
-            continue
+            # Behind the floor: the caller jumps there (past_floor), on the acceptors
+            # that decided that instance -- which only it can tell.
+            raise Compacted(reading.instance, reading.floor)
         nxt = reading.decided
         if nxt is None:
             if not reading.anything_accepted:
                 return current, reading
-            try:
-                nxt = yield from propose(setup, current.number + 1, None, rng, reading.logs)
-            except Compacted as exc:
-                reading = Reading(exc.instance, None, False, {}, exc.floor)
-                continue
+            nxt = yield from propose(setup, current.number + 1, None, rng, reading.logs)
             if nxt is None:
                 return current, None
         if nxt.number != current.number + 1:
@@ -550,9 +544,12 @@ def get_recent(
         reading = yield from read(setup, current.number + 1, rng, floor=True)
 
 
-def _past_floor(setup: Setup, floor: int, rng: random.Random) -> Run[Version]:
-    """The version decided in instance ``floor`` (or a later floor's): compaction
-    keeps that instance's logs and records a floor only once it is decided."""
+def past_floor(setup: Setup, floor: int, rng: random.Random) -> Run[Version]:
+    """The version decided in instance ``floor`` (or a later floor's), for a caller
+    whose :func:`get_recent` raised :class:`Compacted`: compaction keeps that
+    instance's logs and records a floor only once it is decided. ``setup`` must be
+    the acceptors that ran that instance (the floor record names them). The caller
+    then runs :func:`get_recent` from the result, which validates it."""
     attempt = 0
     while attempt < setup.max_attempts:
         reading = yield from read(setup, floor, rng, floor=True)
@@ -582,7 +579,7 @@ def _past_floor(setup: Setup, floor: int, rng: random.Random) -> Run[Version]:
 
 def _checked(setup: Setup, current: Version, rng: random.Random) -> Run[Version]:
     """``current`` (learned from the last round trip) once one more floor read shows
-    its instance was not compacted before that read; else the version past the floor."""
+    its instance was not compacted before that read; else :class:`Compacted`."""
     while True:
         replies = yield _floor_requests(setup)
         floor = _floor_of(setup, replies or [])
@@ -590,7 +587,7 @@ def _checked(setup: Setup, current: Version, rng: random.Random) -> Run[Version]
             raise NoQuorum(0, 1, current.number)
         if floor <= current.number:
             return current
-        current = yield from _past_floor(setup, floor, rng)
+        raise Compacted(current.number, floor)
 
 
 def publish_hint(setup: Setup, version: Version) -> Run[None]:

@@ -765,10 +765,19 @@ class Repository:
         """The newest decided version. Follows configuration changes: the instances
         after a version that changes the configuration are decided by the acceptors
         of its new configuration (docs/FORMAT.md §9)."""
+        from metasync.consensus import FloorElsewhere
+
         known = self.prev
         consensus = self.consensus
         for _ in range(MAX_CONFIG_HOPS):
-            latest = consensus.get_recent(known)
+            try:
+                latest = consensus.get_recent(known)
+            except FloorElsewhere as exc:
+                # Behind a log compaction that other acceptors than ours decided: start
+                # again from the newest version the backends' hints confirm, like a clone.
+                known = self._version_from_hints(consensus, exc)
+                consensus = self.consensus_for(known.config)
+                continue
             if latest.config == consensus.config_id:
                 epoch = self.load_config(latest.config).gc_epoch
                 if epoch > int(self.db.get("gc_epoch", 0)):
@@ -781,6 +790,24 @@ class Repository:
             f"the configuration changed more than {MAX_CONFIG_HOPS} times while reading; retry",
             transient=True,
         )
+
+    def _version_from_hints(self, consensus: Consensus, behind: MetasyncError) -> Version:
+        """The newest version that some backend's ``latest`` hint names and the
+        acceptors of the hint's configuration confirm (decided, not compacted)."""
+        from metasync.consensus import read_hint
+
+        backends = {**self.open_backends(self.config), **consensus.acceptors}
+        hints = sorted({h for b in backends.values() if (h := read_hint(self.codec, b))},
+                       reverse=True)
+        for number, config_id in hints:
+            try:
+                decided = self.consensus_for(config_id).learn(number)
+            except MetasyncError:
+                continue
+            if decided is not None and decided.number == number:
+                return decided
+        raise BackendError(f"{behind}, and no backend's latest-version hint could be "
+                           "confirmed; retry, or clone the repository again", transient=True)
 
     def _base_settings(self, version: Version) -> dict[str, Any]:
         """Local settings that make decided ``version`` the base (``prev``): its

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from metasync.backends.local import LocalBackend
 from metasync.codec import Codec
-from metasync.consensus import HINT_KEY, Consensus, floor_key, log_key
+from metasync.consensus import HINT_KEY, Consensus, FloorElsewhere, floor_key, log_key
 from metasync.errors import BackendError, BackendUnavailable, CorruptObject
 from metasync.keys import MasterKey
 from metasync.objects import Version
@@ -57,6 +57,7 @@ from metasync.paxos import (
     compact,
     decided,
     get_recent,
+    past_floor,
     propose,
     read,
     replay,
@@ -1179,10 +1180,14 @@ def test_reader_behind_the_floor_jumps_to_it_and_walks_on() -> None:
     cluster = Cluster()
     decide_versions(cluster, 6)
     drive(cluster, compact(make_setup(), 4))
-    (latest, reading), batches = drive(cluster, get_recent(make_setup(), V0, rng()))
-    # read 1 (compacted) -> read 4 (the floor) -> read 5 -> read 6 -> read 7 (empty)
-    assert latest == v(6) and reading is not None and reading.instance == 7
-    assert batches == 5
+    with pytest.raises(Compacted) as info:  # read 1: compacted
+        drive(cluster, get_recent(make_setup(), V0, rng()))
+    assert info.value.floor == 4
+    floor, batches = drive(cluster, past_floor(make_setup(), 4, rng()))
+    assert (floor, batches) == (v(4), 1)
+    # then read 5 (decided: behind) -> the hints (none here) -> read 6 -> read 7 (empty)
+    (latest, reading), batches = drive(cluster, get_recent(make_setup(), floor, rng()))
+    assert latest == v(6) and reading is not None and reading.instance == 7 and batches == 4
     # an up-to-date reader pays nothing extra: still one round trip
     assert drive(cluster, get_recent(make_setup(), v(6), rng()))[1] == 1
 
@@ -1197,7 +1202,9 @@ def test_proposal_below_the_floor_is_stopped_and_decides_nothing() -> None:
         drive(cluster, propose(make_setup(proposer="late"), 2, v(2, "late"), rng(), dict(EMPTY)))
     assert (info.value.instance, info.value.floor) == (2, 4)
     # what it appended in that round trip decides nothing a reader would learn
-    assert drive(cluster, get_recent(make_setup(), v(1), rng()))[0][0] == v(6)
+    with pytest.raises(Compacted):
+        drive(cluster, get_recent(make_setup(), v(1), rng()))
+    assert drive(cluster, get_recent(make_setup(), v(4), rng()))[0][0] == v(6)
 
 
 def test_byzantine_floor_needs_an_honest_voucher() -> None:
@@ -1215,15 +1222,21 @@ def test_consensus_compacts_logs_on_backends_after_the_grace(acceptors: Acceptor
     for n in range(1, 6):
         assert c.propose(n, v(n)) == v(n)
     hour = 3600 * 10**9
-    # The first gc leaves a mark: versions up to 5 were decided by (its clock) 1 h.
-    assert c.compact_logs(v(5), learned_ns=hour, now_ns=hour) == (0, 0)
+    # The first gc leaves a mark: versions up to 4 were decided by (its clock) 1 h.
+    assert c.compact_logs(v(4), learned_ns=hour, now_ns=hour) == (0, 0)
     # Later gcs before the grace is over change nothing (nor the mark's time).
-    assert c.compact_logs(v(5), learned_ns=2 * hour - 1, now_ns=2 * hour - 1) == (0, 0)
+    assert c.compact_logs(v(4), learned_ns=2 * hour - 1, now_ns=2 * hour - 1) == (0, 0)
+    # Once it is: the floor is the instance after the mark (decided: version 5 exists).
     floor, removed = c.compact_logs(v(5), learned_ns=2 * hour, now_ns=2 * hour)
     assert floor == 5 and removed >= 4 * 3
     for backend in acceptors.values():
         assert [i for i in range(1, 6) if log_folder(backend, i).exists()] == [5]
         assert sorted(backend.list("floor")) == ["floor/000000000005", "floor/mark-000000000005"]
+    # a floor names the acceptors that ran its instance; a client of other acceptors
+    # is told so instead of jumping on its own
+    lone = client({"b0": acceptors["b0"]}, "lone")
+    with pytest.raises(FloorElsewhere):
+        lone.get_recent(V0)
     bob = client(acceptors, "bob")
     assert bob.get_recent(V0) == v(5)
     assert bob.propose(3, v(3, "bob")) is None  # behind the floor: told to learn

@@ -238,3 +238,33 @@ def test_gc_compacts_old_logs_and_clients_behind_them_catch_up(tmp_path: Path) -
     run_cli("clone", f"dir:{backends[1]}", str(clone))
     assert snapshot(clone) == snapshot(a)
     assert len(run_cli("log", cwd=clone).stdout.split("commit ")) - 1 >= 11  # history whole
+
+
+def test_client_behind_compaction_and_a_backend_change_catches_up(tmp_path: Path) -> None:
+    """A clone that slept through a backend add and remove *and* a log compaction:
+    the floor points it at a version its old acceptors never decided, so it finds
+    the newest version from the backends' hints (as a fresh clone does) and pulls."""
+    a, backends = _repo(tmp_path)
+    (a / "first.txt").write_text("one\n")
+    run_cli("push", cwd=a)
+    b = tmp_path / "B"
+    run_cli("clone", f"dir:{backends[0]}", str(b))
+    extra = tmp_path / "b3"
+    extra.mkdir()
+    run_cli("backend", "add", f"dir:{extra}", cwd=a)
+    run_cli("backend", "remove", f"dir:{backends[2]}", cwd=a)
+    for i in range(4):
+        (a / f"file{i}.txt").write_text(f"version {i}\n")
+        run_cli("push", cwd=a)
+    run_cli("gc", "--log-grace", "0", cwd=a)
+    (a / "late.txt").write_text("after the mark\n")
+    run_cli("push", cwd=a)
+    out = run_cli("gc", "--log-grace", "0", cwd=a).stdout
+    assert "compacted the logs of versions before" in out, out
+    run_cli("pull", cwd=b)
+    assert snapshot(b) == snapshot(a)
+    (b / "first.txt").write_text("edited on B\n")
+    run_cli("push", cwd=b)
+    run_cli("pull", cwd=a)
+    assert snapshot(a) == snapshot(b)
+    assert run_cli("fsck", cwd=a).returncode == 0
