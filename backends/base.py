@@ -325,11 +325,11 @@ class ObjectReader(io.RawIOBase):
         self._handed_out(piece)
         return n
 
+    @abstractmethod
     def _next_piece(self, wanted: int) -> bytes:
         """The object's next bytes from ``_pos`` (``wanted`` is what the caller asked
         for, at most what is left; a piece may be shorter or longer). An empty piece
         ends the stream early, so a subclass raises instead (:meth:`_ended_early`)."""
-        raise NotImplementedError
 
     def _handed_out(self, data: bytes) -> None:
         """Called with the bytes each ``readinto`` handed out, after ``_pos`` moved past

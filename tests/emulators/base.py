@@ -49,6 +49,7 @@ import ssl
 import tempfile
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -850,7 +851,7 @@ S = TypeVar("S", bound="EmulatorService")
 
 
 @dataclass
-class EmulatorService:
+class EmulatorService(ABC):
     """A running emulator plus what clients need to reach it. Each provider's
     subclass narrows ``emulator`` and says how to aim clients at it (:meth:`env`), how
     to sign an account in (:meth:`sign_in`) and which HTTP faults its
@@ -868,14 +869,14 @@ class EmulatorService:
         assert self.server.ca_file is not None
         return self.server.ca_file
 
+    @abstractmethod
     def env(self) -> dict[str, str]:
         """Environment aiming `metasync` (and the backend) at this emulator."""
-        raise NotImplementedError
 
+    @abstractmethod
     def sign_in(self, account: str = "default") -> None:
         """Keep a grant for ``account`` in the test token store (as `metasync auth`
         would after the user approved)."""
-        raise NotImplementedError
 
 
 @contextlib.contextmanager
