@@ -519,7 +519,7 @@ def get_recent(
                 current, learned = confirmed.decided, True
                 if current.config != known.config:
                     # The next instance runs on other acceptors.
-                    return (yield from _checked(setup, current, rng)), None
+                    return (yield from _checked(setup, current)), None
                 reading = yield from read(setup, current.number + 1, rng, floor=True)
     while True:
         if reading.floor > reading.instance or (
@@ -540,7 +540,7 @@ def get_recent(
         if current.config != known.config:
             # A new configuration: the instances after it run on its acceptors, which
             # the caller must switch to (docs/FORMAT.md §9, "Configuration changes").
-            return (yield from _checked(setup, current, rng)), None
+            return (yield from _checked(setup, current)), None
         reading = yield from read(setup, current.number + 1, rng, floor=True)
 
 
@@ -577,17 +577,13 @@ def past_floor(setup: Setup, floor: int, rng: random.Random) -> Run[Version]:
     )
 
 
-def _checked(setup: Setup, current: Version, rng: random.Random) -> Run[Version]:
+def _checked(setup: Setup, current: Version) -> Run[Version]:
     """``current`` (learned from the last round trip) once one more floor read shows
     its instance was not compacted before that read; else :class:`Compacted`."""
-    while True:
-        replies = yield _floor_requests(setup)
-        floor = _floor_of(setup, replies or [])
-        if floor is None:
-            raise NoQuorum(0, 1, current.number)
-        if floor <= current.number:
-            return current
+    floor = yield from read_floor(setup)
+    if floor > current.number:
         raise Compacted(current.number, floor)
+    return current
 
 
 def publish_hint(setup: Setup, version: Version) -> Run[None]:
@@ -688,13 +684,20 @@ def _floor_of(setup: Setup, replies: Sequence[Reply]) -> int | None:
     return floors[trusted] if len(floors) > trusted else None
 
 
+def _floors(setup: Setup, replies: Sequence[Reply] | None) -> tuple[int | None, set[str]]:
+    """The floor a round trip's ``ReadFloor`` replies (one per acceptor, in order)
+    establish, and the acceptors whose floor arrived: only their other replies of
+    that round trip count."""
+    replies = list(replies) if replies is not None else [None] * len(setup.acceptors)
+    answered = {a for a, r in zip(setup.acceptors, replies, strict=True) if type(r) is int}
+    return _floor_of(setup, replies), answered
+
+
 def _with_floor(setup: Setup, logs: Logs, replies: Sequence[Reply] | None) -> tuple[Logs, int]:
     """Keep the logs of acceptors whose floor arrived in the same round trip; return
     them with the floor (0 if none could be established)."""
-    replies = list(replies) if replies is not None else [None] * len(setup.acceptors)
-    kept = {a: (log if type(replies[i]) is int else None)
-            for i, (a, log) in enumerate(logs.items())}
-    return kept, _floor_of(setup, replies) or 0
+    floor, answered = _floors(setup, replies)
+    return {a: (log if a in answered else None) for a, log in logs.items()}, floor or 0
 
 
 class _FloorCheck:
@@ -720,14 +723,12 @@ class _FloorCheck:
         """The batch's own replies, and the acceptors whose replies may be used."""
         if replies is None:
             return None, set()
-        floors = replies[size:]
-        floor = _floor_of(self.setup, floors)
+        floor, answered = _floors(self.setup, replies[size:])
         if floor is None:
             return replies[:size], set()
         if floor > self.instance:
             raise Compacted(self.instance, floor)
-        return replies[:size], {a for a, r in zip(self.setup.acceptors, floors, strict=True)
-                                if type(r) is int}
+        return replies[:size], answered
 
 
 def read_floor(setup: Setup) -> Run[int]:
