@@ -280,9 +280,6 @@ class Backend(ABC):
                 removed += 1
             except ObjectNotFound:
                 pass
-        forget = getattr(self, "_metasync_entry_cache", None)
-        if forget is not None:
-            forget.forget(log)
         return removed
 
     def close(self) -> None:  # noqa: B027 - optional hook

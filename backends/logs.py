@@ -101,6 +101,16 @@ class _EntryCache:
             del self.entries[key]
 
 
+class CachedEntries(Backend):
+    """Logs whose entries :func:`entry_cache` keeps: deleting a log also drops its
+    cached entries, so a position written again is read afresh."""
+
+    def delete_log(self, log: str) -> int:
+        removed = super().delete_log(log)
+        entry_cache(self).forget(log)
+        return removed
+
+
 def entry_cache(backend: Backend) -> _EntryCache:
     cache = getattr(backend, "_metasync_entry_cache", None)
     if cache is None:
@@ -109,7 +119,7 @@ def entry_cache(backend: Backend) -> _EntryCache:
     return cache
 
 
-class ObjectStoreLogs(Backend):
+class ObjectStoreLogs(CachedEntries):
     """``append``, ``append_at`` and ``fetch`` from ``put_if_absent`` (which must be
     atomic), ``size`` and ``list``."""
 
@@ -238,7 +248,7 @@ class _Position:
     blocks: dict[str, int] | None = None
 
 
-class RegisterLogs(Backend):
+class RegisterLogs(CachedEntries):
     """``append``, ``append_at`` and ``fetch`` from ``put`` (an atomic whole-object
     replace), ``get`` and ``list`` only.
 

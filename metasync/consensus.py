@@ -102,8 +102,11 @@ def _instance_of_log(key: str) -> int | None:
     return None
 
 
-def _floor_of_key(key: str) -> int | None:
-    name = key[len(FLOOR_PREFIX) + 1:] if key.startswith(FLOOR_PREFIX + "/") else ""
+def _floor_of_key(key: str, kind: str = "") -> int | None:
+    """The number in ``floor/<kind><12 digits>`` (a floor, or with ``kind="mark-"`` a
+    mark), else None."""
+    head = f"{FLOOR_PREFIX}/{kind}"
+    name = key[len(head):] if key.startswith(head) else ""
     return int(name) if len(name) == 12 and name.isdigit() else None
 
 
@@ -268,13 +271,15 @@ class Consensus:
             return None
         return chosen
 
-    def compact_logs(self, latest: Version, learned_ns: int, now_ns: int) -> tuple[int, int]:
+    def compact_logs(self, latest: Version, learned_ns: int, now_ns: int,
+                     grace_s: float | None = None) -> tuple[int, int]:
         """Log compaction, run by gc: remove the logs of every instance below the
-        newest mark older than the grace period (a mark says all instances up to it
-        were decided by then), then leave a mark for ``latest`` (learned at
-        ``learned_ns``). Returns ``(floor, log objects removed)``; the floor is 0 if
-        nothing was old enough. Raises :class:`BackendUnavailable` (nothing deleted)
-        if an acceptor cannot record the floor."""
+        newest mark older than the grace period (``grace_s``, default
+        :attr:`log_grace`; a mark says all instances up to it were decided by then),
+        then leave a mark for ``latest`` (learned at ``learned_ns``). Returns
+        ``(floor, log objects removed)``; the floor is 0 if nothing was old enough.
+        Raises :class:`BackendUnavailable` (nothing deleted) if an acceptor cannot
+        record the floor."""
         marks: dict[Mark, int] = {}
         marked: set[str] = set()  # acceptors that already hold a mark for ``latest``
         with ThreadPoolExecutor(len(self.acceptors), "metasync-marks") as pool:
@@ -285,7 +290,7 @@ class Consensus:
                     if mark.number == latest.number:
                         marked.add(acceptor)
         trusted = (len(self.acceptors) - 1) // 3 + 1 if self.quorums.byzantine else 1
-        grace_ns = int(self.log_grace * 1e9)
+        grace_ns = int((self.log_grace if grace_s is None else grace_s) * 1e9)
         ours = tuple(sorted(self.acceptors))
         # The floor is the instance after a mark: it ran on the mark's acceptors,
         # which must be these (a reader jumps there on the acceptors it names), and
@@ -309,7 +314,7 @@ class Consensus:
     def _marks(self, backend: Backend) -> list[Mark]:
         out = []
         for key in backend.list(FLOOR_PREFIX):
-            if not key.startswith(f"{FLOOR_PREFIX}/mark-"):
+            if _floor_of_key(key, "mark-") is None:
                 continue
             try:
                 doc = json.loads(self.codec.decode("floor", key, backend.get(key)))
@@ -499,9 +504,10 @@ class Consensus:
             for instance in sorted(instances):
                 removed += backend.delete_log(log_key(instance))
         for key in builtins.list(backend.list(FLOOR_PREFIX)):
-            floor = _floor_of_key(key)
-            mark = key.rsplit("-", 1)[-1] if key.startswith(mark_key(0)[:-12]) else ""
-            if (floor is not None and floor < below) or (mark.isdigit() and int(mark) < below):
+            number = _floor_of_key(key)
+            if number is None:
+                number = _floor_of_key(key, "mark-")
+            if number is not None and number < below:
                 try:
                     backend.delete(key)
                     removed += 1

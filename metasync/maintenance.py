@@ -735,12 +735,9 @@ def collect_garbage(
     latest = repo.learn_latest()
     learned_ns = time.time_ns()
     report = collect_objects(repo, latest, now_ns)
-    consensus = repo.consensus_for(latest.config)
-    if log_grace_s is not None:
-        consensus.log_grace = log_grace_s
     try:
-        report.log_floor, report.logs_removed = consensus.compact_logs(
-            latest, learned_ns, time.time_ns() if now_ns is None else now_ns)
+        report.log_floor, report.logs_removed = repo.consensus_for(latest.config).compact_logs(
+            latest, learned_ns, time.time_ns() if now_ns is None else now_ns, log_grace_s)
     except MetasyncError as exc:
         report.log_compaction_error = str(exc)
     return report

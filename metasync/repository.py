@@ -742,12 +742,8 @@ class Repository:
         hint = read_hint(self.codec, entry)
         if hint is None or hint[0] <= self.prev.number + 1:
             return
-        number, config_id = hint
-        try:
-            decided = self.consensus_for(config_id).learn(number)
-        except MetasyncError:
-            return
-        if decided is None or decided.number != number:
+        decided = self._confirm_hint(*hint)
+        if decided is None:
             return
         with self.db.transaction():
             for name, value in self._base_settings(decided).items():
@@ -791,6 +787,16 @@ class Repository:
             transient=True,
         )
 
+    def _confirm_hint(self, number: int, config_id: str) -> Version | None:
+        """Version ``number`` if the acceptors of ``config_id`` (the configuration a
+        hint names) show it decided and not compacted, else None (hints are only
+        shortcuts)."""
+        try:
+            decided = self.consensus_for(config_id).learn(number)
+        except MetasyncError:
+            return None
+        return decided if decided is not None and decided.number == number else None
+
     def _version_from_hints(self, consensus: Consensus, behind: MetasyncError) -> Version:
         """The newest version that some backend's ``latest`` hint names and the
         acceptors of the hint's configuration confirm (decided, not compacted)."""
@@ -800,11 +806,8 @@ class Repository:
         hints = sorted({h for b in backends.values() if (h := read_hint(self.codec, b))},
                        reverse=True)
         for number, config_id in hints:
-            try:
-                decided = self.consensus_for(config_id).learn(number)
-            except MetasyncError:
-                continue
-            if decided is not None and decided.number == number:
+            decided = self._confirm_hint(number, config_id)
+            if decided is not None:
                 return decided
         raise BackendError(f"{behind}, and no backend's latest-version hint could be "
                            "confirmed; retry, or clone the repository again", transient=True)
