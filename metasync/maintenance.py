@@ -222,6 +222,17 @@ class _ObjectOutcome:
     kept: int = 0
     lost: bool = False
 
+    def drop(self, backend: Backend, key: str) -> None:
+        """Delete one extra copy (its required copies are verified); one that cannot
+        be deleted now stays, counted as kept, for the next rebalance."""
+        try:
+            backend.delete(key)
+            self.dropped += 1
+        except ObjectNotFound:
+            pass
+        except MetasyncError:
+            self.kept += 1
+
 
 def _place_one(
     repo: Repository,
@@ -292,13 +303,7 @@ def _place_one(
         if backend_id in unreachable:
             out.kept += 1
             continue
-        try:
-            backends[backend_id].delete(key)
-            out.dropped += 1
-        except ObjectNotFound:
-            pass
-        except MetasyncError:
-            out.kept += 1
+        out.drop(backends[backend_id], key)
     return out
 
 
@@ -396,13 +401,7 @@ def _place_fragments(
             return out
         verified[backend_id] = index
     for index, backend_id in extras:
-        try:
-            backends[backend_id].delete(fragment_key(stored_id, index))
-            out.dropped += 1
-        except ObjectNotFound:
-            pass
-        except MetasyncError:
-            out.kept += 1
+        out.drop(backends[backend_id], fragment_key(stored_id, index))
     return out
 
 
