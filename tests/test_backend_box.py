@@ -179,7 +179,11 @@ def test_upload_race_reserved_name_then_conflict(
     box.put("race/seed", b"")
     folder = emulator.lookup(f"/specific/{box.namespace}/race")
     assert folder is not None
+    emulator.reservation_made.clear()
     sock, rest = _raw_upload_start(box_service, folder.id, "k", box.tokens.access_token())
+    # The other writer's upload must hold the name before ours starts (else ours
+    # reserves it first and the roles swap).
+    assert emulator.reservation_made.wait(60), "the other writer's upload did not reserve the name"
     box.policy.attempts = 60
     outcome: list[object] = []
     worker = threading.Thread(target=lambda: outcome.append(box.put_if_absent("race/k", b"mine")))

@@ -11,6 +11,8 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
+
 from conftest import run_cli, snapshot
 
 NAMESPACE = "metasync"
@@ -20,12 +22,17 @@ def _fragments(backend: Path) -> list[Path]:
     return sorted(p for p in (backend / NAMESPACE / "objects").glob("*/*.f*"))
 
 
-def test_erasure_2_of_3_survives_any_backend_at_one_and_a_half_times_the_size(tmp_path: Path) -> None:
+def test_erasure_2_of_3_survives_any_backend_at_one_and_a_half_times_the_size(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three backends, 2/3 coding, 24 MiB of incompressible files plus small ones:
     ``backend list`` prints about 1.5x storage; with any one backend folder gone, a
     clone from each of the other two is identical; a deleted and a corrupted
     fragment are found by fsck and rebuilt by ``fsck --repair``; a 4th backend
     takes its share of fragments and the repository stays whole."""
+    # 2 MiB packs: a dozen coded objects, so the 4th backend below surely gets some
+    # fragments (with the default 16 MiB packs there were two objects, and about 1 in 16
+    # repository keys would place neither on it, by the mapping's odds).
+    monkeypatch.setenv("METASYNC_PACK_SIZE", str(2 << 20))
     backends = [tmp_path / f"b{i}" for i in range(4)]
     for b in backends:
         b.mkdir()

@@ -344,6 +344,8 @@ class BoxEmulator(Emulator):
         #: Uploads refused with name_temporarily_reserved (and an event for tests).
         self.reserved_refusals = 0
         self.reserved_event = threading.Event()
+        #: Set whenever an upload reserves its name (tests wait for it).
+        self.reservation_made = threading.Event()
         self._code_times: dict[str, float] = {}
         self.limiter: _RateLimiter | None = None
         #: Requests per route name, for tests that count round trips.
@@ -907,6 +909,7 @@ class BoxEmulator(Emulator):
                     self._conflict(folder, name, as_list=False)
                     self._reserved.add((folder.id, name.lower()))
                     reserved.append((folder.id, name.lower()))
+                    self.reservation_made.set()
 
             try:
                 attributes, blob, size, sha1 = self._receive_multipart(request, check)
