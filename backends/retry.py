@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from metasync.errors import BackendError
+from metasync.errors import (
+    TransientError as TransientError,  # re-exported: backends raise it from here
+)
 
 log = logging.getLogger("metasync.backends")
 
@@ -33,14 +36,6 @@ T = TypeVar("T")
 
 #: Waits at least this long are logged at info level (a throttling service).
 LONG_WAIT = 5.0
-
-
-class TransientError(BackendError):
-    """A failure worth retrying; ``retry_after`` is the service's requested wait."""
-
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
-        super().__init__(message, transient=True)
-        self.retry_after = retry_after
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:

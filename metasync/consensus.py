@@ -29,21 +29,32 @@ from metasync.codec import Codec
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
+    Compacted,
+    Contended,
     CorruptObject,
+    FloorElsewhere,
     MetasyncError,
+    NoQuorum,
     ObjectNotFound,
 )
 from metasync.faults import crash_point
+from metasync.layout import (
+    FLOOR_PREFIX,
+    HINT_KEY,
+    LOG_PREFIX,
+    floor_key,
+    floor_of_key,
+    instance_of_log,
+    log_key,
+    mark_key,
+)
 from metasync.objects import Version
 from metasync.paxos import (
     Append,
     Backoff,
-    Compacted,
-    Contended,
     DropLogs,
     Fetch,
     Message,
-    NoQuorum,
     Quorums,
     ReadFloor,
     ReadHint,
@@ -63,7 +74,6 @@ from metasync.paxos import (
     read_floor,
 )
 
-HINT_KEY = "latest"
 #: Longest log a reader accepts (a hostile backend could claim any position).
 MAX_LOG = 100_000
 #: Default bound, in seconds, on how long consensus waits without progress.
@@ -72,42 +82,12 @@ DEFAULT_TIMEOUT = 30.0
 T = TypeVar("T")
 
 
-#: Compaction floors and marks live under this prefix (docs/FORMAT.md §9.1).
-FLOOR_PREFIX = "floor"
 #: Jumps over compaction floors one get_recent makes before giving up (a floor that
 #: keeps moving); each jump is progress.
 MAX_FLOOR_JUMPS = 20
 #: A proposal that took longer than this (wall clock, suspend included) checks the
 #: floor once more before its outcome counts: compaction waits twice as long.
 DEFAULT_LOG_GRACE_S = 24 * 3600.0
-
-
-def log_key(instance: int) -> str:
-    return f"log/{instance:012d}"
-
-
-def floor_key(below: int) -> str:
-    return f"{FLOOR_PREFIX}/{below:012d}"
-
-
-def mark_key(number: int) -> str:
-    return f"{FLOOR_PREFIX}/mark-{number:012d}"
-
-
-def _instance_of_log(key: str) -> int | None:
-    """The instance of a key ``log/<12 digits>/...``, else None."""
-    parts = key.split("/")
-    if len(parts) >= 2 and parts[0] == "log" and len(parts[1]) == 12 and parts[1].isdigit():
-        return int(parts[1])
-    return None
-
-
-def _floor_of_key(key: str, kind: str = "") -> int | None:
-    """The number in ``floor/<kind><12 digits>`` (a floor, or with ``kind="mark-"`` a
-    mark), else None."""
-    head = f"{FLOOR_PREFIX}/{kind}"
-    name = key[len(head):] if key.startswith(head) else ""
-    return int(name) if len(name) == 12 and name.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -119,17 +99,6 @@ class Mark:
     number: int
     time_ns: int
     acceptors: tuple[str, ...]
-
-
-class FloorElsewhere(MetasyncError):
-    """The client is behind a log compaction whose floor instance was decided by
-    other acceptors than this configuration's: it must find the newest version
-    another way (the backends' hints, as a fresh clone does)."""
-
-    def __init__(self, floor: int) -> None:
-        super().__init__(f"this client is behind the log compaction at version {floor}, "
-                         "which other backends decided")
-        self.floor = floor
 
 
 def encode_hint(codec: Codec, number: int, config_id: str) -> bytes:
@@ -314,7 +283,7 @@ class Consensus:
     def _marks(self, backend: Backend) -> list[Mark]:
         out = []
         for key in backend.list(FLOOR_PREFIX):
-            if _floor_of_key(key, "mark-") is None:
+            if floor_of_key(key, "mark-") is None:
                 continue
             try:
                 doc = json.loads(self.codec.decode("floor", key, backend.get(key)))
@@ -490,7 +459,7 @@ class Consensus:
         """The highest floor named under ``floor/`` (0: never compacted). Names are
         enough: a floor that is false can only send a reader to an instance whose
         decision it then confirms on a quorum, or fail (docs/protocol.md)."""
-        return max((f for f in map(_floor_of_key, backend.list(FLOOR_PREFIX)) if f is not None),
+        return max((f for f in map(floor_of_key, backend.list(FLOOR_PREFIX)) if f is not None),
                    default=0)
 
     @staticmethod
@@ -499,14 +468,14 @@ class Consensus:
         so, then the floors and marks it makes redundant. Returns objects removed."""
         removed = 0
         if backend.capabilities.log_deletion:
-            instances = {i for i in map(_instance_of_log, backend.list("log"))
+            instances = {i for i in map(instance_of_log, backend.list(LOG_PREFIX))
                          if i is not None and i < below}
             for instance in sorted(instances):
                 removed += backend.delete_log(log_key(instance))
         for key in builtins.list(backend.list(FLOOR_PREFIX)):
-            number = _floor_of_key(key)
+            number = floor_of_key(key)
             if number is None:
-                number = _floor_of_key(key, "mark-")
+                number = floor_of_key(key, "mark-")
             if number is not None and number < below:
                 try:
                     backend.delete(key)

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from metasync.backends import Backend, open_backend, public_uri
-from metasync.consensus import HINT_KEY
 from metasync.errors import BackendError, MetasyncError, UsageError
 from metasync.faults import watch_failure
+from metasync.layout import HINT_KEY
 from metasync.repository import Repository
 from metasync.worktree import IGNORE_FILE, META_DIR, TEMP_PREFIX, IgnoreRules
 
@@ -219,7 +219,7 @@ class Daemon:
         allow = self._allow_deletes
         self._allow_deletes = False
         st = repo.status()
-        tracked = sum(1 for row in repo.db.index_rows().values() if row.type != "dir")
+        tracked = repo.tracked_files()
         deleted = sum(1 for c in st.changes if c.kind == "deleted" and c.type != "dir")
         if not allow and self._too_many(deleted, tracked):
             self._pause(f"{deleted} of {tracked} files were deleted here at once; run "
@@ -237,7 +237,7 @@ class Daemon:
                 raise _Paused
         # Copies a backend missed while away are rewritten by a push, so one runs
         # for them too, even with nothing new.
-        missed = bool(repo.db.missing_copies())
+        missed = bool(repo.missing_copies())
         if st.changes or st.unpushed or latest.number > repo.prev.number or missed:
             result = repo.push()
             if result.conflicts:
@@ -309,10 +309,7 @@ class Daemon:
         for backend in self._acceptors.values():
             backend.close()
         self._acceptors, self._tokens = {}, {}
-        overrides: dict[str, str] = repo.db.get("uri_overrides", {})
-        for backend_id in repo.config.acceptors:
-            spec = repo.config.backend(backend_id)
-            uri = overrides.get(backend_id, spec.uri)
+        for backend_id, uri in repo.acceptor_uris().items():
             self._acceptors[backend_id] = open_backend(uri, repo.config.namespace)
             self._names[backend_id] = public_uri(uri)
         self._acceptors_config = repo.config_id
@@ -332,9 +329,7 @@ class Daemon:
 
     def _record_backends(self, repo: Repository) -> None:
         health = {self._names.get(b, b): "ok" for b in repo.config.acceptors}
-        for backend_id, why in repo.store.down.items():
-            health[self._names.get(backend_id, backend_id)] = f"unreachable: {why}"
-        for backend_id, why in repo.consensus.last_errors.items():
+        for backend_id, why in repo.health().items():
             health[self._names.get(backend_id, backend_id)] = why
         self.status.backends = health
 

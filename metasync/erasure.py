@@ -37,13 +37,13 @@ from dataclasses import dataclass
 import zfec
 
 from metasync.errors import CorruptObject, ObjectUnavailable, UsageError
-from metasync.objects import ObjectHasher, is_object_id
+
+# MAX_FRAGMENTS: the largest N accepted, in schemes and in fragment headers read from a backend.
+from metasync.objects import MAX_FRAGMENTS, ObjectHasher, is_object_id
 
 #: Objects whose stored size is below this stay replicated (Hybris, section 5:
 #: coding pays off only above about 1 MB).
 DEFAULT_THRESHOLD = 1024 * 1024
-#: Largest N accepted, in schemes and in fragment headers read from a backend.
-MAX_FRAGMENTS = 16
 
 FRAGMENT_MAGIC = b"MSF1"
 #: magic, k, n, index, reserved (0), object size, share length (big-endian).
@@ -54,7 +54,6 @@ SHARE_KIND = "share"
 HEADER_KIND = "fraghdr"
 
 _SCHEME = re.compile(r"^\s*(\d{1,3})\s*/\s*(\d{1,3})\s*$")
-_FRAGMENT_KEY = re.compile(r"^objects/([0-9a-f]{2})/([0-9a-f]{64})\.f(0|[1-9][0-9]?)$")
 
 
 # ----------------------------------------------------------------------------- scheme
@@ -147,26 +146,6 @@ def stored_bytes(scheme: ErasureScheme, size: int) -> int:
     """Total bytes of all N fragments (headers included) of an object of ``size``
     stored bytes: about ``size * n / k`` (1.5x for 2/3)."""
     return scheme.n * FragmentLayout(scheme, size).fragment_length
-
-
-# ----------------------------------------------------------------------------- keys
-
-
-def fragment_key(stored_id: str, index: int) -> str:
-    """Backend key of fragment ``index`` of ``stored_id``: ``objects/<id[:2]>/<id>.f<index>``."""
-    if not is_object_id(stored_id) or not 0 <= index < MAX_FRAGMENTS:
-        raise ValueError(f"no fragment key for {stored_id!r} #{index}")
-    return f"objects/{stored_id[:2]}/{stored_id}.f{index}"
-
-
-def parse_fragment_key(key: str) -> tuple[str, int] | None:
-    """``(stored_id, index)`` if ``key`` is exactly what :func:`fragment_key` makes,
-    else ``None`` (a replicated object, or anything else found when listing)."""
-    match = _FRAGMENT_KEY.match(key)
-    if not match or match.group(1) != match.group(2)[:2]:
-        return None
-    index = int(match.group(3))
-    return (match.group(2), index) if index < MAX_FRAGMENTS else None
 
 
 # ----------------------------------------------------------------------------- header
@@ -311,7 +290,7 @@ def encode_fragments(
     hasher: ObjectHasher, scheme: ErasureScheme, object_id: str, stored: bytes | memoryview
 ) -> list[bytes]:
     """The N fragment objects of the stored bytes of ``object_id``; fragment ``i``
-    goes to key :func:`fragment_key` ``(object_id, i)``. Deterministic: the same
+    goes to key :func:`metasync.layout.fragment_key` ``(object_id, i)``. Deterministic: the same
     input always gives the same bytes (so :func:`rebuild_fragment` can re-create
     one exactly)."""
     k, n = scheme.k, scheme.n

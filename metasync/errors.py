@@ -38,14 +38,6 @@ class ObjectUnavailable(MetasyncError):
     """No backend that should hold an object returned a good copy of it."""
 
 
-class MasterMoved(MetasyncError):
-    """Someone else advanced master since this client's last pull."""
-
-
-class Conflict(MetasyncError):
-    """Local and remote changes touch the same paths and cannot be applied without loss."""
-
-
 class BackendError(MetasyncError):
     """A backend failed. ``transient`` says whether a retry may succeed."""
 
@@ -65,8 +57,13 @@ class ObjectNotFound(BackendError):
     """The key does not exist on this backend."""
 
 
-class AlreadyExists(BackendError):
-    """An exclusive create found the key already present."""
+class TransientError(BackendError):
+    """A failure worth retrying (:mod:`metasync.backends.retry` retries it);
+    ``retry_after`` is the service's requested wait, if it named one."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message, transient=True)
+        self.retry_after = retry_after
 
 
 class InvalidKey(BackendError):
@@ -76,3 +73,49 @@ class InvalidKey(BackendError):
 class AuthorizationRequired(BackendError):
     """A cloud provider has no usable sign-in for this client: never signed in, or the
     grant expired or was revoked. The message says which ``metasync auth`` to run."""
+
+
+# --- pPaxos outcomes (raised by the sans-IO core in metasync.paxos) -------------------
+class ProtocolError(MetasyncError):
+    """An agreement could not be reached or read as asked; never a safety problem."""
+
+
+class NoQuorum(ProtocolError):
+    """Too few acceptors answered to decide anything (liveness, never safety)."""
+
+    def __init__(self, answered: int, needed: int, instance: int) -> None:
+        super().__init__(f"{answered} acceptors answered, {needed} needed (instance {instance})")
+        self.answered = answered
+        self.needed = needed
+        self.instance = instance
+
+
+class Compacted(ProtocolError):
+    """The instance is below the acceptors' compaction floor: it was decided long
+    ago and its logs may be gone, so nothing may be proposed or learned there. The
+    caller is behind; it learns from instance ``floor`` (which is kept) instead."""
+
+    def __init__(self, instance: int, floor: int) -> None:
+        super().__init__(f"instance {instance} is below the compaction floor {floor}")
+        self.instance = instance
+        self.floor = floor
+
+
+class Contended(ProtocolError):
+    """Proposers kept pre-empting each other for ``attempts`` attempts."""
+
+    def __init__(self, instance: int, attempts: int) -> None:
+        super().__init__(f"no decision in instance {instance} after {attempts} attempts")
+        self.instance = instance
+        self.attempts = attempts
+
+
+class FloorElsewhere(ProtocolError):
+    """The client is behind a log compaction whose floor instance was decided by
+    other acceptors than this configuration's: it must find the newest version
+    another way (the backends' hints, as a fresh clone does)."""
+
+    def __init__(self, floor: int) -> None:
+        super().__init__(f"this client is behind the log compaction at version {floor}, "
+                         "which other backends decided")
+        self.floor = floor

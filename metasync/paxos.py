@@ -39,7 +39,7 @@ from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from metasync.errors import CorruptObject
+from metasync.errors import Compacted, Contended, CorruptObject, NoQuorum
 from metasync.objects import Version
 
 T = TypeVar("T")
@@ -312,36 +312,6 @@ Reply = list[Message | None] | bool | int | None
 #: round trip), or a backoff. It is sent the replies, aligned with the batch.
 Step = list[Request] | Backoff
 Run = Generator[Step, list[Reply] | None, T]
-
-
-class NoQuorum(Exception):
-    """Too few acceptors answered to decide anything (liveness, never safety)."""
-
-    def __init__(self, answered: int, needed: int, instance: int) -> None:
-        super().__init__(f"{answered} acceptors answered, {needed} needed (instance {instance})")
-        self.answered = answered
-        self.needed = needed
-        self.instance = instance
-
-
-class Compacted(Exception):
-    """The instance is below the acceptors' compaction floor: it was decided long
-    ago and its logs may be gone, so nothing may be proposed or learned there. The
-    caller is behind; it learns from instance ``floor`` (which is kept) instead."""
-
-    def __init__(self, instance: int, floor: int) -> None:
-        super().__init__(f"instance {instance} is below the compaction floor {floor}")
-        self.instance = instance
-        self.floor = floor
-
-
-class Contended(Exception):
-    """Proposers kept pre-empting each other for ``attempts`` attempts."""
-
-    def __init__(self, instance: int, attempts: int) -> None:
-        super().__init__(f"no decision in instance {instance} after {attempts} attempts")
-        self.instance = instance
-        self.attempts = attempts
 
 
 @dataclass(frozen=True)

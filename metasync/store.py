@@ -1,8 +1,10 @@
 """The replicated, untrusted object store: mapping + translators + backends.
 
 Every stored object (pack, index, commit) lives at ``objects/<id[:2]>/<id>`` on
-the R backends the stable mapping names for its id. Writes go to all of them
-(many objects at once). Reads go to the holder expected to answer first -- by
+the R backends the stable mapping names for its id. This module places and reads;
+the writes themselves -- first uploads, repairs, moves and drops -- are
+:class:`metasync.replicator.Replicator`'s, through :meth:`RemoteStore.put_copy`
+for one copy. Reads go to the holder expected to answer first -- by
 each backend's measured latency and throughput and the bytes already being read
 from it, so many reads at once spread over all backends and a clone draws on
 their summed bandwidth (Hybris; HyCloud's multi-source downloads) -- and fall
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, BinaryIO
 from metasync.backends import Backend
 from metasync.codec import Codec
 from metasync.errors import BackendError, CorruptObject, MetasyncError, ObjectUnavailable
+from metasync.layout import fragment_key, object_key
 from metasync.mapping import StableMapping
 from metasync.objects import Config, PackEntry
 
@@ -37,11 +40,6 @@ if TYPE_CHECKING:
 COALESCE_GAP = 256 * 1024
 #: Longest range request: smaller pieces of a big pack spread over its holders.
 MAX_RUN = 4 * 1024 * 1024
-
-
-def object_key(stored_id: str) -> str:
-    """Backend key of a stored object (fanned out by the first two hex digits)."""
-    return f"objects/{stored_id[:2]}/{stored_id}"
 
 
 @dataclass
@@ -144,20 +142,6 @@ class RemoteStore:
         """True if an object of ``size`` stored bytes is erasure-coded."""
         return self.scheme is not None and size >= self.config.erasure_threshold
 
-    def _put_fragments(self, stored_id: str, data: bytes) -> dict[str, str]:
-        """Write fragment j of ``data`` to the j-th fragment holder; return failures."""
-        from metasync.erasure import encode_fragments, fragment_key
-
-        assert self.scheme is not None
-        fragments = encode_fragments(self.codec.hasher, self.scheme, stored_id, data)
-        failures: dict[str, str] = {}
-        holders = self.fragment_mapping.locate(stored_id)
-        for index, (backend_id, fragment) in enumerate(zip(holders, fragments, strict=True)):
-            reason = self.put_copy(backend_id, stored_id, fragment, fragment_key(stored_id, index))
-            if reason is not None:
-                failures[backend_id] = reason
-        return failures
-
     def fragment_order(self, stored_id: str, index: int) -> list[str]:
         """Where to look for fragment ``index``: its holder first, then the others."""
         holders = self.fragment_mapping.locate(stored_id)
@@ -166,7 +150,7 @@ class RemoteStore:
 
     def get_fragment(self, stored_id: str, index: int, *, whole: bool = True) -> bytes | None:
         """Fragment ``index`` (or only its header), from the first backend that has it."""
-        from metasync.erasure import fragment_key, header_length
+        from metasync.erasure import header_length
 
         assert self.scheme is not None
         key = fragment_key(stored_id, index)
@@ -287,71 +271,6 @@ class RemoteStore:
         self.stats.add_put(len(data) if isinstance(data, bytes) else data.tell() - start)
         return None
 
-    def upload(
-        self,
-        items: Iterable[tuple[str, Callable[[], BinaryIO]]],
-        on_done: Callable[[str, int, dict[str, str]], None],
-    ) -> None:
-        """Upload every ``(stored_id, open)`` to all its holders, many at once;
-        ``open()`` returns a fresh readable, seekable stream of the stored bytes.
-
-        ``on_done(stored_id, written, failures)`` runs in the caller's thread as each
-        object reaches enough holders (one, or k fragment holders); ``written`` is
-        the bytes stored on backends, ``failures`` maps backend id to reason for the
-        holders it did not reach. The copies of one object are written one
-        after another; different objects (and so different backends) in parallel. Raises
-        :class:`ObjectUnavailable` if some object reached no backend at all.
-        """
-
-        def task(stored_id: str, open_: Callable[[], BinaryIO]) -> tuple[str, int, dict[str, str]]:
-            failures: dict[str, str] = {}
-            size = 0
-            # Streamed from the source for each copy: memory stays at a few pieces
-            # per worker however large the object.
-            with open_() as stream:
-                size = stream.seek(0, 2)
-                if self.coded(size):
-                    stream.seek(0)
-                    return stored_id, size, self._put_fragments(stored_id, stream.read())
-                holders = self.mapping.locate(stored_id)
-                for backend_id in holders:
-                    stream.seek(0)
-                    reason = self.put_copy(backend_id, stored_id, stream)
-                    if reason is not None:
-                        failures[backend_id] = reason
-                size = stream.seek(0, 2)
-            return stored_id, size, failures
-
-        futures = [self.executor.submit(task, sid, load) for sid, load in items]
-        unplaced: list[str] = []
-        first_error: BaseException | None = None
-        for fut in futures:
-            try:
-                stored_id, size, failures = fut.result()
-            except BaseException as exc:  # keep draining so no task is left running
-                first_error = first_error or exc
-                continue
-            if self.scheme is not None and self.coded(size):
-                from metasync.erasure import stored_bytes
-
-                needed, total = self.scheme.k, self.scheme.n
-                written = stored_bytes(self.scheme, size) // total * (total - len(failures))
-            else:
-                needed, total = 1, len(self.mapping.locate(stored_id))
-                written = size * (total - len(failures))
-            if total - len(failures) < needed:
-                unplaced.append(stored_id)  # not reported done: it stays queued
-                continue
-            on_done(stored_id, written, failures)
-        if first_error is not None:
-            raise first_error
-        if unplaced:
-            reasons = "; ".join(sorted(set(self.down.values())))
-            raise ObjectUnavailable(
-                f"could not store {len(unplaced)} object(s) on any backend ({reasons}); "
-                "they stay queued and the next push retries"
-            )
-
     # --- reads --------------------------------------------------------------------
     def get_standalone(self, kind: str, object_id: str) -> bytes:
         """Plaintext of a standalone object, from the best backend with a good copy
@@ -463,8 +382,6 @@ class RemoteStore:
         return result
 
     def _range_of_fragment(self, pack_id: str, index: int, offset: int, length: int) -> bytes | None:
-        from metasync.erasure import fragment_key
-
         key = fragment_key(pack_id, index)
         for backend_id in self.fragment_order(pack_id, index):
             try:

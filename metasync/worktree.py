@@ -232,3 +232,22 @@ def conflict_name(name: str, device: str, when: str) -> str:
     while len(os.fsencode(stem)) > budget and stem:
         stem = stem[:-1]
     return f"{stem}{suffix}"
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """Temp file, fsync, rename: ``path`` holds all of ``data`` or does not exist."""
+    tmp = path.with_name(f".tmp-{os.urandom(6).hex()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Create ``path`` readable by its owner only (0600), durably; fails if it exists."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())

@@ -32,9 +32,7 @@ from metasync.erasure import (
     FragmentLayout,
     decode_fragments,
     encode_fragments,
-    fragment_key,
     header_length,
-    parse_fragment_key,
     rebuild_fragment,
     stored_bytes,
     systematic_ranges,
@@ -43,6 +41,7 @@ from metasync.erasure import (
     verify_header,
 )
 from metasync.errors import CorruptObject, MetasyncError, ObjectUnavailable, UsageError
+from metasync.layout import fragment_key, parse_fragment_key
 from metasync.objects import ObjectHasher
 
 HASHERS = {"encrypted": ObjectHasher(bytes(range(32))), "plain": ObjectHasher(None)}

@@ -144,13 +144,13 @@ def test_unreachable_backends_keep_objects_queued(
     head = a.head
     with pytest.raises(BackendError, match="only 0 of 3 backends answered"):
         a.push("offline")
-    assert a.head == head and not a.db.outbox(), "a failed push changes nothing"
+    assert a.head == head and not a.queued(), "a failed push changes nothing"
     for b, h in zip(backends, hidden, strict=True):
         h.rename(b)
     a.close()
     a = Repository.open(a.root)
     a.push()
-    assert not a.db.outbox()
+    assert not a.queued()
     c = _clone(tmp_path, backends, passphrase, "c")
     assert (c.root / "doc.txt").read_text() == "v2\n"
 
@@ -171,7 +171,7 @@ def test_one_backend_down_push_still_works(
     a = Repository.open(a.root)
     (a.root / "more.txt").write_text("more\n")
     a.push("healed")
-    assert not a.db.missing_copies()
+    assert not a.missing_copies()
     assert a.fsck().ok
 
 
@@ -186,11 +186,11 @@ def test_object_reaching_no_backend_stays_queued(
     monkeypatch.setattr(a.store, "put_copy", lambda b, sid, data: "refused")
     with pytest.raises(ObjectUnavailable):
         a.push("v2")
-    assert len(a.db.outbox()) == 3  # pack, index, commit
-    assert all((a.meta / "outbox" / sid).exists() for sid, _ in a.db.outbox())
+    assert len(a.queued()) == 3  # pack, index, commit
+    assert all((a.meta / "outbox" / sid).exists() for sid, _ in a.queued())
     monkeypatch.setattr(a.store, "put_copy", real_put)
     a.push()
-    assert not a.db.outbox()
+    assert not a.queued()
     c = _clone(tmp_path, backends, passphrase, "c")
     assert (c.root / "doc.txt").read_text() == "v2\n"
 
@@ -261,9 +261,9 @@ def test_many_pushes_merge_indexes(
 ) -> None:
     """Past MAX_INDEXES index objects a commit merges them into a few; a clone then
     finds every object through the merged indexes alone."""
-    from metasync import repository
+    from metasync import outbox
 
-    monkeypatch.setattr(repository, "MAX_INDEXES", 3)
+    monkeypatch.setattr(outbox, "MAX_INDEXES", 3)
     a = _init(tmp_path, backends, passphrase)
     for i in range(6):
         (a.root / f"file-{i}.txt").write_text(f"content {i}\n")

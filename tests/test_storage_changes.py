@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli, snapshot
-from metasync.maintenance import parse_object_key
+from metasync.layout import parse_object_key
 from metasync.objects import Config
 from metasync.repository import Repository
 from metasync.store import mapping_of

@@ -1,0 +1,236 @@
+"""Local commits: what changed in the folder, and recording it as a commit.
+
+``status`` compares the folder with the head commit, reading only files whose
+size, mtime or inode changed since they were last hashed. ``commit`` packs the
+changed content into the outbox and records the new head; nothing here talks to
+a backend except to read trees a status compares with.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from metasync.checkout import Checkout
+from metasync.context import RepoContext
+from metasync.faults import crash_point
+from metasync.graph import ObjectGraph
+from metasync.localdb import IndexRow
+from metasync.objects import Commit, Tree, same_entry
+from metasync.outbox import ObjectWriter, Outbox
+from metasync.scanner import Scanner, tree_fingerprint
+
+
+@dataclass(frozen=True)
+class Change:
+    path: str
+    kind: str  # "added", "modified", "deleted"
+    type: str
+
+
+@dataclass
+class Status:
+    """What ``metasync status`` reports: changes against the last local commit."""
+
+    changes: list[Change]
+    version: int
+    head: str | None
+    unpushed: bool
+    files_hashed: int
+
+    @property
+    def clean(self) -> bool:
+        return not self.changes and not self.unpushed
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "head": self.head,
+            "unpushed": self.unpushed,
+            "clean": self.clean,
+            "changes": [{"path": c.path, "change": c.kind, "type": c.type} for c in self.changes],
+        }
+
+
+@dataclass
+class CommitResult:
+    commit_id: str
+    tree_id: str
+    new_objects: dict[str, int]
+    packs: int
+    files_hashed: int
+
+
+class Committer:
+    """Status and local commits of one repository."""
+
+    def __init__(self, ctx: RepoContext, graph: ObjectGraph, scanner: Scanner,
+                 outbox: Outbox, checkout: Checkout) -> None:
+        self.ctx = ctx
+        self.state = ctx.state
+        self.graph = graph
+        self.scanner = scanner
+        self.outbox = outbox
+        self.checkout = checkout
+
+    # ---------------------------------------------------------------- status
+    def status(self) -> Status:
+        """Changes in the folder against the last commit. A checkout an interrupted
+        pull left is finished first (else its unapplied changes would look like the
+        user's)."""
+        self.checkout.resume()
+        scan = self.scanner.scan(None)
+        db = self.ctx.db
+        if scan.rows:
+            with db.transaction():
+                db.upsert_index(scan.rows)
+        head = self.graph.head_commit()
+        changes: list[Change] = []
+        fingerprint = tree_fingerprint(scan.files, scan.dirs)
+        if head is None or self.state.tree_memo != (fingerprint, head.tree):
+            root_id, trees = self.scanner.build_trees(scan.files, scan.dirs)
+            if head is not None and head.tree == root_id:
+                self.state.tree_memo = (fingerprint, root_id)
+            else:
+                # Descend only into folders whose tree ids differ: an unchanged subtree
+                # costs nothing, and an unchanged folder costs one comparison.
+                self._diff_trees(head.tree if head else None, root_id, trees, "", changes)
+        changes.sort(key=lambda c: c.path)
+        prev, head_id = self.state.prev, self.state.head
+        return Status(
+            changes=changes,
+            version=prev.number,
+            head=head_id,
+            unpushed=head_id is not None and head_id != prev.master,
+            files_hashed=scan.files_hashed,
+        )
+
+    def _diff_trees(
+        self,
+        old_id: str | None,
+        new_id: str | None,
+        new_trees: dict[str, bytes],
+        prefix: str,
+        out: list[Change],
+    ) -> None:
+        """Append the changes from tree ``old_id`` (stored) to ``new_id`` (just built)."""
+        old = Tree.from_bytes(self.graph.fetch_packed([old_id])[old_id]).by_name() if old_id else {}
+        new = Tree.from_bytes(new_trees[new_id]).by_name() if new_id else {}
+        for name in old.keys() | new.keys():
+            path = f"{prefix}/{name}" if prefix else name
+            o, n = old.get(name), new.get(name)
+            if o is not None and n is not None and o.type == "dir" and n.type == "dir":
+                if o.ref != n.ref:
+                    self._diff_trees(o.ref, n.ref, new_trees, path, out)
+                continue
+            if o is not None and n is not None and same_entry(o, n):
+                continue
+            if o is not None:
+                if n is not None and o.type != "dir" and n.type != "dir":
+                    out.append(Change(path, "modified", n.type))
+                    continue
+                out.append(Change(path, "deleted", o.type))
+                if o.type == "dir":
+                    self._diff_trees(o.ref, None, new_trees, path, out)
+            if n is not None:
+                out.append(Change(path, "added", n.type))
+                if n.type == "dir":
+                    self._diff_trees(None, n.ref, new_trees, path, out)
+
+    # ---------------------------------------------------------------- commit
+    def commit(self, message: str = "") -> CommitResult | None:
+        """Record the folder as a new local commit; ``None`` if nothing changed.
+
+        New objects are packed, encrypted and written to the outbox (flushed to
+        disk) before the commit that refers to them is recorded.
+        """
+        self.checkout.resume()
+        self.outbox.clean()
+        writer = self.outbox.writer()
+        # A checkout scans again before it compares anything with a scan, so a commit
+        # need not keep this one (on a huge tree it is a third of the memory).
+        scan = self.scanner.scan(writer.sink, flush_index=True, keep_seen=False)
+        for path in scan.skipped:
+            self.ctx.reporter.note(f"skipped {path}: it changed while being read; it is committed next time")
+        fingerprint = tree_fingerprint(scan.files, scan.dirs)
+        empty = not scan.files and not scan.dirs
+        db = self.ctx.db
+
+        def emit(tree_id: str, data: bytes) -> None:
+            # Packed and cached as built; both are keyed by content, so a commit that
+            # fails after this leaves nothing wrong behind.
+            writer.sink("tree", tree_id, data)
+            db.cache_object(tree_id, "tree", data)
+
+        with db.transaction():
+            root_id, trees = self.scanner.build_trees(scan.files, scan.dirs, emit)  # empties files
+            self.state.tree_memo = (fingerprint, root_id)
+        head = self.graph.head_commit()
+        prev = self.state.prev
+        unchanged = (head is not None and head.tree == root_id) or (
+            head is None and empty and prev.master is None
+        )
+        if unchanged:
+            # Every pack gets an index, even without a commit (a busy file may have left
+            # new blobs): a later commit that reuses them must be able to list them.
+            stored = writer.finish()
+            self.outbox.store_standalone(stored)
+            with db.transaction():
+                self.outbox.record_packs(writer.finished, scan.rows)
+                self.outbox.record_standalone(stored)
+            return None
+        parent = head or (self.graph.load_commit(prev.master) if prev.master else None)
+        if head is None and parent is not None:
+            self.graph.load_indexes(parent)
+        head_id = self.state.head
+        commit_id = self.seal(
+            writer, root_id, trees, parents=(head_id,) if head_id else (),
+            message=message, inherited=[parent] if parent else [], refreshed=scan.rows,
+        )
+        return CommitResult(commit_id, root_id, writer.counts, len(writer.finished),
+                            scan.files_hashed)
+
+    def seal(
+        self,
+        writer: ObjectWriter,
+        root_id: str,
+        trees: dict[str, bytes],
+        *,
+        parents: tuple[str, ...],
+        message: str,
+        inherited: list[Commit],
+        refreshed: list[IndexRow],
+        then: Callable[[], None] | None = None,
+    ) -> str:
+        """Pack the new trees, write indexes and the commit to the outbox, and make
+        it head -- and run ``then`` -- in one transaction. Returns its id."""
+        for tid, data in trees.items():
+            writer.sink("tree", tid, data)
+        stored = writer.finish()
+        indexes = self.outbox.commit_indexes(inherited, stored)
+        commit = Commit(
+            tree=root_id,
+            parents=parents,
+            client=self.ctx.client_id,
+            device=self.ctx.device,
+            time_ns=time.time_ns(),
+            message=message,
+            indexes=tuple(sorted(indexes)),
+        )
+        commit_bytes = commit.to_bytes()
+        commit_id = self.ctx.codec.id_of("commit", commit_bytes)
+        stored.append(("commit", commit_id, commit_bytes))
+        self.outbox.store_standalone(stored)
+        crash_point("commit:stored")
+        db = self.ctx.db
+        with db.transaction():
+            self.outbox.record_packs(writer.finished, refreshed)
+            for tid, data in trees.items():
+                db.cache_object(tid, "tree", data)
+            self.outbox.record_standalone(stored)
+            self.state.head = commit_id
+            if then is not None:
+                then()
+        return commit_id

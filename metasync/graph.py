@@ -1,0 +1,195 @@
+"""The object graph: commits, indexes, trees and file contents, read back.
+
+Commits name their tree and the index objects that locate every object the tree
+needs (docs/FORMAT.md §6); this module loads them (from the local cache or the
+store), flattens trees, walks history, and reads blobs for checkouts and
+restores. Everything read is verified by the codec on the way (ids, MACs), and
+metadata objects are cached locally so an unchanged history costs no reads.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator
+
+from metasync.context import RepoContext
+from metasync.errors import CorruptObject, ObjectUnavailable
+from metasync.localdb import location_in
+from metasync.objects import Commit, FileObject, Index, PackEntry, Tree, TreeEntry
+
+#: Worker threads' own read-only connections to the local database.
+_thread_conns = threading.local()
+
+
+class ObjectGraph:
+    """Reads of commits, indexes, trees and blobs for one repository."""
+
+    def __init__(self, ctx: RepoContext) -> None:
+        self.ctx = ctx
+        self.db = ctx.db
+        self.store = ctx.store
+
+    # ---------------------------------------------------------------- commits
+    def load_commit(self, commit_id: str) -> Commit:
+        data = self.db.cached_object(commit_id)
+        if data is None:
+            data = self.store.get_standalone("commit", commit_id)
+            self.db.cache_object(commit_id, "commit", data)
+        return Commit.from_bytes(data)
+
+    def head_commit(self) -> Commit | None:
+        """This client's latest local commit, if it has one."""
+        head = self.ctx.state.head
+        return self.load_commit(head) if head else None
+
+    def first_parents(self, start: str | None) -> Iterator[tuple[str, Commit]]:
+        """``(id, commit)`` from ``start`` back to the first commit along first
+        parents: the versions master went through (a merge's first parent is the
+        version it merged into), newest first."""
+        current = start
+        while current:
+            commit = self.load_commit(current)
+            yield current, commit
+            current = commit.parents[0] if commit.parents else None
+
+    def history(self, master: str) -> dict[str, Commit]:
+        """Every commit reachable from ``master`` through any parent."""
+        out: dict[str, Commit] = {}
+        todo = [master]
+        while todo:
+            cid = todo.pop()
+            if cid in out:
+                continue
+            commit = self.load_commit(cid)
+            out[cid] = commit
+            todo.extend(p for p in commit.parents if p not in out)
+        return out
+
+    # ---------------------------------------------------------------- indexes
+    def load_index(self, index_id: str, historic: bool = False) -> None:
+        """Learn the locations index ``index_id`` lists (see :meth:`load_indexes`)."""
+        state = self.db.index_state(index_id)
+        if state is not None and (historic or state != "historic"):
+            return
+        data = self.db.cached_object(index_id) or self.store.get_standalone("index", index_id)
+        index = Index.from_bytes(data)
+        with self.db.transaction():
+            self.db.cache_object(index_id, "index", data)
+            for pack_id, entries in index.packs:
+                self.db.add_locations(pack_id, entries, historic=historic)
+            self.db.set_index_state(index_id, "historic" if historic else "remote")
+
+    def load_indexes(self, commit: Commit, historic: bool = False) -> None:
+        """Learn where ``commit``'s objects are. ``historic``: the commit is older than
+        the current master's line (a version being restored or compared): its
+        indexes may list packs a gc has collected, so they serve reads only."""
+        for index_id in commit.indexes:
+            self.load_index(index_id, historic)
+
+    def read_index(self, index_id: str) -> Index:
+        """An index object, from the local cache or the backends."""
+        data = self.db.cached_object(index_id)
+        if data is None:
+            data = self.store.get_standalone("index", index_id)
+            with self.db.transaction():
+                self.db.cache_object(index_id, "index", data)
+        return Index.from_bytes(data)
+
+    # ---------------------------------------------------------------- trees
+    def fetch_packed(self, ids: Iterable[str]) -> dict[str, bytes]:
+        """Plaintexts of packed metadata objects (trees, files), cached locally."""
+        result: dict[str, bytes] = {}
+        by_pack: dict[str, list[PackEntry]] = {}
+        for object_id in ids:
+            data = self.db.cached_object(object_id)
+            if data is not None:
+                result[object_id] = data
+                continue
+            loc = self.db.location(object_id)
+            if loc is None:
+                raise ObjectUnavailable(f"object {object_id[:12]} is in no known pack")
+            by_pack.setdefault(loc[0], []).append(loc[1])
+        futures = [
+            self.store.executor.submit(self.store.read_entries, pack_id, entries)
+            for pack_id, entries in by_pack.items()
+        ]
+        with self.db.transaction():
+            for fut in futures:
+                for object_id, data in fut.result().items():
+                    entry = self.db.location(object_id)
+                    kind = entry[1].kind if entry else "tree"
+                    self.db.cache_object(object_id, kind, data)
+                    result[object_id] = data
+        return result
+
+    def flatten(self, tree_id: str | None) -> dict[str, TreeEntry]:
+        """Every path in a tree (folders included), fetching trees level by level."""
+        flat: dict[str, TreeEntry] = {}
+        if tree_id is None:
+            return flat
+        level: list[tuple[str, str]] = [("", tree_id)]
+        while level:
+            fetched = self.fetch_packed(t for _, t in level)
+            nxt: list[tuple[str, str]] = []
+            for prefix, tid in level:
+                tree = Tree.from_bytes(fetched[tid])
+                for entry in tree.entries:
+                    path = f"{prefix}/{entry.name}" if prefix else entry.name
+                    flat[path] = entry
+                    if entry.type == "dir":
+                        nxt.append((path, entry.ref))
+            level = nxt
+        return flat
+
+    def tree_at(self, commit_id: str) -> dict[str, TreeEntry]:
+        """Every path of a commit's tree (flattened), loading what it needs."""
+        commit = self.load_commit(commit_id)
+        state = self.ctx.state
+        self.load_indexes(commit, historic=commit_id not in (state.head, state.prev.master))
+        return self.flatten(commit.tree)
+
+    def file_chunks(self, entry: TreeEntry) -> list[tuple[str, int]]:
+        """(blob id, length) of a file entry's content, in order."""
+        if entry.type == "file":
+            return [(entry.ref, entry.size)]
+        obj = FileObject.from_bytes(self.fetch_packed([entry.ref])[entry.ref])
+        if obj.size != entry.size:
+            raise CorruptObject(f"file object {entry.ref[:12]} size differs from its entry")
+        return [(c.blob_id, c.length) for c in obj.chunks]
+
+    def reachable_objects(self, commit: Commit) -> set[str]:
+        """Every tree, file object and blob ``commit``'s tree needs."""
+        self.load_indexes(commit, historic=True)
+        out = {commit.tree}
+        for entry in self.flatten(commit.tree).values():
+            if entry.type in ("dir", "file"):
+                out.add(entry.ref)
+            elif entry.type == "chunked":
+                out.add(entry.ref)
+                out.update(b for b, _ in self.file_chunks(entry))
+        return out
+
+    # ---------------------------------------------------------------- blobs
+    def location(self, object_id: str) -> tuple[str, PackEntry]:
+        """Where ``object_id`` is; usable from worker threads (own read-only connection)."""
+        conn = getattr(_thread_conns, "conn", None)
+        if conn is None or getattr(_thread_conns, "path", None) != self.db.path:
+            conn = sqlite3.connect(f"file:{self.db.path}?mode=ro", uri=True)
+            _thread_conns.conn, _thread_conns.path = conn, self.db.path
+        found = location_in(conn, object_id)
+        if found is None:
+            raise ObjectUnavailable(f"object {object_id[:12]} is in no known pack")
+        return found
+
+    def read_blobs(self, group: list[tuple[str, int]]) -> dict[str, bytes]:
+        """Plaintexts of the blobs ``(id, length)`` of ``group``, by id (from any thread)."""
+        by_pack: dict[str, list[PackEntry]] = {}
+        for blob_id, _ in group:
+            loc = self.location(blob_id)
+            by_pack.setdefault(loc[0], []).append(loc[1])
+        data: dict[str, bytes] = {}
+        for pack_id, entries in by_pack.items():
+            unique = list({e.object_id: e for e in entries}.values())
+            data.update(self.store.read_entries(pack_id, unique))
+        return data

@@ -1,0 +1,210 @@
+"""History: the log of versions, and bringing back a file or folder as it was.
+
+``log`` follows first parents from head (the versions master went through).
+``restore`` finds the version to restore from (a commit id prefix, a snapshot,
+``~N``, or by default the newest version where the path differs from the
+folder) and writes it with the checkout's :class:`~metasync.checkout.FileWriter`:
+to a temporary file, flushed, renamed; a file in the way whose content is in no
+version is kept as a conflict copy first.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from metasync.checkout import FileWriter, now_stamp
+from metasync.context import RepoContext
+from metasync.errors import UsageError
+from metasync.graph import ObjectGraph
+from metasync.objects import Config, TreeEntry
+from metasync.versions import Versions
+from metasync.worktree import META_DIR, FileChanged, ScanEntry, conflict_name
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    commit_id: str
+    device: str
+    client: str
+    time_ns: int
+    message: str
+    parents: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "commit": self.commit_id,
+            "device": self.device,
+            "client": self.client,
+            "time": datetime.fromtimestamp(self.time_ns / 1e9).astimezone().isoformat(),
+            "message": self.message,
+            "parents": list(self.parents),
+        }
+
+
+@dataclass
+class RestoreResult:
+    """What ``restore`` brought back, from which version."""
+
+    commit_id: str
+    time_ns: int
+    target: str
+    restored: list[str] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
+
+
+def repo_path(path: str) -> str:
+    """A path inside the repository, as trees name it: relative, ``/``-separated,
+    with no ``.`` or ``..`` parts."""
+    parts = [p for p in path.replace(os.sep, "/").split("/") if p not in ("", ".")]
+    if not parts or ".." in parts or parts[0] == META_DIR:
+        raise UsageError(f"{path!r} is not a path inside the repository")
+    return "/".join(parts)
+
+
+class History:
+    """The history of one repository, read and restored from."""
+
+    def __init__(self, ctx: RepoContext, versions: Versions, graph: ObjectGraph) -> None:
+        self.ctx = ctx
+        self.versions = versions
+        self.graph = graph
+        self.writer = FileWriter(ctx, graph)
+
+    def log(self, limit: int | None = None) -> list[LogEntry]:
+        """The linear history: commits from head back to the first along first
+        parents (a merge's first parent is the version it merged into), newest first."""
+        out: list[LogEntry] = []
+        if limit is not None and limit <= 0:
+            return out
+        state = self.ctx.state
+        for cid, c in self.graph.first_parents(state.head or state.prev.master):
+            out.append(LogEntry(cid, c.device, c.client, c.time_ns, c.message, c.parents))
+            if limit is not None and len(out) >= limit:
+                break
+        return out
+
+    def restore(self, path: str, version: str | None = None,
+                to: str | Path | None = None) -> RestoreResult:
+        """Bring back ``path`` (a file or a folder, relative to the repository) as it
+        was in an earlier version: ``version`` is a commit id prefix, a snapshot
+        name or ``~N`` (N versions back); by default the newest version in which it
+        existed and differed from the folder. Written to ``to`` (default: ``path``);
+        a file in the way whose content is not in history is kept as a conflict copy."""
+        path = repo_path(path)
+        latest = self.versions.learn_latest()
+        config = self.versions.load_config(latest.config)
+        if latest.master is None:
+            raise UsageError("nothing has been pushed yet")
+        with self.versions.reading_with(config):
+            commit_id, tree = self._find_version(path, version, latest.master, config)
+            commit = self.graph.load_commit(commit_id)
+            wanted = {p: e for p, e in tree.items() if p == path or p.startswith(path + "/")}
+            dest_root = Path(to).absolute() if to is not None else self.ctx.root / path
+            head = self.graph.head_commit()
+            current = self.graph.flatten(head.tree) if head is not None else {}
+            result = RestoreResult(commit_id, commit.time_ns, str(dest_root))
+            stamp = now_stamp()
+            for p, entry in sorted(wanted.items()):
+                rel = p[len(path):].lstrip("/")
+                dest = dest_root / rel if rel else dest_root
+                self._restore_entry(entry, dest, current.get(p) if to is None else None, stamp, result)
+        return result
+
+    def _find_version(
+        self, path: str, version: str | None, master: str, config: Config
+    ) -> tuple[str, dict[str, TreeEntry]]:
+        chain = [cid for cid, _ in self.graph.first_parents(master)]
+        history = self.graph.history(master)
+
+        def pruned(cid: str) -> bool:
+            return (history[cid].time_ns < config.gc_cutoff_ns and cid != master
+                    and cid not in dict(config.snapshots).values())
+
+        if version is not None:
+            if config.snapshot(version) is not None:
+                commit_id = config.snapshot(version)
+            elif version.startswith("~") and version[1:].isdigit():
+                n = int(version[1:])
+                if n >= len(chain):
+                    raise UsageError(f"history has only {len(chain)} versions; {version} is too far back")
+                commit_id = chain[n]
+            else:
+                found = [c for c in history if c.startswith(version.lower())] if len(version) >= 4 else []
+                if len(found) != 1:
+                    raise UsageError(f"{version!r} names {'no' if not found else 'more than one'} "
+                                     "version; give a commit id (metasync log), a snapshot or ~N")
+                commit_id = found[0]
+            assert commit_id is not None
+            if pruned(commit_id):
+                raise UsageError(f"version {commit_id[:12]} is older than the retention and gc "
+                                 "collected its files; snapshot versions you want to keep")
+            tree = self.graph.tree_at(commit_id)
+            if path not in tree:
+                raise UsageError(f"{path} is not in version {commit_id[:12]}")
+            return commit_id, tree
+        for cid in chain:
+            if pruned(cid):
+                break
+            tree = self.graph.tree_at(cid)
+            if path in tree and not self._same_as_folder(path, tree):
+                return cid, tree
+        raise UsageError(f"no kept version has a {path} that differs from the folder's; "
+                         "see `metasync log` and use --version")
+
+    def _same_as_folder(self, path: str, tree: dict[str, TreeEntry]) -> bool:
+        """True if every file of ``tree`` at or under ``path`` is in the folder as is."""
+        for p, entry in tree.items():
+            if p != path and not p.startswith(path + "/"):
+                continue
+            if not self._matches(self.ctx.root / p, entry):
+                return False
+        return True
+
+    def _restore_entry(self, entry: TreeEntry, dest: Path, in_head: TreeEntry | None,
+                       stamp: str, result: RestoreResult) -> None:
+        if entry.type == "dir":
+            dest.mkdir(parents=True, exist_ok=True)
+            return
+        if os.path.lexists(dest):
+            if self._matches(dest, entry):
+                return  # already as it was
+            if in_head is None or not self._matches(dest, in_head):
+                # Its content is in no version: keep it under a conflict name.
+                copy = dest.with_name(conflict_name(dest.name, self.ctx.device, stamp))
+                os.rename(dest, copy)
+                result.conflicts.append(str(copy))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        chunks = [] if entry.type == "link" else self.graph.file_chunks(entry)
+        tmp, _ = self.writer.write_temp(dest, entry, chunks, durable=True)
+        try:
+            os.replace(tmp, dest)
+        except BaseException:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            raise
+        result.restored.append(str(dest))
+
+    def _matches(self, path: Path, entry: TreeEntry) -> bool:
+        """True if the file, link or folder at ``path`` is exactly ``entry``."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        if entry.type == "dir":
+            return stat.S_ISDIR(st.st_mode)
+        if entry.type == "link":
+            return stat.S_ISLNK(st.st_mode) and os.readlink(path) == entry.ref
+        if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
+            return False
+        scanned = ScanEntry(str(path), "file", st.st_size, st.st_mtime_ns, st.st_ino,
+                            bool(st.st_mode & stat.S_IXUSR))
+        try:
+            hashed = self.ctx.chunker.hash_file(path, scanned, None)
+        except (OSError, FileChanged):
+            return False
+        return hashed.ref == entry.ref

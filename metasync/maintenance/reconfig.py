@@ -1,0 +1,336 @@
+"""Configuration changes: a backend added, removed or resized, a new R, a
+snapshot, a retention -- each a version like any other.
+
+A change is ``(latest + 1, latest master, new config)`` decided by pPaxos on the
+acceptors of the configuration before it (paper 3.3), so every client learns it
+on its next pull or poll. A change that moves data copies every object to its
+new holders first (from verified copies), then decides the change, then copies
+what arrived meanwhile and drops what is no longer needed (docs/design.md,
+"Living with changing storage").
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+
+from metasync.backends import Backend, normalize_uri, open_backend, public_uri
+from metasync.consensus import encode_hint
+from metasync.context import RepoContext
+from metasync.errors import BackendError, MetasyncError, UsageError
+from metasync.layout import (
+    DESCRIPTOR_KEY,
+    HINT_KEY,
+    KEYFILE_KEY,
+    check_backend_free,
+    config_key,
+    descriptor,
+)
+from metasync.maintenance.rebalance import RebalanceReport, rebalance
+from metasync.mapping import movement
+from metasync.objects import BackendSpec, Config, Version, is_snapshot_name
+from metasync.replicator import Replicator
+from metasync.store import mapping_of
+from metasync.versions import Versions
+
+#: A configuration change that keeps losing its instance gives up after this many tries.
+MAX_CHANGE_ATTEMPTS = 50
+
+
+@dataclass
+class ConfigChange:
+    """A decided configuration change."""
+
+    version: Version
+    old: Config
+    new: Config
+    config_id: str
+    report: RebalanceReport = field(default_factory=RebalanceReport)
+
+
+class Reconfiguration:
+    """Configuration changes of one repository."""
+
+    def __init__(self, ctx: RepoContext, versions: Versions, replicator: Replicator) -> None:
+        self.ctx = ctx
+        self.versions = versions
+        self.replicator = replicator
+
+    # ---------------------------------------------------------------- deciding a change
+    def store_config(self, config: Config, backends: Iterable[Backend]) -> str:
+        """Write ``config`` as ``config/<id>`` on every given backend (before any
+        version names it); return its id. Raises if none could be written."""
+        codec = self.ctx.codec
+        data = config.to_bytes()
+        config_id = codec.id_of("config", data)
+        stored = codec.encode("config", config_id, data)
+        written = 0
+        errors: list[str] = []
+        for backend in backends:
+            try:
+                backend.put(config_key(config_id), stored)
+                written += 1
+            except MetasyncError as exc:
+                errors.append(f"{backend.name}: {exc}")
+        if not written:
+            raise BackendError(f"could not store the new configuration anywhere ({'; '.join(errors)})")
+        return config_id
+
+    def change_config(
+        self,
+        make_new: Callable[[Config], Config],
+        before_commit: Callable[[Config, Config], None] | None = None,
+    ) -> ConfigChange:
+        """Decide a new configuration through pPaxos: learn the latest version, derive
+        the new configuration from its one, store it on every backend of both, run
+        ``before_commit`` (copies that must exist before anyone reads by the new
+        mapping), then propose ``(latest + 1, latest master, new config)`` to the old
+        configuration's acceptors. Retries from the start if another version wins.
+
+        Leaves this client's folder and base version alone: its next pull or push
+        learns the change like any other client's."""
+        versions, pool = self.versions, self.ctx.pool
+        for _ in range(MAX_CHANGE_ATTEMPTS):
+            latest = versions.learn_latest()
+            old = versions.load_config(latest.config)
+            new = make_new(old)
+            if new == old:
+                raise UsageError("nothing to change: the configuration already says so")
+            both = {**pool.open(old), **pool.open(new)}
+            config_id = self.store_config(new, both.values())
+            db = self.ctx.db
+            with db.transaction():
+                db.cache_object(config_id, "config", new.to_bytes())
+            if before_commit is not None:
+                before_commit(old, new)
+            consensus = versions.consensus_for(latest.config)
+            proposal = Version(latest.number + 1, latest.master, config_id)
+            chosen = consensus.propose(proposal.number, proposal)
+            if chosen != proposal:
+                continue
+            consensus.publish(chosen)
+            # New acceptors get the hint too: a clone from one of them starts there.
+            hint = encode_hint(self.ctx.codec, chosen.number, latest.config)
+            for backend_id in set(new.acceptors) - set(old.acceptors):
+                try:
+                    both[backend_id].put(HINT_KEY, hint)
+                except MetasyncError:
+                    pass
+            return ConfigChange(chosen, old, new, config_id)
+        raise BackendError(
+            f"other clients kept committing during {MAX_CHANGE_ATTEMPTS} attempts; retry",
+            transient=True,
+        )
+
+    def reconfigure(
+        self,
+        make_new: Callable[[Config], Config],
+        extra: dict[str, Backend] | None = None,
+    ) -> ConfigChange:
+        """A configuration change that moves data: copy to the new places, decide the
+        change, copy what arrived meanwhile and drop what is no longer needed. The
+        report counts every copy written against the theoretical minimum."""
+        report = RebalanceReport()
+        pool, state = self.ctx.pool, self.ctx.state
+
+        def copy_first(old: Config, new: Config) -> None:
+            sources = {**pool.open(old), **(extra or {})}
+            first = rebalance(self.ctx, self.replicator, new, sources, drop=False)
+            report.merge(first)
+            report.stored_ids = first.stored_ids
+            report.minimum = moved_minimum(old, new, first.stored_ids)
+
+        change = self.change_config(make_new, copy_first)
+        with state.transaction():
+            state.rebalance_pending = change.config_id
+        second = rebalance(self.ctx, self.replicator, change.new,
+                           {**pool.open(change.old), **(extra or {})}, drop=True)
+        with state.transaction():
+            state.rebalance_pending = None
+        report.merge(second)
+        change.report = report
+        return change
+
+    def finish_rebalance(self) -> RebalanceReport:
+        """Put every object on the backends the latest configuration names for it and
+        drop copies no longer needed: finishes an interrupted change."""
+        latest = self.versions.learn_latest()
+        config = self.versions.load_config(latest.config)
+        report = rebalance(self.ctx, self.replicator, config, drop=True)
+        with self.ctx.state.transaction():
+            self.ctx.state.rebalance_pending = None
+        return report
+
+    # ---------------------------------------------------------------- backends
+    def add_backend(self, uri: str, capacity: float | None = None) -> ConfigChange:
+        """Add the backend at ``uri`` (capacity in GB; default: the others' mean) and
+        move to it exactly the copies the new placement gives it."""
+        uri = normalize_uri(uri)
+        latest = self.versions.learn_latest()
+        current = self.versions.load_config(latest.config)
+        if public_uri(uri) in {b.uri for b in current.backends}:
+            raise UsageError(f"{public_uri(uri)} is already a backend of this repository")
+        backend = open_backend(uri, current.namespace)
+        spec = new_backend_spec(uri, capacity, current)
+        self._prepare_new_backend(backend, spec.id)
+        self.ctx.pool.adopt(spec.id, backend, uri)
+
+        def make_new(config: Config) -> Config:
+            if spec.uri in {b.uri for b in config.backends}:
+                raise UsageError(f"{spec.uri} is already a backend of this repository")
+            return replace(config, backends=(*config.backends, spec),
+                           acceptors=(*config.acceptors, spec.id))
+
+        return self.reconfigure(make_new)
+
+    def _prepare_new_backend(self, backend: Backend, backend_id: str) -> None:
+        """Make ``backend`` part of the repository before any configuration names it:
+        the namespace, the wrapped key file, the configurations a clone starts from
+        (each copied from a copy verified under its id), and the descriptor last
+        (its presence marks a complete repository)."""
+        check_backend_free(backend)
+        backend.create()
+        versions, state = self.versions, self.ctx.state
+        if versions.config.encryption != "none":
+            backend.put(KEYFILE_KEY, self._read_anywhere(KEYFILE_KEY))
+        init_config = state.init_config_id
+        for config_id in {init_config, versions.config_id}:
+            backend.put(config_key(config_id), versions.read_config_bytes(config_id, stored=True))
+        backend.put(DESCRIPTOR_KEY, descriptor(versions.config, init_config, backend_id))
+
+    def _read_anywhere(self, key: str) -> bytes:
+        reasons = []
+        for backend in self.versions.backends.values():
+            try:
+                return backend.get(key)
+            except MetasyncError as exc:
+                reasons.append(f"{backend.name}: {exc}")
+        raise BackendError(f"no backend returned {key} ({'; '.join(reasons[-3:])})")
+
+    def remove_backend(self, name: str) -> ConfigChange:
+        """Remove a backend (by id or URI): first copy what only it would hold to
+        the others, then decide the change, then empty it (if it can be reached).
+        Works when the backend is gone for good, from the remaining copies."""
+        latest = self.versions.learn_latest()
+        config = self.versions.load_config(latest.config)
+        removed = resolve_backend(config, name)
+        gone = self.ctx.pool.open(config)[removed.id]
+
+        def make_new(config: Config) -> Config:
+            spec = resolve_backend(config, removed.id)
+            rest = tuple(b for b in config.backends if b.id != spec.id)
+            acceptors = tuple(a for a in config.acceptors if a != spec.id)
+            if not rest:
+                raise UsageError("cannot remove the last backend")
+            if len(rest) < config.replicas:
+                raise UsageError(
+                    f"{len(rest)} backends would remain for {config.replicas} replicas; lower "
+                    f"them first: metasync config replicas {len(rest)}"
+                )
+            if config.erasure is not None and len(rest) < config.erasure[1]:
+                raise UsageError(
+                    f"erasure coding {config.erasure[0]}/{config.erasure[1]} needs "
+                    f"{config.erasure[1]} backends; add one before removing this one"
+                )
+            if config.fault_model == "byzantine" and len(acceptors) < 4:
+                raise UsageError("a --bft repository needs at least 4 backends; add one first")
+            return replace(config, backends=rest, acceptors=acceptors)
+
+        return self.reconfigure(make_new, extra={removed.id: gone})
+
+    def resize_backend(self, name: str, capacity: float) -> ConfigChange:
+        """Give a backend a new capacity (GB): it then holds that share of the copies."""
+        if not capacity > 0:
+            raise UsageError("the capacity must be a positive number of GB")
+
+        def make_new(config: Config) -> Config:
+            spec = resolve_backend(config, name)
+            backends = tuple(replace(b, capacity=capacity) if b.id == spec.id else b
+                             for b in config.backends)
+            return replace(config, backends=backends)
+
+        return self.reconfigure(make_new)
+
+    def set_replicas(self, replicas: int) -> ConfigChange:
+        """Keep ``replicas`` copies of every object from now on (and of every object
+        there is: the missing copies are written, the extra ones dropped)."""
+
+        def make_new(config: Config) -> Config:
+            if not 1 <= replicas <= len(config.backends):
+                raise UsageError(
+                    f"replicas must be between 1 and {len(config.backends)} (the number of backends)"
+                )
+            return replace(config, replicas=replicas)
+
+        return self.reconfigure(make_new)
+
+    # ---------------------------------------------------------------- what gc keeps
+    def snapshot(self, name: str) -> Version:
+        """Keep master as it is now under ``name``: gc never collects it."""
+        if not is_snapshot_name(name):
+            raise UsageError(f"invalid snapshot name {name!r}; use letters, digits, '.', '_' or '-'")
+
+        def make_new(config: Config) -> Config:
+            master = self.versions.learn_latest().master
+            if master is None:
+                raise UsageError("nothing to keep yet: push something first")
+            if config.snapshot(name) is not None:
+                raise UsageError(f"snapshot {name!r} exists; delete it first or choose another name")
+            return replace(config, snapshots=tuple(sorted((*config.snapshots, (name, master)))))
+
+        return self.change_config(make_new).version
+
+    def delete_snapshot(self, name: str) -> Version:
+        """Let gc collect what only snapshot ``name`` kept."""
+
+        def make_new(config: Config) -> Config:
+            if config.snapshot(name) is None:
+                raise UsageError(f"no snapshot named {name!r}")
+            return replace(config, snapshots=tuple(s for s in config.snapshots if s[0] != name))
+
+        return self.change_config(make_new).version
+
+    def snapshots(self) -> list[tuple[str, str]]:
+        """``(name, commit id)`` of every snapshot, by name."""
+        return list(self.versions.load_config(self.versions.learn_latest().config).snapshots)
+
+    def set_retention(self, days: int) -> Version:
+        """Keep every version for ``days`` days before gc may collect what only it needs."""
+        if days < 0:
+            raise UsageError("the retention must be zero or more days")
+        return self.change_config(lambda config: replace(config, retention_days=days)).version
+
+
+def moved_minimum(old: Config, new: Config, stored_ids: Iterable[str]) -> int:
+    """The theoretical minimum of copies to write to go from ``old``'s placement to
+    ``new``'s for these objects (see :func:`metasync.mapping.minimum_moved_copies`)."""
+    return movement(mapping_of(old), mapping_of(new), list(stored_ids))[1]
+
+
+def new_backend_spec(uri: str, capacity: float | None, current: Config) -> BackendSpec:
+    """The spec of a backend being added: a fresh id, its public URI, and a capacity
+    (default: the mean of the others', so it gets an equal share)."""
+    if capacity is None:
+        capacity = sum(b.capacity for b in current.backends) / len(current.backends)
+    if not capacity > 0:
+        raise UsageError("--capacity must be a positive number of GB")
+    taken = {b.id for b in current.backends}
+    backend_id = secrets.token_hex(4)
+    while backend_id in taken:
+        backend_id = secrets.token_hex(4)
+    return BackendSpec(backend_id, public_uri(uri), capacity)
+
+
+def resolve_backend(config: Config, name: str) -> BackendSpec:
+    """The backend ``name`` names: its id, its URI (with or without a password),
+    or a unique prefix of its id."""
+    uri = public_uri(normalize_uri(name)) if ":" in name or name.startswith("/") else None
+    matches = [b for b in config.backends if b.id == name or (uri is not None and b.uri == uri)]
+    if not matches:
+        matches = [b for b in config.backends if b.id.startswith(name)]
+    if len(matches) != 1:
+        known = ", ".join(f"{b.id} ({b.uri})" for b in config.backends)
+        what = "no backend" if not matches else "more than one backend"
+        raise UsageError(f"{what} matches {name!r}; the backends are: {known}")
+    return matches[0]

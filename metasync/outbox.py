@@ -1,0 +1,311 @@
+"""The outbox: objects a commit made, packed and queued for upload.
+
+A commit writes new packs, then index objects, then the commit into
+``.metasync/outbox/`` (temporary file, fsync, rename) before the local database
+records them in one transaction; ``flush`` uploads them in that order (packs,
+then indexes, then commits, each phase finished before the next), so nothing on
+a backend ever refers to an object that is not there yet (docs/FORMAT.md §10).
+An object leaves the outbox once at least one holder has it; the holders it
+missed are recorded and written later by the replicator.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sqlite3
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from metasync.backends import Backend
+from metasync.codec import PACK_TARGET_SIZE, FinishedPack, PackBuilder
+from metasync.context import RepoContext
+from metasync.errors import BackendUnavailable, MetasyncError, UsageError
+from metasync.faults import crash_point
+from metasync.graph import ObjectGraph
+from metasync.layout import client_key
+from metasync.localdb import IndexRow
+from metasync.objects import Commit, Index, PackEntry
+from metasync.replicator import Replicator
+from metasync.worktree import write_durable
+
+#: A commit lists at most this many index objects; beyond it they are merged.
+MAX_INDEXES = 64
+#: Pack entries per index object (keeps each well under the readers' size limit).
+INDEX_ENTRIES = 100_000
+
+#: A standalone object to store: ``(kind, id, plaintext)``.
+Standalone = tuple[str, str, bytes]
+
+
+def pack_target_size() -> int:
+    """Bytes at which a pack is closed: 16 MiB, or ``METASYNC_PACK_SIZE`` (for
+    tests that need many objects, and for measuring other sizes on slow links)."""
+    raw = os.environ.get("METASYNC_PACK_SIZE")
+    if not raw:
+        return PACK_TARGET_SIZE
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UsageError(f"METASYNC_PACK_SIZE={raw!r} is not a number of bytes") from None
+    if not 1 <= value <= PACK_TARGET_SIZE * 4:
+        raise UsageError(f"METASYNC_PACK_SIZE must be between 1 and {PACK_TARGET_SIZE * 4}")
+    return value
+
+
+class KnownIds:
+    """Which object ids already have a location, answered from any thread."""
+
+    def __init__(self, db_path: Path) -> None:
+        self._path = db_path
+        self._local = threading.local()
+        self._new: set[str] = set()
+        self._lock = threading.Lock()
+
+    def claim(self, object_id: str) -> bool:
+        """True exactly once per id that is not yet stored anywhere."""
+        with self._lock:
+            if object_id in self._new:
+                return False
+            self._new.add(object_id)
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = sqlite3.connect(f"file:{self._path}?mode=ro", uri=True)
+        row = conn.execute("SELECT 1 FROM locations WHERE object_id=?", (object_id,)).fetchone()
+        return row is None
+
+
+class ObjectWriter:
+    """Packs new objects into the outbox for one commit (from any thread)."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+        self.known = KnownIds(outbox.ctx.db.path)
+        self.builder = PackBuilder(outbox.ctx.codec, pack_target_size())
+        self.finished: list[FinishedPack] = []
+        self.counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _keep(self, pack: FinishedPack | None) -> None:
+        if pack is None:
+            return
+        write_durable(self.outbox.folder / pack.pack_id, pack.data)
+        pack.data = b""  # on disk now: keep only the entries, so memory stays flat
+        with self._lock:
+            self.finished.append(pack)
+
+    def sink(self, kind: str, object_id: str, data: bytes) -> None:
+        """Store one object unless some pack already holds it."""
+        if self.known.claim(object_id):
+            with self._lock:
+                self.counts[kind] = self.counts.get(kind, 0) + 1
+            self._keep(self.builder.add(kind, object_id, data))
+
+    def finish(self) -> list[Standalone]:
+        """Flush the last pack; return the index objects listing every pack."""
+        self._keep(self.builder.flush())
+        return self.outbox.index_objects([(p.pack_id, tuple(p.entries)) for p in self.finished])
+
+
+class Outbox:
+    """The queue of stored objects this client made and has not uploaded."""
+
+    def __init__(self, ctx: RepoContext, graph: ObjectGraph, replicator: Replicator) -> None:
+        self.ctx = ctx
+        self.db = ctx.db
+        self.folder = ctx.outbox_dir
+        self.graph = graph
+        self.replicator = replicator
+
+    def writer(self) -> ObjectWriter:
+        """A writer packing the objects of one new commit."""
+        return ObjectWriter(self)
+
+    # ---------------------------------------------------------------- index objects
+    def index_objects(self, packs: list[tuple[str, tuple[PackEntry, ...]]]) -> list[Standalone]:
+        """Index objects listing ``packs``, each at most INDEX_ENTRIES entries so no
+        index exceeds what readers accept."""
+        out: list[Standalone] = []
+        group: list[tuple[str, tuple[PackEntry, ...]]] = []
+        count = 0
+        for pack_id, entries in packs:
+            if group and count + len(entries) > INDEX_ENTRIES:
+                out.append(self._index_object(group))
+                group, count = [], 0
+            group.append((pack_id, entries))
+            count += len(entries)
+        if group:
+            out.append(self._index_object(group))
+        return out
+
+    def _index_object(self, packs: list[tuple[str, tuple[PackEntry, ...]]]) -> Standalone:
+        data = Index(tuple(packs)).to_bytes()
+        return "index", self.ctx.codec.id_of("index", data), data
+
+    def commit_indexes(self, inherited: list[Commit], stored: list[Standalone]) -> set[str]:
+        """The indexes a new commit lists: this client's unpublished ones, those of
+        the current line the ``inherited`` commits list, and the new ``stored`` ones.
+        Past MAX_INDEXES they are merged into a few new ones, appended to ``stored``."""
+        db = self.db
+        indexes = set(db.local_indexes())
+        for c in inherited:
+            # Only indexes of the current line: after a gc, older ones may list
+            # collected packs (see LocalState.forget_collected).
+            indexes |= {i for i in c.indexes if db.index_state(i) in ("remote", "local")}
+        indexes |= {object_id for _, object_id, _ in stored}
+        if len(indexes) > MAX_INDEXES:
+            fresh = {object_id: data for _, object_id, data in stored}
+            merged = self.index_objects(self._merged_index_packs(indexes, fresh))
+            stored += merged
+            indexes = {object_id for _, object_id, _ in merged}
+        return indexes
+
+    def _merged_index_packs(
+        self, index_ids: set[str], fresh: dict[str, bytes]
+    ) -> list[tuple[str, tuple[PackEntry, ...]]]:
+        """The union of the packs the given indexes list (to merge many into few);
+        ``fresh`` holds indexes made by this commit, not yet recorded anywhere."""
+        packs: dict[str, tuple[PackEntry, ...]] = {}
+        for index_id in sorted(index_ids):
+            data = fresh.get(index_id)
+            index = Index.from_bytes(data) if data is not None else self.graph.read_index(index_id)
+            for pack_id, entries in index.packs:
+                packs.setdefault(pack_id, entries)
+        return sorted(packs.items())
+
+    # ---------------------------------------------------------------- queueing
+    def store_standalone(self, stored: list[Standalone]) -> None:
+        """Write standalone objects' stored bytes to the outbox, durably (not yet
+        recorded: see :meth:`record_standalone`)."""
+        codec = self.ctx.codec
+        for kind, object_id, plaintext in stored:
+            write_durable(self.folder / object_id, codec.encode(kind, object_id, plaintext))
+
+    def record_standalone(self, stored: list[Standalone]) -> None:
+        """Queue standalone objects written by :meth:`store_standalone` (inside the
+        caller's transaction)."""
+        for kind, object_id, plaintext in stored:
+            self.db.cache_object(object_id, kind, plaintext)
+            self.db.add_outbox(object_id, kind)
+            if kind == "index":
+                self.db.set_index_state(object_id, "local")
+
+    def record_packs(self, packs: list[FinishedPack], refreshed: list[IndexRow]) -> None:
+        """Queue finished packs and learn their entries' locations, with the
+        working-tree index rows the scan refreshed, in one transaction."""
+        with self.db.transaction():
+            for pack in packs:
+                self.db.add_locations(pack.pack_id, pack.entries)
+                self.db.add_outbox(pack.pack_id, "pack")
+            self.db.upsert_index(refreshed)
+
+    def clean(self) -> None:
+        """Remove outbox files no transaction recorded: what an interrupted commit
+        wrote before it could record it (nothing refers to them)."""
+        recorded = {stored_id for stored_id, _ in self.db.outbox()}
+        with os.scandir(self.folder) as it:
+            for entry in it:
+                if entry.name not in recorded:
+                    Path(entry.path).unlink(missing_ok=True)
+
+    # ---------------------------------------------------------------- uploading
+    def flush(self) -> tuple[int, int]:
+        """Upload queued objects: all packs, then indexes, then commits, so nothing
+        on a backend ever refers to an object that is not there yet. Announces the
+        uploads to gc first. Returns (objects, bytes) uploaded."""
+        pending = self.db.outbox()
+        if pending:
+            self.publish_client_state([sid for sid, _ in pending])
+        total = 0
+        count = 0
+        sizes = {sid: (self.folder / sid).stat().st_size for sid, _ in pending}
+        replicas = self.ctx.store.config.replicas
+        reporter = self.ctx.reporter
+        reporter.start("upload", sum(sizes.values()) * replicas)
+        try:
+            for phase in ("pack", "index", "commit"):
+                items = [(sid, self._loader(sid)) for sid, kind in pending if kind == phase]
+                if not items:
+                    continue
+
+                def done(stored_id: str, written: int, failures: dict[str, str]) -> None:
+                    nonlocal total, count
+                    with self.db.transaction():
+                        for backend_id in failures:
+                            self.db.add_missing_copy(stored_id, backend_id)
+                        self.db.remove_outbox(stored_id)
+                    (self.folder / stored_id).unlink(missing_ok=True)
+                    total += written
+                    count += 1
+                    reporter.advance(sizes[stored_id] * replicas)
+                    crash_point("upload")
+
+                self.replicator.upload(items, done)
+        finally:
+            reporter.finish()
+        return count, total
+
+    def _loader(self, stored_id: str) -> Callable[[], BinaryIO]:
+        path = self.folder / stored_id
+        return lambda: open(path, "rb")
+
+    def upload_standalone(self, stored: list[Standalone]) -> None:
+        """Encode and upload standalone objects to their holders now, not through
+        the queue (copies that fail are recorded for repair)."""
+        codec = self.ctx.codec
+        encoded = {object_id: codec.encode(kind, object_id, plaintext)
+                   for kind, object_id, plaintext in stored}
+
+        def done(stored_id: str, size: int, failures: dict[str, str]) -> None:
+            with self.db.transaction():
+                for backend_id in failures:
+                    self.db.add_missing_copy(stored_id, backend_id)
+
+        self.replicator.upload(
+            [(object_id, _bytes_loader(data)) for object_id, data in encoded.items()], done)
+
+    def publish_client_state(self, pending: list[str] | None = None) -> None:
+        """Per-client data (paper 3.1): this client's head and prev on every backend.
+
+        With ``pending`` -- the objects it is about to upload -- this is the push's
+        announcement to garbage collection: written to a majority of the backends
+        before the first upload (or the push fails), so a gc that lists an upload
+        also reads its announcement and keeps it (docs/design.md, "Garbage
+        collection"). Announced objects stay in the state until a push of this
+        client is decided. Without ``pending``, best effort."""
+        state = self.ctx.state
+        announced = set(state.announced)
+        if pending:
+            announced |= set(pending)
+            with state.transaction():
+                state.announced = sorted(announced)
+        doc: dict[str, Any] = {"head": state.head, "prev": state.prev.to_json()}
+        if announced:
+            # Every object uploaded since the last decided push stays announced: a
+            # local commit not decided yet may still need it.
+            doc["pending"] = sorted(announced)
+        name = client_key(self.ctx.client_id)
+        data = self.ctx.codec.encode("client", name, json.dumps(doc).encode())
+        backends = self.ctx.store.backends
+
+        def one(backend: Backend) -> str | None:
+            try:
+                backend.put(name, data)
+            except MetasyncError as exc:
+                return f"{backend.name}: {exc}"
+            return None
+
+        failures = [f for f in self.ctx.store.executor.map(one, backends.values()) if f]
+        written = len(backends) - len(failures)
+        if pending and written <= len(backends) // 2:
+            raise BackendUnavailable(
+                f"could not announce the upload on a majority of the backends "
+                f"({written} of {len(backends)}: {failures[0]}); nothing was uploaded; retry"
+            )
+
+
+def _bytes_loader(data: bytes) -> Callable[[], BinaryIO]:
+    return lambda: io.BytesIO(data)

@@ -1,0 +1,243 @@
+"""Scanning the folder into tree entries, and building trees from them.
+
+A scan stats every path, trusts the working-tree index for files whose size,
+mtime and inode are unchanged since they were hashed (and not "racily clean"),
+and reads the rest, many at once, streaming their chunks to a sink (the
+commit's pack writer) when there is one. It returns a :class:`ScanResult`;
+nothing about a scan is kept anywhere else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from metasync.context import RepoContext
+from metasync.localdb import IndexRow
+from metasync.objects import FORMAT_VERSION, Tree, TreeEntry
+from metasync.worktree import FileChanged, IgnoreRules, ObjectSink, ScanEntry, scan
+
+#: An index entry is trusted only if the file's mtime is this much older than the
+#: moment it was hashed (a write within the filesystem's timestamp granularity
+#: could otherwise go unnoticed; git calls these entries "racily clean").
+RACY_NS = 2_000_000_000
+#: Index rows a commit's scan writes at once (see :meth:`Scanner.scan`).
+INDEX_FLUSH = 20_000
+#: Files being hashed or queued per hashing thread (bounds memory on huge trees).
+HASH_WINDOW = 64
+#: Names the fingerprint's format (and the local setting that keeps the last one).
+TREE_MEMO = "tree_memo_v1"
+
+T = TypeVar("T")
+
+
+@dataclass
+class ScanResult:
+    """What one scan of the folder found."""
+
+    #: File and link entries by path.
+    files: dict[str, TreeEntry]
+    #: Folders.
+    dirs: set[str]
+    #: Working-tree index rows of files read again (only the last, partial batch
+    #: with ``flush_index``).
+    rows: list[IndexRow]
+    #: Paths skipped because they changed while being read.
+    skipped: list[str]
+    #: Files whose content was read (the index saved the rest).
+    files_hashed: int = 0
+    #: Everything seen, by path (empty unless the scan was asked to keep it).
+    seen: dict[str, ScanEntry] = field(default_factory=dict)
+
+
+class Scanner:
+    """Scans one repository's folder."""
+
+    def __init__(self, ctx: RepoContext) -> None:
+        self.ctx = ctx
+
+    def scan(self, sink: ObjectSink | None, *, flush_index: bool = False,
+             keep_seen: bool = True) -> ScanResult:
+        """Scan the folder, hashing what the index cannot vouch for.
+
+        With ``flush_index``, refreshed rows are written to the index in batches as
+        files are hashed and only the last, partial batch is returned (a huge tree
+        then never holds them all). That is safe before the commit is recorded: a
+        commit trusts a row only if its content is in a recorded pack, and status
+        compares the row's content id, which is right whether committed or not.
+
+        ``keep_seen=False`` leaves :attr:`ScanResult.seen` empty and lets each
+        scanned entry go as soon as it is used (a checkout always scans again
+        before it compares)."""
+        db = self.ctx.db
+        root = self.ctx.root
+        # Tracked paths are read only if there is an ignore file (load is lazy).
+        entries = scan(root, IgnoreRules.load(root, db.index_paths()))
+        result = ScanResult({}, set(), [], [], seen=entries if keep_seen else {})
+        files = result.files
+        to_hash: list[ScanEntry] = []
+        # Index rows stream from SQLite and are dropped once used (only those of files
+        # to read again are kept), so a huge tree never holds the whole index as well
+        # as the scan. Names from scandir are safe components by construction (scan
+        # skips .metasync), so the untrusted-name check is not needed here.
+        previous: dict[str, IndexRow] = {}
+        kinds = {"file": "file", "chunked": "chunked"}  # one str object per kind
+        for row in db.iter_index_rows():
+            e = entries.get(row.path)
+            if e is None or e.type != "file":
+                continue
+            if (
+                row.size == e.size
+                and row.mtime_ns == e.mtime_ns
+                and row.ino == e.ino
+                and row.mtime_ns + RACY_NS < row.hashed_at_ns
+                # `status` caches hashes without storing content: a commit must
+                # read a file again unless its content is in some pack.
+                and (sink is None or db.is_located(row.ref))
+            ):
+                name = e.path.rpartition("/")[2]
+                kind = kinds.get(row.type, row.type)
+                files[e.path] = TreeEntry(name, kind, row.ref, e.size, e.executable)  # type: ignore[arg-type]
+            else:
+                previous[e.path] = row
+        for path, e in entries.items():
+            if e.type == "dir":
+                result.dirs.add(path)
+            elif e.type == "link":
+                files[path] = TreeEntry(path.rpartition("/")[2], "link", e.target, e.size)
+            elif path not in files:
+                to_hash.append(e)
+        del entries  # kept only in result.seen, if at all
+        result.files_hashed = len(to_hash)
+        if to_hash:
+            self._hash_all(to_hash, sink, previous, result, flush_index)
+        return result
+
+    def _hash_all(self, to_hash: list[ScanEntry], sink: ObjectSink | None,
+                  previous: dict[str, IndexRow], result: ScanResult, flush_index: bool) -> None:
+        db = self.ctx.db
+        reporter = self.ctx.reporter
+        hashed_at = time.time_ns()
+        workers = min(len(to_hash), (os.cpu_count() or 2) + 1)
+        reporter.start("pack" if sink else "hash", sum(e.size for e in to_hash))
+        # Handed out one by one, so each entry is freed once hashed.
+        queue = deque(to_hash)
+        to_hash.clear()
+        consume = (queue.popleft() for _ in range(len(queue)))
+        files = result.files
+        with ThreadPoolExecutor(workers, thread_name_prefix="metasync-hash") as pool:
+            for e, hashed in ordered_map(pool, lambda e: self.hash_one(e, sink), consume,
+                                         HASH_WINDOW * workers):
+                reporter.advance(e.size)
+                name = e.path.rpartition("/")[2]
+                if hashed is None:
+                    result.skipped.append(e.path)
+                    old = previous.get(e.path)
+                    if old is not None:  # keep the last known version of a busy file
+                        files[e.path] = TreeEntry(name, old.type, old.ref, old.size, old.executable)  # type: ignore[arg-type]
+                    continue
+                files[e.path] = TreeEntry(name, hashed[0], hashed[1], e.size, e.executable)  # type: ignore[arg-type]
+                result.rows.append(
+                    IndexRow(e.path, hashed[0], hashed[1], e.size, e.executable, e.mtime_ns, e.ino, hashed_at)
+                )
+                if flush_index and len(result.rows) >= INDEX_FLUSH:
+                    with db.transaction():
+                        db.upsert_index(result.rows)
+                    result.rows = []
+        reporter.finish()
+
+    def hash_one(self, e: ScanEntry, sink: ObjectSink | None) -> tuple[str, str] | None:
+        """``(type, ref)`` of one file's content (its chunks go to ``sink``), read
+        again if it changed while being read; None if it keeps changing or is gone."""
+        for _ in range(3):
+            try:
+                hashed = self.ctx.chunker.hash_file(self.ctx.root / e.path, e, sink)
+                return hashed.type, hashed.ref
+            except FileChanged:
+                try:
+                    st = os.lstat(self.ctx.root / e.path)
+                except FileNotFoundError:
+                    return None
+                e = ScanEntry(e.path, e.type, st.st_size, st.st_mtime_ns, st.st_ino, e.executable)
+            except (FileNotFoundError, PermissionError, IsADirectoryError):
+                return None
+        return None
+
+    def build_trees(
+        self,
+        files: dict[str, TreeEntry],
+        dirs: set[str],
+        emit: Callable[[str, bytes], None] | None = None,
+    ) -> tuple[str, dict[str, bytes]]:
+        """Root tree id and every tree's canonical bytes, built bottom-up. With
+        ``emit``, each tree goes to ``emit(id, bytes)`` as it is built instead of
+        into the returned dict, and ``files`` is emptied once read (so a huge tree
+        never holds every tree's bytes, nor the path index next to the trees)."""
+        children: dict[str, list[TreeEntry]] = {d: [] for d in dirs}
+        children[""] = []
+        for path, entry in files.items():
+            parent = path.rpartition("/")[0]
+            children.setdefault(parent, []).append(entry)
+        if emit is not None:
+            files.clear()
+        trees: dict[str, bytes] = {}
+        order = sorted((d for d in children if d), key=lambda p: p.count("/"), reverse=True)
+        root_id = ""
+        for d in [*order, ""]:
+            data = Tree.build(children.pop(d)).to_bytes()
+            tid = self.ctx.codec.id_of("tree", data)
+            if emit is None:
+                trees[tid] = data
+            else:
+                emit(tid, data)
+            if d:
+                parent, _, name = d.rpartition("/")
+                children.setdefault(parent, []).append(TreeEntry(name, "dir", tid))
+            else:
+                root_id = tid
+        return root_id, trees
+
+
+def tree_fingerprint(files: dict[str, TreeEntry], dirs: set[str]) -> str:
+    """A digest of everything :meth:`Scanner.build_trees` reads: equal
+    fingerprints give equal root trees (same key, same format)."""
+    # No field holds a NUL (POSIX names and link targets cannot), every field ends
+    # with one, and the counts come first, so the hashed text decodes one way only.
+    h = hashlib.blake2b(digest_size=32)
+    h.update(f"{TREE_MEMO}\0{FORMAT_VERSION}\0{len(files)}\0{len(dirs)}\0".encode())
+    batch: list[str] = []
+    for path in sorted(files):
+        e = files[path]
+        batch.append(f"{path}\0{e.type}\0{e.ref}\0{e.size}\0{'x' if e.executable else '-'}\0")
+        if len(batch) == 4096:
+            h.update("".join(batch).encode("utf-8", "surrogatepass"))
+            batch.clear()
+    batch.extend(f"{d}\0" for d in sorted(dirs))
+    h.update("".join(batch).encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+def ordered_map(
+    pool: ThreadPoolExecutor, fn: Callable[[ScanEntry], T], items: Iterable[ScanEntry], window: int
+) -> Iterator[tuple[ScanEntry, T]]:
+    """``(item, fn(item))`` in order, run on ``pool`` with at most ``window`` tasks
+    queued at once (``pool.map`` makes every future up front: ~1.5 kB each, which
+    for a million files is gigabytes)."""
+    pending: deque[tuple[ScanEntry, Future[T]]] = deque()
+    items_iter = iter(items)
+    for e in itertools.islice(items_iter, window):
+        pending.append((e, pool.submit(fn, e)))
+    while pending:
+        e, fut = pending.popleft()
+        result = fut.result()
+        nxt = next(items_iter, None)
+        if nxt is not None:
+            pending.append((nxt, pool.submit(fn, nxt)))
+        yield e, result

@@ -1,0 +1,171 @@
+"""This client's settings, typed: what ``.metasync/state.db`` remembers besides
+the tables (docs/FORMAT.md §14).
+
+Each setting is a field of :class:`LocalState` with a type; reading it decodes
+the stored JSON, assigning it writes it (inside the caller's transaction, when
+there is one). Nothing else reads or writes the ``settings`` table, so a key
+name appears once, here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar, overload
+
+from metasync.localdb import LocalDB
+from metasync.objects import Config, Index, Version
+
+T = TypeVar("T")
+
+_MISSING = object()
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+class Setting(Generic[T]):
+    """A typed field of :class:`LocalState`, stored as JSON under ``key``."""
+
+    def __init__(
+        self,
+        key: str,
+        default: Callable[[], T] | None = None,
+        load: Callable[[Any], T] = _same,
+        dump: Callable[[T], Any] = _same,
+    ) -> None:
+        self.key = key
+        self._default = default
+        self._load = load
+        self._dump = dump
+
+    @overload
+    def __get__(self, state: None, owner: type) -> Setting[T]: ...
+
+    @overload
+    def __get__(self, state: LocalState, owner: type) -> T: ...
+
+    def __get__(self, state: LocalState | None, owner: type) -> Setting[T] | T:
+        if state is None:
+            return self
+        raw = state.db.get(self.key, _MISSING)
+        if raw is _MISSING:
+            if self._default is None:
+                raise KeyError(f"setting {self.key!r} is missing from {state.db.path}")
+            return self._default()
+        return self._load(raw)
+
+    def __set__(self, state: LocalState, value: T) -> None:
+        state.db.set(self.key, self._dump(value))
+
+
+@dataclass(frozen=True)
+class PendingCheckout:
+    """A change of the folder from tree ``from_tree`` to ``to_tree`` that has been
+    recorded but maybe not finished; every command finishes it first. ``moves``
+    maps new paths to paths whose current content they take (a merge's conflict
+    copies of local versions: renamed here rather than downloaded)."""
+
+    from_tree: str | None
+    to_tree: str
+    moves: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"from": self.from_tree, "to": self.to_tree, "moves": self.moves}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> PendingCheckout | None:
+        """The checkout ``raw`` describes; None for anything else (a damaged row is
+        as if nothing were pending: the next checkout scans the folder anyway)."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("to"), str):
+            return None
+        moves = raw.get("moves") or {}
+        if not isinstance(moves, dict):
+            moves = {}
+        start = raw.get("from")
+        return cls(start if isinstance(start, str) else None, raw["to"],
+                   {str(k): str(v) for k, v in moves.items()})
+
+
+def _pending_checkout(raw: Any) -> PendingCheckout | None:
+    return PendingCheckout.from_json(raw)
+
+
+def _dump_pending(value: PendingCheckout | None) -> Any:
+    return value.to_json() if value is not None else None
+
+
+def _tree_memo(raw: Any) -> tuple[str, str] | None:
+    if isinstance(raw, list) and len(raw) == 2 and all(isinstance(x, str) for x in raw):
+        return raw[0], raw[1]
+    return None
+
+
+class LocalState:
+    """The typed settings of one repository's local database."""
+
+    #: The local format; a different one aborts (docs/FORMAT.md §14).
+    format: Setting[int] = Setting("format")
+    #: This client's random id (``clients/<id>`` on backends, commits' ``client``).
+    client_id: Setting[str] = Setting("client_id")
+    #: The device name commits and conflict copies carry.
+    device: Setting[str] = Setting("device")
+    namespace: Setting[str] = Setting("namespace")
+    #: Id of the configuration of ``prev`` (whose acceptors decide the next version
+    #: and whose mapping places new objects), and that configuration itself.
+    config_id: Setting[str] = Setting("config")
+    config: Setting[Config] = Setting(
+        "config_doc", load=lambda raw: Config.from_bytes(raw.encode()),
+        dump=lambda config: config.to_bytes().decode())
+    #: The configuration version 0 started with: what a new backend's descriptor
+    #: names, so a clone from it can start at the beginning.
+    init_config_id: Setting[str] = Setting("init_config")
+    #: This client's own URIs of backends, by id (passwords stay here, and a mount
+    #: point may differ between machines).
+    uri_overrides: Setting[dict[str, str]] = Setting("uri_overrides", default=dict)
+    #: The last decided version this client synchronised with (paper 3.1).
+    prev: Setting[Version] = Setting("prev", load=Version.from_json, dump=Version.to_json)
+    #: This client's latest local commit (None before the first).
+    head: Setting[str | None] = Setting("head", default=lambda: None)
+    checkout_pending: Setting[PendingCheckout | None] = Setting(
+        "checkout_pending", default=lambda: None, load=_pending_checkout, dump=_dump_pending)
+    #: The gc epoch whose collections this client has taken into account.
+    gc_epoch: Setting[int] = Setting("gc_epoch", default=lambda: 0, load=int)
+    #: A configuration whose rebalance did not finish (``backend list`` says so).
+    rebalance_pending: Setting[str | None] = Setting("rebalance_pending", default=lambda: None)
+    #: Objects this client announced to gc (``pending`` in its client state) since
+    #: its last decided push.
+    announced: Setting[list[str]] = Setting("announced", default=list)
+    #: Seconds consensus waits without progress (overridden by ``--timeout``).
+    timeout: Setting[Any] = Setting("timeout", default=lambda: None)
+    #: The last (scan fingerprint, root tree id) computed: lets ``status`` of an
+    #: unchanged folder skip rebuilding every tree.
+    tree_memo: Setting[tuple[str, str] | None] = Setting(
+        "tree_memo_v1", default=lambda: None, load=_tree_memo, dump=lambda v: list(v) if v else None)
+
+    def __init__(self, db: LocalDB) -> None:
+        self.db = db
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        with self.db.transaction():
+            yield
+
+    def forget_collected(self, epoch: int) -> None:
+        """A gc collected packs since this client last looked (``epoch`` is its
+        epoch): forget where every object was, except in this client's own
+        unpublished packs, so nothing is deduplicated against a collected object;
+        the new master's indexes (written by the gc, listing exactly what survived)
+        are read next."""
+        db = self.db
+        local = {sid for sid, kind in db.outbox() if kind == "pack"}
+        for index_id in db.local_indexes():
+            data = db.cached_object(index_id)
+            if data is not None:
+                local |= {pack_id for pack_id, _ in Index.from_bytes(data).packs}
+        with db.transaction():
+            db.purge_locations(local)
+            db.forget_indexes(set())
+            self.gc_epoch = epoch

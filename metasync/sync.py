@@ -1,0 +1,264 @@
+"""Push and pull: agreeing on versions and bringing them into the folder.
+
+The flow of a change (paper Figure 3): ``push`` learns the latest version
+first (so a push that cannot reach a quorum changes nothing), commits, uploads
+the outbox (data before anything refers to it), and proposes its commit through
+pPaxos; if master moved, it merges three ways and proposes the merge. ``pull``
+learns master and integrates it: a fast-forward, or a merge commit when there
+are local commits, then a checkout that loses no local change.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from metasync.checkout import Checkout, PullResult
+from metasync.committer import CommitResult, Committer
+from metasync.context import RepoContext
+from metasync.errors import BackendError, ObjectUnavailable
+from metasync.faults import crash_point
+from metasync.graph import ObjectGraph
+from metasync.objects import Commit, FileObject, TreeEntry, Version
+from metasync.outbox import ObjectWriter, Outbox
+from metasync.replicator import Replicator
+from metasync.scanner import Scanner
+from metasync.state import PendingCheckout
+from metasync.versions import Versions
+from metasync.worktree import ScanEntry, remove_stale_temps
+
+#: A push merges with a moving master at most this many times before giving up.
+MAX_MERGES = 50
+
+
+@dataclass
+class PushResult:
+    version: Version | None
+    commit: CommitResult | None
+    objects_uploaded: int = 0
+    bytes_uploaded: int = 0
+    up_to_date: bool = False
+    missing_copies: int = 0
+    #: Conflict copies a merge with a moved master made.
+    conflicts: list[str] = field(default_factory=list)
+
+
+def commit_stamp(time_ns: int) -> str:
+    """A commit time as conflict-copy names show it (local time). The time comes
+    from a commit (untrusted): one no calendar can show reads as all zeros."""
+    try:
+        return datetime.fromtimestamp(time_ns / 1e9).strftime("%Y-%m-%d %H%M%S")
+    except (OverflowError, OSError, ValueError):
+        return "0000-00-00 000000"
+
+
+class Sync:
+    """Push, pull and the integration of learned versions, for one repository."""
+
+    def __init__(self, ctx: RepoContext, versions: Versions, graph: ObjectGraph,
+                 scanner: Scanner, outbox: Outbox, replicator: Replicator,
+                 checkout: Checkout, committer: Committer) -> None:
+        self.ctx = ctx
+        self.state = ctx.state
+        self.versions = versions
+        self.graph = graph
+        self.scanner = scanner
+        self.outbox = outbox
+        self.replicator = replicator
+        self.checkout = checkout
+        self.committer = committer
+
+    # ---------------------------------------------------------------- push
+    def push(self, message: str = "") -> PushResult:
+        """Commit pending changes, upload them, and make them master through pPaxos.
+
+        A quorum of acceptors is consulted before anything changes, so with too
+        few reachable nothing is committed or uploaded. If master moved since the
+        last pull, the local commits are merged with it three ways (see
+        :mod:`metasync.merge`), the folder is updated, and the merge is proposed --
+        again until it wins. Objects are uploaded before the commit naming them is
+        proposed; copies a backend missed earlier are written again from a
+        verified copy.
+        """
+        self.checkout.resume()
+        latest = self.versions.learn_latest()
+        crash_point("push:learned")
+        if latest.config != self.versions.config_id:
+            # Place this push's objects by the new configuration's mapping.
+            self.integrate(latest)
+        result = self.committer.commit(message)
+        uploaded = self.outbox.flush()
+        self.replicator.repair_missing()
+        conflicts: list[str] = []
+        for _ in range(MAX_MERGES):
+            if latest.number > self.state.prev.number:
+                conflicts += self.integrate(latest).conflicts
+                more = self.outbox.flush()
+                uploaded = (uploaded[0] + more[0], uploaded[1] + more[1])
+            prev, head = self.state.prev, self.state.head
+            missing = len(self.ctx.db.missing_copies())
+            if head is None or head == prev.master:
+                return PushResult(prev, result, *uploaded, up_to_date=True,
+                                  missing_copies=missing, conflicts=conflicts)
+            proposal = Version(prev.number + 1, head, prev.config)
+            crash_point("push:propose")
+            consensus = self.versions.consensus
+            chosen = consensus.propose(proposal.number, proposal)
+            crash_point("push:decided")
+            if chosen == proposal:
+                self.record_decided(chosen)
+                consensus.publish(chosen)
+                self.outbox.publish_client_state()
+                return PushResult(chosen, result, *uploaded, missing_copies=missing,
+                                  conflicts=conflicts)
+            latest = self.versions.learn_latest()
+        raise BackendError(
+            f"other clients kept committing during {MAX_MERGES} merges; run `metasync push` again",
+            transient=True,
+        )
+
+    def record_decided(self, version: Version) -> None:
+        """``version`` (whose master is our head) is decided: it is the new base."""
+        db = self.ctx.db
+        with self.state.transaction():
+            self.versions.set_base(version)
+            self.state.announced = []  # all of it is reachable from master now
+            for index_id in db.local_indexes():
+                db.set_index_state(index_id, "remote")
+        self.versions.adopt_config()
+
+    # ---------------------------------------------------------------- pull
+    def pull(self) -> PullResult:
+        """Bring master into the folder.
+
+        Local commits not yet pushed are merged with master three ways into a new
+        local commit (pushed by the next ``push``). Uncommitted changes stay in the
+        folder: a remote change applies only where the file is unchanged here;
+        where both changed, the local file is kept as a conflict copy; a remote
+        delete of a locally changed file keeps the file.
+        """
+        remove_stale_temps(self.ctx.root)
+        resumed = self.checkout.resume()
+        latest = self.versions.learn_latest()
+        prev = self.state.prev
+        if latest.number == prev.number and not (self.state.head is None and latest.master):
+            return resumed or PullResult(prev, up_to_date=True)
+        result = self.integrate(latest)
+        self.outbox.publish_client_state()
+        return result
+
+    def integrate(self, learned: Version) -> PullResult:
+        """Make ``learned`` (decided, newer than prev) the base of head and the folder:
+        fast-forward if there are no local commits, else a three-way merge commit.
+
+        The new head, prev and the pending checkout are recorded in one transaction
+        before the folder changes, so a crash leaves a checkout the next command
+        finishes (:meth:`Checkout.resume`).
+        """
+        state, versions = self.state, self.versions
+        prev, head = state.prev, state.head
+        if head is not None and head != prev.master:
+            first = (learned if learned.number == prev.number + 1
+                     else versions.consensus.learn(prev.number + 1))
+            if first is not None and first.master == head:
+                # Our commit won, but we stopped before recording it (a crash).
+                self.record_decided(first)
+                prev = first
+                if learned == first:
+                    return PullResult(learned, up_to_date=True)
+        if learned.master is None or (learned.master == prev.master and head == prev.master):
+            # Nothing new in the folder (the first versions, or only a configuration change).
+            with state.transaction():
+                versions.set_base(learned)
+            versions.adopt_config()
+            return PullResult(learned, up_to_date=True)
+        theirs = self.graph.load_commit(learned.master)
+        versions.note_gc_epoch(versions.load_config(learned.config).gc_epoch)
+        self.graph.load_indexes(theirs)
+        ours = self.graph.head_commit()
+        from_tree = ours.tree if ours is not None else None
+        if head is None or head == prev.master:
+            with state.transaction():
+                state.head = learned.master
+                versions.set_base(learned)
+                state.checkout_pending = PendingCheckout(from_tree, theirs.tree)
+            versions.adopt_config()
+            return self.checkout.run_pending()
+        assert ours is not None
+        return self._merge(learned, theirs, ours, head, prev.master)
+
+    def _merge(self, learned: Version, theirs: Commit, ours: Commit, head: str,
+               base_master: str | None) -> PullResult:
+        """Merge head (``ours``) with ``learned``'s master (``theirs``) three ways,
+        base ``base_master``, into a local commit whose parents are (master, head);
+        then check the merge out."""
+        from metasync.merge import Side, merge_trees
+
+        assert learned.master is not None
+        theirs_id = learned.master
+        graph = self.graph
+        base_commit = graph.load_commit(base_master) if base_master else None
+        ours_flat = graph.flatten(ours.tree)
+        writer = self.outbox.writer()
+        self._repack_collected(ours_flat, writer)
+        merged, conflicts = merge_trees(
+            graph.flatten(base_commit.tree if base_commit else None),
+            Side(ours_flat, ours.device, commit_stamp(ours.time_ns)),
+            Side(graph.flatten(theirs.tree), theirs.device, commit_stamp(theirs.time_ns)),
+        )
+        files = {p: e for p, e in merged.items() if e.type != "dir"}
+        dirs = {p for p, e in merged.items() if e.type == "dir"}
+        root_id, trees = self.scanner.build_trees(files, dirs)
+        moves = {c.copy: c.path for c in conflicts if c.moved == "ours"}
+
+        def then() -> None:
+            self.versions.set_base(learned)
+            self.state.checkout_pending = PendingCheckout(ours.tree, root_id, moves)
+
+        self.committer.seal(
+            writer, root_id, trees, parents=(theirs_id, head),
+            message=f"merge version {learned.number}", inherited=[theirs, ours], refreshed=[],
+            then=then,
+        )
+        self.versions.adopt_config()
+        for c in conflicts:
+            self.ctx.reporter.note(f"conflict: {c.path} changed on both sides; the other version is {c.copy}")
+        crash_point("merge:sealed")
+        result = self.checkout.run_pending()
+        result.conflicts[:0] = [c.copy for c in conflicts]
+        return result
+
+    def _repack_collected(self, flat: dict[str, TreeEntry], writer: ObjectWriter) -> None:
+        """Objects an unpushed local commit shares with content a concurrent gc
+        collected (it deduplicated against them just before): pack them again from
+        the folder, so the merge commit about to be made refers only to objects
+        that exist. Content no longer in the folder cannot be recovered: fail."""
+        db = self.ctx.db
+        lost: list[str] = []
+        for path, entry in flat.items():
+            if entry.type not in ("file", "chunked"):
+                continue
+            needed = [entry.ref]
+            cached = db.cached_object(entry.ref) if entry.type == "chunked" else None
+            if cached is not None:
+                needed += [c.blob_id for c in FileObject.from_bytes(cached).chunks]
+            if all(db.is_located(i) for i in needed):
+                continue
+            try:
+                st = os.lstat(self.ctx.root / path)
+            except OSError:
+                lost.append(path)
+                continue
+            scanned = ScanEntry(path, "file", st.st_size, st.st_mtime_ns, st.st_ino,
+                                entry.executable)
+            got = self.scanner.hash_one(scanned, writer.sink) if stat.S_ISREG(st.st_mode) else None
+            if got is None or got[1] != entry.ref:
+                lost.append(path)
+        if lost:
+            raise ObjectUnavailable(
+                f"{len(lost)} file(s) of your unpushed changes ({', '.join(sorted(lost)[:3])}) "
+                "shared content with files a concurrent gc collected, and that content is no "
+                "longer in the folder; restore them from your backup or re-create them, then push"
+            )
