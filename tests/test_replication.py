@@ -1,0 +1,193 @@
+"""Copies a backend refused, written again later: never from a rotten copy, and
+whole copies and erasure-coded fragments alike (issue 14's two bugs).
+
+Each test refuses some writes to one backend during a push (as a full disk or a
+flaky service would: the write fails and the backend counts as down for the
+rest of that command), then lets a later push or ``fsck --repair`` write the
+missed copies through the replicator.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from metasync import Repository
+from metasync.layout import fragment_key, object_key
+from metasync.replicator import verify_stored
+
+NAMESPACE = "metasync"
+
+
+def _refuse(repo: Repository, monkeypatch: pytest.MonkeyPatch, backend_id: str,
+            fragments_only: bool = False) -> None:
+    """Make every write to ``backend_id`` of a whole copy (or, with
+    ``fragments_only``, of a fragment) fail during this session, as a put that
+    raised would: the write does not happen and the backend counts as down."""
+    store = repo.store
+    real = store.put_copy
+
+    def put_copy(target: str, stored_id: str, data: Any, key: str | None = None) -> str | None:
+        is_fragment = key is not None and key != object_key(stored_id)
+        if target == backend_id and is_fragment == fragments_only:
+            store.down.setdefault(target, "refused (injected)")
+            return "refused (injected)"
+        return real(target, stored_id, data, key)
+
+    monkeypatch.setattr(store, "put_copy", put_copy)
+
+
+def _path(backend_dir: Path, key: str) -> Path:
+    return backend_dir / NAMESPACE / Path(*key.split("/"))
+
+
+def _dirs(tmp_path: Path, n: int) -> list[Path]:
+    dirs = [tmp_path / f"b{i}" for i in range(n)]
+    for d in dirs:
+        d.mkdir()
+    return dirs
+
+
+def test_repair_never_copies_a_rotten_copy(
+    tmp_path: Path, passphrase: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R=2 over 3 backends; one holder refuses the upload; the only other copy then
+    rots (zeros). The next push must not write the zeros onto the refused holder,
+    must keep the missing-copy row (the copy is still missing), and must say so;
+    fsck then reports the rotten copy. (On main before the split, the push copied
+    the zeros and cleared the row: both copies corrupt, nothing said.)"""
+    dirs = _dirs(tmp_path, 3)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "doc.txt").write_bytes(os.urandom(50_000))
+    repo = Repository.init(src, [f"dir:{d}" for d in dirs], replicas=2, passphrase=passphrase)
+    ids = list(repo.config.acceptors)
+    refused = ids[0]
+    _refuse(repo, monkeypatch, refused)
+    repo.push("first")
+    missing = repo.missing_copies()
+    assert missing and all(b == refused for _, b in missing)
+    monkeypatch.undo()
+    repo.close()
+
+    by_id = dict(zip(ids, dirs, strict=True))
+    rotten: dict[str, Path] = {}
+    repo = Repository.open(src)
+    mapping_holders = {sid: [b for b in repo.store.mapping.locate(sid) if b != refused]
+                       for sid, _ in missing}
+    for sid, others in mapping_holders.items():
+        (other,) = others
+        path = _path(by_id[other], object_key(sid))
+        path.write_bytes(b"\0" * path.stat().st_size)
+        rotten[sid] = path
+    (src / "more.txt").write_text("a second push\n")
+    result = repo.push("second")
+
+    for sid, _ in missing:
+        target = _path(by_id[refused], object_key(sid))
+        assert not target.exists() or target.read_bytes().strip(b"\0"), (
+            f"the rotten copy of {sid[:12]} was copied onto the refused holder")
+    assert sorted(repo.missing_copies()) == sorted(missing), "the copies are still missing"
+    assert result.missing_copies == len(missing)
+    notes = repo.reporter.notes  # type: ignore[attr-defined]
+    assert any("no good copy" in n for n in notes), notes
+    report = repo.fsck()
+    assert {(p.object_id, p.problem) for p in report.problems} >= {
+        (sid, "corrupt") for sid in rotten}
+    repo.close()
+
+
+def test_refused_copy_is_rewritten_from_a_verified_copy(
+    tmp_path: Path, passphrase: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same refusal without the rot: the next push writes every missed copy,
+    byte for byte a good copy, and the missing count goes to 0."""
+    dirs = _dirs(tmp_path, 3)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "doc.txt").write_bytes(os.urandom(50_000))
+    repo = Repository.init(src, [f"dir:{d}" for d in dirs], replicas=2, passphrase=passphrase)
+    ids = list(repo.config.acceptors)
+    _refuse(repo, monkeypatch, ids[0])
+    assert repo.push("first").missing_copies > 0
+    missing = repo.missing_copies()
+    monkeypatch.undo()
+    repo.close()
+    repo = Repository.open(src)
+    result = repo.push()
+    assert result.missing_copies == 0 and repo.missing_copies() == []
+    by_id = dict(zip(ids, dirs, strict=True))
+    codec = repo.store.codec
+    for sid, backend_id in missing:
+        verify_stored(codec, sid, _path(by_id[backend_id], object_key(sid)).read_bytes())
+    assert repo.fsck().ok
+    repo.close()
+
+
+def _coded_repo(tmp_path: Path, passphrase: Callable[[], str],
+                monkeypatch: pytest.MonkeyPatch) -> tuple[Repository, list[Path], list[str], str]:
+    """A 2-of-3 erasure-coded repository whose first push had the fragments for one
+    backend refused; returns it (reopened, faults gone), the backend folders, the
+    backend ids and the refused backend's id."""
+    dirs = _dirs(tmp_path, 3)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "big.bin").write_bytes(os.urandom(3 * 1024 * 1024))
+    repo = Repository.init(src, [f"dir:{d}" for d in dirs], erasure=(2, 3), passphrase=passphrase)
+    ids = list(repo.config.acceptors)
+    refused = ids[1]
+    _refuse(repo, monkeypatch, refused, fragments_only=True)
+    result = repo.push("first")
+    assert result.missing_copies >= 1
+    assert all(b == refused for _, b in repo.missing_copies())
+    monkeypatch.undo()
+    repo.close()
+    return Repository.open(src), dirs, ids, refused
+
+
+def _fragments_on(backend_dir: Path, stored_id: str) -> list[Path]:
+    folder = _path(backend_dir, object_key(stored_id)).parent
+    return sorted(folder.glob(f"{stored_id}.f*"))
+
+
+def test_missed_fragment_is_rebuilt_by_the_next_push(
+    tmp_path: Path, passphrase: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused fragment is rebuilt by the next push (from the other fragments),
+    the missing count goes to 0, and a push after that reports nothing missing.
+    (On main before the split every later push reported the same missing copy,
+    and the daemon pushed again on every cycle.)"""
+    repo, dirs, ids, refused = _coded_repo(tmp_path, passphrase, monkeypatch)
+    missing = repo.missing_copies()
+    by_id = dict(zip(ids, dirs, strict=True))
+    for sid, _ in missing:
+        assert _fragments_on(by_id[refused], sid) == []
+    first = repo.push()
+    assert first.missing_copies == 0 and repo.missing_copies() == []
+    for sid, _ in missing:
+        (fragment,) = _fragments_on(by_id[refused], sid)
+        index = int(fragment.name.rpartition(".f")[2])
+        assert fragment == _path(by_id[refused], fragment_key(sid, index))
+    assert repo.push().missing_copies == 0
+    report = repo.fsck()
+    assert report.ok, report.problems
+    repo.close()
+
+
+def test_fsck_repair_settles_a_missed_fragment(
+    tmp_path: Path, passphrase: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fsck --repair`` rebuilds the refused fragment and forgets its missing-copy
+    row, so the next push has nothing left to repair. (On main before the split
+    the row stayed: rows were cleared before fragments were repaired.)"""
+    repo, _, _, refused = _coded_repo(tmp_path, passphrase, monkeypatch)
+    report = repo.fsck(repair=True)
+    assert report.problems and all(p.backend == refused for p in report.problems)
+    assert report.ok, report.problems
+    assert repo.missing_copies() == []
+    assert repo.fsck().ok
+    repo.close()
