@@ -27,31 +27,31 @@ replays its schedule bit for bit. docs/simulator.md describes the model.
 
 Run ``bin/simulate --seeds N`` (see :func:`main`).
 """
-from metasync.simulator.simulation import (
+from metasync.simulator.cli import main
+from metasync.simulator.model import (
     CONFIG,
-    DEFAULT_BFT_SHARE,
-    EVENT_LIMIT,
-    FINAL_PASSES,
-    HEAL_LIMIT,
-    PUSH_ATTEMPTS,
     V0,
     Acceptor,
     Batch,
     Client,
-    Params,
     Result,
     Session,
-    Simulation,
     commit_id,
-    draw_params,
-    main,
-    recent,
-    run,
     short,
     show_message,
     show_reply,
     show_request,
     show_round,
+)
+from metasync.simulator.params import DEFAULT_BFT_SHARE, Params, draw_params
+from metasync.simulator.simulation import (
+    EVENT_LIMIT,
+    FINAL_PASSES,
+    HEAL_LIMIT,
+    PUSH_ATTEMPTS,
+    Simulation,
+    recent,
+    run,
 )
 
 __all__ = [

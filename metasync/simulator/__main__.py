@@ -2,6 +2,6 @@
 
 import sys
 
-from metasync.simulator import main
+from metasync.simulator.cli import main
 
 sys.exit(main())

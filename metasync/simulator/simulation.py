@@ -1,17 +1,12 @@
-"""One schedule of the pPaxos simulator: the model, the clients, the checker
-(see the package docstring, :mod:`metasync.simulator`)."""
+"""One schedule of the pPaxos simulator: the acceptors, the faults, the clients
+and the checker (the package docstring, :mod:`metasync.simulator`, has the overview)."""
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import heapq
-import multiprocessing
-import os
 import random
 from collections import Counter
-from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Generator
 from typing import Any
 
 from metasync.objects import Version
@@ -42,11 +37,20 @@ from metasync.paxos import (
     publish_hint,
     replay,
 )
-
-#: The configuration id every version carries (the simulation never reconfigures).
-CONFIG = hashlib.sha256(b"metasync simulator config").hexdigest()
-V0 = Version(0, None, CONFIG)
-DEFAULT_BFT_SHARE = 0.25
+from metasync.simulator.model import (
+    CONFIG,
+    Acceptor,
+    Batch,
+    Client,
+    Result,
+    Session,
+    commit_id,
+    short,
+    show_reply,
+    show_request,
+    show_round,
+)
+from metasync.simulator.params import DEFAULT_BFT_SHARE, draw_params
 
 #: Propose attempts (one per instance) in one push before starting over with get_recent.
 PUSH_ATTEMPTS = 8
@@ -61,58 +65,9 @@ FINAL_PASSES = 4
 (_DELIVER, _REPLY, _TIMEOUT, _WAKE, _CRASH, _RESTART, _DOWN, _UP, _CUT, _MEND, _HEAL,
  _COMPACTOR) = range(12)
 
-Session = Generator[Step, Any, None]
-
-
-def commit_id(parent: str | None, changes: frozenset[str] | set[str]) -> str:
-    """The master id of the commit with ``parent`` holding exactly ``changes``."""
-    text = f"{parent or '-'}|{','.join(sorted(changes))}"
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def short(value: Version | None) -> str:
-    if value is None:
-        return "-"
-    return f"v{value.number}:{(value.master or 'none')[:6]}"
-
-
-def show_round(rnd: Round) -> str:
-    return "fast" if rnd == FAST_ROUND else f"{rnd.number}/{rnd.proposer}"
-
-
-def show_message(msg: Message | None) -> str:
-    if msg is None:
-        return "junk"
-    if msg.type == "prepare":
-        return f"prepare({show_round(msg.round)})"
-    return f"accept({show_round(msg.round)}, {short(msg.value)})"
-
 
 def _by_round(msg: Message) -> Round:
     return msg.round
-
-
-def show_request(req: Request) -> str:
-    if isinstance(req, Fetch):
-        return f"fetch #{req.instance}"
-    if isinstance(req, Append):
-        pos = "" if req.position is None else f" @{req.position}"
-        return f"append #{req.instance} {show_message(req.message)}{pos}"
-    if isinstance(req, ReadHint):
-        return "read-hint"
-    if isinstance(req, ReadFloor):
-        return "read-floor"
-    if isinstance(req, WriteFloor):
-        return f"write-floor {req.below}"
-    if isinstance(req, DropLogs):
-        return f"drop-logs below {req.below}"
-    return f"write-hint {req.number}"
-
-
-def show_reply(reply: Reply) -> str:
-    if isinstance(reply, list):
-        return "[" + ", ".join(show_message(m) for m in reply) + "]"
-    return repr(reply)
 
 
 def recent(setup: Setup, known: Version, rng: random.Random
@@ -124,165 +79,6 @@ def recent(setup: Setup, known: Version, rng: random.Random
             return (yield from get_recent(setup, known, rng))
         except Compacted as exc:
             known = yield from past_floor(setup, exc.floor, rng)
-
-
-# ====================================================================== the model
-@dataclass
-class Params:
-    """One schedule's configuration, all drawn from the seed."""
-
-    bft: bool
-    acceptors: int
-    byzantine: tuple[str, ...]
-    conditional: frozenset[str]
-    #: Per client: whether it tries the fast round, whether it uses conditional appends.
-    fast_path: tuple[bool, ...]
-    use_conditional: tuple[bool, ...]
-    pushes: tuple[int, ...]
-    max_attempts: int
-    fault_time: float
-    timeout: float
-    delay: dict[str, float]
-    p_fail: float
-    p_lost: float
-    p_tail: float
-    p_dup: float
-    p_torn: float
-    p_client_crash: float
-    p_exceed: float
-    acceptor_crashes: int
-    partitions: int
-    p_hint: float
-    think: float
-    #: How often (virtual seconds, on average) the compactor tries; 0: never.
-    compaction_every: float = 0.0
-
-    def describe(self) -> str:
-        mode = f"bft n={self.acceptors} byzantine={','.join(self.byzantine) or 'none'}" if self.bft \
-            else f"crash n={self.acceptors}"
-        cond = ",".join(sorted(self.conditional)) or "none"
-        flags = "".join(("f" if f else "-") + ("c" if c else "-")
-                        for f, c in zip(self.fast_path, self.use_conditional, strict=True))
-        return (f"{mode} conditional={cond} clients={len(self.pushes)} "
-                f"pushes={list(self.pushes)} fast/conditional={flags} max_attempts={self.max_attempts} "
-                f"faults_until={self.fault_time:.1f} timeout={self.timeout:.2f} "
-                f"p_fail={self.p_fail:.3f} p_lost={self.p_lost:.3f} p_tail={self.p_tail:.3f} "
-                f"p_dup={self.p_dup:.3f} p_torn={self.p_torn:.2f} "
-                f"p_client_crash={self.p_client_crash:.3f} acceptor_crashes={self.acceptor_crashes} "
-                f"partitions={self.partitions} "
-                f"p_exceed={self.p_exceed:.2f} compaction_every={self.compaction_every:g}")
-
-
-def draw_params(rng: random.Random, bft_share: float) -> Params:
-    bft = rng.random() < bft_share
-    n = rng.randint(4, 7) if bft else rng.choice((1, 2, 3, 3, 3, 4, 5, 5))
-    names = tuple(f"a{i}" for i in range(n))
-    byzantine: tuple[str, ...] = ()
-    if bft:
-        f = (n - 1) // 3
-        count = f if rng.random() < 0.7 else rng.randint(0, f)
-        byzantine = tuple(sorted(rng.sample(names, count)))
-    support = rng.choice(("all", "none", "some"))
-    if support == "all":
-        conditional = frozenset(names)
-    elif support == "none":
-        conditional = frozenset()
-    else:
-        conditional = frozenset(a for a in names if rng.random() < 0.5)
-    clients = rng.randint(2, 5)
-    pushes = tuple(rng.randint(1, 4) for _ in range(clients))
-    calm = rng.random() < 0.15  # some schedules without network faults: pure contention
-    timeout = rng.choice((0.5, 1.0, 2.0))
-    delay = {a: rng.choice((0.005, 0.02, 0.05, 0.1)) for a in names}
-    return Params(
-        bft=bft,
-        acceptors=n,
-        byzantine=byzantine,
-        conditional=conditional,
-        fast_path=tuple(rng.random() < 0.8 for _ in pushes),
-        use_conditional=tuple(rng.random() < 0.9 for _ in pushes),
-        pushes=pushes,
-        max_attempts=rng.choice((2, 4, 10, 10)),
-        fault_time=rng.uniform(2.0, 20.0),
-        timeout=timeout,
-        delay=delay,
-        p_fail=0.0 if calm else rng.choice((0.0, 0.02, 0.1, 0.25)),
-        p_lost=0.0 if calm else rng.choice((0.0, 0.02, 0.1, 0.25)),
-        p_tail=0.0 if calm else rng.choice((0.0, 0.01, 0.05, 0.15)),
-        p_dup=0.0 if calm else rng.choice((0.0, 0.0, 0.02, 0.1)),
-        p_torn=0.0 if calm else rng.choice((0.0, 0.0, 0.2, 0.5)),
-        p_client_crash=0.0 if calm else rng.choice((0.0, 0.01, 0.05, 0.1)),
-        p_exceed=rng.choice((0.0, 0.1, 0.3)),
-        acceptor_crashes=0 if calm else rng.randint(0, 6),
-        partitions=0 if calm else rng.choice((0, 0, 2, 6)),
-        p_hint=rng.choice((0.0, 0.5, 1.0)),
-        think=rng.choice((0.0, 0.05, 0.5, 2.0)),
-        compaction_every=rng.choice((0.0, 0.3, 1.0, 3.0)),
-    )
-
-
-@dataclass
-class Acceptor:
-    name: str
-    byzantine: bool
-    #: Per instance, the log; ``None`` is an entry that does not decode (a torn write,
-    #: garbage): it takes a position but is no message.
-    logs: dict[int, list[Message | None]] = field(default_factory=dict)
-    hint: int | None = None
-    down: bool = False
-    #: The compaction floor: logs of instances below it may have been deleted.
-    floor: int = 0
-    #: Each deleted log as it was (for the checker only; no client reads it).
-    archive: dict[int, list[Message | None]] = field(default_factory=dict)
-
-
-@dataclass
-class Batch:
-    id: int
-    requests: list[Request]
-    replies: list[Reply]
-    waiting: int
-
-
-@dataclass
-class Client:
-    index: int
-    pushes: int
-    #: Durable state (survives a crash): the changes in the local copy, the newest
-    #: version learned, changes made so far, and the changes not yet known pushed.
-    changes: set[str] = field(default_factory=set)
-    known: Version = V0
-    created: int = 0
-    pending: list[str] = field(default_factory=list)
-    #: Volatile: the running session (None while crashed or done).
-    session: int = 0
-    gen: Session | None = None
-    epoch: int = 0
-    batch: Batch | None = None
-    crashed: bool = False
-    finished: bool = False
-    final: Version | None = None
-    #: The running session's proposer id (what the trace calls the client).
-    label: str = ""
-    #: When the running get_recent or propose began (compaction's grace, see below).
-    op_started: float = 0.0
-    #: Whether a get_recent or propose is running.
-    in_op: bool = False
-
-
-@dataclass
-class Result:
-    seed: int
-    params: str
-    violations: list[str]
-    trace: list[str]
-    events: int
-    versions: int
-    stats: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return not self.violations
 
 
 # ====================================================================== simulation
@@ -1007,65 +803,3 @@ class Simulation:
 def run(seed: int, bft_share: float = DEFAULT_BFT_SHARE, trace: bool = False) -> Result:
     """Simulate the schedule of ``seed`` and check it."""
     return Simulation(seed, bft_share, trace).run()
-
-
-# ====================================================================== the CLI
-def _run_one(args: tuple[int, float, bool]) -> Result:
-    return run(*args)
-
-
-def _results(seeds: Sequence[int], bft_share: float, verbose: bool, jobs: int) -> Iterator[Result]:
-    tasks = [(s, bft_share, verbose) for s in seeds]
-    if jobs <= 1 or len(seeds) < 50:
-        yield from map(_run_one, tasks)
-        return
-    with multiprocessing.get_context("fork").Pool(jobs) as pool:
-        yield from pool.imap(_run_one, tasks, chunksize=max(1, min(64, len(seeds) // (jobs * 8))))
-
-
-def _default_jobs() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="bin/simulate",
-        description="Run seeded pPaxos fault-injection schedules and check their invariants.")
-    parser.add_argument("--seeds", type=int, required=True, help="how many schedules to run")
-    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
-    parser.add_argument("--bft-share", type=float, default=DEFAULT_BFT_SHARE,
-                        help=f"share of schedules in Byzantine mode (default {DEFAULT_BFT_SHARE})")
-    parser.add_argument("--jobs", type=int, default=_default_jobs(),
-                        help="worker processes (default: the CPUs available)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="print each schedule's trace")
-    parser.add_argument("--stats", action="store_true", help="print what the schedules exercised")
-    args = parser.parse_args(argv)
-    if args.seeds < 0 or not 0.0 <= args.bft_share <= 1.0:
-        parser.error("--seeds must be >= 0 and --bft-share within [0, 1]")
-
-    seeds = range(args.first_seed, args.first_seed + args.seeds)
-    extra = "" if args.bft_share == DEFAULT_BFT_SHARE else f" --bft-share {args.bft_share:g}"
-    failing = 0
-    totals: Counter[str] = Counter()
-    for result in _results(seeds, args.bft_share, args.verbose, args.jobs):
-        if args.verbose:
-            print("\n".join(result.trace))
-            print(f"seed {result.seed}: {result.events} events, {result.versions} versions, "
-                  f"{len(result.violations)} violations")
-            for v in result.violations:
-                print(f"  violation: {v}")
-        totals.update(result.stats)
-        if result.violations:
-            failing += 1
-            more = f" (+{len(result.violations) - 1} more)" if len(result.violations) > 1 else ""
-            print(f"seed {result.seed}: {result.violations[0]}{more} [{result.params}]; replay: "
-                  f"bin/simulate --seeds 1 --first-seed {result.seed}{extra} -v", flush=True)
-    if args.stats:
-        for key in sorted(totals):
-            print(f"  {key}: {totals[key]}")
-    print(f"{args.seeds} schedules, {failing} violations")
-    return 1 if failing else 0
-
