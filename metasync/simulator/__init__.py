@@ -45,7 +45,6 @@ from metasync.simulator.model import (
 )
 from metasync.simulator.params import DEFAULT_BFT_SHARE, Params, draw_params
 from metasync.simulator.simulation import (
-    EVENT_LIMIT,
     FINAL_PASSES,
     HEAL_LIMIT,
     PUSH_ATTEMPTS,
@@ -53,6 +52,7 @@ from metasync.simulator.simulation import (
     recent,
     run,
 )
+from metasync.simulator.world import EVENT_LIMIT, World
 
 __all__ = [
     "CONFIG",
@@ -69,6 +69,7 @@ __all__ = [
     "Result",
     "Session",
     "Simulation",
+    "World",
     "commit_id",
     "draw_params",
     "main",

@@ -3,7 +3,6 @@ and the checker (the package docstring, :mod:`metasync.simulator`, has the overv
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections import Counter
 from collections.abc import Generator
@@ -12,24 +11,16 @@ from typing import Any
 from metasync.objects import Version
 from metasync.paxos import (
     FAST_ROUND,
-    Append,
     Backoff,
     Compacted,
     Contended,
-    DropLogs,
-    Fetch,
-    Message,
     NoQuorum,
-    Quorums,
-    ReadFloor,
-    ReadHint,
     Reading,
     Reply,
     Request,
     Round,
     Setup,
     Step,
-    WriteFloor,
     compact,
     get_recent,
     past_floor,
@@ -39,35 +30,23 @@ from metasync.paxos import (
 )
 from metasync.simulator.model import (
     CONFIG,
-    Acceptor,
     Batch,
     Client,
     Result,
     Session,
     commit_id,
     short,
-    show_reply,
-    show_request,
     show_round,
 )
-from metasync.simulator.params import DEFAULT_BFT_SHARE, draw_params
+from metasync.simulator.params import DEFAULT_BFT_SHARE
+from metasync.simulator.world import COMPACTOR, CRASH, REPLY, RESTART, TIMEOUT, WAKE, World
 
 #: Propose attempts (one per instance) in one push before starting over with get_recent.
 PUSH_ATTEMPTS = 8
 #: After healing, how long (virtual seconds) clients get to finish their pushes.
 HEAL_LIMIT = 600.0
-#: Events a schedule may process before it counts as not terminating.
-EVENT_LIMIT = 200_000
 #: Passes of get_recent over all clients to reach quiescence at the end.
 FINAL_PASSES = 4
-
-# Event kinds (ints: cheap to compare, and the heap never compares payloads).
-(_DELIVER, _REPLY, _TIMEOUT, _WAKE, _CRASH, _RESTART, _DOWN, _UP, _CUT, _MEND, _HEAL,
- _COMPACTOR) = range(12)
-
-
-def _by_round(msg: Message) -> Round:
-    return msg.round
 
 
 def recent(setup: Setup, known: Version, rng: random.Random
@@ -82,74 +61,26 @@ def recent(setup: Setup, known: Version, rng: random.Random
 
 
 # ====================================================================== simulation
-class Simulation:
+class Simulation(World):
+    """One schedule: the world of ``seed`` with its clients, each running sessions
+    of pushes through the real protocol generators, and the compactor; then the
+    checker (:meth:`run`)."""
+
     def __init__(self, seed: int, bft_share: float = DEFAULT_BFT_SHARE, trace: bool = False) -> None:
-        self.seed = seed
-        self.rng = random.Random(seed)
-        self.p = draw_params(self.rng, bft_share)
-        self.names = tuple(f"a{i}" for i in range(self.p.acceptors))
-        self.quorums = Quorums.bft(self.p.acceptors) if self.p.bft else Quorums.crash(self.p.acceptors)
-        self.acceptors = {a: Acceptor(a, a in self.p.byzantine) for a in self.names}
+        super().__init__(seed, bft_share, trace)
         self.clients = [Client(i, k) for i, k in enumerate(self.p.pushes)]
         #: Deletes old logs now and then (``gc``'s log compaction); never crashes.
         self.compactor = Client(len(self.clients), 0, finished=True)
         self.all_clients = [*self.clients, self.compactor]
         #: Per instance, when some client first reported it decided.
         self.observed_at: dict[int, float] = {}
-        #: Issue times of the pushing clients' requests not yet delivered.
-        self.undelivered: Counter[float] = Counter()
         self.compacted_below = 0
-        self.tracing = trace
-        self.trace: list[str] = []
-        self.violations: list[str] = []
-        self.now = 0.0
-        self.heap: list[tuple[float, int, int, Any]] = []
-        self.seq = 0
-        self.events = 0
         self.batches = 0
-        self.faulty = True
-        #: The side table: master id -> (parent master, changes): the commit objects.
-        self.commits: dict[str, tuple[str | None, frozenset[str]]] = {}
         #: Every value a client's protocol run returned as decided, per instance.
         self.observed: dict[int, list[tuple[Version, str]]] = {}
         #: Successful pushes: (change, client session, version that made it known).
         self.successes: list[tuple[str, str, Version]] = []
-        #: Every message some proposer sent, per instance (what a Byzantine may return).
-        self.sent: dict[int, list[Message]] = {}
-        self._sent_set: set[tuple[int, Message]] = set()
-        self.hints_written: list[int] = []
         self.unfinished = 0
-        #: (client, acceptor) links partitioned for now.
-        self.cuts: set[tuple[int, str]] = set()
-        #: What happened, for the --stats summary.
-        self.stats: Counter[str] = Counter()
-
-    # --------------------------------------------------------------- plumbing
-    def log(self, text: str) -> None:
-        if self.tracing:
-            self.trace.append(f"{self.now:10.4f}  {text}")
-
-    def at(self, when: float, kind: int, data: Any) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (when, self.seq, kind, data))
-
-    def violation(self, text: str) -> None:
-        self.violations.append(text)
-        self.log(f"VIOLATION {text}")
-
-    def delay(self, acceptor: str) -> float:
-        d = self.rng.expovariate(1.0 / self.p.delay[acceptor])
-        if self.faulty and self.rng.random() < self.p.p_tail:
-            self.stats["long delays"] += 1
-            # The long tail: often past the timeout, sometimes past several instances.
-            d += self.p.timeout * (self.rng.uniform(0.5, 4.0) if self.rng.random() < 0.8
-                                   else self.rng.uniform(4.0, 40.0))
-        return d
-
-    def changes_of(self, master: str | None) -> frozenset[str]:
-        if master is None:
-            return frozenset()
-        return self.commits[master][1]
 
     # --------------------------------------------------------------- the client
     def learned(self, c: Client, value: Version, how: str) -> None:
@@ -343,7 +274,7 @@ class Simulation:
                 self.violation(f"{c.label} raised {type(exc).__name__}: {exc}")
                 return
             if isinstance(step, Backoff):
-                self.at(self.now + step.seconds, _WAKE, (c.index, c.epoch))
+                self.at(self.now + step.seconds, WAKE, (c.index, c.epoch))
                 return
             if not step:
                 replies = []
@@ -360,173 +291,20 @@ class Simulation:
             self.unfinished -= 1
 
     def issue(self, c: Client, requests: list[Request]) -> None:
+        """Send a round trip of ``c``'s session; it ends with every reply or its timeout."""
         self.batches += 1
         batch = Batch(self.batches, list(requests), [None] * len(requests), len(requests))
         c.batch = batch
         for i, req in enumerate(requests):
-            if isinstance(req, Append):
-                key = (req.instance, req.message)
-                if key not in self._sent_set:
-                    self._sent_set.add(key)
-                    self.sent.setdefault(req.instance, []).append(req.message)
             issued = self.now if c is not self.compactor else None
-            if issued is not None:
-                self.undelivered[issued] += 1
-            self.at(self.now + self.delay(req.acceptor), _DELIVER,
-                    (c.index, c.epoch, batch.id, i, req, issued))
-        self.at(self.now + self.p.timeout, _TIMEOUT, (c.index, c.epoch, batch.id))
+            self.send(c.index, c.epoch, batch.id, i, req, issued)
+        self.at(self.now + self.p.timeout, TIMEOUT, (c.index, c.epoch, batch.id))
         if c is not self.compactor and self.faulty and self.rng.random() < self.p.p_client_crash:
-            self.at(self.now + self.rng.uniform(0, self.p.timeout), _CRASH, (c.index, c.epoch))
+            self.at(self.now + self.rng.uniform(0, self.p.timeout), CRASH, (c.index, c.epoch))
 
-    def deliver(
-        self, index: int, epoch: int, batch: int, i: int, req: Request, issued: float | None
-    ) -> None:
-        """A request reaches its acceptor: apply it (maybe), send a reply (maybe)."""
-        if issued is not None:
-            self.undelivered[issued] -= 1
-            if not self.undelivered[issued]:
-                del self.undelivered[issued]
-        acc = self.acceptors[req.acceptor]
+    def sender(self, index: int, epoch: int) -> str:
         c = self.all_clients[index]
-        cut = (index, acc.name) in self.cuts
-        if acc.down or cut or (self.faulty and self.rng.random() < self.p.p_fail):
-            why = "down" if acc.down else "partitioned" if cut else "failed"
-            if why == "failed" and isinstance(req, Append) and self.rng.random() < self.p.p_torn:
-                # A torn write: the append failed but left an entry that does not decode.
-                log = acc.logs.setdefault(req.instance, [])
-                if req.position is None or len(log) == req.position:
-                    log.append(None)
-                    why = "torn"
-            self.stats[f"requests {why}"] += 1
-            if self.tracing:
-                name = c.label if c.epoch == epoch else f"c{index}(gone)"
-                self.log(f"{name} -> {acc.name} {show_request(req)}: {why}")
-            self.at(self.now + self.delay(req.acceptor), _REPLY, (index, epoch, batch, i, None))
-            return
-        reply = self.byzantine_apply(acc, req) if acc.byzantine else self.apply(acc, req)
-        lost = self.faulty and self.rng.random() < self.p.p_lost
-        if self.tracing:
-            name = c.label if c.epoch == epoch else f"c{index}(gone)"
-            self.log(f"{name} -> {acc.name} {show_request(req)} => {show_reply(reply)}"
-                     + (" (reply lost)" if lost else ""))
-        if lost:
-            self.stats["replies lost"] += 1
-            if self.rng.random() < 0.5:
-                return  # no answer at all: the client times out
-            reply = None
-        self.at(self.now + self.delay(req.acceptor), _REPLY, (index, epoch, batch, i, reply))
-
-    def apply(self, acc: Acceptor, req: Request) -> Reply:
-        if isinstance(req, Fetch):
-            return list(acc.logs.get(req.instance, ()))
-        if isinstance(req, Append):
-            log = acc.logs.setdefault(req.instance, [])
-            if req.position is not None:
-                if acc.name not in self.p.conditional:
-                    self.violation(f"conditional append on {acc.name}, which has none: {req}")
-                    return None
-                if len(log) != req.position:
-                    return False
-            log.append(req.message)
-            if req.position is None and self.faulty and self.rng.random() < self.p.p_dup:
-                # A backend client library retried a plain append that had worked.
-                self.stats["plain appends duplicated"] += 1
-                log.append(req.message)
-            return True
-        if isinstance(req, ReadHint):
-            return acc.hint
-        if isinstance(req, ReadFloor):
-            return acc.floor
-        if isinstance(req, WriteFloor):
-            acc.floor = max(acc.floor, req.below)
-            return True
-        if isinstance(req, DropLogs):
-            return self.drop_logs(acc, req.below)
-        acc.hint = req.number
-        self.hints_written.append(req.number)
-        return True
-
-    def drop_logs(self, acc: Acceptor, below: int) -> int:
-        removed = 0
-        for instance in [i for i in acc.logs if i < below]:
-            acc.archive.setdefault(instance, acc.logs[instance])
-            removed += len(acc.logs.pop(instance))
-        return removed
-
-    def byzantine_apply(self, acc: Acceptor, req: Request) -> Reply:
-        """A Byzantine acceptor: anything the MAC lets it get away with."""
-        rng = self.rng
-        if isinstance(req, Fetch):
-            reply = self.byzantine_log(acc, req.instance)
-            if reply and rng.random() < 0.15:
-                # Garbage that fails its MAC: the reader sees an undecodable entry.
-                reply.insert(rng.randrange(len(reply) + 1), None)
-            return reply
-        if isinstance(req, Append):
-            log = acc.logs.setdefault(req.instance, [])
-            fits = req.position is None or len(log) == req.position
-            if fits and rng.random() < 0.8:
-                log.append(req.message if rng.random() < 0.9 else None)
-            if req.position is None:
-                return True
-            return fits if rng.random() < 0.6 else rng.random() < 0.5
-        if isinstance(req, ReadHint):
-            if self.hints_written and rng.random() < 0.7:
-                return rng.choice(self.hints_written)
-            return acc.hint if rng.random() < 0.5 else None
-        if isinstance(req, ReadFloor):
-            # Hide the floor, tell it, or claim a higher one.
-            how = rng.random()
-            return 0 if how < 0.3 else acc.floor if how < 0.7 else acc.floor + rng.randint(1, 6)
-        if isinstance(req, WriteFloor):
-            if rng.random() < 0.7:
-                acc.floor = max(acc.floor, req.below)
-            return True
-        if isinstance(req, DropLogs):
-            return self.drop_logs(acc, req.below) if rng.random() < 0.7 else rng.randint(0, 9)
-        acc.hint = req.number
-        self.hints_written.append(req.number)
-        return True
-
-    def byzantine_log(self, acc: Acceptor, instance: int) -> list[Message | None]:
-        """What a Byzantine acceptor claims its log is: reordered, cut and spliced real
-        messages (of this instance only: the MAC binds the instance)."""
-        rng = self.rng
-        own = list(acc.logs.get(instance, ()))
-        sent: list[Message] = self.sent.get(instance, [])
-        claim: list[Message | None]
-        how = rng.random()
-        if how < 0.2:
-            claim = own
-        elif how < 0.35:
-            claim = [m for m in own if rng.random() < 0.6]
-        elif how < 0.5:
-            claim = own
-            rng.shuffle(claim)
-        elif how < 0.7:
-            claim = [m for m in own + [m for m in sent if rng.random() < 0.5] if rng.random() < 0.7]
-            if rng.random() < 0.5:
-                rng.shuffle(claim)
-        elif how < 0.8:
-            # Claim to have accepted everything ever sent, promising nothing first.
-            accepted = sorted((m for m in sent if m.type == "accept"), key=_by_round)
-            claim = list(accepted)
-        elif how < 0.87:
-            # Claim the highest promise seen, to pre-empt everyone.
-            everything = sorted(sent, key=_by_round)
-            claim = list(everything)
-        elif how < 0.95:
-            # Grant the newest prepare while reporting the oldest accepted value.
-            accepts = [m for m in sent if m.type == "accept"]
-            prepares = [m for m in sent if m.type == "prepare"]
-            claim = []
-            if accepts:
-                claim.append(min(accepts, key=_by_round))
-            if prepares:
-                claim.append(max(prepares, key=_by_round))
-        else:
-            claim = []
-        return claim
+        return c.label if c.epoch == epoch else f"c{index}(gone)"
 
     def complete(self, c: Client) -> None:
         batch = c.batch
@@ -535,9 +313,7 @@ class Simulation:
         self.advance(c, batch.replies)
 
     def handle(self, kind: int, data: Any) -> None:
-        if kind == _DELIVER:
-            self.deliver(*data)
-        elif kind == _REPLY:
+        if kind == REPLY:
             index, epoch, batch_id, i, reply = data
             c = self.all_clients[index]
             if c.epoch == epoch and c.batch is not None and c.batch.id == batch_id:
@@ -545,19 +321,19 @@ class Simulation:
                 c.batch.waiting -= 1
                 if c.batch.waiting == 0:
                     self.complete(c)
-        elif kind == _TIMEOUT:
+        elif kind == TIMEOUT:
             index, epoch, batch_id = data
             c = self.all_clients[index]
             if c.epoch == epoch and c.batch is not None and c.batch.id == batch_id:
                 self.stats["round trips timed out"] += 1
                 self.log(f"{c.label} timeout: {c.batch.waiting} replies missing")
                 self.complete(c)
-        elif kind == _WAKE:
+        elif kind == WAKE:
             index, epoch = data
             c = self.all_clients[index]
             if c.epoch == epoch and c.batch is None:
                 self.advance(c, None)
-        elif kind == _CRASH:
+        elif kind == CRASH:
             index, epoch = data
             c = self.all_clients[index]
             if c.epoch == epoch and c.gen is not None and self.faulty:
@@ -568,8 +344,8 @@ class Simulation:
                 c.batch = None
                 c.epoch += 1
                 c.crashed = True
-                self.at(self.now + self.rng.uniform(0.2, 3.0), _RESTART, index)
-        elif kind == _RESTART:
+                self.at(self.now + self.rng.uniform(0.2, 3.0), RESTART, index)
+        elif kind == RESTART:
             c = self.clients[data]
             if c.crashed:
                 c.crashed = False
@@ -577,94 +353,34 @@ class Simulation:
                 label = f"c{c.index}.s{c.session}"
                 self.log(f"{label} restarts (durable: known {short(c.known)}, pending {c.pending})")
                 self.start(c, label, self.session(c, label))
-        elif kind == _DOWN:
-            name, duration = data
-            acc = self.acceptors[name]
-            if not self.faulty or acc.down:
-                return
-            unavailable = sum(1 for a in self.acceptors.values() if a.down or a.byzantine)
-            if unavailable >= self.quorums.faults and self.rng.random() >= self.p.p_exceed:
-                return
-            acc.down = True
-            self.stats["acceptor outages"] += 1
-            if unavailable >= self.quorums.faults:
-                self.stats["outages beyond the tolerated faults"] += 1
-            self.log(f"acceptor {name} DOWN for {duration:.2f}"
-                     + (" (more than the quorums tolerate)" if unavailable >= self.quorums.faults else ""))
-            self.at(self.now + duration, _UP, name)
-        elif kind == _UP:
-            acc = self.acceptors[data]
-            if acc.down:
-                acc.down = False
-                self.log(f"acceptor {data} up")
-        elif kind == _CUT:
-            index, name, duration = data
-            if not self.faulty or (index, name) in self.cuts:
-                return
-            unavailable = sum(1 for a in self.acceptors.values()
-                              if a.down or a.byzantine or (index, a.name) in self.cuts)
-            if unavailable >= self.quorums.faults and self.rng.random() >= self.p.p_exceed:
-                return
-            self.cuts.add((index, name))
-            self.stats["partitions"] += 1
-            self.log(f"c{index} cannot reach {name} for {duration:.2f}")
-            self.at(self.now + duration, _MEND, (index, name))
-        elif kind == _MEND:
-            if data in self.cuts:
-                self.cuts.discard(data)
-                self.log(f"c{data[0]} reaches {data[1]} again")
-        elif kind == _COMPACTOR:
+        elif kind == COMPACTOR:
             self.start(self.compactor, "compactor", self.compactor_session(self.compactor, "compactor"))
-        elif kind == _HEAL:
-            self.faulty = False
-            self.log("HEAL: all acceptors up, no more network faults or client crashes")
-            for acc in self.acceptors.values():
-                acc.down = False
-            self.cuts.clear()
-            for c in self.clients:
-                if c.crashed:
-                    self.at(self.now, _RESTART, c.index)
+        else:
+            super().handle(kind, data)
 
-    def loop(self, until: float, done: Any) -> bool:
-        """Process events until ``done()`` or virtual time ``until``; False on overrun."""
-        while self.heap and not done():
-            when, _, kind, data = self.heap[0]
-            if when > until or self.events >= EVENT_LIMIT:
-                return False
-            heapq.heappop(self.heap)
-            self.now = max(self.now, when)
-            self.events += 1
-            self.handle(kind, data)
-        return bool(done())
-
-    def drain(self) -> None:
-        """Deliver everything still in flight (late requests still land)."""
-        while self.heap and self.events < EVENT_LIMIT:
-            when, _, kind, data = heapq.heappop(self.heap)
-            self.now = max(self.now, when)
-            self.events += 1
-            self.handle(kind, data)
+    def heal(self) -> None:
+        """The world heals, and crashed clients restart."""
+        super().heal()
+        for c in self.clients:
+            if c.crashed:
+                self.at(self.now, RESTART, c.index)
 
     # --------------------------------------------------------------- the schedule
     def run(self) -> Result:
+        """Run the schedule: the fault phase, the heal, the clients finishing their
+        pushes, everything in flight delivered, the final get_recent passes; then
+        check the outcome."""
         p = self.p
         self.log(f"seed {self.seed}: {p.describe()}")
-        for _ in range(p.acceptor_crashes):
-            start = self.rng.uniform(0, p.fault_time)
-            self.at(start, _DOWN, (self.rng.choice(self.names), self.rng.uniform(0.2, p.fault_time / 2)))
-        for _ in range(p.partitions):
-            start = self.rng.uniform(0, p.fault_time)
-            self.at(start, _CUT, (self.rng.randrange(len(self.clients)), self.rng.choice(self.names),
-                                  self.rng.uniform(0.2, p.fault_time / 2)))
-        self.at(p.fault_time, _HEAL, None)
+        self.schedule_faults(len(self.clients))
         together = self.rng.random() < 0.3  # everyone starts at once: fast-round collisions
         for c in self.clients:
-            self.at(0.0 if together else self.rng.uniform(0, 1.0), _RESTART, c.index)
+            self.at(0.0 if together else self.rng.uniform(0, 1.0), RESTART, c.index)
             c.crashed = True  # "restart" into session 0
             c.session = -1
         self.unfinished = len(self.clients)
         if p.compaction_every:
-            self.at(0.0, _COMPACTOR, None)
+            self.at(0.0, COMPACTOR, None)
 
         finished = self.loop(p.fault_time + HEAL_LIMIT,
                              lambda: self.unfinished == 0 and not self.faulty)
