@@ -27,6 +27,7 @@ replays its schedule bit for bit. docs/simulator.md describes the model.
 
 Run ``bin/simulate --seeds N`` (see :func:`main`).
 """
+from metasync.simulator.checker import Checker
 from metasync.simulator.cli import main
 from metasync.simulator.model import (
     CONFIG,
@@ -64,6 +65,7 @@ __all__ = [
     "V0",
     "Acceptor",
     "Batch",
+    "Checker",
     "Client",
     "Params",
     "Result",
