@@ -26,7 +26,21 @@ replays its schedule bit for bit. docs/simulator.md describes the model.
   clients converge, and the decided versions form one linear chain.
 
 Run ``bin/simulate --seeds N`` (see :func:`main`).
+
+The modules, each importing only :mod:`metasync.paxos`, :mod:`metasync.objects`
+and the standard library (nothing here does I/O but the CLI's output):
+
+- ``params.py``: a schedule's configuration, drawn from its seed (``Params``);
+- ``model.py``: the data (``Acceptor``, ``Client``, ``Batch``, ``Result``, commit
+  ids) and how the trace shows versions, messages, requests and replies;
+- ``world.py``: ``World``, virtual time and its event queue, the acceptors
+  (honest and Byzantine), the network, the commit objects and the faults;
+- ``simulation.py``: ``Simulation(World)``, the clients' sessions and the
+  compactor driven through the real generators, and one schedule's run; ``run``;
+- ``checker.py``: ``Checker``, the invariants of a finished schedule;
+- ``cli.py``: ``main``, what ``bin/simulate`` (``python -m metasync.simulator``) runs.
 """
+
 from metasync.simulator.checker import Checker
 from metasync.simulator.cli import main
 from metasync.simulator.model import (

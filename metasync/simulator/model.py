@@ -129,7 +129,8 @@ class Client:
     final: Version | None = None
     #: The running session's proposer id (what the trace calls the client).
     label: str = ""
-    #: When the running get_recent or propose began (compaction's grace, see below).
+    #: When the running get_recent or propose began (compaction's grace, see
+    #: Simulation.compactable).
     op_started: float = 0.0
     #: Whether a get_recent or propose is running.
     in_op: bool = False

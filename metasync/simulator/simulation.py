@@ -1,5 +1,11 @@
-"""One schedule of the pPaxos simulator: the acceptors, the faults, the clients
-and the checker (the package docstring, :mod:`metasync.simulator`, has the overview)."""
+"""One schedule of the pPaxos simulator: clients pushing through the real protocol
+generators in the world of :mod:`metasync.simulator.world`, a compactor, and the
+final checks (the package docstring, :mod:`metasync.simulator`, has the overview).
+
+A client's session is a generator like the protocol's own: it yields the protocol's
+requests and backoffs, and :class:`Simulation` sends each round trip into the world,
+collects the replies (or a timeout) and resumes the session with them.
+"""
 
 from __future__ import annotations
 
