@@ -263,7 +263,7 @@ def test_checker_catches_compaction_without_floors(monkeypatch: pytest.MonkeyPat
         removed = yield [paxos.DropLogs(a, below) for a in setup.acceptors]
         return sum(r for r in removed or [] if type(r) is int)
 
-    monkeypatch.setattr(simulator, "compact", compact)
+    monkeypatch.setattr(simulator.simulation, "compact", compact)
     assert first_violation(range(40)) is not None
 
 
