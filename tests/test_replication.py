@@ -52,6 +52,31 @@ def _dirs(tmp_path: Path, n: int) -> list[Path]:
     return dirs
 
 
+def _refused_repo(
+    tmp_path: Path, passphrase: Callable[[], str], monkeypatch: pytest.MonkeyPatch,
+    *, size: int, refuse_index: int, fragments_only: bool = False,
+    erasure: tuple[int, int] | None = None,
+) -> tuple[Repository, list[Path], list[str], str]:
+    """A repository over 3 folders (R=2, or ``erasure``) whose first push had every
+    write of a whole copy (or of a fragment) to one backend refused; returns it
+    reopened with the faults gone, the backend folders, the backend ids and the
+    refused backend's id."""
+    dirs = _dirs(tmp_path, 3)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "data.bin").write_bytes(os.urandom(size))
+    repo = Repository.init(src, [f"dir:{d}" for d in dirs], replicas=2, erasure=erasure,
+                           passphrase=passphrase)
+    ids = list(repo.config.acceptors)
+    refused = ids[refuse_index]
+    _refuse(repo, monkeypatch, refused, fragments_only)
+    assert repo.push("first").missing_copies >= 1
+    assert all(b == refused for _, b in repo.missing_copies())
+    monkeypatch.undo()
+    repo.close()
+    return Repository.open(src), dirs, ids, refused
+
+
 def test_repair_never_copies_a_rotten_copy(
     tmp_path: Path, passphrase: Callable[[], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -60,23 +85,11 @@ def test_repair_never_copies_a_rotten_copy(
     must keep the missing-copy row (the copy is still missing), and must say so;
     fsck then reports the rotten copy. (On main before the split, the push copied
     the zeros and cleared the row: both copies corrupt, nothing said.)"""
-    dirs = _dirs(tmp_path, 3)
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "doc.txt").write_bytes(os.urandom(50_000))
-    repo = Repository.init(src, [f"dir:{d}" for d in dirs], replicas=2, passphrase=passphrase)
-    ids = list(repo.config.acceptors)
-    refused = ids[0]
-    _refuse(repo, monkeypatch, refused)
-    repo.push("first")
+    repo, dirs, ids, refused = _refused_repo(tmp_path, passphrase, monkeypatch,
+                                             size=50_000, refuse_index=0)
     missing = repo.missing_copies()
-    assert missing and all(b == refused for _, b in missing)
-    monkeypatch.undo()
-    repo.close()
-
     by_id = dict(zip(ids, dirs, strict=True))
     rotten: dict[str, Path] = {}
-    repo = Repository.open(src)
     mapping_holders = {sid: [b for b in repo.store.mapping.locate(sid) if b != refused]
                        for sid, _ in missing}
     for sid, others in mapping_holders.items():
@@ -84,7 +97,7 @@ def test_repair_never_copies_a_rotten_copy(
         path = _path(by_id[other], object_key(sid))
         path.write_bytes(b"\0" * path.stat().st_size)
         rotten[sid] = path
-    (src / "more.txt").write_text("a second push\n")
+    (repo.root / "more.txt").write_text("a second push\n")
     result = repo.push("second")
 
     for sid, _ in missing:
@@ -106,18 +119,9 @@ def test_refused_copy_is_rewritten_from_a_verified_copy(
 ) -> None:
     """The same refusal without the rot: the next push writes every missed copy,
     byte for byte a good copy, and the missing count goes to 0."""
-    dirs = _dirs(tmp_path, 3)
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "doc.txt").write_bytes(os.urandom(50_000))
-    repo = Repository.init(src, [f"dir:{d}" for d in dirs], replicas=2, passphrase=passphrase)
-    ids = list(repo.config.acceptors)
-    _refuse(repo, monkeypatch, ids[0])
-    assert repo.push("first").missing_copies > 0
+    repo, dirs, ids, _ = _refused_repo(tmp_path, passphrase, monkeypatch,
+                                       size=50_000, refuse_index=0)
     missing = repo.missing_copies()
-    monkeypatch.undo()
-    repo.close()
-    repo = Repository.open(src)
     result = repo.push()
     assert result.missing_copies == 0 and repo.missing_copies() == []
     by_id = dict(zip(ids, dirs, strict=True))
@@ -131,22 +135,9 @@ def test_refused_copy_is_rewritten_from_a_verified_copy(
 def _coded_repo(tmp_path: Path, passphrase: Callable[[], str],
                 monkeypatch: pytest.MonkeyPatch) -> tuple[Repository, list[Path], list[str], str]:
     """A 2-of-3 erasure-coded repository whose first push had the fragments for one
-    backend refused; returns it (reopened, faults gone), the backend folders, the
-    backend ids and the refused backend's id."""
-    dirs = _dirs(tmp_path, 3)
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "big.bin").write_bytes(os.urandom(3 * 1024 * 1024))
-    repo = Repository.init(src, [f"dir:{d}" for d in dirs], erasure=(2, 3), passphrase=passphrase)
-    ids = list(repo.config.acceptors)
-    refused = ids[1]
-    _refuse(repo, monkeypatch, refused, fragments_only=True)
-    result = repo.push("first")
-    assert result.missing_copies >= 1
-    assert all(b == refused for _, b in repo.missing_copies())
-    monkeypatch.undo()
-    repo.close()
-    return Repository.open(src), dirs, ids, refused
+    backend refused (see :func:`_refused_repo`)."""
+    return _refused_repo(tmp_path, passphrase, monkeypatch, size=3 * 1024 * 1024,
+                         refuse_index=1, fragments_only=True, erasure=(2, 3))
 
 
 def _fragments_on(backend_dir: Path, stored_id: str) -> list[Path]:
