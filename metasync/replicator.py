@@ -214,11 +214,17 @@ class Replicator:
         """Write the copies and fragments a backend refused earlier (recorded as
         missing copies), each from a verified source; forget each one written.
         Backends down in this session are skipped. Returns how many stay missing."""
+        store = self.store
         by_object: dict[str, set[str]] = {}
         for stored_id, backend_id in self.db.missing_copies():
-            if backend_id not in self.store.down and backend_id in self.store.backends:
+            if (backend_id not in store.mapping.locate(stored_id)
+                    and backend_id not in store.fragment_mapping.locate(stored_id)):
+                # No longer a holder (the configuration changed since): the change's
+                # rebalance placed the object where the current mapping says.
+                self.forget_missing(stored_id, [backend_id])
+            elif backend_id not in store.down:
                 by_object.setdefault(stored_id, set()).add(backend_id)
-        backends = self.store.backends
+        backends = store.backends
         for stored_id, wanted in sorted(by_object.items()):
             outcome = self.restore(backends, stored_id, wanted)
             if outcome.lost:
