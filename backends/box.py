@@ -83,9 +83,8 @@ from metasync.backends.cloud import (
     oauth2_refresh,
     parse_cloud_uri,
     parse_retry_after,
-    requests_failure,
 )
-from metasync.backends.dropbox import pin_ca
+from metasync.backends.http import pooled_session, requests_failure
 from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import TransientError, retrying
 from metasync.errors import (
@@ -265,19 +264,6 @@ def _network_session(session: Any, base_url: str | None, timeout: float) -> Any:
     )
 
 
-def _requests_session(ca_file: str | None, pool: int) -> Any:
-    import requests
-    from requests.adapters import HTTPAdapter
-
-    session = requests.Session()
-    adapter = HTTPAdapter(pool_connections=4, pool_maxsize=pool)
-    session.mount("https://", adapter)
-    session.mount("http://", adapter)
-    if ca_file is not None:
-        session.verify = ca_file
-    return pin_ca(session, ca_file)
-
-
 def refresher(base_url: str | None, ca_file: str | None) -> Callable[[Grant], Grant]:
     """The refresh function of Box grants (OAuth 2 at ``/oauth2/token`` on the API
     host; the grant's app secret is sent, as Box requires)."""
@@ -341,7 +327,7 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
         token = self.tokens.access_token()
         with self._client_lock:
             if self._session is None:
-                self._session = _requests_session(self._ca_file, self.transfers + 4)
+                self._session = pooled_session(self._ca_file, self.transfers + 4)
             if self._client is None or self._client_token != token:
                 classes = _sdk_classes()
                 self._client = classes["BoxClient"](
@@ -1394,7 +1380,7 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
     code = request.code
     if code is None:
         code = _browser_code(request, ui, url, redirect, state)
-    session = _requests_session(request.endpoint.ca_file, 4)
+    session = pooled_session(request.endpoint.ca_file, 4)
     try:
         network = _network_session(session, base, DEFAULT_TIMEOUT)
         try:

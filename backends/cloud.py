@@ -46,6 +46,10 @@ Sign-in
     ``metasync auth PROVIDER`` calls :func:`authorize`, which imports the provider's
     backend module (named in :data:`AUTH_PROVIDERS`) and runs its
     ``authorize(request: AuthRequest, ui: AuthUI) -> Grant``, then saves the grant.
+
+What the providers that talk through the ``requests`` library share besides (CA
+pinning, pooled sessions, connection failures, streamed responses) is in
+:mod:`metasync.backends.http`.
 """
 
 from __future__ import annotations
@@ -61,16 +65,16 @@ import secrets
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qsl
 
 from metasync.backends import AUTH_PROVIDERS
-from metasync.backends.base import Backend, ObjectReader, check_namespace, one_line
+from metasync.backends.base import check_namespace
 from metasync.backends.retry import RetryPolicy, TransientError, parse_retry_after
-from metasync.errors import AuthorizationRequired, BackendError, BackendUnavailable, UsageError
+from metasync.errors import AuthorizationRequired, BackendError, UsageError
 
 #: Provider name (as in ``metasync auth NAME``) -> module of metasync.backends that
 #: defines its ``authorize``. Imported on use, like BUILTIN_SCHEMES.
@@ -665,102 +669,18 @@ class UploadJournal:
                 self.path.unlink()
 
 
-# --- connection failures -----------------------------------------------------------------
+class NoJournal(UploadJournal):
+    """A journal that is never active: it has nothing pending and records nothing.
+    For an upload that cannot be resumed (a source that cannot be re-read from its
+    start); an :class:`UploadJournal` another upload of the target holds behaves the
+    same."""
+
+    def __init__(self) -> None:
+        self._fd = None
 
 
-def requests_failure(
-    exc: BaseException, what: str, service: str, base_url: str
-) -> BackendError | None:
-    """The error to raise for ``exc`` if it is a failure of the ``requests`` library
-    (which the Dropbox, Box and OneDrive SDKs send through) or of the OS while doing
-    ``what`` (e.g. ``"read 'k' on dropbox:/a"``); None if it is neither.
-
-    - a failed TLS certificate or host name check: :class:`BackendError` (a retry
-      cannot help);
-    - a connect timeout: :class:`BackendUnavailable` saying ``service`` (the
-      provider's name) cannot be reached;
-    - a host name that does not resolve, a refused connection: :class:`BackendUnavailable`
-      naming ``base_url`` (where the API is);
-    - any other TLS, connection or OS failure: :class:`TransientError` (retried)."""
-    import requests.exceptions as rexc
-
-    if isinstance(exc, rexc.SSLError):
-        text = one_line(exc)
-        if "certificate" in text.lower() or "hostname" in text.lower():
-            return BackendError(f"cannot {what}: TLS certificate check failed ({text})")
-        return TransientError(f"cannot {what}: TLS connection failed ({text})")
-    if isinstance(exc, rexc.ConnectTimeout):
-        return BackendUnavailable(f"cannot {what}: {service} cannot be reached (timed out)")
-    if isinstance(exc, rexc.ConnectionError):
-        from urllib3.exceptions import NameResolutionError, NewConnectionError
-
-        reason = getattr(exc.args[0] if exc.args else None, "reason", None)
-        if isinstance(reason, NameResolutionError | NewConnectionError):
-            return BackendUnavailable(
-                f"cannot {what}: {base_url} cannot be reached ({one_line(reason)}); is the "
-                "network up?"
-            )
-    if isinstance(exc, rexc.RequestException | OSError):
-        return TransientError(f"cannot {what}: connection failed ({one_line(exc)})")
-    return None
-
-
-class ResponseReader(ObjectReader):
-    """An :class:`ObjectReader` over a streamed ``requests`` response (what Dropbox's
-    SDK and Graph's download URLs give). A subclass's ``_next_piece`` reopens the
-    download at ``_pos`` (:meth:`_open`) when ``_chunks`` is None, then takes
-    :meth:`_next_chunk`. A response that fails or ends before the object is dropped
-    (its connection closed), so the retry reopens it."""
-
-    def __init__(self, backend: Backend, key: str, size: int, response: Any) -> None:
-        super().__init__(backend, key, size)
-        self._response: Any = None
-        self._chunks: Iterator[bytes] | None = None
-        self._open(response)
-
-    def _open(self, response: Any) -> None:
-        """Read on from ``response`` (a download from ``_pos`` on)."""
-        self._response = response
-        self._chunks = response.iter_content(1 << 20)
-
-    def _next_chunk(self) -> bytes:
-        """The next chunk of the open response; raises (dropping the response) if
-        reading it fails or it ends before the object does."""
-        assert self._chunks is not None
-        try:
-            piece = next(self._chunks, b"")
-        except BaseException:
-            self._drop()
-            raise
-        if not piece:
-            self._drop()
-            raise self._ended_early()
-        return piece
-
-    def _drop(self) -> None:
-        response, self._response, self._chunks = self._response, None, None
-        if response is not None:
-            with contextlib.suppress(Exception):
-                response.close()
-
-    def close(self) -> None:
-        self._drop()
-        super().close()
-
-
-def range_of_chunks(chunks: Iterable[bytes], offset: int, length: int) -> bytes:
-    """The ``length`` bytes from ``offset`` of a whole object given as ``chunks`` (what
-    a service sends when it ignores a ``Range`` header), fewer if it ends first; stops
-    reading once it has them."""
-    data = b""
-    seen = 0
-    for chunk in chunks:
-        if seen + len(chunk) > offset:
-            data += chunk[max(0, offset - seen) :]
-        seen += len(chunk)
-        if len(data) >= length:
-            break
-    return data[:length]
+#: The one :class:`NoJournal` (it keeps no state).
+NO_JOURNAL: UploadJournal = NoJournal()
 
 
 # --- refresh ---------------------------------------------------------------------------

@@ -53,19 +53,18 @@ from metasync.backends.base import (
 )
 from metasync.backends.cloud import (
     DEFAULT_TIMEOUT,
+    NO_JOURNAL,
     AuthRequest,
     AuthUI,
     CloudAccess,
     Grant,
     PendingUpload,
-    ResponseReader,
     UploadJournal,
     auth_hint,
     oauth2_refresh,
     parse_cloud_uri,
-    range_of_chunks,
-    requests_failure,
 )
+from metasync.backends.http import ResponseReader, pin_ca, range_of_chunks, requests_failure
 from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import TransientError, retrying
 from metasync.errors import (
@@ -105,19 +104,6 @@ def _parse_uri(uri: str) -> tuple[str, dict[str, str]]:
     """``(location path, options)``: the path is ``""`` (the root) or ``/a/b``."""
     parts, options = parse_cloud_uri("dropbox", uri)
     return ("/" + "/".join(parts)) if parts else "", options
-
-
-class _NoJournal(UploadJournal):
-    """No journal: for sources that cannot be re-read from the start."""
-
-    def __init__(self) -> None:
-        self._fd = None
-
-    def pending(self, now: float | None = None) -> PendingUpload | None:
-        return None
-
-
-_NO_JOURNAL = _NoJournal()
 
 
 def _tags(value: Any) -> builtins.list[str]:
@@ -175,23 +161,6 @@ def _sdk_hosts(base_url: str | None) -> dict[str, str] | None:
     from dropbox.session import HOST_API, HOST_CONTENT, HOST_NOTIFY
 
     return {HOST_API: host, HOST_CONTENT: host, HOST_NOTIFY: host}
-
-
-def pin_ca(session: Any, ca_file: str | None) -> Any:
-    """Make a requests ``session`` verify TLS against ``ca_file`` (if given) even when
-    ``REQUESTS_CA_BUNDLE``/``CURL_CA_BUNDLE`` are set: requests lets those variables
-    override ``session.verify``, so the SDK's ``ca_certs`` alone would be ignored."""
-    if ca_file is None:
-        return session
-    merge = session.merge_environment_settings
-
-    def merge_pinned(url: Any, proxies: Any, stream: Any, verify: Any, cert: Any) -> Any:
-        settings = merge(url, proxies, stream, verify, cert)
-        settings["verify"] = ca_file
-        return settings
-
-    session.merge_environment_settings = merge_pinned
-    return session
 
 
 class _TokenRejected(Exception):
@@ -540,7 +509,7 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
         target = f"{self._base_url or DROPBOX_API}|{self.account}|{path.lower()}"
         with UploadJournal("dropbox", target) as journal:
             if start is None:
-                journal = _NO_JOURNAL
+                journal = NO_JOURNAL
             resumed = self._resume(key, journal, first, rest, cast(int, start))
             if resumed is None:
                 if start is not None and rest.tell() != start + len(first):

@@ -87,6 +87,7 @@ from metasync.backends.cloud import (
     parse_cloud_uri,
     parse_retry_after,
 )
+from metasync.backends.http import pin_ca
 from metasync.backends.retry import TransientError, retrying
 from metasync.errors import (
     BackendError,
@@ -1621,7 +1622,6 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
     from oauthlib.oauth2.rfc6749.errors import OAuth2Error
 
     from metasync.backends.cloud import app_credentials
-    from metasync.backends.dropbox import pin_ca
 
     app_key, app_secret = app_credentials("gdrive", request.app_key, request.app_secret)
     base = request.endpoint.base_url

@@ -75,15 +75,18 @@ from metasync.backends.cloud import (
     CloudAccess,
     Grant,
     PendingUpload,
-    ResponseReader,
     UploadJournal,
     auth_hint,
     parse_cloud_uri,
     parse_retry_after,
+)
+from metasync.backends.http import (
+    ResponseReader,
+    pin_ca,
+    pooled_session,
     range_of_chunks,
     requests_failure,
 )
-from metasync.backends.dropbox import pin_ca
 from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import TransientError, retrying
 from metasync.errors import (
@@ -299,16 +302,6 @@ def _first_expected(state: dict[str, Any]) -> int | None:
     if not first.isdigit():
         raise BackendError(f"OneDrive sent a malformed upload range {ranges[0]!r}")
     return int(first)
-
-
-class _NoJournal(UploadJournal):
-    """No journal (the target's journal is held by another upload of it)."""
-
-    def __init__(self) -> None:
-        self._fd = None
-
-    def pending(self, now: float | None = None) -> PendingUpload | None:
-        return None
 
 
 #: Outcomes of one upload-session fragment besides a committed item.
@@ -586,14 +579,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
     def _http_session(self) -> Any:
         with self._session_lock:
             if self._session is None:
-                import requests
-                from requests.adapters import HTTPAdapter
-
-                session = pin_ca(requests.Session(), self._ca_file)
-                adapter = HTTPAdapter(pool_connections=4, pool_maxsize=self.transfers + 4,
-                                      max_retries=0)
-                session.mount("https://", adapter)
-                session.mount("http://", adapter)
+                session = pooled_session(self._ca_file, self.transfers + 4)
                 session.headers["User-Agent"] = "metasync"
                 self._session = session
             return self._session
@@ -984,8 +970,6 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
         conditional = f"if-match:{item_id}:{etag}" if item_id is not None else mode
         target = f"{self.drive}|{self.account}|{path.lower()}|{conditional}"
         with UploadJournal("onedrive", target) as journal:
-            if not journal.active:
-                journal = _NoJournal()
             resumed = self._resume(key, journal, source, start)
             if resumed is None:
                 source.seek(start)

@@ -24,9 +24,9 @@ from metasync.backends.cloud import (
     oauth2_refresh,
     parse_cloud_uri,
     parse_retry_after,
-    range_of_chunks,
     token_store,
 )
+from metasync.backends.http import range_of_chunks
 from metasync.backends.retry import TransientError
 from metasync.errors import AuthorizationRequired, UsageError
 from tests.emulators.base import (
