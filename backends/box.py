@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any, BinaryIO, TypeVar, cast
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
 from metasync.backends import register
 from metasync.backends.base import (
@@ -83,6 +83,9 @@ from metasync.backends.cloud import (
     oauth2_refresh,
     parse_cloud_uri,
     parse_retry_after,
+    pasted_code,
+    redirect_code,
+    redirect_query,
 )
 from metasync.backends.http import pooled_session, requests_failure
 from metasync.backends.logs import ObjectStoreLogs
@@ -1312,7 +1315,7 @@ class _Callback(BaseHTTPRequestHandler):
         if split.path.rstrip("/") != self.server.path.rstrip("/"):
             self.send_error(404)
             return
-        query = {k: v[0] for k, v in parse_qs(split.query).items()}
+        query = redirect_query(split.query)
         ok = "code" in query
         text = ("metasync is signed in to Box; you can close this window." if ok else
                 f"Box did not sign metasync in ({html.escape(query.get('error', 'no code'))}).")
@@ -1332,26 +1335,6 @@ class _CallbackServer(HTTPServer):
         self.answer: dict[str, str] | None = None
         self.done = threading.Event()
         super().__init__((host, port), _Callback)
-
-
-def _code_from(answer: str, state: str) -> str:
-    """The authorization code in what the user pasted: the whole address Box sent the
-    browser to (its ``state`` is checked), or the bare code."""
-    answer = answer.strip()
-    if not answer:
-        raise UsageError("no code given; sign-in cancelled")
-    if "://" in answer or answer.startswith("/") or "code=" in answer:
-        query = {k: v[0] for k, v in parse_qs(urlsplit(answer).query or answer).items()}
-        if "error" in query:
-            raise UsageError(f"Box did not sign metasync in ({query['error']}); run "
-                             "`metasync auth box` again")
-        if query.get("state") != state:
-            raise UsageError("that address is from another sign-in (state differs); run "
-                             "`metasync auth box` again")
-        if "code" not in query:
-            raise UsageError("no code in that address; sign-in cancelled")
-        return query["code"]
-    return answer
 
 
 def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
@@ -1433,15 +1416,7 @@ def _browser_code(request: AuthRequest, ui: AuthUI, url: str, redirect: str, sta
                 if not server.done.wait(AUTH_TIMEOUT):
                     raise UsageError("no answer from the browser; run `metasync auth box` "
                                      "again (or with --no-browser)")
-                answer = server.answer or {}
-                if answer.get("state") != state:
-                    raise UsageError("the browser came back from another sign-in (state "
-                                     "differs); run `metasync auth box` again")
-                if "code" not in answer:
-                    raise UsageError(f"Box did not sign metasync in "
-                                     f"({answer.get('error', 'no code')}); run `metasync auth "
-                                     "box` again")
-                return answer["code"]
+                return redirect_code(server.answer or {}, state, "box", "Box")
         finally:
             server.shutdown()
             server.server_close()
@@ -1451,7 +1426,7 @@ def _browser_code(request: AuthRequest, ui: AuthUI, url: str, redirect: str, sta
         f"Your browser is then sent to {redirect}... (which may not load on this machine):\n"
         "copy that whole address from the address bar and paste it here within 30 seconds."
     )
-    return _code_from(ui.prompt("Address (or code): "), state)
+    return pasted_code(ui.prompt("Address (or code): "), state, "box", "Box")
 
 
 __all__ = ["BoxBackend", "authorize", "redirect_uri", "refresher"]

@@ -65,11 +65,11 @@ import secrets
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qs, parse_qsl, urlsplit
 
 from metasync.backends import AUTH_PROVIDERS
 from metasync.backends.base import check_namespace
@@ -563,6 +563,45 @@ class AuthUI(Protocol):
 
     def prompt(self, text: str) -> str:
         """Ask for one line (an authorization code); raises UsageError on EOF."""
+
+
+def redirect_query(query: str) -> dict[str, str]:
+    """The parameters of the query string of a sign-in redirect (``code=...&state=...``
+    or ``error=...&state=...``), the first value of each."""
+    return {name: values[0] for name, values in parse_qs(query).items()}
+
+
+def redirect_code(query: Mapping[str, str], state: str, provider: str, service: str) -> str:
+    """The authorization code of a sign-in redirect with the parameters ``query``, sent
+    by ``service`` (its name in messages) to a sign-in to ``provider`` that sent
+    ``state``. Raises :class:`UsageError` if the redirect carries an ``error``, if its
+    ``state`` is another (the answer of another sign-in, which must not be used), or if
+    it has no code."""
+    again = f"run `metasync auth {provider}` again"
+    if "error" in query:
+        raise UsageError(f"{service} did not sign metasync in ({query['error']}); {again}")
+    if query.get("state") != state:
+        raise UsageError(f"that address belongs to another sign-in (state differs); {again}")
+    code = query.get("code")
+    if not code:
+        raise UsageError("that address holds no code; sign-in cancelled")
+    return code
+
+
+def pasted_code(answer: str, state: str, provider: str, service: str) -> str:
+    """The authorization code in what the user pasted after signing in to ``provider``:
+    the bare code, or the address the browser was sent to (whole, from its path on, or
+    just its query), checked by :func:`redirect_code`. An answer is an address if it
+    holds ``://`` or ``code=`` or starts with ``/``; its parameters are its query, else
+    what follows a ``?``, else the whole answer. Raises :class:`UsageError` for an empty
+    answer or an address :func:`redirect_code` refuses."""
+    answer = answer.strip()
+    if not answer:
+        raise UsageError("no code given; sign-in cancelled")
+    if "://" not in answer and not answer.startswith("/") and "code=" not in answer:
+        return answer
+    query = urlsplit(answer).query or answer.partition("?")[2] or answer
+    return redirect_code(redirect_query(query), state, provider, service)
 
 
 def authorize(request: AuthRequest, ui: AuthUI, store: TokenStore | None = None) -> Grant:

@@ -61,7 +61,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar, cast
-from urllib.parse import parse_qsl, urlsplit
 
 from metasync.backends import register
 from metasync.backends.base import (
@@ -86,6 +85,7 @@ from metasync.backends.cloud import (
     oauth2_refresh,
     parse_cloud_uri,
     parse_retry_after,
+    pasted_code,
 )
 from metasync.backends.http import pin_ca
 from metasync.backends.retry import TransientError, retrying
@@ -1591,26 +1591,6 @@ def _client_config(app_key: str, app_secret: str | None, base_url: str | None) -
     return {"installed": client}
 
 
-def _code_from_answer(answer: str, state: str) -> str:
-    """The authorization code in what the user pasted: the whole redirect address
-    (checked against ``state``) or the bare code."""
-    answer = answer.strip()
-    if not answer:
-        raise UsageError("no code given; sign-in cancelled")
-    if "://" not in answer and "code=" not in answer:
-        return answer
-    query = dict(parse_qsl(urlsplit(answer).query or answer.partition("?")[2]))
-    if "error" in query:
-        raise UsageError(f"Google did not grant access ({query['error']}); sign-in cancelled")
-    if query.get("state") != state:
-        raise UsageError("the pasted address belongs to another sign-in (state differs); "
-                         "run `metasync auth gdrive` again")
-    code = query.get("code")
-    if not code:
-        raise UsageError("the pasted address holds no code; copy the whole address")
-    return code
-
-
 def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
     """``metasync auth gdrive``: Google's installed-app flow (OAuth 2 with PKCE and a
     loopback redirect to a one-shot local server). With ``--no-browser`` nothing is
@@ -1662,7 +1642,7 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
             flow.redirect_uri = MANUAL_REDIRECT
             flow.authorization_url()
             answer = request.code if request.code is not None else ui.prompt("Address or code: ")
-            code = _code_from_answer(answer, shown["state"])
+            code = pasted_code(answer, shown["state"], "gdrive", "Google")
             flow.fetch_token(code=code)
         else:
             flow.run_local_server(host="localhost", port=0, open_browser=False,

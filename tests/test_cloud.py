@@ -24,6 +24,9 @@ from metasync.backends.cloud import (
     oauth2_refresh,
     parse_cloud_uri,
     parse_retry_after,
+    pasted_code,
+    redirect_code,
+    redirect_query,
     token_store,
 )
 from metasync.backends.http import range_of_chunks
@@ -208,6 +211,31 @@ def test_parse_cloud_uri() -> None:
             parse_cloud_uri("box", uri)
     with pytest.raises(UsageError, match="invalid folder name 'a:b'"):
         parse_cloud_uri("onedrive", "onedrive:/a:b", bad_folder_name=lambda name: ":" in name)
+
+
+def test_pasted_code_takes_an_address_or_a_code_and_checks_state() -> None:
+    """What a user pastes after signing in (Box and Google ask for it): the whole
+    redirect address, its path and query, its bare query, a query behind a fragment,
+    or the bare code all give the code; an address of another sign-in (state), one
+    carrying an error, one without a code and an empty answer are refused."""
+    for answer in ["http://127.0.0.1:53687/?code=C1&state=S", " /callback?state=S&code=C1 ",
+                   "code=C1&state=S", "http://localhost:1/#?code=C1&state=S",
+                   "http://localhost:1/?code=C1&state=S&code=C2", "C1"]:
+        assert pasted_code(answer, "S", "box", "Box") == "C1", answer
+    assert pasted_code("4/0AbC-d_e", "S", "gdrive", "Google") == "4/0AbC-d_e"
+    for answer, match in [
+        ("http://127.0.0.1:53687/?code=C1&state=T", r"another sign-in \(state differs\); "
+                                                    r"run `metasync auth box` again"),
+        ("http://127.0.0.1:53687/?code=C1", "another sign-in"),
+        ("/callback", "another sign-in"),
+        ("http://127.0.0.1:53687/?error=access_denied&state=S",
+         r"Box did not sign metasync in \(access_denied\)"),
+        ("http://127.0.0.1:53687/?state=S", "holds no code"),
+        ("  ", "no code given; sign-in cancelled"),
+    ]:
+        with pytest.raises(UsageError, match=match):
+            pasted_code(answer, "S", "box", "Box")
+    assert redirect_code(redirect_query("state=S&code=C1"), "S", "box", "Box") == "C1"
 
 
 def test_range_of_chunks() -> None:
