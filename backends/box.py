@@ -77,6 +77,7 @@ from metasync.backends.cloud import (
     CloudAccess,
     Grant,
     PendingUpload,
+    SdkTokenRefresh,
     UploadJournal,
     app_credentials,
     auth_hint,
@@ -89,7 +90,7 @@ from metasync.backends.cloud import (
 )
 from metasync.backends.http import pooled_session, requests_failure
 from metasync.backends.logs import ObjectStoreLogs
-from metasync.backends.retry import TransientError, retrying
+from metasync.backends.retry import TransientError
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
@@ -146,10 +147,6 @@ def _header(headers: Any, name: str) -> str | None:
 class _NotApplied(TransientError):
     """A transient answer that says the request did nothing (throttled, or the name
     briefly reserved by another upload): a conflict on the retry is not our own."""
-
-
-class _TokenRejected(Exception):
-    """The SDK wanted to refresh the access token itself."""
 
 
 class _Conflict(Exception):
@@ -214,7 +211,7 @@ def _sdk_classes() -> dict[str, Any]:
             return AccessToken(access_token=self.token)
 
         def refresh_token(self, *, network_session: Any = None) -> Any:
-            raise _TokenRejected()
+            raise SdkTokenRefresh("invalid_token")
 
         def retrieve_authorization_header(self, *, network_session: Any = None) -> str:
             return f"Bearer {self.token}"
@@ -325,7 +322,7 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
         return base if self.account == "default" else f"{base}?account={self.account}"
 
     # --- plumbing ------------------------------------------------------------------
-    def _box(self) -> tuple[Any, str]:
+    def _connect(self) -> tuple[Any, str]:
         """An SDK client holding a fresh access token, and that token."""
         token = self.tokens.access_token()
         with self._client_lock:
@@ -341,19 +338,19 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
                 self._client_token = token
             return self._client, token
 
-    def _translate(self, exc: BaseException, key: str | None, action: str,
-                   token: str) -> BaseException:
+    def _translate(self, exc: Exception, key: str | None, action: str,
+                   token: str | None) -> BaseException:
         """The backend-contract error for an SDK or transport exception."""
         from box_sdk_gen.box.errors import BoxAPIError, BoxSDKError
 
-        what = f"{action} {key!r} on {self.name}" if key is not None else f"{action} {self.name}"
+        what = self._what(action, key)
         if isinstance(exc, BoxAPIError):
             info = exc.response_info
             status, code = int(info.status_code), str(info.code or "")
             message = str((info.body or {}).get("message") or "") if isinstance(info.body, dict) else ""
             retry_after = parse_retry_after(_header(info.headers, "Retry-After"))
             summary = f"{status} {code}".strip() + (f": {message}" if message else "")
-            if status == 401:
+            if status == 401 and token is not None:
                 challenge = _header(info.headers, "WWW-Authenticate") or ""
                 detail = "invalid_token" if "invalid_token" in challenge else "unauthorized"
                 return self.tokens.rejected(token, detail)
@@ -392,28 +389,6 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
         if isinstance(inner, Urllib3Error):
             return TransientError(f"cannot {what}: connection failed ({one_line(inner)})")
         return exc
-
-    def _request(self, key: str | None, action: str, fn: Callable[[Any], T]) -> T:
-        """One attempt of ``fn(client)`` in a transfer slot, errors translated."""
-        client, token = self._box()
-        with self._slots:
-            try:
-                return fn(client)
-            except BackendError:
-                raise
-            except _TokenRejected:
-                raise self.tokens.rejected(token, "invalid_token") from None
-            except Exception as exc:
-                translated = self._translate(exc, key, action, token)
-                if translated is exc:
-                    raise
-                raise translated from exc
-
-    def _call(self, key: str | None, action: str, fn: Callable[[Any], T],
-              on_retry: Callable[[BaseException], None] | None = None) -> T:
-        """``fn(client)`` with retries of transient failures (must be safe to repeat)."""
-        return retrying(self.policy, f"{action} {key!r} on {self.name}",
-                        lambda: self._request(key, action, fn), on_retry=on_retry)
 
     # --- paths and ids ---------------------------------------------------------------
     def _key_path(self, key: str) -> tuple[builtins.list[str], str]:

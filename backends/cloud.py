@@ -68,13 +68,22 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 from urllib.parse import parse_qs, parse_qsl, urlsplit
 
 from metasync.backends import AUTH_PROVIDERS
 from metasync.backends.base import check_namespace
-from metasync.backends.retry import RetryPolicy, TransientError, parse_retry_after
+from metasync.backends.retry import (
+    RetryPolicy,
+    TransientError,
+    describe,
+    parse_retry_after,
+    retrying,
+    translated,
+)
 from metasync.errors import AuthorizationRequired, BackendError, UsageError
+
+T = TypeVar("T")
 
 #: Provider name (as in ``metasync auth NAME``) -> module of metasync.backends that
 #: defines its ``authorize``. Imported on use, like BUILTIN_SCHEMES.
@@ -441,11 +450,29 @@ def parse_cloud_uri(
     return parts, options
 
 
+class SdkTokenRefresh(Exception):
+    """Raised by a provider's stand-in for its SDK's authentication when the SDK, told
+    that the access token is expired or invalid, tries to refresh it itself: the
+    :class:`TokenSource` refreshes, so :meth:`CloudAccess._attempt` makes this the
+    token's refusal (:meth:`TokenSource.rejected`). ``detail`` is the reason to report."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
 class CloudAccess:
     """What every cloud-provider backend keeps to reach its service: the account it
     acts as, its limits, where the API is, its access tokens, its retry policy and
-    its transfer slots. A backend class lists it before its storage base class and
-    calls :meth:`_bind_account` from ``__init__`` (it sends no request)."""
+    its transfer slots; and how it runs a request. A backend class lists it before its
+    storage base class and calls :meth:`_bind_account` from ``__init__`` (it sends no
+    request).
+
+    Requests: :meth:`_call` runs ``fn(client)`` on the SDK client of
+    :meth:`_connect`, each attempt in a transfer slot with what the SDK raises
+    translated by the provider's :meth:`_translate`, and retries transient failures.
+    A provider that sends its own HTTP requests (OneDrive) runs each through
+    :meth:`_attempt` and retries whole steps with :meth:`_retried`."""
 
     #: The signed-in account whose grant is used (:func:`check_account`).
     account: str
@@ -491,6 +518,76 @@ class CloudAccess:
         self.tokens = TokenSource(provider, self.account, refresher(where.base_url, where.ca_file))
         self.policy = RetryPolicy()
         self._slots = threading.BoundedSemaphore(self.transfers)
+
+    @property
+    def name(self) -> str:
+        """The backend's name for messages: each provider's own."""
+        raise NotImplementedError
+
+    def _what(self, action: str, key: str | None) -> str:
+        """``action`` on ``key`` (or on the backend), for messages: :func:`describe`."""
+        return describe(action, key, self.name)
+
+    # --- requests: the provider's hooks ---------------------------------------------
+
+    def _connect(self) -> tuple[Any, str | None]:
+        """The SDK client the next attempt of :meth:`_call` runs on, and the access
+        token it carries (None if the provider's requests fetch their own)."""
+        raise NotImplementedError(f"{type(self).__name__} runs no requests through _call")
+
+    def _translate(
+        self, exc: Exception, key: str | None, action: str, token: str | None
+    ) -> BaseException:
+        """The backend-contract error for ``exc``, raised by the SDK or the transport
+        while doing ``action`` on ``key`` with ``token`` (:class:`ObjectNotFound`,
+        :class:`TransientError` with the service's ``Retry-After``, ...); ``exc`` itself
+        if it is not the service's failure (it is then re-raised unchanged)."""
+        return exc
+
+    # --- requests: the skeleton -----------------------------------------------------
+
+    def _attempt(
+        self, key: str | None, action: str, request: Callable[[], T], token: str | None
+    ) -> T:
+        """One attempt of ``request()`` in a transfer slot, what it raises translated
+        (:func:`translated`): an :class:`SdkTokenRefresh` is the refusal of ``token``,
+        anything else goes to :meth:`_translate`."""
+
+        def translate(exc: Exception) -> BaseException:
+            if isinstance(exc, SdkTokenRefresh) and token is not None:
+                return self.tokens.rejected(token, exc.detail)
+            return self._translate(exc, key, action, token)
+
+        return translated(self._slots, request, translate)
+
+    def _retried(
+        self,
+        key: str | None,
+        action: str,
+        attempt: Callable[[], T],
+        on_retry: Callable[[BaseException], None] | None = None,
+    ) -> T:
+        """``attempt()`` with retries of transient failures under the backend's policy
+        (:func:`retrying`); ``attempt`` must be safe to repeat."""
+        return retrying(self.policy, self._what(action, key), attempt, on_retry=on_retry)
+
+    def _call(
+        self,
+        key: str | None,
+        action: str,
+        fn: Callable[[Any], T],
+        on_retry: Callable[[BaseException], None] | None = None,
+    ) -> T:
+        """``fn(client)`` on the client of :meth:`_connect` (asked again for each
+        attempt: the token may have been refreshed), each attempt by
+        :meth:`_attempt`, with retries of transient failures; ``fn`` must be safe to
+        repeat."""
+
+        def attempt() -> T:
+            client, token = self._connect()
+            return self._attempt(key, action, lambda: fn(client), token)
+
+        return self._retried(key, action, attempt, on_retry)
 
 
 # --- sign-in ---------------------------------------------------------------------------

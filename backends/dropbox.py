@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO, TypeVar, cast
+from typing import Any, BinaryIO, cast
 
 from metasync.backends import register
 from metasync.backends.base import (
@@ -59,6 +59,7 @@ from metasync.backends.cloud import (
     CloudAccess,
     Grant,
     PendingUpload,
+    SdkTokenRefresh,
     UploadJournal,
     auth_hint,
     oauth2_refresh,
@@ -66,7 +67,7 @@ from metasync.backends.cloud import (
 )
 from metasync.backends.http import ResponseReader, pin_ca, range_of_chunks, requests_failure
 from metasync.backends.logs import ObjectStoreLogs
-from metasync.backends.retry import TransientError, retrying
+from metasync.backends.retry import TransientError
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
@@ -74,8 +75,6 @@ from metasync.errors import (
     ObjectNotFound,
     UsageError,
 )
-
-T = TypeVar("T")
 
 log = logging.getLogger("metasync.backends")
 
@@ -163,10 +162,6 @@ def _sdk_hosts(base_url: str | None) -> dict[str, str] | None:
     return {HOST_API: host, HOST_CONTENT: host, HOST_NOTIFY: host}
 
 
-class _TokenRejected(Exception):
-    """The SDK met an expired access token and wanted to refresh it itself."""
-
-
 def _client_class() -> type:
     import dropbox
 
@@ -176,7 +171,7 @@ def _client_class() -> type:
         a warning and sends the request a second time before giving up."""
 
         def refresh_access_token(self, host: Any = None, scope: Any = None) -> None:
-            raise _TokenRejected()
+            raise SdkTokenRefresh("expired_access_token")
 
     return Client
 
@@ -249,7 +244,7 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
         return base if self.account == "default" else f"{base}?account={self.account}"
 
     # --- plumbing ------------------------------------------------------------------
-    def _dbx(self) -> tuple[Any, str]:
+    def _connect(self) -> tuple[Any, str]:
         """A client holding a fresh access token, and that token."""
         token = self.tokens.access_token()
         with self._client_lock:
@@ -270,11 +265,13 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
 
-    def _translate(self, exc: BaseException, key: str | None, action: str, token: str) -> BaseException:
+    def _translate(
+        self, exc: Exception, key: str | None, action: str, token: str | None
+    ) -> BaseException:
         """The backend-contract error for an SDK or transport exception."""
         import dropbox.exceptions as dexc
 
-        what = f"{action} {key!r} on {self.name}" if key is not None else f"{action} {self.name}"
+        what = self._what(action, key)
         if isinstance(exc, dexc.ApiError):
             tags = _tags(exc.error)
             summary = "/".join(tags) or one_line(exc)
@@ -298,7 +295,7 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
                     f"it in the app console, then {auth_hint('dropbox', self.account)}"
                 )
             tags = _tags(error)
-            if {"expired_access_token", "invalid_access_token"} & set(tags):
+            if {"expired_access_token", "invalid_access_token"} & set(tags) and token is not None:
                 # Refresh and retry; refused again after a refresh: sign in again.
                 return self.tokens.rejected(token, "/".join(tags))
             return AuthorizationRequired(
@@ -319,37 +316,6 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
                 return TransientError(f"cannot {what}: HTTP {exc.status_code}")
             return BackendError(f"cannot {what}: HTTP {exc.status_code}: {one_line(exc)}")
         return requests_failure(exc, what, "Dropbox", self._base_url or DROPBOX_API) or exc
-
-    def _request(self, key: str | None, action: str, fn: Callable[[Any], T]) -> T:
-        """One attempt of ``fn(client)`` in a transfer slot, errors translated."""
-        client, token = self._dbx()
-        with self._slots:
-            try:
-                return fn(client)
-            except BackendError:
-                raise
-            except _TokenRejected:
-                raise self.tokens.rejected(token, "expired_access_token") from None
-            except Exception as exc:
-                translated = self._translate(exc, key, action, token)
-                if translated is exc:
-                    raise
-                raise translated from exc
-
-    def _call(
-        self,
-        key: str | None,
-        action: str,
-        fn: Callable[[Any], T],
-        on_retry: Callable[[BaseException], None] | None = None,
-    ) -> T:
-        """``fn(client)`` with retries of transient failures (must be safe to repeat)."""
-        return retrying(
-            self.policy,
-            f"{action} {key!r} on {self.name}",
-            lambda: self._request(key, action, fn),
-            on_retry=on_retry,
-        )
 
     def _metadata(self, path: str, key: str | None, action: str = "stat") -> Any:
         """Metadata of ``path`` (ObjectNotFound if missing)."""

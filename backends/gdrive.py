@@ -88,7 +88,7 @@ from metasync.backends.cloud import (
     pasted_code,
 )
 from metasync.backends.http import pin_ca
-from metasync.backends.retry import TransientError, retrying
+from metasync.backends.retry import TransientError
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
@@ -432,12 +432,21 @@ class GDriveBackend(CloudAccess, Backend):
                 self._service = _Resources(_build_service(self._http(), self._base_url))
             return self._service
 
-    def _translate(self, exc: BaseException, key: str | None, action: str) -> BaseException:
-        """The backend-contract error for an SDK or transport exception."""
+    def _connect(self) -> tuple[Any, None]:
+        """The Drive resources; each HTTP request carries the token its thread's
+        :class:`_BearerHttp` fetched for it (so there is none to name here)."""
+        return self._drive(), None
+
+    def _translate(self, exc: Exception, key: str | None, action: str,
+                   token: str | None) -> BaseException:
+        """The backend-contract error for an SDK or transport exception. A refused token
+        is the one this thread's last request carried."""
         import httplib2
         from googleapiclient.errors import HttpError
 
-        what = f"{action} {key!r} on {self.name}" if key is not None else f"{action} {self.name}"
+        if isinstance(exc, _SourceFailed):
+            return exc  # the caller's source failed, not Drive: never retried
+        what = self._what(action, key)
         if isinstance(exc, HttpError):
             status = exc.resp.status
             reasons = _reasons(exc)
@@ -480,26 +489,6 @@ class GDriveBackend(CloudAccess, Backend):
         if isinstance(exc, OSError | http.client.HTTPException | httplib2.HttpLib2Error):
             return TransientError(f"cannot {what}: connection failed ({one_line(exc)})")
         return exc
-
-    def _request(self, key: str | None, action: str, fn: Callable[[Any], T]) -> T:
-        """One attempt of ``fn(drive)`` in a transfer slot, errors translated."""
-        drive = self._drive()
-        with self._slots:
-            try:
-                return fn(drive)
-            except (BackendError, _SourceFailed):
-                raise
-            except Exception as exc:
-                translated = self._translate(exc, key, action)
-                if translated is exc:
-                    raise
-                raise translated from exc
-
-    def _call(self, key: str | None, action: str, fn: Callable[[Any], T],
-              on_retry: Callable[[BaseException], None] | None = None) -> T:
-        """``fn(drive)`` with retries of transient failures (must be safe to repeat)."""
-        return retrying(self.policy, f"{action} {key!r} on {self.name}",
-                        lambda: self._request(key, action, fn), on_retry=on_retry)
 
     def _exec(self, request: Any) -> Any:
         return request.execute(http=self._http(), num_retries=0)

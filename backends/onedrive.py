@@ -56,7 +56,7 @@ from base64 import b64encode
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, BinaryIO, TypeVar, cast
+from typing import Any, BinaryIO, cast
 from urllib.parse import quote
 
 from metasync.backends import register
@@ -88,7 +88,7 @@ from metasync.backends.http import (
     requests_failure,
 )
 from metasync.backends.logs import ObjectStoreLogs
-from metasync.backends.retry import TransientError, retrying
+from metasync.backends.retry import TransientError
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
@@ -96,8 +96,6 @@ from metasync.errors import (
     ObjectNotFound,
     UsageError,
 )
-
-T = TypeVar("T")
 
 log = logging.getLogger("metasync.backends")
 
@@ -592,9 +590,6 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
         """The Graph URL addressing the item at drive path ``path`` (``""``: the root)."""
         return f"{self.drive}/root:{quote(path)}:" if path else f"{self.drive}/root"
 
-    def _what(self, action: str, key: str | None) -> str:
-        return f"{action} {key!r} on {self.name}" if key is not None else f"{action} {self.name}"
-
     def _status_error(self, response: Any, key: str | None, action: str,
                       token: str | None) -> BaseException:
         """The backend-contract error for a Graph error answer."""
@@ -623,8 +618,10 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
             return BackendError(f"cannot {what}: OneDrive refused the name ({message})")
         return BackendError(f"cannot {what}: HTTP {status} {summary}: {message}")
 
-    def _transport_error(self, exc: BaseException, key: str | None, action: str) -> BaseException:
-
+    def _translate(self, exc: Exception, key: str | None, action: str,
+                   token: str | None) -> BaseException:
+        """The backend-contract error for a failure to get an answer (an error answer is
+        :meth:`_status_error`'s)."""
         what = self._what(action, key)
         return requests_failure(exc, what, "OneDrive", self._base_url or GRAPH_API) or exc
 
@@ -649,17 +646,8 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
         sent = dict(headers or {})
         if token is not None:
             sent["Authorization"] = f"Bearer {token}"
-        with self._slots:
-            try:
-                response = session.request(method, url, headers=sent,
-                                           timeout=(self.timeout, self.timeout), **kwargs)
-            except BackendError:
-                raise
-            except Exception as exc:
-                translated = self._transport_error(exc, key, action)
-                if translated is exc:
-                    raise
-                raise translated from exc
+        response = self._attempt(key, action, lambda: session.request(
+            method, url, headers=sent, timeout=(self.timeout, self.timeout), **kwargs), token)
         if response.status_code < 300 or response.status_code in expect:
             return response
         try:
@@ -668,15 +656,10 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
             response.close()
         raise error
 
-    def _call(self, key: str | None, action: str, fn: Callable[[], T],
-              on_retry: Callable[[BaseException], None] | None = None) -> T:
-        """``fn()`` with retries of transient failures (must be safe to repeat)."""
-        return retrying(self.policy, self._what(action, key), fn, on_retry=on_retry)
-
     def _metadata(self, path: str, key: str | None, action: str = "stat") -> dict[str, Any]:
         """The driveItem at drive path ``path`` (ObjectNotFound if missing)."""
         url = self._item_url(path)
-        return self._call(key, action, lambda: _json(
+        return self._retried(key, action, lambda: _json(
             self._http("GET", url, key=key, action=action), self._what(action, key)))
 
     def _file(self, key: str, action: str = "stat") -> dict[str, Any]:
@@ -697,8 +680,8 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
     def probe(self) -> None:
         """Check the sign-in and that the location folder exists. Never writes."""
         if not self.location:
-            self._call(None, "reach", lambda: self._http("GET", self.drive, key=None,
-                                                         action="reach").close())
+            self._retried(None, "reach", lambda: self._http("GET", self.drive, key=None,
+                                                            action="reach").close())
             return
         try:
             item = self._metadata(self.location, None, "reach")
@@ -730,7 +713,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
             response.close()
             return bool(response.status_code != 409)
 
-        return self._call(None, action, make)
+        return self._retried(None, action, make)
 
     def create(self) -> None:
         """Create the namespace folder (idempotent); the location must exist."""
@@ -803,7 +786,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
                 raise BackendError(f"OneDrive stored other bytes than sent for {key!r}")
             return item
 
-        item = self._call(key, "write", attempt, on_retry=mark)
+        item = self._retried(key, "write", attempt, on_retry=mark)
         if item is not None or not retried:
             return item
         try:
@@ -887,7 +870,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
                 raise BackendError(f"OneDrive sent no upload URL for {key!r}")
             return upload_url
 
-        return self._call(key, "start upload of", create)
+        return self._retried(key, "start upload of", create)
 
     def _session_state(self, key: str, upload_url: str) -> dict[str, Any] | None:
         """The upload session's status (``nextExpectedRanges``), None if it is gone."""
@@ -951,7 +934,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
             raise BackendError(f"cannot write {key!r} on {self.name}: HTTP {status} "
                                f"{'/'.join(codes)}: {message}")
 
-        return retrying(self.policy, self._what("upload part of", key), attempt)
+        return self._retried(key, "upload part of", attempt)
 
     def _upload_session(self, key: str, path: str, source: BinaryIO, start: int, total: int,
                         mode: str, item_id: str | None = None,
@@ -1047,8 +1030,8 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
         usable = have == pending.offset and sha.hexdigest() == pending.prefix_sha256
         if usable:
             try:
-                state = self._call(key, "resume upload of",
-                                   lambda: self._session_state(key, pending.session))
+                state = self._retried(key, "resume upload of",
+                                      lambda: self._session_state(key, pending.session))
             except BackendError:
                 state = None
             usable = state is not None and _first_expected(state) == pending.offset
@@ -1101,7 +1084,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
                     raise ObjectNotFound(f"no object {key!r} on {self.name}")
                 return True  # 204, or gone after an attempt whose answer was lost
 
-            if self._call(key, "delete", remove):
+            if self._retried(key, "delete", remove):
                 return
         raise TransientError(f"cannot delete {key!r} on {self.name}: it keeps changing")
 
@@ -1127,7 +1110,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
                                      "than its metadata describe (replaced meanwhile?)")
             return data
 
-        return self._call(key, "read", read)
+        return self._retried(key, "read", read)
 
     def _metadata_once(self, key: str) -> dict[str, Any]:
         """One attempt of the metadata of the file ``key`` (for retried read loops)."""
@@ -1148,7 +1131,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
                                   action="read", auth=False, stream=True)
             return item, response
 
-        item, response = self._call(key, "read", start)
+        item, response = self._retried(key, "read", start)
         return cast(BinaryIO, io.BufferedReader(_GraphReader(self, key, item, response), 1 << 20))
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
@@ -1175,7 +1158,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
                 # The whole file: keep only the range.
                 return range_of_chunks(response.iter_content(1 << 20), offset, length), size
 
-        data, size = self._call(key, "read", read)
+        data, size = self._retried(key, "read", read)
         if offset + length > size:
             raise self.truncated_error(key, offset + length, size)
         if len(data) != length:
@@ -1244,7 +1227,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
                 return _json(self._http("GET", page_url, key=None, action="list",
                                         params=page_params), self._what("list", None))
 
-            doc = self._call(None, "list", page)
+            doc = self._retried(None, "list", page)
             value = doc.get("value")
             if not isinstance(value, builtins.list):
                 raise BackendError(f"OneDrive sent a malformed listing of {self.name}")
@@ -1284,7 +1267,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
                                  f"({'/'.join(codes)}: {message})")
             response.close()
 
-        self._call(None, "share", invite)
+        self._retried(None, "share", invite)
         return f"invited {email} to edit the OneDrive folder {self.root}"
 
 
@@ -1304,7 +1287,7 @@ class _GraphReader(ResponseReader):
 
     def _next_piece(self, wanted: int) -> bytes:
         # Bytes past the stated size are never handed out (nor hashed).
-        return self._backend._call(self._key, "read", self._next)[: self._size - self._pos]
+        return self._backend._retried(self._key, "read", self._next)[: self._size - self._pos]
 
     def _handed_out(self, data: bytes) -> None:
         self._hasher.update(data)

@@ -41,7 +41,13 @@ from metasync.backends.base import (
     read_full,
 )
 from metasync.backends.logs import ObjectStoreLogs
-from metasync.backends.retry import RetryPolicy, TransientError, retrying
+from metasync.backends.retry import (
+    RetryPolicy,
+    TransientError,
+    describe,
+    retrying,
+    translated,
+)
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
@@ -244,7 +250,7 @@ class S3Backend(ObjectStoreLogs):
         """The backend-contract error for ``exc`` raised while ``action`` on ``key``."""
         import botocore.exceptions as bexc
 
-        what = f"{action} {key!r} on {self.name}" if key is not None else f"{action} {self.name}"
+        what = describe(action, key, self.name)
         parts = _client_error_parts(exc)
         if parts is not None:
             code, status, headers = parts
@@ -293,19 +299,6 @@ class S3Backend(ObjectStoreLogs):
             return BackendError(f"cannot {what}: {one_line(exc)}")
         return exc
 
-    def _request(self, key: str | None, action: str, fn: Callable[[], T]) -> T:
-        """One attempt of ``fn`` in a transfer slot, with errors translated."""
-        with self._slots:
-            try:
-                return fn()
-            except BackendError:
-                raise
-            except Exception as exc:
-                translated = self._translate(exc, key, action)
-                if translated is exc:
-                    raise
-                raise translated from exc
-
     def _call(
         self,
         key: str | None,
@@ -313,11 +306,12 @@ class S3Backend(ObjectStoreLogs):
         fn: Callable[[], T],
         on_retry: Callable[[BaseException], None] | None = None,
     ) -> T:
-        """``fn`` with retries of transient failures (``fn`` must be safe to repeat)."""
+        """``fn`` with retries of transient failures (``fn`` must be safe to repeat),
+        each attempt in a transfer slot with errors translated (:func:`translated`)."""
         return retrying(
             self.policy,
-            f"{action} {key!r} on {self.name}",
-            lambda: self._request(key, action, fn),
+            describe(action, key, self.name),
+            lambda: translated(self._slots, fn, lambda exc: self._translate(exc, key, action)),
             on_retry=on_retry,
         )
 

@@ -16,8 +16,10 @@ import httpx
 import pytest
 
 from metasync.backends.cloud import (
+    CloudAccess,
     FileTokenStore,
     Grant,
+    SdkTokenRefresh,
     TokenSource,
     app_credentials,
     endpoint,
@@ -30,8 +32,8 @@ from metasync.backends.cloud import (
     token_store,
 )
 from metasync.backends.http import range_of_chunks
-from metasync.backends.retry import TransientError
-from metasync.errors import AuthorizationRequired, UsageError
+from metasync.backends.retry import RetryPolicy, TransientError
+from metasync.errors import AuthorizationRequired, ObjectNotFound, UsageError
 from tests.emulators.base import (
     SERVER_ERROR,
     THROTTLE,
@@ -105,6 +107,66 @@ def test_token_source_refreshes_once_and_saves(tmp_path: Path) -> None:
     source.expired("access-2")
     assert source.access_token() == "access-3"
     assert store.load("dropbox", "default").access_token == "access-3"  # type: ignore[union-attr]
+
+
+class _ScriptedProvider(CloudAccess):
+    """A provider whose SDK client is a name holding the access token, and whose
+    translation makes a KeyError a missing object."""
+
+    def __init__(self, tokens: TokenSource) -> None:
+        self.account = tokens.account
+        self.tokens = tokens
+        self.policy = RetryPolicy(attempts=3, base=0.0)
+        self._slots = threading.BoundedSemaphore(1)
+
+    @property
+    def name(self) -> str:
+        return "dropbox:/scripted"
+
+    def _connect(self) -> tuple[str, str]:
+        token = self.tokens.access_token()
+        return f"client with {token}", token
+
+    def _translate(self, exc: Exception, key: str | None, action: str,
+                   token: str | None) -> BaseException:
+        return ObjectNotFound(f"cannot {self._what(action, key)}") if isinstance(exc, KeyError) else exc
+
+
+def test_cloud_access_calls_retry_refresh_and_translate(tmp_path: Path) -> None:
+    """``_call`` runs ``fn`` on a client of ``_connect`` per attempt: an SDK's attempt
+    to refresh a token itself (SdkTokenRefresh) refreshes it and retries on a new
+    client, and the same from a token just refreshed means signing in again; other
+    exceptions go through the provider's ``_translate``."""
+    store = FileTokenStore(tmp_path)
+    store.save(_grant(expires_at=None))
+    refreshed = iter(["access-2", "access-3"])
+    source = TokenSource("dropbox", "default",
+                         lambda grant: replace(grant, access_token=next(refreshed)), store=store)
+    provider = _ScriptedProvider(source)
+    clients: list[str] = []
+
+    def expired_once(client: str) -> str:
+        clients.append(client)
+        if len(clients) == 1:
+            raise SdkTokenRefresh("expired_access_token")
+        return "done"
+
+    assert provider._call("k", "read", expired_once) == "done"
+    assert clients == ["client with access-1", "client with access-2"]
+    assert provider.policy.retries == 1 and source.refreshes == 1
+
+    def expired(client: str) -> str:
+        raise SdkTokenRefresh("expired_access_token")
+
+    with pytest.raises(AuthorizationRequired, match="expired_access_token"):
+        provider._call("k", "read", expired)
+    assert provider.policy.retries == 1  # refused right after a refresh: not retried
+
+    def missing(client: str) -> str:
+        raise KeyError("k")
+
+    with pytest.raises(ObjectNotFound, match="cannot list dropbox:/scripted"):
+        provider._call(None, "list", missing)
 
 
 def test_token_source_threads_refresh_once(tmp_path: Path) -> None:
