@@ -90,7 +90,7 @@ from metasync.backends.cloud import (
 )
 from metasync.backends.http import pooled_session, requests_failure
 from metasync.backends.logs import ObjectStoreLogs
-from metasync.backends.retry import TransientError
+from metasync.backends.retry import RetryMark, TransientError
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
@@ -730,12 +730,7 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
         body = bytes(data)
         sha1 = hashlib.sha1(body).hexdigest()
         source = io.BytesIO(body)
-        maybe_ours = False
-
-        def mark(exc: BaseException) -> None:
-            nonlocal maybe_ours
-            if not isinstance(exc, _NotApplied):
-                maybe_ours = True
+        maybe_ours = RetryMark(_NotApplied)
 
         for attempt in range(2):
             folder_id = self._folder_id(folders, create=True)
@@ -751,7 +746,7 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
                     return conflict
 
             try:
-                result = self._call(key, "create", create, on_retry=mark)
+                result = self._call(key, "create", create, on_retry=maybe_ours)
             except ObjectNotFound:
                 if attempt:
                     raise
@@ -761,7 +756,7 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
                 if result.is_file:
                     with self._cache_lock:
                         self._files[path] = result.id
-                return maybe_ours and result.is_file and str(
+                return maybe_ours.marked and result.is_file and str(
                     result.item.get("sha1", "")).lower() == sha1
             with self._cache_lock:
                 self._files[path] = str(result.id)
@@ -781,12 +776,7 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
         body = bytes(data)
         sha1 = hashlib.sha1(body).hexdigest()
         source = io.BytesIO(body)
-        maybe_ours = False
-
-        def mark(exc: BaseException) -> None:
-            nonlocal maybe_ours
-            if not isinstance(exc, _NotApplied):
-                maybe_ours = True
+        maybe_ours = RetryMark(_NotApplied)
 
         def swap(client: Any) -> Any:
             try:
@@ -797,11 +787,11 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
                 raise
 
         try:
-            entry = self._call(key, "write", swap, on_retry=mark)
+            entry = self._call(key, "write", swap, on_retry=maybe_ours)
         except ObjectNotFound:
             return False
         if entry is None:
-            if not maybe_ours:
+            if not maybe_ours.marked:
                 return False
             try:
                 info = self._call(key, "stat", lambda c: c.files.get_file_by_id(
@@ -965,12 +955,7 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
                              sha_1=p.sha_1) for p in sorted(parts, key=lambda p: int(p.offset))]
         digest = f"sha={_sha1_b64(sha1)}"
         path = self._lower([*folders, name])
-        maybe_ours = False
-
-        def mark(exc: BaseException) -> None:
-            nonlocal maybe_ours
-            if not isinstance(exc, _NotApplied):
-                maybe_ours = True
+        maybe_ours = RetryMark(_NotApplied)
 
         def commit(client: Any) -> Any:
             try:
@@ -984,9 +969,9 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
 
         for round_number in range(60):
             try:
-                result = self._call(key, "finish upload of", commit, on_retry=mark)
+                result = self._call(key, "finish upload of", commit, on_retry=maybe_ours)
             except ObjectNotFound:
-                if maybe_ours:
+                if maybe_ours.marked:
                     info = self._file_info(key, ["sha1", "size"])
                     if str(info.sha_1).lower() == sha1 and int(info.size) == size:
                         return

@@ -67,7 +67,7 @@ from metasync.backends.cloud import (
 )
 from metasync.backends.http import ResponseReader, pin_ca, range_of_chunks, requests_failure
 from metasync.backends.logs import ObjectStoreLogs
-from metasync.backends.retry import TransientError
+from metasync.backends.retry import RetryMark, TransientError
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
@@ -398,11 +398,7 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
         import dropbox.exceptions as dexc
 
         path = self._path(key)
-        retried = False
-
-        def mark(_: BaseException) -> None:
-            nonlocal retried
-            retried = True
+        retried = RetryMark()
 
         def attempt(client: Any) -> bool:
             try:
@@ -417,9 +413,9 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
                 raise BackendError(f"Dropbox stored other bytes than sent for {key!r}")
             return True
 
-        if self._call(key, "write", attempt, on_retry=mark):
+        if self._call(key, "write", attempt, on_retry=retried):
             return True
-        if not retried:
+        if not retried.marked:
             return False
         try:
             return bool(self._file(key).content_hash == digest)
@@ -571,16 +567,12 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
                 b"", df.UploadSessionCursor(session_id, offset), commit
             )
 
-        retried = False
-
-        def mark(_: BaseException) -> None:
-            nonlocal retried
-            retried = True
+        retried = RetryMark()
 
         try:
-            meta = self._call(key, "finish upload of", finish, on_retry=mark)
+            meta = self._call(key, "finish upload of", finish, on_retry=retried)
         except ObjectNotFound:
-            if not retried or self._file(key).content_hash != digest:
+            if not retried.marked or self._file(key).content_hash != digest:
                 raise BackendError(
                     f"cannot write {key!r} on {self.name}: the upload session vanished"
                 ) from None

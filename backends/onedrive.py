@@ -88,7 +88,7 @@ from metasync.backends.http import (
     requests_failure,
 )
 from metasync.backends.logs import ObjectStoreLogs
-from metasync.backends.retry import TransientError
+from metasync.backends.retry import RetryMark, TransientError
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
@@ -757,11 +757,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
             headers = {"Content-Type": "application/octet-stream"}
             params = {"@microsoft.graph.conflictBehavior": mode}
             expect = (404, 409, 412)
-        retried = False
-
-        def mark(_: BaseException) -> None:
-            nonlocal retried
-            retried = True
+        retried = RetryMark()
 
         def attempt() -> dict[str, Any] | None:
             for tries in range(2):
@@ -786,8 +782,8 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
                 raise BackendError(f"OneDrive stored other bytes than sent for {key!r}")
             return item
 
-        item = self._retried(key, "write", attempt, on_retry=mark)
-        if item is not None or not retried:
+        item = self._retried(key, "write", attempt, on_retry=retried)
+        if item is not None or not retried.marked:
             return item
         try:
             stored = self._file(key)

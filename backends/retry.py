@@ -96,6 +96,23 @@ class RetryPolicy:
             self.retries += 1
 
 
+class RetryMark:
+    """An ``on_retry`` hook for :func:`retrying` that marks whether an attempt failed
+    in a way that may have taken effect (its answer lost, the connection dropped
+    after the request went out): after that, a conflict a later attempt meets may be
+    the request's own doing. Failures of the ``applied_nothing`` types say their
+    attempt did nothing and leave the mark unset."""
+
+    def __init__(self, *applied_nothing: type[BaseException]) -> None:
+        self._applied_nothing = applied_nothing
+        #: True once a failed attempt may have taken effect.
+        self.marked = False
+
+    def __call__(self, exc: BaseException) -> None:
+        if not isinstance(exc, self._applied_nothing):
+            self.marked = True
+
+
 def describe(action: str, key: str | None, where: str) -> str:
     """What a request does, for messages: ``read 'a/b' on dropbox:/x``, or
     ``list dropbox:/x`` for a request about no key."""

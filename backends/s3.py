@@ -42,6 +42,7 @@ from metasync.backends.base import (
 )
 from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import (
+    RetryMark,
     RetryPolicy,
     TransientError,
     describe,
@@ -464,11 +465,7 @@ class S3Backend(ObjectStoreLogs):
     def _complete(
         self, key: str, full: str, upload_id: str, parts: builtins.list[dict[str, Any]], total: int
     ) -> None:
-        retried = False
-
-        def mark(_: BaseException) -> None:
-            nonlocal retried
-            retried = True
+        retried = RetryMark()
 
         try:
             self._call(
@@ -480,12 +477,12 @@ class S3Backend(ObjectStoreLogs):
                     UploadId=upload_id,
                     MultipartUpload={"Parts": parts},
                 ),
-                on_retry=mark,
+                on_retry=retried,
             )
         except ObjectNotFound:
             # NoSuchUpload: if an earlier attempt completed the upload before its
             # answer was lost, the object is there with our size.
-            if not retried or self.size(key) != total:
+            if not retried.marked or self.size(key) != total:
                 raise BackendError(
                     f"cannot write {key!r} on {self.name}: the multipart upload vanished"
                 ) from None
@@ -497,11 +494,7 @@ class S3Backend(ObjectStoreLogs):
         be our own earlier write: then the stored bytes tell.
         """
         full = self._object(key)
-        retried = False
-
-        def mark(_: BaseException) -> None:
-            nonlocal retried
-            retried = True
+        retried = RetryMark()
 
         def attempt() -> bool:
             try:
@@ -513,11 +506,11 @@ class S3Backend(ObjectStoreLogs):
             return True
 
         try:
-            if self._call(key, action, attempt, on_retry=mark):
+            if self._call(key, action, attempt, on_retry=retried):
                 return True
         except ObjectNotFound:
             return False  # If-Match on a missing key: some services answer 404
-        if not retried:
+        if not retried.marked:
             return False
         try:
             return self.get(key) == data

@@ -117,3 +117,20 @@ def test_translated_holds_a_slot_and_maps_what_the_request_raises() -> None:
         retry.translated(slots, Flaky(KeyError("k")), mapping)
     assert isinstance(mapped.value.__cause__, KeyError)
     assert slots.acquire(blocking=False)  # every attempt gave its slot back
+
+
+def test_retry_mark_remembers_a_retry_that_may_have_taken_effect(waits: list[float]) -> None:
+    """A retry after a failure that says it did nothing leaves the mark unset; one
+    after any other failure sets it (the earlier attempt may have been applied)."""
+
+    class Throttled(TransientError):
+        pass
+
+    policy = RetryPolicy(attempts=5, base=0.0)
+    untouched = retry.RetryMark(Throttled)
+    assert retrying(policy, "put k", Flaky(Throttled("429")), on_retry=untouched) == "ok"
+    assert not untouched.marked
+    maybe_applied = retry.RetryMark(Throttled)
+    assert retrying(policy, "put k", Flaky(Throttled("429"), TransientError("reset")),
+                    on_retry=maybe_applied) == "ok"
+    assert maybe_applied.marked
