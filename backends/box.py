@@ -318,8 +318,7 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
     @property
     def name(self) -> str:
         """``box:/PATH`` (with ``?account=`` if not the default account)."""
-        base = "box:/" + "/".join(self.location)
-        return base if self.account == "default" else f"{base}?account={self.account}"
+        return self._named("box:/" + "/".join(self.location))
 
     # --- plumbing ------------------------------------------------------------------
     def _connect(self) -> tuple[Any, str]:

@@ -524,6 +524,11 @@ class CloudAccess:
         """The backend's name for messages: each provider's own."""
         raise NotImplementedError
 
+    def _named(self, place: str) -> str:
+        """The backend's name from ``place`` (``PROVIDER:PATH``): with
+        ``?account=NAME`` unless the account is the default one."""
+        return place if self.account == DEFAULT_ACCOUNT else f"{place}?account={self.account}"
+
     def _what(self, action: str, key: str | None) -> str:
         """``action`` on ``key`` (or on the backend), for messages: :func:`describe`."""
         return describe(action, key, self.name)

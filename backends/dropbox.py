@@ -240,8 +240,7 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
     @property
     def name(self) -> str:
         """``dropbox:PATH`` (with ``?account=`` if not the default account)."""
-        base = f"dropbox:{self.location or '/'}"
-        return base if self.account == "default" else f"{base}?account={self.account}"
+        return self._named(f"dropbox:{self.location or '/'}")
 
     # --- plumbing ------------------------------------------------------------------
     def _connect(self) -> tuple[Any, str]:

@@ -413,8 +413,7 @@ class GDriveBackend(CloudAccess, Backend):
     @property
     def name(self) -> str:
         """``gdrive:PATH`` (with ``?account=`` if not the default account)."""
-        base = "gdrive:" + ("/".join(self.location) or "/")
-        return base if self.account == "default" else f"{base}?account={self.account}"
+        return self._named("gdrive:" + ("/".join(self.location) or "/"))
 
     # --- plumbing ------------------------------------------------------------------
     def _http(self) -> _BearerHttp:

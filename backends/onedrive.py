@@ -570,8 +570,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
     @property
     def name(self) -> str:
         """``onedrive:PATH`` (with ``?account=`` if not the default account)."""
-        base = f"onedrive:{self.location or '/'}"
-        return base if self.account == "default" else f"{base}?account={self.account}"
+        return self._named(f"onedrive:{self.location or '/'}")
 
     # --- plumbing ------------------------------------------------------------------
     def _http_session(self) -> Any:
