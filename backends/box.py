@@ -77,6 +77,7 @@ from metasync.backends.cloud import (
     CloudAccess,
     Grant,
     PendingUpload,
+    SdkClients,
     SdkTokenRefresh,
     UploadJournal,
     app_credentials,
@@ -304,10 +305,9 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
         self._bind_account("box", uri, namespace, options, refresher)
-        self._session: Any = None
-        self._client: Any = None
-        self._client_token: str | None = None
-        self._client_lock = threading.Lock()
+        self._clients = SdkClients(
+            self.tokens, lambda: pooled_session(self._ca_file, self.transfers + 4), self._new_client
+        )
         #: Path (lower-cased names from the root) -> folder id / file id.
         self._folders: dict[tuple[str, ...], str] = {(): "0"}
         self._files: dict[tuple[str, ...], str] = {}
@@ -321,21 +321,17 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
         return self._named("box:/" + "/".join(self.location))
 
     # --- plumbing ------------------------------------------------------------------
+    def _new_client(self, session: Any, token: str) -> Any:
+        """An SDK client sending ``token`` over the requests ``session``."""
+        classes = _sdk_classes()
+        return classes["BoxClient"](
+            classes["BearerAuth"](token),
+            network_session=_network_session(session, self._base_url, self.timeout),
+        )
+
     def _connect(self) -> tuple[Any, str]:
         """An SDK client holding a fresh access token, and that token."""
-        token = self.tokens.access_token()
-        with self._client_lock:
-            if self._session is None:
-                self._session = pooled_session(self._ca_file, self.transfers + 4)
-            if self._client is None or self._client_token != token:
-                classes = _sdk_classes()
-                self._client = classes["BoxClient"](
-                    classes["BearerAuth"](token),
-                    network_session=_network_session(self._session, self._base_url,
-                                                     self.timeout),
-                )
-                self._client_token = token
-            return self._client, token
+        return self._clients.connect()
 
     def _translate(self, exc: Exception, key: str | None, action: str,
                    token: str | None) -> BaseException:
@@ -577,11 +573,7 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
         self._folder_id(list(self.root), create=True)
 
     def close(self) -> None:
-        with self._client_lock:
-            session, self._session, self._client = self._session, None, None
-        if session is not None:
-            with contextlib.suppress(Exception):
-                session.close()
+        self._clients.close()
 
     # --- writes --------------------------------------------------------------------
     def _upload_new(self, client: Any, folder_id: str, name: str, source: BinaryIO,

@@ -461,6 +461,47 @@ class SdkTokenRefresh(Exception):
         self.detail = detail
 
 
+class SdkClients:
+    """The SDK client of a backend whose SDK holds one access token per client: made
+    again when the token changes, over one HTTP session (connection pool) kept until
+    :meth:`close`. ``new_session()`` opens that session; ``new_client(session,
+    token)`` makes a client. Thread-safe."""
+
+    def __init__(
+        self,
+        tokens: TokenSource,
+        new_session: Callable[[], Any],
+        new_client: Callable[[Any, str], Any],
+    ) -> None:
+        self._tokens = tokens
+        self._new_session = new_session
+        self._new_client = new_client
+        self._lock = threading.Lock()
+        self._session: Any = None
+        self._client: Any = None
+        self._client_token: str | None = None
+
+    def connect(self) -> tuple[Any, str]:
+        """A client holding a fresh access token, and that token (what
+        :meth:`CloudAccess._connect` returns)."""
+        token = self._tokens.access_token()
+        with self._lock:
+            if self._session is None:
+                self._session = self._new_session()
+            if self._client is None or self._client_token != token:
+                self._client = self._new_client(self._session, token)
+                self._client_token = token
+            return self._client, token
+
+    def close(self) -> None:
+        """Close the session (the next :meth:`connect` opens another)."""
+        with self._lock:
+            session, self._session, self._client = self._session, None, None
+        if session is not None:
+            with contextlib.suppress(Exception):
+                session.close()
+
+
 class CloudAccess:
     """What every cloud-provider backend keeps to reach its service: the account it
     acts as, its limits, where the API is, its access tokens, its retry policy and

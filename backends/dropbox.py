@@ -37,7 +37,6 @@ import datetime
 import hashlib
 import io
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, cast
@@ -59,6 +58,7 @@ from metasync.backends.cloud import (
     CloudAccess,
     Grant,
     PendingUpload,
+    SdkClients,
     SdkTokenRefresh,
     UploadJournal,
     auth_hint,
@@ -232,10 +232,11 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
         self._hosts = _sdk_hosts(self._base_url)
         #: The namespace folder; every key lives below it.
         self.root = f"{self.location}/{namespace}"
-        self._session: Any = None
-        self._client: Any = None
-        self._client_token: str | None = None
-        self._client_lock = threading.Lock()
+        self._clients = SdkClients(
+            self.tokens,
+            self._http_session,
+            lambda session, token: _make_client(token, session, self.timeout, self._hosts),
+        )
 
     @property
     def name(self) -> str:
@@ -243,23 +244,19 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
         return self._named(f"dropbox:{self.location or '/'}")
 
     # --- plumbing ------------------------------------------------------------------
+    def _http_session(self) -> Any:
+        """The SDK's requests session (``transfers`` + 4 pooled connections), trusting
+        the configured CA file."""
+        import dropbox
+
+        return pin_ca(
+            dropbox.create_session(max_connections=self.transfers + 4, ca_certs=self._ca_file),
+            self._ca_file,
+        )
+
     def _connect(self) -> tuple[Any, str]:
         """A client holding a fresh access token, and that token."""
-        token = self.tokens.access_token()
-        with self._client_lock:
-            if self._session is None:
-                import dropbox
-
-                self._session = pin_ca(
-                    dropbox.create_session(
-                        max_connections=self.transfers + 4, ca_certs=self._ca_file
-                    ),
-                    self._ca_file,
-                )
-            if self._client is None or self._client_token != token:
-                self._client = _make_client(token, self._session, self.timeout, self._hosts)
-                self._client_token = token
-            return self._client, token
+        return self._clients.connect()
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
@@ -374,11 +371,7 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
         self._call(None, "create the namespace on", make)
 
     def close(self) -> None:
-        with self._client_lock:
-            session, self._session, self._client = self._session, None, None
-        if session is not None:
-            with contextlib.suppress(Exception):
-                session.close()
+        self._clients.close()
 
     # --- writes --------------------------------------------------------------------
     def _write_mode(self, mode: str, rev: str | None = None) -> Any:
