@@ -76,10 +76,8 @@ from metasync.backends.cloud import (
     AuthUI,
     CloudAccess,
     Grant,
-    PendingUpload,
     SdkClients,
     SdkTokenRefresh,
-    UploadJournal,
     app_credentials,
     auth_hint,
     oauth2_refresh,
@@ -92,6 +90,7 @@ from metasync.backends.cloud import (
 from metasync.backends.http import pooled_session, requests_failure
 from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import RetryMark, TransientError
+from metasync.backends.uploads import PendingUpload, UploadJournal
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,

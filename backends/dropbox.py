@@ -52,15 +52,12 @@ from metasync.backends.base import (
 )
 from metasync.backends.cloud import (
     DEFAULT_TIMEOUT,
-    NO_JOURNAL,
     AuthRequest,
     AuthUI,
     CloudAccess,
     Grant,
-    PendingUpload,
     SdkClients,
     SdkTokenRefresh,
-    UploadJournal,
     auth_hint,
     oauth2_refresh,
     parse_cloud_uri,
@@ -68,6 +65,7 @@ from metasync.backends.cloud import (
 from metasync.backends.http import ResponseReader, pin_ca, range_of_chunks, requests_failure
 from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import RetryMark, TransientError
+from metasync.backends.uploads import NO_JOURNAL, PendingUpload, UploadJournal
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,

@@ -79,9 +79,7 @@ from metasync.backends.cloud import (
     AuthUI,
     CloudAccess,
     Grant,
-    PendingUpload,
     TokenSource,
-    UploadJournal,
     oauth2_refresh,
     parse_cloud_uri,
     parse_retry_after,
@@ -89,6 +87,7 @@ from metasync.backends.cloud import (
 )
 from metasync.backends.http import pin_ca
 from metasync.backends.retry import TransientError
+from metasync.backends.uploads import PendingUpload, UploadJournal
 from metasync.errors import (
     BackendError,
     BackendUnavailable,

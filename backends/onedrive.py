@@ -74,8 +74,6 @@ from metasync.backends.cloud import (
     AuthUI,
     CloudAccess,
     Grant,
-    PendingUpload,
-    UploadJournal,
     auth_hint,
     parse_cloud_uri,
     parse_retry_after,
@@ -89,6 +87,7 @@ from metasync.backends.http import (
 )
 from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import RetryMark, TransientError
+from metasync.backends.uploads import PendingUpload, UploadJournal
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,

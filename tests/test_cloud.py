@@ -365,7 +365,7 @@ def test_upload_journal_is_exclusive_private_and_expires() -> None:
     """A journal record survives its writer, is 0600, is held by one upload at a time
     (a second writer of the same target goes without), and is dropped when older than
     the providers keep sessions."""
-    from metasync.backends.cloud import UPLOAD_SESSION_MAX_AGE, PendingUpload, UploadJournal
+    from metasync.backends.uploads import UPLOAD_SESSION_MAX_AGE, PendingUpload, UploadJournal
 
     record = PendingUpload("session-1", 8, "ab" * 32, 1000.0)
     with UploadJournal("test", "target-1") as journal:
