@@ -58,6 +58,7 @@ from metasync.backends.cloud import (
     Grant,
     SdkClients,
     SdkTokenRefresh,
+    app_credentials,
     auth_hint,
     oauth2_refresh,
     parse_cloud_uri,
@@ -806,8 +807,6 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
     import dropbox
     import requests
     from dropbox.oauth import DropboxOAuth2FlowNoRedirect
-
-    from metasync.backends.cloud import app_credentials
 
     app_key, app_secret = app_credentials("dropbox", request.app_key, request.app_secret)
     base = request.endpoint.base_url

@@ -80,6 +80,7 @@ from metasync.backends.cloud import (
     CloudAccess,
     Grant,
     TokenSource,
+    app_credentials,
     oauth2_refresh,
     parse_cloud_uri,
     parse_retry_after,
@@ -1587,8 +1588,6 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
     import requests
     from google_auth_oauthlib.flow import InstalledAppFlow
     from oauthlib.oauth2.rfc6749.errors import OAuth2Error
-
-    from metasync.backends.cloud import app_credentials
 
     app_key, app_secret = app_credentials("gdrive", request.app_key, request.app_secret)
     base = request.endpoint.base_url

@@ -74,6 +74,7 @@ from metasync.backends.cloud import (
     AuthUI,
     CloudAccess,
     Grant,
+    app_credentials,
     auth_hint,
     parse_cloud_uri,
     parse_retry_after,
@@ -440,8 +441,6 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
     flow: the user opens the verification page on any device and types the code."""
     import msal
     import requests
-
-    from metasync.backends.cloud import app_credentials
 
     app_key, app_secret = app_credentials("onedrive", request.app_key, request.app_secret)
     if app_secret:
