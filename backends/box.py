@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any, BinaryIO, TypeVar, cast
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
 from metasync.backends import register
 from metasync.backends.base import (
@@ -76,18 +76,21 @@ from metasync.backends.cloud import (
     AuthUI,
     CloudAccess,
     Grant,
-    PendingUpload,
-    UploadJournal,
+    SdkClients,
+    SdkTokenRefresh,
     app_credentials,
     auth_hint,
     oauth2_refresh,
     parse_cloud_uri,
     parse_retry_after,
-    requests_failure,
+    pasted_code,
+    redirect_code,
+    redirect_query,
 )
-from metasync.backends.dropbox import pin_ca
+from metasync.backends.http import pooled_session, requests_failure
 from metasync.backends.logs import ObjectStoreLogs
-from metasync.backends.retry import TransientError, retrying
+from metasync.backends.retry import RetryMark, TransientError
+from metasync.backends.uploads import PendingUpload, UploadJournal
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
@@ -144,10 +147,6 @@ def _header(headers: Any, name: str) -> str | None:
 class _NotApplied(TransientError):
     """A transient answer that says the request did nothing (throttled, or the name
     briefly reserved by another upload): a conflict on the retry is not our own."""
-
-
-class _TokenRejected(Exception):
-    """The SDK wanted to refresh the access token itself."""
 
 
 class _Conflict(Exception):
@@ -212,7 +211,7 @@ def _sdk_classes() -> dict[str, Any]:
             return AccessToken(access_token=self.token)
 
         def refresh_token(self, *, network_session: Any = None) -> Any:
-            raise _TokenRejected()
+            raise SdkTokenRefresh("invalid_token")
 
         def retrieve_authorization_header(self, *, network_session: Any = None) -> str:
             return f"Bearer {self.token}"
@@ -265,19 +264,6 @@ def _network_session(session: Any, base_url: str | None, timeout: float) -> Any:
     )
 
 
-def _requests_session(ca_file: str | None, pool: int) -> Any:
-    import requests
-    from requests.adapters import HTTPAdapter
-
-    session = requests.Session()
-    adapter = HTTPAdapter(pool_connections=4, pool_maxsize=pool)
-    session.mount("https://", adapter)
-    session.mount("http://", adapter)
-    if ca_file is not None:
-        session.verify = ca_file
-    return pin_ca(session, ca_file)
-
-
 def refresher(base_url: str | None, ca_file: str | None) -> Callable[[Grant], Grant]:
     """The refresh function of Box grants (OAuth 2 at ``/oauth2/token`` on the API
     host; the grant's app secret is sent, as Box requires)."""
@@ -318,10 +304,9 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
         super().__init__(uri, namespace)
         self.location, options = _parse_uri(uri)
         self._bind_account("box", uri, namespace, options, refresher)
-        self._session: Any = None
-        self._client: Any = None
-        self._client_token: str | None = None
-        self._client_lock = threading.Lock()
+        self._clients = SdkClients(
+            self.tokens, lambda: pooled_session(self._ca_file, self.transfers + 4), self._new_client
+        )
         #: Path (lower-cased names from the root) -> folder id / file id.
         self._folders: dict[tuple[str, ...], str] = {(): "0"}
         self._files: dict[tuple[str, ...], str] = {}
@@ -332,39 +317,34 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
     @property
     def name(self) -> str:
         """``box:/PATH`` (with ``?account=`` if not the default account)."""
-        base = "box:/" + "/".join(self.location)
-        return base if self.account == "default" else f"{base}?account={self.account}"
+        return self._named("box:/" + "/".join(self.location))
 
     # --- plumbing ------------------------------------------------------------------
-    def _box(self) -> tuple[Any, str]:
-        """An SDK client holding a fresh access token, and that token."""
-        token = self.tokens.access_token()
-        with self._client_lock:
-            if self._session is None:
-                self._session = _requests_session(self._ca_file, self.transfers + 4)
-            if self._client is None or self._client_token != token:
-                classes = _sdk_classes()
-                self._client = classes["BoxClient"](
-                    classes["BearerAuth"](token),
-                    network_session=_network_session(self._session, self._base_url,
-                                                     self.timeout),
-                )
-                self._client_token = token
-            return self._client, token
+    def _new_client(self, session: Any, token: str) -> Any:
+        """An SDK client sending ``token`` over the requests ``session``."""
+        classes = _sdk_classes()
+        return classes["BoxClient"](
+            classes["BearerAuth"](token),
+            network_session=_network_session(session, self._base_url, self.timeout),
+        )
 
-    def _translate(self, exc: BaseException, key: str | None, action: str,
-                   token: str) -> BaseException:
+    def _connect(self) -> tuple[Any, str]:
+        """An SDK client holding a fresh access token, and that token."""
+        return self._clients.connect()
+
+    def _translate(self, exc: Exception, key: str | None, action: str,
+                   token: str | None) -> BaseException:
         """The backend-contract error for an SDK or transport exception."""
         from box_sdk_gen.box.errors import BoxAPIError, BoxSDKError
 
-        what = f"{action} {key!r} on {self.name}" if key is not None else f"{action} {self.name}"
+        what = self._what(action, key)
         if isinstance(exc, BoxAPIError):
             info = exc.response_info
             status, code = int(info.status_code), str(info.code or "")
             message = str((info.body or {}).get("message") or "") if isinstance(info.body, dict) else ""
             retry_after = parse_retry_after(_header(info.headers, "Retry-After"))
             summary = f"{status} {code}".strip() + (f": {message}" if message else "")
-            if status == 401:
+            if status == 401 and token is not None:
                 challenge = _header(info.headers, "WWW-Authenticate") or ""
                 detail = "invalid_token" if "invalid_token" in challenge else "unauthorized"
                 return self.tokens.rejected(token, detail)
@@ -403,28 +383,6 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
         if isinstance(inner, Urllib3Error):
             return TransientError(f"cannot {what}: connection failed ({one_line(inner)})")
         return exc
-
-    def _request(self, key: str | None, action: str, fn: Callable[[Any], T]) -> T:
-        """One attempt of ``fn(client)`` in a transfer slot, errors translated."""
-        client, token = self._box()
-        with self._slots:
-            try:
-                return fn(client)
-            except BackendError:
-                raise
-            except _TokenRejected:
-                raise self.tokens.rejected(token, "invalid_token") from None
-            except Exception as exc:
-                translated = self._translate(exc, key, action, token)
-                if translated is exc:
-                    raise
-                raise translated from exc
-
-    def _call(self, key: str | None, action: str, fn: Callable[[Any], T],
-              on_retry: Callable[[BaseException], None] | None = None) -> T:
-        """``fn(client)`` with retries of transient failures (must be safe to repeat)."""
-        return retrying(self.policy, f"{action} {key!r} on {self.name}",
-                        lambda: self._request(key, action, fn), on_retry=on_retry)
 
     # --- paths and ids ---------------------------------------------------------------
     def _key_path(self, key: str) -> tuple[builtins.list[str], str]:
@@ -614,11 +572,7 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
         self._folder_id(list(self.root), create=True)
 
     def close(self) -> None:
-        with self._client_lock:
-            session, self._session, self._client = self._session, None, None
-        if session is not None:
-            with contextlib.suppress(Exception):
-                session.close()
+        self._clients.close()
 
     # --- writes --------------------------------------------------------------------
     def _upload_new(self, client: Any, folder_id: str, name: str, source: BinaryIO,
@@ -766,12 +720,7 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
         body = bytes(data)
         sha1 = hashlib.sha1(body).hexdigest()
         source = io.BytesIO(body)
-        maybe_ours = False
-
-        def mark(exc: BaseException) -> None:
-            nonlocal maybe_ours
-            if not isinstance(exc, _NotApplied):
-                maybe_ours = True
+        maybe_ours = RetryMark(_NotApplied)
 
         for attempt in range(2):
             folder_id = self._folder_id(folders, create=True)
@@ -787,7 +736,7 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
                     return conflict
 
             try:
-                result = self._call(key, "create", create, on_retry=mark)
+                result = self._call(key, "create", create, on_retry=maybe_ours)
             except ObjectNotFound:
                 if attempt:
                     raise
@@ -797,7 +746,7 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
                 if result.is_file:
                     with self._cache_lock:
                         self._files[path] = result.id
-                return maybe_ours and result.is_file and str(
+                return maybe_ours.marked and result.is_file and str(
                     result.item.get("sha1", "")).lower() == sha1
             with self._cache_lock:
                 self._files[path] = str(result.id)
@@ -817,12 +766,7 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
         body = bytes(data)
         sha1 = hashlib.sha1(body).hexdigest()
         source = io.BytesIO(body)
-        maybe_ours = False
-
-        def mark(exc: BaseException) -> None:
-            nonlocal maybe_ours
-            if not isinstance(exc, _NotApplied):
-                maybe_ours = True
+        maybe_ours = RetryMark(_NotApplied)
 
         def swap(client: Any) -> Any:
             try:
@@ -833,11 +777,11 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
                 raise
 
         try:
-            entry = self._call(key, "write", swap, on_retry=mark)
+            entry = self._call(key, "write", swap, on_retry=maybe_ours)
         except ObjectNotFound:
             return False
         if entry is None:
-            if not maybe_ours:
+            if not maybe_ours.marked:
                 return False
             try:
                 info = self._call(key, "stat", lambda c: c.files.get_file_by_id(
@@ -1001,12 +945,7 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
                              sha_1=p.sha_1) for p in sorted(parts, key=lambda p: int(p.offset))]
         digest = f"sha={_sha1_b64(sha1)}"
         path = self._lower([*folders, name])
-        maybe_ours = False
-
-        def mark(exc: BaseException) -> None:
-            nonlocal maybe_ours
-            if not isinstance(exc, _NotApplied):
-                maybe_ours = True
+        maybe_ours = RetryMark(_NotApplied)
 
         def commit(client: Any) -> Any:
             try:
@@ -1020,9 +959,9 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
 
         for round_number in range(60):
             try:
-                result = self._call(key, "finish upload of", commit, on_retry=mark)
+                result = self._call(key, "finish upload of", commit, on_retry=maybe_ours)
             except ObjectNotFound:
-                if maybe_ours:
+                if maybe_ours.marked:
                     info = self._file_info(key, ["sha1", "size"])
                     if str(info.sha_1).lower() == sha1 and int(info.size) == size:
                         return
@@ -1326,7 +1265,7 @@ class _Callback(BaseHTTPRequestHandler):
         if split.path.rstrip("/") != self.server.path.rstrip("/"):
             self.send_error(404)
             return
-        query = {k: v[0] for k, v in parse_qs(split.query).items()}
+        query = redirect_query(split.query)
         ok = "code" in query
         text = ("metasync is signed in to Box; you can close this window." if ok else
                 f"Box did not sign metasync in ({html.escape(query.get('error', 'no code'))}).")
@@ -1346,26 +1285,6 @@ class _CallbackServer(HTTPServer):
         self.answer: dict[str, str] | None = None
         self.done = threading.Event()
         super().__init__((host, port), _Callback)
-
-
-def _code_from(answer: str, state: str) -> str:
-    """The authorization code in what the user pasted: the whole address Box sent the
-    browser to (its ``state`` is checked), or the bare code."""
-    answer = answer.strip()
-    if not answer:
-        raise UsageError("no code given; sign-in cancelled")
-    if "://" in answer or answer.startswith("/") or "code=" in answer:
-        query = {k: v[0] for k, v in parse_qs(urlsplit(answer).query or answer).items()}
-        if "error" in query:
-            raise UsageError(f"Box did not sign metasync in ({query['error']}); run "
-                             "`metasync auth box` again")
-        if query.get("state") != state:
-            raise UsageError("that address is from another sign-in (state differs); run "
-                             "`metasync auth box` again")
-        if "code" not in query:
-            raise UsageError("no code in that address; sign-in cancelled")
-        return query["code"]
-    return answer
 
 
 def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
@@ -1394,7 +1313,7 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
     code = request.code
     if code is None:
         code = _browser_code(request, ui, url, redirect, state)
-    session = _requests_session(request.endpoint.ca_file, 4)
+    session = pooled_session(request.endpoint.ca_file, 4)
     try:
         network = _network_session(session, base, DEFAULT_TIMEOUT)
         try:
@@ -1447,15 +1366,7 @@ def _browser_code(request: AuthRequest, ui: AuthUI, url: str, redirect: str, sta
                 if not server.done.wait(AUTH_TIMEOUT):
                     raise UsageError("no answer from the browser; run `metasync auth box` "
                                      "again (or with --no-browser)")
-                answer = server.answer or {}
-                if answer.get("state") != state:
-                    raise UsageError("the browser came back from another sign-in (state "
-                                     "differs); run `metasync auth box` again")
-                if "code" not in answer:
-                    raise UsageError(f"Box did not sign metasync in "
-                                     f"({answer.get('error', 'no code')}); run `metasync auth "
-                                     "box` again")
-                return answer["code"]
+                return redirect_code(server.answer or {}, state, "box", "Box")
         finally:
             server.shutdown()
             server.server_close()
@@ -1465,7 +1376,7 @@ def _browser_code(request: AuthRequest, ui: AuthUI, url: str, redirect: str, sta
         f"Your browser is then sent to {redirect}... (which may not load on this machine):\n"
         "copy that whole address from the address bar and paste it here within 30 seconds."
     )
-    return _code_from(ui.prompt("Address (or code): "), state)
+    return pasted_code(ui.prompt("Address (or code): "), state, "box", "Box")
 
 
 __all__ = ["BoxBackend", "authorize", "redirect_uri", "refresher"]

@@ -46,13 +46,17 @@ Sign-in
     ``metasync auth PROVIDER`` calls :func:`authorize`, which imports the provider's
     backend module (named in :data:`AUTH_PROVIDERS`) and runs its
     ``authorize(request: AuthRequest, ui: AuthUI) -> Grant``, then saves the grant.
+
+What the providers that talk through the ``requests`` library share besides (CA
+pinning, pooled sessions, connection failures, streamed responses) is in
+:mod:`metasync.backends.http`; the journal of resumable uploads is in
+:mod:`metasync.backends.uploads`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import importlib
 import json
 import os
@@ -61,16 +65,25 @@ import secrets
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
-from urllib.parse import parse_qsl
+from typing import Any, Protocol, TypeVar
+from urllib.parse import parse_qs, parse_qsl, urlsplit
 
 from metasync.backends import AUTH_PROVIDERS
-from metasync.backends.base import Backend, ObjectReader, check_namespace, one_line
-from metasync.backends.retry import RetryPolicy, TransientError, parse_retry_after
-from metasync.errors import AuthorizationRequired, BackendError, BackendUnavailable, UsageError
+from metasync.backends.base import check_namespace
+from metasync.backends.retry import (
+    RetryPolicy,
+    TransientError,
+    describe,
+    parse_retry_after,
+    retrying,
+    translated,
+)
+from metasync.errors import AuthorizationRequired, BackendError, UsageError
+
+T = TypeVar("T")
 
 #: Provider name (as in ``metasync auth NAME``) -> module of metasync.backends that
 #: defines its ``authorize``. Imported on use, like BUILTIN_SCHEMES.
@@ -437,11 +450,70 @@ def parse_cloud_uri(
     return parts, options
 
 
+class SdkTokenRefresh(Exception):
+    """Raised by a provider's stand-in for its SDK's authentication when the SDK, told
+    that the access token is expired or invalid, tries to refresh it itself: the
+    :class:`TokenSource` refreshes, so :meth:`CloudAccess._attempt` makes this the
+    token's refusal (:meth:`TokenSource.rejected`). ``detail`` is the reason to report."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class SdkClients:
+    """The SDK client of a backend whose SDK holds one access token per client: made
+    again when the token changes, over one HTTP session (connection pool) kept until
+    :meth:`close`. ``new_session()`` opens that session; ``new_client(session,
+    token)`` makes a client. Thread-safe."""
+
+    def __init__(
+        self,
+        tokens: TokenSource,
+        new_session: Callable[[], Any],
+        new_client: Callable[[Any, str], Any],
+    ) -> None:
+        self._tokens = tokens
+        self._new_session = new_session
+        self._new_client = new_client
+        self._lock = threading.Lock()
+        self._session: Any = None
+        self._client: Any = None
+        self._client_token: str | None = None
+
+    def connect(self) -> tuple[Any, str]:
+        """A client holding a fresh access token, and that token (what
+        :meth:`CloudAccess._connect` returns)."""
+        token = self._tokens.access_token()
+        with self._lock:
+            if self._session is None:
+                self._session = self._new_session()
+            if self._client is None or self._client_token != token:
+                self._client = self._new_client(self._session, token)
+                self._client_token = token
+            return self._client, token
+
+    def close(self) -> None:
+        """Close the session (the next :meth:`connect` opens another)."""
+        with self._lock:
+            session, self._session, self._client = self._session, None, None
+        if session is not None:
+            with contextlib.suppress(Exception):
+                session.close()
+
+
 class CloudAccess:
     """What every cloud-provider backend keeps to reach its service: the account it
     acts as, its limits, where the API is, its access tokens, its retry policy and
-    its transfer slots. A backend class lists it before its storage base class and
-    calls :meth:`_bind_account` from ``__init__`` (it sends no request)."""
+    its transfer slots; and how it runs a request. A backend class lists it before its
+    storage base class and calls :meth:`_bind_account` from ``__init__`` (it sends no
+    request).
+
+    Requests: :meth:`_call` runs ``fn(client)`` on the SDK client of
+    :meth:`_connect`, each attempt in a transfer slot with what the SDK raises
+    translated by the provider's :meth:`_translate`, and retries transient failures.
+    A provider that sends its own HTTP requests (OneDrive) runs each through
+    :meth:`_attempt` and retries whole steps with :meth:`_retried`."""
 
     #: The signed-in account whose grant is used (:func:`check_account`).
     account: str
@@ -487,6 +559,81 @@ class CloudAccess:
         self.tokens = TokenSource(provider, self.account, refresher(where.base_url, where.ca_file))
         self.policy = RetryPolicy()
         self._slots = threading.BoundedSemaphore(self.transfers)
+
+    @property
+    def name(self) -> str:
+        """The backend's name for messages: each provider's own."""
+        raise NotImplementedError
+
+    def _named(self, place: str) -> str:
+        """The backend's name from ``place`` (``PROVIDER:PATH``): with
+        ``?account=NAME`` unless the account is the default one."""
+        return place if self.account == DEFAULT_ACCOUNT else f"{place}?account={self.account}"
+
+    def _what(self, action: str, key: str | None) -> str:
+        """``action`` on ``key`` (or on the backend), for messages: :func:`describe`."""
+        return describe(action, key, self.name)
+
+    # --- requests: the provider's hooks ---------------------------------------------
+
+    def _connect(self) -> tuple[Any, str | None]:
+        """The SDK client the next attempt of :meth:`_call` runs on, and the access
+        token it carries (None if the provider's requests fetch their own)."""
+        raise NotImplementedError(f"{type(self).__name__} runs no requests through _call")
+
+    def _translate(
+        self, exc: Exception, key: str | None, action: str, token: str | None
+    ) -> BaseException:
+        """The backend-contract error for ``exc``, raised by the SDK or the transport
+        while doing ``action`` on ``key`` with ``token`` (:class:`ObjectNotFound`,
+        :class:`TransientError` with the service's ``Retry-After``, ...); ``exc`` itself
+        if it is not the service's failure (it is then re-raised unchanged)."""
+        return exc
+
+    # --- requests: the skeleton -----------------------------------------------------
+
+    def _attempt(
+        self, key: str | None, action: str, request: Callable[[], T], token: str | None
+    ) -> T:
+        """One attempt of ``request()`` in a transfer slot, what it raises translated
+        (:func:`translated`): an :class:`SdkTokenRefresh` is the refusal of ``token``,
+        anything else goes to :meth:`_translate`."""
+
+        def translate(exc: Exception) -> BaseException:
+            if isinstance(exc, SdkTokenRefresh) and token is not None:
+                return self.tokens.rejected(token, exc.detail)
+            return self._translate(exc, key, action, token)
+
+        return translated(self._slots, request, translate)
+
+    def _retried(
+        self,
+        key: str | None,
+        action: str,
+        attempt: Callable[[], T],
+        on_retry: Callable[[BaseException], None] | None = None,
+    ) -> T:
+        """``attempt()`` with retries of transient failures under the backend's policy
+        (:func:`retrying`); ``attempt`` must be safe to repeat."""
+        return retrying(self.policy, self._what(action, key), attempt, on_retry=on_retry)
+
+    def _call(
+        self,
+        key: str | None,
+        action: str,
+        fn: Callable[[Any], T],
+        on_retry: Callable[[BaseException], None] | None = None,
+    ) -> T:
+        """``fn(client)`` on the client of :meth:`_connect` (asked again for each
+        attempt: the token may have been refreshed), each attempt by
+        :meth:`_attempt`, with retries of transient failures; ``fn`` must be safe to
+        repeat."""
+
+        def attempt() -> T:
+            client, token = self._connect()
+            return self._attempt(key, action, lambda: fn(client), token)
+
+        return self._retried(key, action, attempt, on_retry)
 
 
 # --- sign-in ---------------------------------------------------------------------------
@@ -561,6 +708,45 @@ class AuthUI(Protocol):
         """Ask for one line (an authorization code); raises UsageError on EOF."""
 
 
+def redirect_query(query: str) -> dict[str, str]:
+    """The parameters of the query string of a sign-in redirect (``code=...&state=...``
+    or ``error=...&state=...``), the first value of each."""
+    return {name: values[0] for name, values in parse_qs(query).items()}
+
+
+def redirect_code(query: Mapping[str, str], state: str, provider: str, service: str) -> str:
+    """The authorization code of a sign-in redirect with the parameters ``query``, sent
+    by ``service`` (its name in messages) to a sign-in to ``provider`` that sent
+    ``state``. Raises :class:`UsageError` if the redirect carries an ``error``, if its
+    ``state`` is another (the answer of another sign-in, which must not be used), or if
+    it has no code."""
+    again = f"run `metasync auth {provider}` again"
+    if "error" in query:
+        raise UsageError(f"{service} did not sign metasync in ({query['error']}); {again}")
+    if query.get("state") != state:
+        raise UsageError(f"that address belongs to another sign-in (state differs); {again}")
+    code = query.get("code")
+    if not code:
+        raise UsageError("that address holds no code; sign-in cancelled")
+    return code
+
+
+def pasted_code(answer: str, state: str, provider: str, service: str) -> str:
+    """The authorization code in what the user pasted after signing in to ``provider``:
+    the bare code, or the address the browser was sent to (whole, from its path on, or
+    just its query), checked by :func:`redirect_code`. An answer is an address if it
+    holds ``://`` or ``code=`` or starts with ``/``; its parameters are its query, else
+    what follows a ``?``, else the whole answer. Raises :class:`UsageError` for an empty
+    answer or an address :func:`redirect_code` refuses."""
+    answer = answer.strip()
+    if not answer:
+        raise UsageError("no code given; sign-in cancelled")
+    if "://" not in answer and not answer.startswith("/") and "code=" not in answer:
+        return answer
+    query = urlsplit(answer).query or answer.partition("?")[2] or answer
+    return redirect_code(redirect_query(query), state, provider, service)
+
+
 def authorize(request: AuthRequest, ui: AuthUI, store: TokenStore | None = None) -> Grant:
     """Run ``request.provider``'s sign-in and keep the resulting grant on this client."""
     module = AUTH_PROVIDERS.get(request.provider)
@@ -574,193 +760,6 @@ def authorize(request: AuthRequest, ui: AuthUI, store: TokenStore | None = None)
     with grant_lock(grant.provider, grant.account):
         store.save(grant)
     return grant
-
-
-# --- resumable uploads -------------------------------------------------------------------
-
-#: How long a provider keeps an unfinished upload session (Dropbox: 7 days, Graph and
-#: Drive: about a week); older journal records are not resumed.
-UPLOAD_SESSION_MAX_AGE = 6 * 24 * 3600.0
-
-
-@dataclass(frozen=True)
-class PendingUpload:
-    """An upload session the provider holds part of: its id (or URL), how many bytes
-    it has, and the SHA-256 of those bytes (so a resumed source is checked to be the
-    same data before the rest is appended)."""
-
-    session: str
-    offset: int
-    prefix_sha256: str
-    started: float
-
-
-class UploadJournal:
-    """This client's record of one unfinished large upload, so that a ``put`` of the
-    same object to the same place after an interruption (a crash, a killed process, a
-    run of failures) continues the provider's upload session instead of starting
-    over. One JSON file per target under ``<config>/uploads/``; while an upload runs
-    it holds an exclusive lock on it, so concurrent writers of one key never share a
-    session (the second one simply uploads without a journal).
-
-    Usage (see dropbox.py ``_upload_session``)::
-
-        with UploadJournal("dropbox", target) as journal:
-            pending = journal.pending()      # None, or a session to resume
-            ... journal.record(PendingUpload(...)) after each piece ...
-            ... journal.clear() once committed ...
-    """
-
-    def __init__(self, provider: str, target: str) -> None:
-        digest = hashlib.sha256(target.encode()).hexdigest()[:32]
-        self.path = config_dir() / "uploads" / f"{provider}-{digest}.json"
-        self._fd: int | None = None
-
-    def __enter__(self) -> UploadJournal:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)  # another writer of this target: go without a journal
-            return self
-        self._fd = fd
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    @property
-    def active(self) -> bool:
-        """False if another upload of the same target holds the journal."""
-        return self._fd is not None
-
-    def pending(self, now: float | None = None) -> PendingUpload | None:
-        if not self.active:
-            return None
-        try:
-            doc = json.loads(self.path.read_text(encoding="utf-8"))
-            pending = PendingUpload(**doc)
-        except (OSError, ValueError, TypeError):
-            return None
-        if (now if now is not None else time.time()) - pending.started > UPLOAD_SESSION_MAX_AGE:
-            self.clear()
-            return None
-        return pending
-
-    def record(self, pending: PendingUpload) -> None:
-        if not self.active:
-            return
-        tmp = self.path.with_name(f".tmp-{secrets.token_hex(6)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(asdict(pending), fh)
-        os.replace(tmp, self.path)
-
-    def clear(self) -> None:
-        if self.active:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-
-
-# --- connection failures -----------------------------------------------------------------
-
-
-def requests_failure(
-    exc: BaseException, what: str, service: str, base_url: str
-) -> BackendError | None:
-    """The error to raise for ``exc`` if it is a failure of the ``requests`` library
-    (which the Dropbox, Box and OneDrive SDKs send through) or of the OS while doing
-    ``what`` (e.g. ``"read 'k' on dropbox:/a"``); None if it is neither.
-
-    - a failed TLS certificate or host name check: :class:`BackendError` (a retry
-      cannot help);
-    - a connect timeout: :class:`BackendUnavailable` saying ``service`` (the
-      provider's name) cannot be reached;
-    - a host name that does not resolve, a refused connection: :class:`BackendUnavailable`
-      naming ``base_url`` (where the API is);
-    - any other TLS, connection or OS failure: :class:`TransientError` (retried)."""
-    import requests.exceptions as rexc
-
-    if isinstance(exc, rexc.SSLError):
-        text = one_line(exc)
-        if "certificate" in text.lower() or "hostname" in text.lower():
-            return BackendError(f"cannot {what}: TLS certificate check failed ({text})")
-        return TransientError(f"cannot {what}: TLS connection failed ({text})")
-    if isinstance(exc, rexc.ConnectTimeout):
-        return BackendUnavailable(f"cannot {what}: {service} cannot be reached (timed out)")
-    if isinstance(exc, rexc.ConnectionError):
-        from urllib3.exceptions import NameResolutionError, NewConnectionError
-
-        reason = getattr(exc.args[0] if exc.args else None, "reason", None)
-        if isinstance(reason, NameResolutionError | NewConnectionError):
-            return BackendUnavailable(
-                f"cannot {what}: {base_url} cannot be reached ({one_line(reason)}); is the "
-                "network up?"
-            )
-    if isinstance(exc, rexc.RequestException | OSError):
-        return TransientError(f"cannot {what}: connection failed ({one_line(exc)})")
-    return None
-
-
-class ResponseReader(ObjectReader):
-    """An :class:`ObjectReader` over a streamed ``requests`` response (what Dropbox's
-    SDK and Graph's download URLs give). A subclass's ``_next_piece`` reopens the
-    download at ``_pos`` (:meth:`_open`) when ``_chunks`` is None, then takes
-    :meth:`_next_chunk`. A response that fails or ends before the object is dropped
-    (its connection closed), so the retry reopens it."""
-
-    def __init__(self, backend: Backend, key: str, size: int, response: Any) -> None:
-        super().__init__(backend, key, size)
-        self._response: Any = None
-        self._chunks: Iterator[bytes] | None = None
-        self._open(response)
-
-    def _open(self, response: Any) -> None:
-        """Read on from ``response`` (a download from ``_pos`` on)."""
-        self._response = response
-        self._chunks = response.iter_content(1 << 20)
-
-    def _next_chunk(self) -> bytes:
-        """The next chunk of the open response; raises (dropping the response) if
-        reading it fails or it ends before the object does."""
-        assert self._chunks is not None
-        try:
-            piece = next(self._chunks, b"")
-        except BaseException:
-            self._drop()
-            raise
-        if not piece:
-            self._drop()
-            raise self._ended_early()
-        return piece
-
-    def _drop(self) -> None:
-        response, self._response, self._chunks = self._response, None, None
-        if response is not None:
-            with contextlib.suppress(Exception):
-                response.close()
-
-    def close(self) -> None:
-        self._drop()
-        super().close()
-
-
-def range_of_chunks(chunks: Iterable[bytes], offset: int, length: int) -> bytes:
-    """The ``length`` bytes from ``offset`` of a whole object given as ``chunks`` (what
-    a service sends when it ignores a ``Range`` header), fewer if it ends first; stops
-    reading once it has them."""
-    data = b""
-    seen = 0
-    for chunk in chunks:
-        if seen + len(chunk) > offset:
-            data += chunk[max(0, offset - seen) :]
-        seen += len(chunk)
-        if len(data) >= length:
-            break
-    return data[:length]
 
 
 # --- refresh ---------------------------------------------------------------------------

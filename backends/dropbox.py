@@ -37,10 +37,9 @@ import datetime
 import hashlib
 import io
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO, TypeVar, cast
+from typing import Any, BinaryIO, cast
 
 from metasync.backends import register
 from metasync.backends.base import (
@@ -57,17 +56,17 @@ from metasync.backends.cloud import (
     AuthUI,
     CloudAccess,
     Grant,
-    PendingUpload,
-    ResponseReader,
-    UploadJournal,
+    SdkClients,
+    SdkTokenRefresh,
+    app_credentials,
     auth_hint,
     oauth2_refresh,
     parse_cloud_uri,
-    range_of_chunks,
-    requests_failure,
 )
+from metasync.backends.http import ResponseReader, pin_ca, range_of_chunks, requests_failure
 from metasync.backends.logs import ObjectStoreLogs
-from metasync.backends.retry import TransientError, retrying
+from metasync.backends.retry import RetryMark, TransientError
+from metasync.backends.uploads import NO_JOURNAL, PendingUpload, UploadJournal
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
@@ -75,8 +74,6 @@ from metasync.errors import (
     ObjectNotFound,
     UsageError,
 )
-
-T = TypeVar("T")
 
 log = logging.getLogger("metasync.backends")
 
@@ -105,19 +102,6 @@ def _parse_uri(uri: str) -> tuple[str, dict[str, str]]:
     """``(location path, options)``: the path is ``""`` (the root) or ``/a/b``."""
     parts, options = parse_cloud_uri("dropbox", uri)
     return ("/" + "/".join(parts)) if parts else "", options
-
-
-class _NoJournal(UploadJournal):
-    """No journal: for sources that cannot be re-read from the start."""
-
-    def __init__(self) -> None:
-        self._fd = None
-
-    def pending(self, now: float | None = None) -> PendingUpload | None:
-        return None
-
-
-_NO_JOURNAL = _NoJournal()
 
 
 def _tags(value: Any) -> builtins.list[str]:
@@ -177,27 +161,6 @@ def _sdk_hosts(base_url: str | None) -> dict[str, str] | None:
     return {HOST_API: host, HOST_CONTENT: host, HOST_NOTIFY: host}
 
 
-def pin_ca(session: Any, ca_file: str | None) -> Any:
-    """Make a requests ``session`` verify TLS against ``ca_file`` (if given) even when
-    ``REQUESTS_CA_BUNDLE``/``CURL_CA_BUNDLE`` are set: requests lets those variables
-    override ``session.verify``, so the SDK's ``ca_certs`` alone would be ignored."""
-    if ca_file is None:
-        return session
-    merge = session.merge_environment_settings
-
-    def merge_pinned(url: Any, proxies: Any, stream: Any, verify: Any, cert: Any) -> Any:
-        settings = merge(url, proxies, stream, verify, cert)
-        settings["verify"] = ca_file
-        return settings
-
-    session.merge_environment_settings = merge_pinned
-    return session
-
-
-class _TokenRejected(Exception):
-    """The SDK met an expired access token and wanted to refresh it itself."""
-
-
 def _client_class() -> type:
     import dropbox
 
@@ -207,7 +170,7 @@ def _client_class() -> type:
         a warning and sends the request a second time before giving up."""
 
         def refresh_access_token(self, host: Any = None, scope: Any = None) -> None:
-            raise _TokenRejected()
+            raise SdkTokenRefresh("expired_access_token")
 
     return Client
 
@@ -268,44 +231,42 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
         self._hosts = _sdk_hosts(self._base_url)
         #: The namespace folder; every key lives below it.
         self.root = f"{self.location}/{namespace}"
-        self._session: Any = None
-        self._client: Any = None
-        self._client_token: str | None = None
-        self._client_lock = threading.Lock()
+        self._clients = SdkClients(
+            self.tokens,
+            self._http_session,
+            lambda session, token: _make_client(token, session, self.timeout, self._hosts),
+        )
 
     @property
     def name(self) -> str:
         """``dropbox:PATH`` (with ``?account=`` if not the default account)."""
-        base = f"dropbox:{self.location or '/'}"
-        return base if self.account == "default" else f"{base}?account={self.account}"
+        return self._named(f"dropbox:{self.location or '/'}")
 
     # --- plumbing ------------------------------------------------------------------
-    def _dbx(self) -> tuple[Any, str]:
-        """A client holding a fresh access token, and that token."""
-        token = self.tokens.access_token()
-        with self._client_lock:
-            if self._session is None:
-                import dropbox
+    def _http_session(self) -> Any:
+        """The SDK's requests session (``transfers`` + 4 pooled connections), trusting
+        the configured CA file."""
+        import dropbox
 
-                self._session = pin_ca(
-                    dropbox.create_session(
-                        max_connections=self.transfers + 4, ca_certs=self._ca_file
-                    ),
-                    self._ca_file,
-                )
-            if self._client is None or self._client_token != token:
-                self._client = _make_client(token, self._session, self.timeout, self._hosts)
-                self._client_token = token
-            return self._client, token
+        return pin_ca(
+            dropbox.create_session(max_connections=self.transfers + 4, ca_certs=self._ca_file),
+            self._ca_file,
+        )
+
+    def _connect(self) -> tuple[Any, str]:
+        """A client holding a fresh access token, and that token."""
+        return self._clients.connect()
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
 
-    def _translate(self, exc: BaseException, key: str | None, action: str, token: str) -> BaseException:
+    def _translate(
+        self, exc: Exception, key: str | None, action: str, token: str | None
+    ) -> BaseException:
         """The backend-contract error for an SDK or transport exception."""
         import dropbox.exceptions as dexc
 
-        what = f"{action} {key!r} on {self.name}" if key is not None else f"{action} {self.name}"
+        what = self._what(action, key)
         if isinstance(exc, dexc.ApiError):
             tags = _tags(exc.error)
             summary = "/".join(tags) or one_line(exc)
@@ -329,7 +290,7 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
                     f"it in the app console, then {auth_hint('dropbox', self.account)}"
                 )
             tags = _tags(error)
-            if {"expired_access_token", "invalid_access_token"} & set(tags):
+            if {"expired_access_token", "invalid_access_token"} & set(tags) and token is not None:
                 # Refresh and retry; refused again after a refresh: sign in again.
                 return self.tokens.rejected(token, "/".join(tags))
             return AuthorizationRequired(
@@ -350,37 +311,6 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
                 return TransientError(f"cannot {what}: HTTP {exc.status_code}")
             return BackendError(f"cannot {what}: HTTP {exc.status_code}: {one_line(exc)}")
         return requests_failure(exc, what, "Dropbox", self._base_url or DROPBOX_API) or exc
-
-    def _request(self, key: str | None, action: str, fn: Callable[[Any], T]) -> T:
-        """One attempt of ``fn(client)`` in a transfer slot, errors translated."""
-        client, token = self._dbx()
-        with self._slots:
-            try:
-                return fn(client)
-            except BackendError:
-                raise
-            except _TokenRejected:
-                raise self.tokens.rejected(token, "expired_access_token") from None
-            except Exception as exc:
-                translated = self._translate(exc, key, action, token)
-                if translated is exc:
-                    raise
-                raise translated from exc
-
-    def _call(
-        self,
-        key: str | None,
-        action: str,
-        fn: Callable[[Any], T],
-        on_retry: Callable[[BaseException], None] | None = None,
-    ) -> T:
-        """``fn(client)`` with retries of transient failures (must be safe to repeat)."""
-        return retrying(
-            self.policy,
-            f"{action} {key!r} on {self.name}",
-            lambda: self._request(key, action, fn),
-            on_retry=on_retry,
-        )
 
     def _metadata(self, path: str, key: str | None, action: str = "stat") -> Any:
         """Metadata of ``path`` (ObjectNotFound if missing)."""
@@ -440,11 +370,7 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
         self._call(None, "create the namespace on", make)
 
     def close(self) -> None:
-        with self._client_lock:
-            session, self._session, self._client = self._session, None, None
-        if session is not None:
-            with contextlib.suppress(Exception):
-                session.close()
+        self._clients.close()
 
     # --- writes --------------------------------------------------------------------
     def _write_mode(self, mode: str, rev: str | None = None) -> Any:
@@ -463,11 +389,7 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
         import dropbox.exceptions as dexc
 
         path = self._path(key)
-        retried = False
-
-        def mark(_: BaseException) -> None:
-            nonlocal retried
-            retried = True
+        retried = RetryMark()
 
         def attempt(client: Any) -> bool:
             try:
@@ -482,9 +404,9 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
                 raise BackendError(f"Dropbox stored other bytes than sent for {key!r}")
             return True
 
-        if self._call(key, "write", attempt, on_retry=mark):
+        if self._call(key, "write", attempt, on_retry=retried):
             return True
-        if not retried:
+        if not retried.marked:
             return False
         try:
             return bool(self._file(key).content_hash == digest)
@@ -540,7 +462,7 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
         target = f"{self._base_url or DROPBOX_API}|{self.account}|{path.lower()}"
         with UploadJournal("dropbox", target) as journal:
             if start is None:
-                journal = _NO_JOURNAL
+                journal = NO_JOURNAL
             resumed = self._resume(key, journal, first, rest, cast(int, start))
             if resumed is None:
                 if start is not None and rest.tell() != start + len(first):
@@ -636,16 +558,12 @@ class DropboxBackend(CloudAccess, ObjectStoreLogs):
                 b"", df.UploadSessionCursor(session_id, offset), commit
             )
 
-        retried = False
-
-        def mark(_: BaseException) -> None:
-            nonlocal retried
-            retried = True
+        retried = RetryMark()
 
         try:
-            meta = self._call(key, "finish upload of", finish, on_retry=mark)
+            meta = self._call(key, "finish upload of", finish, on_retry=retried)
         except ObjectNotFound:
-            if not retried or self._file(key).content_hash != digest:
+            if not retried.marked or self._file(key).content_hash != digest:
                 raise BackendError(
                     f"cannot write {key!r} on {self.name}: the upload session vanished"
                 ) from None
@@ -889,8 +807,6 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
     import dropbox
     import requests
     from dropbox.oauth import DropboxOAuth2FlowNoRedirect
-
-    from metasync.backends.cloud import app_credentials
 
     app_key, app_secret = app_credentials("dropbox", request.app_key, request.app_secret)
     base = request.endpoint.base_url

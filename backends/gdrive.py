@@ -61,7 +61,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar, cast
-from urllib.parse import parse_qsl, urlsplit
 
 from metasync.backends import register
 from metasync.backends.base import (
@@ -80,14 +79,16 @@ from metasync.backends.cloud import (
     AuthUI,
     CloudAccess,
     Grant,
-    PendingUpload,
     TokenSource,
-    UploadJournal,
+    app_credentials,
     oauth2_refresh,
     parse_cloud_uri,
     parse_retry_after,
+    pasted_code,
 )
-from metasync.backends.retry import TransientError, retrying
+from metasync.backends.http import pin_ca
+from metasync.backends.retry import TransientError
+from metasync.backends.uploads import PendingUpload, UploadJournal
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
@@ -412,8 +413,7 @@ class GDriveBackend(CloudAccess, Backend):
     @property
     def name(self) -> str:
         """``gdrive:PATH`` (with ``?account=`` if not the default account)."""
-        base = "gdrive:" + ("/".join(self.location) or "/")
-        return base if self.account == "default" else f"{base}?account={self.account}"
+        return self._named("gdrive:" + ("/".join(self.location) or "/"))
 
     # --- plumbing ------------------------------------------------------------------
     def _http(self) -> _BearerHttp:
@@ -431,12 +431,21 @@ class GDriveBackend(CloudAccess, Backend):
                 self._service = _Resources(_build_service(self._http(), self._base_url))
             return self._service
 
-    def _translate(self, exc: BaseException, key: str | None, action: str) -> BaseException:
-        """The backend-contract error for an SDK or transport exception."""
+    def _connect(self) -> tuple[Any, None]:
+        """The Drive resources; each HTTP request carries the token its thread's
+        :class:`_BearerHttp` fetched for it (so there is none to name here)."""
+        return self._drive(), None
+
+    def _translate(self, exc: Exception, key: str | None, action: str,
+                   token: str | None) -> BaseException:
+        """The backend-contract error for an SDK or transport exception. A refused token
+        is the one this thread's last request carried."""
         import httplib2
         from googleapiclient.errors import HttpError
 
-        what = f"{action} {key!r} on {self.name}" if key is not None else f"{action} {self.name}"
+        if isinstance(exc, _SourceFailed):
+            return exc  # the caller's source failed, not Drive: never retried
+        what = self._what(action, key)
         if isinstance(exc, HttpError):
             status = exc.resp.status
             reasons = _reasons(exc)
@@ -479,26 +488,6 @@ class GDriveBackend(CloudAccess, Backend):
         if isinstance(exc, OSError | http.client.HTTPException | httplib2.HttpLib2Error):
             return TransientError(f"cannot {what}: connection failed ({one_line(exc)})")
         return exc
-
-    def _request(self, key: str | None, action: str, fn: Callable[[Any], T]) -> T:
-        """One attempt of ``fn(drive)`` in a transfer slot, errors translated."""
-        drive = self._drive()
-        with self._slots:
-            try:
-                return fn(drive)
-            except (BackendError, _SourceFailed):
-                raise
-            except Exception as exc:
-                translated = self._translate(exc, key, action)
-                if translated is exc:
-                    raise
-                raise translated from exc
-
-    def _call(self, key: str | None, action: str, fn: Callable[[Any], T],
-              on_retry: Callable[[BaseException], None] | None = None) -> T:
-        """``fn(drive)`` with retries of transient failures (must be safe to repeat)."""
-        return retrying(self.policy, f"{action} {key!r} on {self.name}",
-                        lambda: self._request(key, action, fn), on_retry=on_retry)
 
     def _exec(self, request: Any) -> Any:
         return request.execute(http=self._http(), num_retries=0)
@@ -1590,26 +1579,6 @@ def _client_config(app_key: str, app_secret: str | None, base_url: str | None) -
     return {"installed": client}
 
 
-def _code_from_answer(answer: str, state: str) -> str:
-    """The authorization code in what the user pasted: the whole redirect address
-    (checked against ``state``) or the bare code."""
-    answer = answer.strip()
-    if not answer:
-        raise UsageError("no code given; sign-in cancelled")
-    if "://" not in answer and "code=" not in answer:
-        return answer
-    query = dict(parse_qsl(urlsplit(answer).query or answer.partition("?")[2]))
-    if "error" in query:
-        raise UsageError(f"Google did not grant access ({query['error']}); sign-in cancelled")
-    if query.get("state") != state:
-        raise UsageError("the pasted address belongs to another sign-in (state differs); "
-                         "run `metasync auth gdrive` again")
-    code = query.get("code")
-    if not code:
-        raise UsageError("the pasted address holds no code; copy the whole address")
-    return code
-
-
 def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
     """``metasync auth gdrive``: Google's installed-app flow (OAuth 2 with PKCE and a
     loopback redirect to a one-shot local server). With ``--no-browser`` nothing is
@@ -1619,9 +1588,6 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
     import requests
     from google_auth_oauthlib.flow import InstalledAppFlow
     from oauthlib.oauth2.rfc6749.errors import OAuth2Error
-
-    from metasync.backends.cloud import app_credentials
-    from metasync.backends.dropbox import pin_ca
 
     app_key, app_secret = app_credentials("gdrive", request.app_key, request.app_secret)
     base = request.endpoint.base_url
@@ -1662,7 +1628,7 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
             flow.redirect_uri = MANUAL_REDIRECT
             flow.authorization_url()
             answer = request.code if request.code is not None else ui.prompt("Address or code: ")
-            code = _code_from_answer(answer, shown["state"])
+            code = pasted_code(answer, shown["state"], "gdrive", "Google")
             flow.fetch_token(code=code)
         else:
             flow.run_local_server(host="localhost", port=0, open_browser=False,

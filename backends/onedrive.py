@@ -56,7 +56,7 @@ from base64 import b64encode
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, BinaryIO, TypeVar, cast
+from typing import Any, BinaryIO, cast
 from urllib.parse import quote
 
 from metasync.backends import register
@@ -74,18 +74,21 @@ from metasync.backends.cloud import (
     AuthUI,
     CloudAccess,
     Grant,
-    PendingUpload,
-    ResponseReader,
-    UploadJournal,
+    app_credentials,
     auth_hint,
     parse_cloud_uri,
     parse_retry_after,
+)
+from metasync.backends.http import (
+    ResponseReader,
+    pin_ca,
+    pooled_session,
     range_of_chunks,
     requests_failure,
 )
-from metasync.backends.dropbox import pin_ca
 from metasync.backends.logs import ObjectStoreLogs
-from metasync.backends.retry import TransientError, retrying
+from metasync.backends.retry import RetryMark, TransientError
+from metasync.backends.uploads import PendingUpload, UploadJournal
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
@@ -93,8 +96,6 @@ from metasync.errors import (
     ObjectNotFound,
     UsageError,
 )
-
-T = TypeVar("T")
 
 log = logging.getLogger("metasync.backends")
 
@@ -301,16 +302,6 @@ def _first_expected(state: dict[str, Any]) -> int | None:
     return int(first)
 
 
-class _NoJournal(UploadJournal):
-    """No journal (the target's journal is held by another upload of it)."""
-
-    def __init__(self) -> None:
-        self._fd = None
-
-    def pending(self, now: float | None = None) -> PendingUpload | None:
-        return None
-
-
 #: Outcomes of one upload-session fragment besides a committed item.
 _ARRIVED = "arrived"  # the service has the fragment; more are expected
 _CONFLICT = "conflict"  # the commit was refused: name taken (fail) or eTag changed
@@ -451,8 +442,6 @@ def authorize(request: AuthRequest, ui: AuthUI) -> Grant:
     import msal
     import requests
 
-    from metasync.backends.cloud import app_credentials
-
     app_key, app_secret = app_credentials("onedrive", request.app_key, request.app_secret)
     if app_secret:
         raise UsageError(
@@ -579,21 +568,13 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
     @property
     def name(self) -> str:
         """``onedrive:PATH`` (with ``?account=`` if not the default account)."""
-        base = f"onedrive:{self.location or '/'}"
-        return base if self.account == "default" else f"{base}?account={self.account}"
+        return self._named(f"onedrive:{self.location or '/'}")
 
     # --- plumbing ------------------------------------------------------------------
     def _http_session(self) -> Any:
         with self._session_lock:
             if self._session is None:
-                import requests
-                from requests.adapters import HTTPAdapter
-
-                session = pin_ca(requests.Session(), self._ca_file)
-                adapter = HTTPAdapter(pool_connections=4, pool_maxsize=self.transfers + 4,
-                                      max_retries=0)
-                session.mount("https://", adapter)
-                session.mount("http://", adapter)
+                session = pooled_session(self._ca_file, self.transfers + 4)
                 session.headers["User-Agent"] = "metasync"
                 self._session = session
             return self._session
@@ -605,9 +586,6 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
     def _item_url(self, path: str) -> str:
         """The Graph URL addressing the item at drive path ``path`` (``""``: the root)."""
         return f"{self.drive}/root:{quote(path)}:" if path else f"{self.drive}/root"
-
-    def _what(self, action: str, key: str | None) -> str:
-        return f"{action} {key!r} on {self.name}" if key is not None else f"{action} {self.name}"
 
     def _status_error(self, response: Any, key: str | None, action: str,
                       token: str | None) -> BaseException:
@@ -637,8 +615,10 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
             return BackendError(f"cannot {what}: OneDrive refused the name ({message})")
         return BackendError(f"cannot {what}: HTTP {status} {summary}: {message}")
 
-    def _transport_error(self, exc: BaseException, key: str | None, action: str) -> BaseException:
-
+    def _translate(self, exc: Exception, key: str | None, action: str,
+                   token: str | None) -> BaseException:
+        """The backend-contract error for a failure to get an answer (an error answer is
+        :meth:`_status_error`'s)."""
         what = self._what(action, key)
         return requests_failure(exc, what, "OneDrive", self._base_url or GRAPH_API) or exc
 
@@ -663,17 +643,8 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
         sent = dict(headers or {})
         if token is not None:
             sent["Authorization"] = f"Bearer {token}"
-        with self._slots:
-            try:
-                response = session.request(method, url, headers=sent,
-                                           timeout=(self.timeout, self.timeout), **kwargs)
-            except BackendError:
-                raise
-            except Exception as exc:
-                translated = self._transport_error(exc, key, action)
-                if translated is exc:
-                    raise
-                raise translated from exc
+        response = self._attempt(key, action, lambda: session.request(
+            method, url, headers=sent, timeout=(self.timeout, self.timeout), **kwargs), token)
         if response.status_code < 300 or response.status_code in expect:
             return response
         try:
@@ -682,15 +653,10 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
             response.close()
         raise error
 
-    def _call(self, key: str | None, action: str, fn: Callable[[], T],
-              on_retry: Callable[[BaseException], None] | None = None) -> T:
-        """``fn()`` with retries of transient failures (must be safe to repeat)."""
-        return retrying(self.policy, self._what(action, key), fn, on_retry=on_retry)
-
     def _metadata(self, path: str, key: str | None, action: str = "stat") -> dict[str, Any]:
         """The driveItem at drive path ``path`` (ObjectNotFound if missing)."""
         url = self._item_url(path)
-        return self._call(key, action, lambda: _json(
+        return self._retried(key, action, lambda: _json(
             self._http("GET", url, key=key, action=action), self._what(action, key)))
 
     def _file(self, key: str, action: str = "stat") -> dict[str, Any]:
@@ -711,8 +677,8 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
     def probe(self) -> None:
         """Check the sign-in and that the location folder exists. Never writes."""
         if not self.location:
-            self._call(None, "reach", lambda: self._http("GET", self.drive, key=None,
-                                                         action="reach").close())
+            self._retried(None, "reach", lambda: self._http("GET", self.drive, key=None,
+                                                            action="reach").close())
             return
         try:
             item = self._metadata(self.location, None, "reach")
@@ -744,7 +710,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
             response.close()
             return bool(response.status_code != 409)
 
-        return self._call(None, action, make)
+        return self._retried(None, action, make)
 
     def create(self) -> None:
         """Create the namespace folder (idempotent); the location must exist."""
@@ -788,11 +754,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
             headers = {"Content-Type": "application/octet-stream"}
             params = {"@microsoft.graph.conflictBehavior": mode}
             expect = (404, 409, 412)
-        retried = False
-
-        def mark(_: BaseException) -> None:
-            nonlocal retried
-            retried = True
+        retried = RetryMark()
 
         def attempt() -> dict[str, Any] | None:
             for tries in range(2):
@@ -817,8 +779,8 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
                 raise BackendError(f"OneDrive stored other bytes than sent for {key!r}")
             return item
 
-        item = self._call(key, "write", attempt, on_retry=mark)
-        if item is not None or not retried:
+        item = self._retried(key, "write", attempt, on_retry=retried)
+        if item is not None or not retried.marked:
             return item
         try:
             stored = self._file(key)
@@ -901,7 +863,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
                 raise BackendError(f"OneDrive sent no upload URL for {key!r}")
             return upload_url
 
-        return self._call(key, "start upload of", create)
+        return self._retried(key, "start upload of", create)
 
     def _session_state(self, key: str, upload_url: str) -> dict[str, Any] | None:
         """The upload session's status (``nextExpectedRanges``), None if it is gone."""
@@ -965,7 +927,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
             raise BackendError(f"cannot write {key!r} on {self.name}: HTTP {status} "
                                f"{'/'.join(codes)}: {message}")
 
-        return retrying(self.policy, self._what("upload part of", key), attempt)
+        return self._retried(key, "upload part of", attempt)
 
     def _upload_session(self, key: str, path: str, source: BinaryIO, start: int, total: int,
                         mode: str, item_id: str | None = None,
@@ -984,8 +946,6 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
         conditional = f"if-match:{item_id}:{etag}" if item_id is not None else mode
         target = f"{self.drive}|{self.account}|{path.lower()}|{conditional}"
         with UploadJournal("onedrive", target) as journal:
-            if not journal.active:
-                journal = _NoJournal()
             resumed = self._resume(key, journal, source, start)
             if resumed is None:
                 source.seek(start)
@@ -1063,8 +1023,8 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
         usable = have == pending.offset and sha.hexdigest() == pending.prefix_sha256
         if usable:
             try:
-                state = self._call(key, "resume upload of",
-                                   lambda: self._session_state(key, pending.session))
+                state = self._retried(key, "resume upload of",
+                                      lambda: self._session_state(key, pending.session))
             except BackendError:
                 state = None
             usable = state is not None and _first_expected(state) == pending.offset
@@ -1117,7 +1077,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
                     raise ObjectNotFound(f"no object {key!r} on {self.name}")
                 return True  # 204, or gone after an attempt whose answer was lost
 
-            if self._call(key, "delete", remove):
+            if self._retried(key, "delete", remove):
                 return
         raise TransientError(f"cannot delete {key!r} on {self.name}: it keeps changing")
 
@@ -1143,7 +1103,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
                                      "than its metadata describe (replaced meanwhile?)")
             return data
 
-        return self._call(key, "read", read)
+        return self._retried(key, "read", read)
 
     def _metadata_once(self, key: str) -> dict[str, Any]:
         """One attempt of the metadata of the file ``key`` (for retried read loops)."""
@@ -1164,7 +1124,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
                                   action="read", auth=False, stream=True)
             return item, response
 
-        item, response = self._call(key, "read", start)
+        item, response = self._retried(key, "read", start)
         return cast(BinaryIO, io.BufferedReader(_GraphReader(self, key, item, response), 1 << 20))
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
@@ -1191,7 +1151,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
                 # The whole file: keep only the range.
                 return range_of_chunks(response.iter_content(1 << 20), offset, length), size
 
-        data, size = self._call(key, "read", read)
+        data, size = self._retried(key, "read", read)
         if offset + length > size:
             raise self.truncated_error(key, offset + length, size)
         if len(data) != length:
@@ -1260,7 +1220,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
                 return _json(self._http("GET", page_url, key=None, action="list",
                                         params=page_params), self._what("list", None))
 
-            doc = self._call(None, "list", page)
+            doc = self._retried(None, "list", page)
             value = doc.get("value")
             if not isinstance(value, builtins.list):
                 raise BackendError(f"OneDrive sent a malformed listing of {self.name}")
@@ -1300,7 +1260,7 @@ class OneDriveBackend(CloudAccess, ObjectStoreLogs):
                                  f"({'/'.join(codes)}: {message})")
             response.close()
 
-        self._call(None, "share", invite)
+        self._retried(None, "share", invite)
         return f"invited {email} to edit the OneDrive folder {self.root}"
 
 
@@ -1320,7 +1280,7 @@ class _GraphReader(ResponseReader):
 
     def _next_piece(self, wanted: int) -> bytes:
         # Bytes past the stated size are never handed out (nor hashed).
-        return self._backend._call(self._key, "read", self._next)[: self._size - self._pos]
+        return self._backend._retried(self._key, "read", self._next)[: self._size - self._pos]
 
     def _handed_out(self, data: bytes) -> None:
         self._hasher.update(data)

@@ -3,7 +3,9 @@
 Every network backend wraps each service request in :func:`retrying`, so that a
 timeout, a dropped connection, a 5xx or a throttling answer costs a short wait
 instead of a failed command. Only errors a backend marks ``transient`` are retried;
-"not found", "access denied" and bad input fail at once.
+"not found", "access denied" and bad input fail at once. Each attempt of a request
+through an SDK runs in :func:`translated`, which turns what the SDK raises into
+those errors with the backend's own mapping.
 
 The schedule is "full jitter" (AWS Architecture Blog, "Exponential Backoff and
 Jitter"): attempt *n* waits a uniformly random time in ``[0, min(cap, base·2ⁿ)]``,
@@ -87,6 +89,51 @@ class RetryPolicy:
     def count_retry(self) -> None:
         with self._lock:
             self.retries += 1
+
+
+class RetryMark:
+    """An ``on_retry`` hook for :func:`retrying` that marks whether an attempt failed
+    in a way that may have taken effect (its answer lost, the connection dropped
+    after the request went out): after that, a conflict a later attempt meets may be
+    the request's own doing. Failures of the ``applied_nothing`` types say their
+    attempt did nothing and leave the mark unset."""
+
+    def __init__(self, *applied_nothing: type[BaseException]) -> None:
+        self._applied_nothing = applied_nothing
+        #: True once a failed attempt may have taken effect.
+        self.marked = False
+
+    def __call__(self, exc: BaseException) -> None:
+        if not isinstance(exc, self._applied_nothing):
+            self.marked = True
+
+
+def describe(action: str, key: str | None, where: str) -> str:
+    """What a request does, for messages: ``read 'a/b' on dropbox:/x``, or
+    ``list dropbox:/x`` for a request about no key."""
+    return f"{action} {key!r} on {where}" if key is not None else f"{action} {where}"
+
+
+def translated(
+    slots: threading.Semaphore,
+    request: Callable[[], T],
+    translate: Callable[[Exception], BaseException],
+) -> T:
+    """One attempt of ``request()`` holding one of ``slots`` (a backend's limit of
+    requests at once). A :class:`BackendError` it raises passes unchanged; any other
+    exception ``exc`` is replaced by ``translate(exc)``, raised from ``exc``, unless
+    ``translate`` returns ``exc`` itself (not the service's failure: a bug, or the
+    caller's own exception passing through), which is then re-raised as it is."""
+    with slots:
+        try:
+            return request()
+        except BackendError:
+            raise
+        except Exception as exc:
+            error = translate(exc)
+            if error is exc:
+                raise
+            raise error from exc
 
 
 def retrying(

@@ -41,7 +41,14 @@ from metasync.backends.base import (
     read_full,
 )
 from metasync.backends.logs import ObjectStoreLogs
-from metasync.backends.retry import RetryPolicy, TransientError, retrying
+from metasync.backends.retry import (
+    RetryMark,
+    RetryPolicy,
+    TransientError,
+    describe,
+    retrying,
+    translated,
+)
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
@@ -244,7 +251,7 @@ class S3Backend(ObjectStoreLogs):
         """The backend-contract error for ``exc`` raised while ``action`` on ``key``."""
         import botocore.exceptions as bexc
 
-        what = f"{action} {key!r} on {self.name}" if key is not None else f"{action} {self.name}"
+        what = describe(action, key, self.name)
         parts = _client_error_parts(exc)
         if parts is not None:
             code, status, headers = parts
@@ -293,19 +300,6 @@ class S3Backend(ObjectStoreLogs):
             return BackendError(f"cannot {what}: {one_line(exc)}")
         return exc
 
-    def _request(self, key: str | None, action: str, fn: Callable[[], T]) -> T:
-        """One attempt of ``fn`` in a transfer slot, with errors translated."""
-        with self._slots:
-            try:
-                return fn()
-            except BackendError:
-                raise
-            except Exception as exc:
-                translated = self._translate(exc, key, action)
-                if translated is exc:
-                    raise
-                raise translated from exc
-
     def _call(
         self,
         key: str | None,
@@ -313,11 +307,12 @@ class S3Backend(ObjectStoreLogs):
         fn: Callable[[], T],
         on_retry: Callable[[BaseException], None] | None = None,
     ) -> T:
-        """``fn`` with retries of transient failures (``fn`` must be safe to repeat)."""
+        """``fn`` with retries of transient failures (``fn`` must be safe to repeat),
+        each attempt in a transfer slot with errors translated (:func:`translated`)."""
         return retrying(
             self.policy,
-            f"{action} {key!r} on {self.name}",
-            lambda: self._request(key, action, fn),
+            describe(action, key, self.name),
+            lambda: translated(self._slots, fn, lambda exc: self._translate(exc, key, action)),
             on_retry=on_retry,
         )
 
@@ -470,11 +465,7 @@ class S3Backend(ObjectStoreLogs):
     def _complete(
         self, key: str, full: str, upload_id: str, parts: builtins.list[dict[str, Any]], total: int
     ) -> None:
-        retried = False
-
-        def mark(_: BaseException) -> None:
-            nonlocal retried
-            retried = True
+        retried = RetryMark()
 
         try:
             self._call(
@@ -486,12 +477,12 @@ class S3Backend(ObjectStoreLogs):
                     UploadId=upload_id,
                     MultipartUpload={"Parts": parts},
                 ),
-                on_retry=mark,
+                on_retry=retried,
             )
         except ObjectNotFound:
             # NoSuchUpload: if an earlier attempt completed the upload before its
             # answer was lost, the object is there with our size.
-            if not retried or self.size(key) != total:
+            if not retried.marked or self.size(key) != total:
                 raise BackendError(
                     f"cannot write {key!r} on {self.name}: the multipart upload vanished"
                 ) from None
@@ -503,11 +494,7 @@ class S3Backend(ObjectStoreLogs):
         be our own earlier write: then the stored bytes tell.
         """
         full = self._object(key)
-        retried = False
-
-        def mark(_: BaseException) -> None:
-            nonlocal retried
-            retried = True
+        retried = RetryMark()
 
         def attempt() -> bool:
             try:
@@ -519,11 +506,11 @@ class S3Backend(ObjectStoreLogs):
             return True
 
         try:
-            if self._call(key, action, attempt, on_retry=mark):
+            if self._call(key, action, attempt, on_retry=retried):
                 return True
         except ObjectNotFound:
             return False  # If-Match on a missing key: some services answer 404
-        if not retried:
+        if not retried.marked:
             return False
         try:
             return self.get(key) == data

@@ -222,7 +222,7 @@ def test_if_match_compare_and_swap(box: BoxBackend, box_service: BoxService) -> 
     assert box.replace_if("cas", b"old id", token) is False
     assert box.get("cas") == b"again"
     # On the wire: If-Match with a wrong etag is 412, a trashed file 404.
-    client, _ = box._box()
+    client, _ = box._connect()
     from box_sdk_gen.box.errors import BoxAPIError
     from box_sdk_gen.managers.uploads import UploadFileVersionAttributes
 
@@ -463,7 +463,7 @@ def test_listing_pages_and_skips_foreign_names(box: BoxBackend, box_service: Box
         before = emulator.calls.get("folders/items", 0)
         assert sorted(box.list()) == sorted([f"p/{i:02d}" for i in range(30)] + ["other"])
         assert emulator.calls["folders/items"] - before >= 5
-        client, _ = box._box()
+        client, _ = box._connect()
         p = emulator.lookup(f"/specific/{box.namespace}/p")
         assert p is not None
         page = client.folders.get_folder_items(p.id, offset=28, limit=5)

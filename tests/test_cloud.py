@@ -16,19 +16,24 @@ import httpx
 import pytest
 
 from metasync.backends.cloud import (
+    CloudAccess,
     FileTokenStore,
     Grant,
+    SdkTokenRefresh,
     TokenSource,
     app_credentials,
     endpoint,
     oauth2_refresh,
     parse_cloud_uri,
     parse_retry_after,
-    range_of_chunks,
+    pasted_code,
+    redirect_code,
+    redirect_query,
     token_store,
 )
-from metasync.backends.retry import TransientError
-from metasync.errors import AuthorizationRequired, UsageError
+from metasync.backends.http import range_of_chunks
+from metasync.backends.retry import RetryPolicy, TransientError
+from metasync.errors import AuthorizationRequired, ObjectNotFound, UsageError
 from tests.emulators.base import (
     SERVER_ERROR,
     THROTTLE,
@@ -102,6 +107,66 @@ def test_token_source_refreshes_once_and_saves(tmp_path: Path) -> None:
     source.expired("access-2")
     assert source.access_token() == "access-3"
     assert store.load("dropbox", "default").access_token == "access-3"  # type: ignore[union-attr]
+
+
+class _ScriptedProvider(CloudAccess):
+    """A provider whose SDK client is a name holding the access token, and whose
+    translation makes a KeyError a missing object."""
+
+    def __init__(self, tokens: TokenSource) -> None:
+        self.account = tokens.account
+        self.tokens = tokens
+        self.policy = RetryPolicy(attempts=3, base=0.0)
+        self._slots = threading.BoundedSemaphore(1)
+
+    @property
+    def name(self) -> str:
+        return "dropbox:/scripted"
+
+    def _connect(self) -> tuple[str, str]:
+        token = self.tokens.access_token()
+        return f"client with {token}", token
+
+    def _translate(self, exc: Exception, key: str | None, action: str,
+                   token: str | None) -> BaseException:
+        return ObjectNotFound(f"cannot {self._what(action, key)}") if isinstance(exc, KeyError) else exc
+
+
+def test_cloud_access_calls_retry_refresh_and_translate(tmp_path: Path) -> None:
+    """``_call`` runs ``fn`` on a client of ``_connect`` per attempt: an SDK's attempt
+    to refresh a token itself (SdkTokenRefresh) refreshes it and retries on a new
+    client, and the same from a token just refreshed means signing in again; other
+    exceptions go through the provider's ``_translate``."""
+    store = FileTokenStore(tmp_path)
+    store.save(_grant(expires_at=None))
+    refreshed = iter(["access-2", "access-3"])
+    source = TokenSource("dropbox", "default",
+                         lambda grant: replace(grant, access_token=next(refreshed)), store=store)
+    provider = _ScriptedProvider(source)
+    clients: list[str] = []
+
+    def expired_once(client: str) -> str:
+        clients.append(client)
+        if len(clients) == 1:
+            raise SdkTokenRefresh("expired_access_token")
+        return "done"
+
+    assert provider._call("k", "read", expired_once) == "done"
+    assert clients == ["client with access-1", "client with access-2"]
+    assert provider.policy.retries == 1 and source.refreshes == 1
+
+    def expired(client: str) -> str:
+        raise SdkTokenRefresh("expired_access_token")
+
+    with pytest.raises(AuthorizationRequired, match="expired_access_token"):
+        provider._call("k", "read", expired)
+    assert provider.policy.retries == 1  # refused right after a refresh: not retried
+
+    def missing(client: str) -> str:
+        raise KeyError("k")
+
+    with pytest.raises(ObjectNotFound, match="cannot list dropbox:/scripted"):
+        provider._call(None, "list", missing)
 
 
 def test_token_source_threads_refresh_once(tmp_path: Path) -> None:
@@ -210,6 +275,31 @@ def test_parse_cloud_uri() -> None:
         parse_cloud_uri("onedrive", "onedrive:/a:b", bad_folder_name=lambda name: ":" in name)
 
 
+def test_pasted_code_takes_an_address_or_a_code_and_checks_state() -> None:
+    """What a user pastes after signing in (Box and Google ask for it): the whole
+    redirect address, its path and query, its bare query, a query behind a fragment,
+    or the bare code all give the code; an address of another sign-in (state), one
+    carrying an error, one without a code and an empty answer are refused."""
+    for answer in ["http://127.0.0.1:53687/?code=C1&state=S", " /callback?state=S&code=C1 ",
+                   "code=C1&state=S", "http://localhost:1/#?code=C1&state=S",
+                   "http://localhost:1/?code=C1&state=S&code=C2", "C1"]:
+        assert pasted_code(answer, "S", "box", "Box") == "C1", answer
+    assert pasted_code("4/0AbC-d_e", "S", "gdrive", "Google") == "4/0AbC-d_e"
+    for answer, match in [
+        ("http://127.0.0.1:53687/?code=C1&state=T", r"another sign-in \(state differs\); "
+                                                    r"run `metasync auth box` again"),
+        ("http://127.0.0.1:53687/?code=C1", "another sign-in"),
+        ("/callback", "another sign-in"),
+        ("http://127.0.0.1:53687/?error=access_denied&state=S",
+         r"Box did not sign metasync in \(access_denied\)"),
+        ("http://127.0.0.1:53687/?state=S", "holds no code"),
+        ("  ", "no code given; sign-in cancelled"),
+    ]:
+        with pytest.raises(UsageError, match=match):
+            pasted_code(answer, "S", "box", "Box")
+    assert redirect_code(redirect_query("state=S&code=C1"), "S", "box", "Box") == "C1"
+
+
 def test_range_of_chunks() -> None:
     """The range from a whole object sent in chunks (a service that ignored Range),
     cut at chunk boundaries correctly, shorter only where the object ends, and not
@@ -275,7 +365,7 @@ def test_upload_journal_is_exclusive_private_and_expires() -> None:
     """A journal record survives its writer, is 0600, is held by one upload at a time
     (a second writer of the same target goes without), and is dropped when older than
     the providers keep sessions."""
-    from metasync.backends.cloud import UPLOAD_SESSION_MAX_AGE, PendingUpload, UploadJournal
+    from metasync.backends.uploads import UPLOAD_SESSION_MAX_AGE, PendingUpload, UploadJournal
 
     record = PendingUpload("session-1", 8, "ab" * 32, 1000.0)
     with UploadJournal("test", "target-1") as journal:

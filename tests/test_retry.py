@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from metasync.backends import retry
@@ -86,3 +88,49 @@ def test_environment_tunes_the_default_policy(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("METASYNC_RETRY_BASE", "0.5")
     policy = RetryPolicy()
     assert policy.attempts == 9 and policy.base == 0.5
+
+
+def test_describe_names_the_key_or_only_the_backend() -> None:
+    assert retry.describe("read", "a/b", "s3://bucket") == "read 'a/b' on s3://bucket"
+    assert retry.describe("list", None, "s3://bucket") == "list s3://bucket"
+
+
+def test_translated_holds_a_slot_and_maps_what_the_request_raises() -> None:
+    """One attempt holds one slot; a BackendError passes unchanged, another exception
+    becomes what ``translate`` makes of it (raised from it), and one ``translate``
+    hands back is re-raised as it is."""
+    slots = threading.BoundedSemaphore(1)
+
+    def holds_the_slot() -> str:
+        assert not slots.acquire(blocking=False)  # the only slot is taken
+        return "ok"
+
+    def mapping(exc: Exception) -> BaseException:
+        return ObjectNotFound(f"gone: {exc}") if isinstance(exc, KeyError) else exc
+
+    assert retry.translated(slots, holds_the_slot, mapping) == "ok"
+    for raised in [TransientError("503"), ValueError("a bug")]:
+        with pytest.raises(type(raised)) as passed:
+            retry.translated(slots, Flaky(raised), mapping)
+        assert passed.value is raised
+    with pytest.raises(ObjectNotFound, match="gone: 'k'") as mapped:
+        retry.translated(slots, Flaky(KeyError("k")), mapping)
+    assert isinstance(mapped.value.__cause__, KeyError)
+    assert slots.acquire(blocking=False)  # every attempt gave its slot back
+
+
+def test_retry_mark_remembers_a_retry_that_may_have_taken_effect(waits: list[float]) -> None:
+    """A retry after a failure that says it did nothing leaves the mark unset; one
+    after any other failure sets it (the earlier attempt may have been applied)."""
+
+    class Throttled(TransientError):
+        pass
+
+    policy = RetryPolicy(attempts=5, base=0.0)
+    untouched = retry.RetryMark(Throttled)
+    assert retrying(policy, "put k", Flaky(Throttled("429")), on_retry=untouched) == "ok"
+    assert not untouched.marked
+    maybe_applied = retry.RetryMark(Throttled)
+    assert retrying(policy, "put k", Flaky(Throttled("429"), TransientError("reset")),
+                    on_retry=maybe_applied) == "ok"
+    assert maybe_applied.marked
