@@ -15,41 +15,20 @@ from __future__ import annotations
 
 import builtins
 import io
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+# Capabilities and the key rules live in modules of their own, which modules below
+# this interface can import; they are part of it and importable from here.
+from metasync.backends.capabilities import Capabilities as Capabilities
+from metasync.backends.keys import TEMP_PREFIX as TEMP_PREFIX
+from metasync.backends.keys import check_key as check_key
+from metasync.backends.keys import check_namespace as check_namespace
+from metasync.backends.keys import check_prefix as check_prefix
+from metasync.backends.keys import is_key_part as is_key_part
 from metasync.backends.retry import TransientError
-from metasync.errors import BackendError, InvalidKey, ObjectNotFound, UsageError
-
-_KEY_PART = re.compile(r"^[A-Za-z0-9._-]+$")
-#: Prefix of names of in-progress writes: never a key part, never listed.
-TEMP_PREFIX = ".tmp-"
-
-
-def check_key(key: str) -> str:
-    """Return ``key`` if it is a safe relative key, else raise :class:`InvalidKey`."""
-    if not key or key.startswith("/") or key.endswith("/"):
-        raise InvalidKey(f"invalid backend key {key!r}")
-    for part in key.split("/"):
-        # ".tmp-" names are reserved for in-progress writes, which are never listed.
-        if part in (".", "..") or part.startswith(TEMP_PREFIX) or not _KEY_PART.match(part):
-            raise InvalidKey(f"invalid backend key {key!r}")
-    return key
-
-
-def check_namespace(namespace: str) -> str:
-    """Return ``namespace`` if it is a valid repository namespace (one safe key, see
-    :func:`check_key`), else raise :class:`UsageError` saying which characters to use.
-    Backends call it when bound, before touching the service."""
-    try:
-        return check_key(namespace)
-    except InvalidKey as exc:
-        raise UsageError(
-            f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
-        ) from exc
+from metasync.errors import BackendError, ObjectNotFound
 
 
 def one_line(exc: BaseException) -> str:
@@ -73,15 +52,6 @@ def read_full(stream: BinaryIO, size: int) -> bytes:
     return b"".join(parts)
 
 
-def is_key_part(name: str) -> bool:
-    """True if ``name`` may be one part of a listed key (so not a temporary file)."""
-    try:
-        check_key(name)
-    except InvalidKey:
-        return False
-    return True
-
-
 def public_uri(uri: str) -> str:
     """``uri`` without the password of its ``user:password@`` part (if any), for
     messages and for the repository configuration every backend stores."""
@@ -93,42 +63,6 @@ def public_uri(uri: str) -> str:
     if not at or ":" not in userinfo:
         return uri
     return f"{scheme}://{userinfo.split(':', 1)[0]}@{host}{slash}{path}"
-
-
-def check_prefix(prefix: str) -> str:
-    """Like :func:`check_key` for a listing prefix; ``""`` (everything) is allowed."""
-    if prefix == "":
-        return prefix
-    return check_key(prefix.rstrip("/"))
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a backend can do, declared once per backend class.
-
-    The conformance suite skips tests whose capability is missing and records why.
-    """
-
-    #: ``put_if_absent`` is atomic (exclusive create) on the service itself.
-    conditional_create: bool = False
-    #: ``replace_if``: compare-and-swap on an object's poll token (If-Match / revision).
-    compare_and_swap: bool = False
-    #: ``append_at`` is implemented: an atomic append at an exact log position, so
-    #: pPaxos learns the outcome of a write without reading the log back.
-    conditional_append: bool = False
-    #: ``get_range`` reads part of an object without transferring the rest.
-    range_reads: bool = True
-    #: Largest object the service accepts, in bytes (``None``: no practical limit).
-    max_object_size: int | None = None
-    #: Keys differing only in case are distinct objects.
-    case_sensitive: bool = True
-    #: ``poll`` can block until a change (long-poll) rather than only compare tokens.
-    long_poll: bool = False
-    #: ``share`` gives another user of the service access to the namespace folder.
-    sharing: bool = False
-    #: ``delete_log`` removes a whole log, so pPaxos log compaction frees its space
-    #: (a backend without it keeps its logs; compaction still records the floor).
-    log_deletion: bool = True
 
 
 class Backend(ABC):
