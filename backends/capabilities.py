@@ -1,7 +1,7 @@
 """What a backend can do: the :class:`Capabilities` each backend class declares once.
 
-A module of its own, below the backend interface (:mod:`.base`), so that modules
-the interface builds on can read it too.
+A module of its own so that both the backend interface (:mod:`.base`) and the log
+constructions it chooses between (:mod:`.logs`) can read it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class Capabilities:
     conditional_create: bool = False
     #: ``replace_if``: compare-and-swap on an object's poll token (If-Match / revision).
     compare_and_swap: bool = False
-    #: ``append_at`` is implemented: an atomic append at an exact log position, so
+    #: ``logs.append_at`` is implemented: an atomic append at an exact log position, so
     #: pPaxos learns the outcome of a write without reading the log back.
     conditional_append: bool = False
     #: ``get_range`` reads part of an object without transferring the rest.
@@ -33,6 +33,6 @@ class Capabilities:
     long_poll: bool = False
     #: ``share`` gives another user of the service access to the namespace folder.
     sharing: bool = False
-    #: ``delete_log`` removes a whole log, so pPaxos log compaction frees its space
-    #: (a backend without it keeps its logs; compaction still records the floor).
+    #: ``logs.delete_log`` removes a whole log, so pPaxos log compaction frees its
+    #: space (a backend without it keeps its logs; compaction still records the floor).
     log_deletion: bool = True

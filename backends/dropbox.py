@@ -44,6 +44,7 @@ from typing import Any, BinaryIO, TypeVar, cast
 
 from metasync.backends import register
 from metasync.backends.base import (
+    Backend,
     Capabilities,
     check_key,
     check_prefix,
@@ -66,7 +67,6 @@ from metasync.backends.cloud import (
     range_of_chunks,
     requests_failure,
 )
-from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import TransientError, retrying
 from metasync.errors import (
     AuthorizationRequired,
@@ -239,7 +239,7 @@ def refresher(base_url: str | None, ca_file: str | None) -> Callable[[Grant], Gr
 
 
 @register
-class DropboxBackend(CloudAccess, ObjectStoreLogs):
+class DropboxBackend(CloudAccess, Backend):
     """A folder in Dropbox, URI ``dropbox:PATH?account=NAME`` (see the module docstring).
 
     Thread-safe: one requests session (connection pool) shared by all threads, at

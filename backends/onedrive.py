@@ -61,6 +61,7 @@ from urllib.parse import quote
 
 from metasync.backends import register
 from metasync.backends.base import (
+    Backend,
     Capabilities,
     check_key,
     check_prefix,
@@ -84,7 +85,6 @@ from metasync.backends.cloud import (
     requests_failure,
 )
 from metasync.backends.dropbox import pin_ca
-from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import TransientError, retrying
 from metasync.errors import (
     AuthorizationRequired,
@@ -543,7 +543,7 @@ def _device_sign_in(app: Any, ui: AuthUI) -> dict[str, Any]:
 
 
 @register
-class OneDriveBackend(CloudAccess, ObjectStoreLogs):
+class OneDriveBackend(CloudAccess, Backend):
     """A folder in OneDrive, URI ``onedrive:PATH?account=NAME`` (see the module docstring).
 
     Thread-safe: one requests session (connection pool) shared by all threads, at most

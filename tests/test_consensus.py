@@ -25,7 +25,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metasync.backends.local import LocalBackend
+from metasync.backends.local import LocalBackend, LocalLogs
+from metasync.backends.logs import LogStore
 from metasync.codec import Codec
 from metasync.consensus import HINT_KEY, Consensus, FloorElsewhere, floor_key, log_key
 from metasync.errors import BackendError, BackendUnavailable, CorruptObject
@@ -717,7 +718,7 @@ def client(acceptors: Acceptors, name: str = "alice", codec: Codec = CODEC, **kw
 
 
 def entries(backend: LocalBackend, instance: int) -> list[bytes]:
-    return [raw for _, raw in backend.fetch(log_key(instance))]
+    return [raw for _, raw in backend.logs.fetch(log_key(instance))]
 
 
 def log_folder(backend: LocalBackend, instance: int) -> Path:
@@ -892,17 +893,8 @@ class FailingBackend(LocalBackend):
     def _fail(self) -> None:
         raise BackendError(f"permission denied on {self.name}")
 
-    def fetch(self, log: str, start: int = 0) -> list[tuple[int, bytes]]:
-        self._fail()
-        return []
-
-    def append(self, log: str, message: bytes) -> int:
-        self._fail()
-        return 0
-
-    def append_at(self, log: str, position: int, message: bytes) -> bool:
-        self._fail()
-        return False
+    def specific_logs(self) -> LogStore:
+        return FailingLogs(self)
 
     def get(self, key: str) -> bytes:
         self._fail()
@@ -910,6 +902,26 @@ class FailingBackend(LocalBackend):
 
     def put(self, key: str, data: Any) -> None:
         self._fail()
+
+
+class FailingLogs(LocalLogs):
+    """The logs of a :class:`FailingBackend`: every append and fetch fails."""
+
+    def __init__(self, backend: FailingBackend) -> None:
+        super().__init__(backend)
+        self.failing = backend
+
+    def fetch(self, log: str, start: int = 0) -> list[tuple[int, bytes]]:
+        self.failing._fail()
+        return []
+
+    def append(self, log: str, message: bytes) -> int:
+        self.failing._fail()
+        return 0
+
+    def append_at(self, log: str, position: int, message: bytes) -> bool:
+        self.failing._fail()
+        return False
 
 
 def test_two_of_three_failing_propose_names_them(tmp_path: Path) -> None:
@@ -935,17 +947,8 @@ class HungBackend(LocalBackend):
         super().__init__(uri, namespace)
         self.release = release
 
-    def fetch(self, log: str, start: int = 0) -> list[tuple[int, bytes]]:
-        self.release.wait()
-        return super().fetch(log, start)
-
-    def append(self, log: str, message: bytes) -> int:
-        self.release.wait()
-        return super().append(log, message)
-
-    def append_at(self, log: str, position: int, message: bytes) -> bool:
-        self.release.wait()
-        return super().append_at(log, position, message)
+    def specific_logs(self) -> LogStore:
+        return HungLogs(self)
 
     def get(self, key: str) -> bytes:
         self.release.wait()
@@ -958,6 +961,26 @@ class HungBackend(LocalBackend):
     def list(self, prefix: str = "") -> Iterator[str]:
         self.release.wait()
         return super().list(prefix)
+
+
+class HungLogs(LocalLogs):
+    """The logs of a :class:`HungBackend`: every append and fetch blocks too."""
+
+    def __init__(self, backend: HungBackend) -> None:
+        super().__init__(backend)
+        self.release = backend.release
+
+    def fetch(self, log: str, start: int = 0) -> list[tuple[int, bytes]]:
+        self.release.wait()
+        return super().fetch(log, start)
+
+    def append(self, log: str, message: bytes) -> int:
+        self.release.wait()
+        return super().append(log, message)
+
+    def append_at(self, log: str, position: int, message: bytes) -> bool:
+        self.release.wait()
+        return super().append_at(log, position, message)
 
 
 @pytest.fixture
@@ -1036,7 +1059,7 @@ def test_garbage_entries_do_not_decide_anything(acceptors: Acceptors, codec: Cod
     decided, nothing accepted, and get_recent writes nothing there."""
     for backend in acceptors.values():
         for raw in garbage_entries(codec, 1):
-            backend.append(log_key(1), raw)
+            backend.logs.append(log_key(1), raw)
     c = client(acceptors, codec=codec)
     assert c.learn(1) is None
     assert c.get_recent(V0) == V0
@@ -1045,7 +1068,7 @@ def test_garbage_entries_do_not_decide_anything(acceptors: Acceptors, codec: Cod
 
 def test_garbage_on_one_acceptor_propose_still_decides(acceptors: Acceptors) -> None:
     for raw in garbage_entries(CODEC, 1):
-        acceptors["b0"].append(log_key(1), raw)
+        acceptors["b0"].logs.append(log_key(1), raw)
     c = client(acceptors)
     assert commit(c, 1) == v(1)
     assert client(acceptors, "bob").get_recent(V0) == v(1)
@@ -1054,7 +1077,7 @@ def test_garbage_on_one_acceptor_propose_still_decides(acceptors: Acceptors) -> 
 def test_garbage_on_every_acceptor_plain_appends_still_decide(acceptors: Acceptors) -> None:
     for backend in acceptors.values():
         for raw in garbage_entries(CODEC, 1):
-            backend.append(log_key(1), raw)
+            backend.logs.append(log_key(1), raw)
     c = client(acceptors, conditional=False)
     assert commit(c, 1) == v(1)
     assert client(acceptors, "bob").get_recent(V0) == v(1)
@@ -1062,7 +1085,7 @@ def test_garbage_on_every_acceptor_plain_appends_still_decide(acceptors: Accepto
 
 def test_garbage_on_every_acceptor_conditional_still_decides(acceptors: Acceptors) -> None:
     for backend in acceptors.values():
-        backend.append(log_key(1), b"garbage")
+        backend.logs.append(log_key(1), b"garbage")
     c = client(acceptors)
     assert commit(c, 1) == v(1)
 
@@ -1075,9 +1098,9 @@ def test_forged_entries_under_another_key_are_ignored(acceptors: Acceptors) -> N
     assert commit(c, 1) == v(1)
     for name, backend in acceptors.items():
         if name != "b2":
-            backend.append(log_key(2), encoded(mallory, 2, prep(50, "mallory")))
-            backend.append(log_key(2), encoded(mallory, 2, acc(50, v(2, "forged"), "mallory")))
-        backend.append(log_key(3), encoded(mallory, 3, fast(v(3, "forged"))))
+            backend.logs.append(log_key(2), encoded(mallory, 2, prep(50, "mallory")))
+            backend.logs.append(log_key(2), encoded(mallory, 2, acc(50, v(2, "forged"), "mallory")))
+        backend.logs.append(log_key(3), encoded(mallory, 3, fast(v(3, "forged"))))
     for backend in acceptors.values():
         backend.put(HINT_KEY, mallory.encode("hint", HINT_KEY, json.dumps({"version": 3}).encode()))
     bob = client(acceptors, "bob")
@@ -1141,8 +1164,8 @@ def test_crashed_classic_proposer_is_finished_with_its_value(acceptors: Acceptor
     c = client(acceptors)
     assert commit(c, 1) == v(1)
     for backend in acceptors.values():
-        backend.append(log_key(2), encoded(CODEC, 2, prep(1, "crashed")))
-    acceptors["b2"].append(log_key(2), encoded(CODEC, 2, acc(1, v(2, "x"), "crashed")))
+        backend.logs.append(log_key(2), encoded(CODEC, 2, prep(1, "crashed")))
+    acceptors["b2"].logs.append(log_key(2), encoded(CODEC, 2, acc(1, v(2, "x"), "crashed")))
     bob = client(acceptors, "bob")
     assert bob.propose(2, v(2, "bob")) == v(2, "x")
     assert client(acceptors, "carol").get_recent(V0) == v(2, "x")
