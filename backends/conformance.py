@@ -36,13 +36,16 @@ Fixtures (override any of them in the subclass):
     ``FaultProxy`` (tests/servers/faultproxy.py) that can reset connections.
 
 Class attributes say which tests apply: ``backend_class`` (whose
-``capabilities`` decide the capability tests) and ``transient_faults`` (False
-for a backend without a network connection to break). Tests that do not apply
+``capabilities`` decide the capability tests), ``transient_faults`` (False
+for a backend without a network connection to break) and ``clients_are_threads``
+(True for a backend whose store lives in the test process, such as ``memory:``:
+the concurrent clients of the multi-client tests are then threads of this
+process instead of spawned processes). Tests that do not apply
 are *deselected* at collection time by :func:`deselect_inapplicable`, with the
 reason printed in the test summary; they are never silently skipped, so in CI
 "0 skipped" means every applicable backend test ran. ``require_capability``
 inside a test remains as a guard. Logs are reached as ``backend.logs``. No test
-sleeps or asserts on timing; process-based tests use a barrier so that the contended
+sleeps or asserts on timing; multi-client tests use a barrier so that the contended
 part starts together.
 The 100 MB streaming test is marked ``slow``.
 """
@@ -55,12 +58,13 @@ import multiprocessing
 import random
 import resource
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
-from multiprocessing.synchronize import Barrier
+from multiprocessing.synchronize import Barrier as ProcessBarrier
 from typing import Any, BinaryIO, cast
 
 import pytest
@@ -71,6 +75,9 @@ from metasync.errors import BackendError, InvalidKey, ObjectNotFound
 
 #: ``(uri, namespace)``: everything a child process needs to open a backend.
 Location = tuple[str, str]
+#: What the clients of a multi-client test wait on: a process barrier, or a thread
+#: barrier when the clients are threads (both have ``wait(timeout)`` and ``abort()``).
+Barrier = ProcessBarrier | threading.Barrier
 
 #: Seconds a test waits for its child processes before failing (a hang guard, not a
 #: timing assertion: generous enough for slow remote services).
@@ -144,6 +151,9 @@ def inapplicable_reason(item: pytest.Item) -> str | None:
             return f"{backend_class.__name__} lacks capability {name!r}"
     if item.get_closest_marker("needs_transient_faults") and not cls.transient_faults:
         return f"{cls.__name__}: the backend has no network connection to break"
+    if item.get_closest_marker("needs_separate_process") and cls.clients_are_threads:
+        return (f"{cls.__name__}: the backend's store lives in the test process, so the "
+                "measurement cannot run in a fresh one")
     if item.get_closest_marker("needs_large_objects") and backend_class is not None:
         limit = backend_class.capabilities.max_object_size
         if limit is not None and limit < LARGE_OBJECT_SIZE:
@@ -346,6 +356,71 @@ class ChildProcesses:
             conn.close()
 
 
+class ChildThreads:
+    """:class:`ChildProcesses` for a backend whose store lives in this process: each
+    ``target(barrier, *args)`` of ``arg_list`` runs in a thread of its own (the same
+    interface, the same barrier protocol)."""
+
+    def __init__(
+        self,
+        target: Callable[..., Any],
+        arg_list: Sequence[tuple[Any, ...]],
+        *,
+        parent_in_barrier: bool = False,
+    ) -> None:
+        self.barrier = threading.Barrier(len(arg_list) + int(parent_in_barrier))
+        self._results: dict[int, tuple[str, Any]] = {}
+        self._lock = threading.Lock()
+        self._threads = [
+            # Daemon threads: one stuck on a broken backend must not keep pytest alive.
+            threading.Thread(target=self._run, args=(index, target, args), daemon=True)
+            for index, args in enumerate(arg_list)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, index: int, target: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            outcome: tuple[str, Any] = ("ok", target(self.barrier, *args))
+        except BaseException:
+            self.barrier.abort()  # siblings waiting for us fail fast instead of hanging
+            outcome = ("error", traceback.format_exc())
+        with self._lock:
+            self._results[index] = outcome
+
+    def __enter__(self) -> ChildThreads:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def done(self) -> bool:
+        """True once every thread has reported (never blocks)."""
+        return not any(thread.is_alive() for thread in self._threads)
+
+    def results(self, timeout: float = CHILD_TIMEOUT) -> list[Any]:
+        """Each thread's return value, in ``arg_list`` order; AssertionError if any
+        failed or did not finish within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        try:
+            for thread in self._threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            if not self.done():
+                raise AssertionError(f"client threads did not finish within {timeout}s")
+        finally:
+            self.close()
+        errors = [text for status, text in self._results.values() if status != "ok"]
+        if errors:
+            raise AssertionError("client thread failed:\n" + "\n".join(errors))
+        return [self._results[i][1] for i in range(len(self._threads))]
+
+    def close(self) -> None:
+        """Break the barrier for threads still waiting on it (a test that failed
+        before releasing them), so that they end instead of waiting forever."""
+        if not self.done():
+            self.barrier.abort()
+
+
 def _barrier_wait(barrier: Barrier) -> None:
     barrier.wait(timeout=CHILD_TIMEOUT)
 
@@ -446,6 +521,21 @@ class BackendConformance:
     #: whose appends cost many requests (Disk Paxos logs) may lower it; the test
     #: still runs 6 processes contending for every position.
     appends_per_worker: int = 25
+    #: The backend's store lives in this process (``memory:``), out of reach of other
+    #: processes: the multi-client tests run their clients as threads.
+    clients_are_threads: bool = False
+
+    def clients(
+        self,
+        target: Callable[..., Any],
+        arg_list: Sequence[tuple[Any, ...]],
+        *,
+        parent_in_barrier: bool = False,
+    ) -> ChildProcesses | ChildThreads:
+        """Concurrent clients each running ``target(barrier, *args)``: spawned
+        processes (:class:`ChildProcesses`), or threads where ``clients_are_threads``."""
+        kind = ChildThreads if self.clients_are_threads else ChildProcesses
+        return kind(target, arg_list, parent_in_barrier=parent_in_barrier)
 
     @pytest.fixture
     def unicode_location(self) -> Location:
@@ -746,7 +836,7 @@ class BackendConformance:
         one succeeds and the object holds the winner's data."""
         require_capability(backend, "conditional_create")
         workers = 6
-        children = ChildProcesses(
+        children = self.clients(
             _put_if_absent_worker, [(backend_location, "race", w) for w in range(workers)]
         )
         won = children.results()
@@ -882,7 +972,7 @@ class BackendConformance:
         the log then holds that one's message there, once."""
         require_capability(backend, "conditional_append")
         backend.logs.append("race", b"first")
-        children = ChildProcesses(
+        children = self.clients(
             _append_at_worker, [(backend_location, "race", w) for w in range(6)]
         )
         results = children.results()
@@ -901,7 +991,7 @@ class BackendConformance:
         each fetch extends the previous one (entries never change or move)."""
         workers, count = 6, self.appends_per_worker
         expected_set = {append_message(w, i) for w in range(workers) for i in range(count)}
-        with ChildProcesses(
+        with self.clients(
             _append_worker,
             [(backend_location, "sync/log", w, count) for w in range(workers)],
             parent_in_barrier=True,
@@ -934,7 +1024,7 @@ class BackendConformance:
         """While another process overwrites a key repeatedly, every get returns one
         complete version (never a mix or a prefix) and the key never disappears."""
         backend.put("atomic", versioned_payload(0))
-        with ChildProcesses(
+        with self.clients(
             overwrite_worker, [(backend_location, "atomic", 30)], parent_in_barrier=True
         ) as children:
             children.barrier.wait(timeout=CHILD_TIMEOUT)
@@ -946,6 +1036,7 @@ class BackendConformance:
     # --- large objects -------------------------------------------------------------------
     @pytest.mark.slow
     @pytest.mark.needs_large_objects
+    @pytest.mark.needs_separate_process
     def test_large_object_streams_in_flat_memory(
         self, backend: Backend, backend_location: Location
     ) -> None:
