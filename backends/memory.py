@@ -10,7 +10,8 @@ It is the reference backend for unit tests: every operation is atomic under one
 lock per store (``put`` replaces an object whole, ``put_if_absent`` is an exclusive
 create, ``replace_if`` a compare-and-swap), so its logs are the generic
 :class:`~metasync.backends.logs.ObjectStoreLogs`, the same construction (and bytes)
-as on S3.
+as on S3. Wrap it in :class:`~metasync.backends.faulty.FaultyBackend` to make it
+misbehave.
 """
 
 from __future__ import annotations
