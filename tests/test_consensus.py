@@ -25,8 +25,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metasync.backends.local import LocalBackend, LocalLogs
-from metasync.backends.logs import LogStore
+from metasync.backends.faulty import ALWAYS, Faults, FaultyBackend
+from metasync.backends.local import LocalBackend
 from metasync.codec import Codec
 from metasync.consensus import HINT_KEY, Consensus, FloorElsewhere, floor_key, log_key
 from metasync.errors import BackendError, BackendUnavailable, CorruptObject
@@ -694,12 +694,12 @@ Acceptors = dict[str, LocalBackend]
 CODEC = Codec(KEY)
 
 
-def make_acceptors(root: Path, cls: type[LocalBackend] = LocalBackend, **kwargs: Any) -> Acceptors:
+def make_acceptors(root: Path) -> Acceptors:
     found: Acceptors = {}
     for i in range(3):
         location = root / f"acceptor{i}"
         location.mkdir(parents=True)
-        backend = cls(f"dir:{location}", "ns", **kwargs)
+        backend = LocalBackend(f"dir:{location}", "ns")
         backend.create()
         found[f"b{i}"] = backend
     return found
@@ -887,46 +887,22 @@ def test_get_recent_failing_first_means_nothing_written(acceptors: Acceptors,
     assert entries(acceptors["b1"], 2) == []
 
 
-class FailingBackend(LocalBackend):
-    """Reachable, but every log and hint operation fails (e.g. permission denied)."""
-
-    def _fail(self) -> None:
-        raise BackendError(f"permission denied on {self.name}")
-
-    def specific_logs(self) -> LogStore:
-        return FailingLogs(self)
-
-    def get(self, key: str) -> bytes:
-        self._fail()
-        return b""
-
-    def put(self, key: str, data: Any) -> None:
-        self._fail()
+#: What the failing and hung acceptors below do wrong: every log and hint operation.
+LOG_AND_HINT_OPERATIONS = {"fetch", "append", "append_at", "get", "put"}
 
 
-class FailingLogs(LocalLogs):
-    """The logs of a :class:`FailingBackend`: every append and fetch fails."""
-
-    def __init__(self, backend: FailingBackend) -> None:
-        super().__init__(backend)
-        self.failing = backend
-
-    def fetch(self, log: str, start: int = 0) -> list[tuple[int, bytes]]:
-        self.failing._fail()
-        return []
-
-    def append(self, log: str, message: bytes) -> int:
-        self.failing._fail()
-        return 0
-
-    def append_at(self, log: str, position: int, message: bytes) -> bool:
-        self.failing._fail()
-        return False
+def failing(backend: LocalBackend) -> FaultyBackend:
+    """``backend``, reachable, but every log and hint operation fails (e.g. permission
+    denied)."""
+    faulty = FaultyBackend(backend)
+    faulty.faults.refuse(LOG_AND_HINT_OPERATIONS, times=ALWAYS,
+                         message=f"permission denied on {backend.name}")
+    return faulty
 
 
 def test_two_of_three_failing_propose_names_them(tmp_path: Path) -> None:
     good = make_acceptors(tmp_path / "good")
-    bad = make_acceptors(tmp_path / "bad", FailingBackend)
+    bad = {name: failing(b) for name, b in make_acceptors(tmp_path / "bad").items()}
     accs = {"b0": good["b0"], "b1": bad["b1"], "b2": bad["b2"]}
     c = client(accs, max_attempts=3)
     with pytest.raises(BackendUnavailable) as info:  # get_recent gets this right
@@ -940,60 +916,20 @@ def test_two_of_three_failing_propose_names_them(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- hung backends
 
 
-class HungBackend(LocalBackend):
-    """Every log and hint operation blocks until ``release`` is set (at teardown)."""
-
-    def __init__(self, uri: str, namespace: str, release: threading.Event) -> None:
-        super().__init__(uri, namespace)
-        self.release = release
-
-    def specific_logs(self) -> LogStore:
-        return HungLogs(self)
-
-    def get(self, key: str) -> bytes:
-        self.release.wait()
-        return super().get(key)
-
-    def put(self, key: str, data: Any) -> None:
-        self.release.wait()
-        super().put(key, data)
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        self.release.wait()
-        return super().list(prefix)
-
-
-class HungLogs(LocalLogs):
-    """The logs of a :class:`HungBackend`: every append and fetch blocks too."""
-
-    def __init__(self, backend: HungBackend) -> None:
-        super().__init__(backend)
-        self.release = backend.release
-
-    def fetch(self, log: str, start: int = 0) -> list[tuple[int, bytes]]:
-        self.release.wait()
-        return super().fetch(log, start)
-
-    def append(self, log: str, message: bytes) -> int:
-        self.release.wait()
-        return super().append(log, message)
-
-    def append_at(self, log: str, position: int, message: bytes) -> bool:
-        self.release.wait()
-        return super().append_at(log, position, message)
-
-
 @pytest.fixture
-def hung(tmp_path: Path) -> Iterator[Acceptors]:
-    """Three acceptors that hang forever (until teardown)."""
-    release = threading.Event()
-    found = make_acceptors(tmp_path / "hung", HungBackend, release=release)
+def hung(tmp_path: Path) -> Iterator[dict[str, FaultyBackend]]:
+    """Three acceptors whose every log and hint operation (and listing) blocks until
+    teardown releases them."""
+    faults = Faults()
+    faults.hang(LOG_AND_HINT_OPERATIONS | {"list"}, times=ALWAYS)
+    found = {name: FaultyBackend(b, faults)
+             for name, b in make_acceptors(tmp_path / "hung").items()}
     yield found
-    release.set()
+    faults.release_all()
 
 
-def test_one_hung_acceptor_times_out_and_commit_completes(acceptors: Acceptors,
-                                                         hung: Acceptors) -> None:
+def test_one_hung_acceptor_times_out_and_commit_completes(
+        acceptors: Acceptors, hung: dict[str, FaultyBackend]) -> None:
     accs = {"b0": acceptors["b0"], "b1": acceptors["b1"], "b2": hung["b2"]}
     c = client(accs, timeout=0.2)
     assert c.get_recent(V0) == V0
@@ -1002,7 +938,8 @@ def test_one_hung_acceptor_times_out_and_commit_completes(acceptors: Acceptors,
     assert client(acceptors, "bob").learn(1) == v(1)  # on the two that answer
 
 
-def test_two_hung_acceptors_fail_with_no_answer(acceptors: Acceptors, hung: Acceptors) -> None:
+def test_two_hung_acceptors_fail_with_no_answer(acceptors: Acceptors,
+                                                hung: dict[str, FaultyBackend]) -> None:
     accs = {"b0": acceptors["b0"], "b1": hung["b1"], "b2": hung["b2"]}
     c = client(accs, timeout=0.2)
     for call in (lambda: c.get_recent(V0), lambda: c.propose(1, v(1))):
