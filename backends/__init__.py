@@ -50,6 +50,7 @@ BUILTIN_SCHEMES: dict[str, str] = {
     "box": "box",
     "onedrive": "onedrive",
     "gdrive": "gdrive",
+    "memory": "memory",
 }
 
 

@@ -5,7 +5,12 @@ all keys are relative to ``<service location>/<namespace>/``. Keys are
 ``/``-separated, each part matching ``[A-Za-z0-9._-]+`` and not ``.`` or ``..``;
 :func:`check_key` enforces this so a key can never escape the namespace.
 
-Error contract (every method):
+:class:`Backend` is the object store (Table 2a); its append-only logs (Table 2b)
+are a separate component, :class:`~metasync.backends.logs.LogStore`, reached as
+:attr:`Backend.logs` and chosen from the backend's capabilities
+(:func:`~metasync.backends.logs.log_store_for`).
+
+Error contract (every method, and every log store method):
 - a missing key raises :class:`ObjectNotFound`;
 - an unreachable service raises :class:`BackendUnavailable`;
 - other failures raise :class:`BackendError` (``transient=True`` if a retry may help).
@@ -15,41 +20,26 @@ from __future__ import annotations
 
 import builtins
 import io
-import re
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+# Capabilities and the key rules live in modules of their own (the log constructions
+# need them too); they are part of this interface and importable from here.
+from metasync.backends.capabilities import Capabilities as Capabilities
+from metasync.backends.keys import TEMP_PREFIX as TEMP_PREFIX
+from metasync.backends.keys import check_key as check_key
+from metasync.backends.keys import check_namespace as check_namespace
+from metasync.backends.keys import check_prefix as check_prefix
+from metasync.backends.keys import is_key_part as is_key_part
+from metasync.backends.logs import LogStore, log_store_for
 from metasync.backends.retry import TransientError
-from metasync.errors import BackendError, InvalidKey, ObjectNotFound, UsageError
+from metasync.errors import BackendError, ObjectNotFound
 
-_KEY_PART = re.compile(r"^[A-Za-z0-9._-]+$")
-#: Prefix of names of in-progress writes: never a key part, never listed.
-TEMP_PREFIX = ".tmp-"
-
-
-def check_key(key: str) -> str:
-    """Return ``key`` if it is a safe relative key, else raise :class:`InvalidKey`."""
-    if not key or key.startswith("/") or key.endswith("/"):
-        raise InvalidKey(f"invalid backend key {key!r}")
-    for part in key.split("/"):
-        # ".tmp-" names are reserved for in-progress writes, which are never listed.
-        if part in (".", "..") or part.startswith(TEMP_PREFIX) or not _KEY_PART.match(part):
-            raise InvalidKey(f"invalid backend key {key!r}")
-    return key
-
-
-def check_namespace(namespace: str) -> str:
-    """Return ``namespace`` if it is a valid repository namespace (one safe key, see
-    :func:`check_key`), else raise :class:`UsageError` saying which characters to use.
-    Backends call it when bound, before touching the service."""
-    try:
-        return check_key(namespace)
-    except InvalidKey as exc:
-        raise UsageError(
-            f"invalid repository namespace {namespace!r}: use letters, digits, '.', '_', '-'"
-        ) from exc
+#: Guards the one-time creation of each backend's log store (creation does no I/O).
+#: Reentrant: a wrapper's store may be its inner backend's, made on the way.
+_LOG_STORE_LOCK = threading.RLock()
 
 
 def one_line(exc: BaseException) -> str:
@@ -73,15 +63,6 @@ def read_full(stream: BinaryIO, size: int) -> bytes:
     return b"".join(parts)
 
 
-def is_key_part(name: str) -> bool:
-    """True if ``name`` may be one part of a listed key (so not a temporary file)."""
-    try:
-        check_key(name)
-    except InvalidKey:
-        return False
-    return True
-
-
 def public_uri(uri: str) -> str:
     """``uri`` without the password of its ``user:password@`` part (if any), for
     messages and for the repository configuration every backend stores."""
@@ -95,42 +76,6 @@ def public_uri(uri: str) -> str:
     return f"{scheme}://{userinfo.split(':', 1)[0]}@{host}{slash}{path}"
 
 
-def check_prefix(prefix: str) -> str:
-    """Like :func:`check_key` for a listing prefix; ``""`` (everything) is allowed."""
-    if prefix == "":
-        return prefix
-    return check_key(prefix.rstrip("/"))
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a backend can do, declared once per backend class.
-
-    The conformance suite skips tests whose capability is missing and records why.
-    """
-
-    #: ``put_if_absent`` is atomic (exclusive create) on the service itself.
-    conditional_create: bool = False
-    #: ``replace_if``: compare-and-swap on an object's poll token (If-Match / revision).
-    compare_and_swap: bool = False
-    #: ``append_at`` is implemented: an atomic append at an exact log position, so
-    #: pPaxos learns the outcome of a write without reading the log back.
-    conditional_append: bool = False
-    #: ``get_range`` reads part of an object without transferring the rest.
-    range_reads: bool = True
-    #: Largest object the service accepts, in bytes (``None``: no practical limit).
-    max_object_size: int | None = None
-    #: Keys differing only in case are distinct objects.
-    case_sensitive: bool = True
-    #: ``poll`` can block until a change (long-poll) rather than only compare tokens.
-    long_poll: bool = False
-    #: ``share`` gives another user of the service access to the namespace folder.
-    sharing: bool = False
-    #: ``delete_log`` removes a whole log, so pPaxos log compaction frees its space
-    #: (a backend without it keeps its logs; compaction still records the floor).
-    log_deletion: bool = True
-
-
 class Backend(ABC):
     """One storage service, bound to one repository namespace."""
 
@@ -142,6 +87,7 @@ class Backend(ABC):
     def __init__(self, uri: str, namespace: str) -> None:
         self.uri = uri
         self.namespace = namespace
+        self._log_store: LogStore | None = None
 
     @property
     def name(self) -> str:
@@ -224,13 +170,6 @@ class Backend(ABC):
         """Return a token that changes whenever the object at ``key`` changes, or
         ``None`` if it does not exist. Comparing tokens tells a client to re-read."""
 
-    # --- synchronization abstraction (Table 2b) --------------------------------------
-    @abstractmethod
-    def append(self, log: str, message: bytes) -> int:
-        """Append ``message`` to the append-only list ``log`` atomically, even with
-        concurrent appenders in other processes; return its position (0-based).
-        No entry is lost or duplicated and every reader sees one order."""
-
     def replace_if(self, key: str, data: bytes, token: str) -> bool:
         """Replace the object at ``key`` with ``data`` only if its :meth:`poll` token is
         still ``token`` (compare-and-swap, S3's ``If-Match``), atomically; return False
@@ -238,49 +177,32 @@ class Backend(ABC):
         ``capabilities.compare_and_swap``."""
         raise NotImplementedError(f"{type(self).__name__} has no compare-and-swap")
 
-    def append_at(self, log: str, position: int, message: bytes) -> bool:
-        """Add ``message`` as entry ``position`` of ``log`` only if the log has exactly
-        ``position`` entries, atomically against concurrent writers; return False
-        (writing nothing) otherwise. Only where ``capabilities.conditional_append``."""
-        raise NotImplementedError(f"{type(self).__name__} has no conditional appends")
-
     def share(self, email: str) -> str:
         """Give the user ``email`` of this service read-write access to the namespace
         folder (an invitation they accept on the service); return one line saying what
         was done. Idempotent. Only where ``capabilities.sharing``."""
         raise NotImplementedError(f"{type(self).__name__} cannot share folders")
 
-    @abstractmethod
-    def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
-        """Return ``(position, message)`` for every entry at ``position >= start`` in
-        order. A missing log is empty, not an error."""
+    # --- logs (Table 2b) -----------------------------------------------------------------
+    def specific_logs(self) -> LogStore | None:
+        """This backend's own log construction, for a service whose logs are not (or
+        not only) the generic ones: a new store, or None (the default) to have
+        :func:`~metasync.backends.logs.log_store_for` choose a generic one from
+        :attr:`capabilities`. Called once per instance, by :attr:`logs`; no I/O."""
+        return None
 
-    def delete_log(self, log: str) -> int:
-        """Remove every entry of ``log`` and return how many objects went; a missing
-        log removes nothing. Entries go highest position first, so a reader at any
-        moment sees a prefix of the log (an earlier state of that acceptor). Only for
-        pPaxos log compaction, once a floor record covers the log (docs/FORMAT.md
-        §9.1), and only where ``capabilities.log_deletion``.
-
-        The default serves every layout whose entries are objects under ``log/``
-        (entry ``p`` named ``p`` in ten or more digits, helper objects named after
-        their position): it lists the log and deletes in that order."""
-        check_key(log)
-        keys = builtins.list(self.list(log))
-
-        def position_first(key: str) -> tuple[int, str]:
-            name = key[len(log) + 1:]
-            digits = name[: len(name) - len(name.lstrip("0123456789"))]
-            return (int(digits) if digits else -1, name)
-
-        removed = 0
-        for key in sorted(keys, key=position_first, reverse=True):
-            try:
-                self.delete(key)
-                removed += 1
-            except ObjectNotFound:
-                pass
-        return removed
+    @property
+    def logs(self) -> LogStore:
+        """This namespace's append-only logs (paper Table 2b): the store
+        :func:`~metasync.backends.logs.log_store_for` chose for this backend, made on
+        first use and the same object from then on (it may cache decided entries)."""
+        store = self._log_store
+        if store is None:
+            with _LOG_STORE_LOCK:
+                store = self._log_store
+                if store is None:
+                    store = self._log_store = log_store_for(self)
+        return store
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections. The default does nothing."""

@@ -62,6 +62,7 @@ from urllib.parse import urlsplit
 
 from metasync.backends import register
 from metasync.backends.base import (
+    Backend,
     Capabilities,
     ObjectReader,
     check_key,
@@ -88,7 +89,7 @@ from metasync.backends.cloud import (
     redirect_query,
 )
 from metasync.backends.http import pooled_session, requests_failure
-from metasync.backends.logs import ObjectStoreLogs
+from metasync.backends.logs import LogStore, ObjectStoreLogs
 from metasync.backends.retry import RetryMark, TransientError
 from metasync.backends.uploads import PendingUpload, UploadJournal
 from metasync.errors import (
@@ -272,7 +273,7 @@ def refresher(base_url: str | None, ca_file: str | None) -> Callable[[Grant], Gr
 
 
 @register
-class BoxBackend(CloudAccess, ObjectStoreLogs):
+class BoxBackend(CloudAccess, Backend):
     """A folder in Box, URI ``box:PATH?account=NAME`` (see the module docstring).
 
     Thread-safe: one requests session (connection pool) shared by all threads, at most
@@ -543,10 +544,6 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
             if fresh_id == file_id:
                 raise
             return self._call(key, action, lambda c: fn(c, fresh_id), on_retry)
-
-    def _entry_exists(self, key: str) -> bool:
-        """One preflight check (never a stale cached id): is there a file ``key``?"""
-        return self.poll(key) is not None
 
     def _file_info(self, key: str, fields: builtins.list[str]) -> Any:
         return self._with_file(key, "stat", lambda c, fid: c.files.get_file_by_id(
@@ -1163,6 +1160,12 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
             self._files[self._lower([*folders, name])] = conflict.id
         return f"{conflict.id}:{conflict.item.get('etag')}"
 
+    # --- logs ----------------------------------------------------------------------
+    def specific_logs(self) -> LogStore:
+        """The logs of exclusive creates (:class:`BoxLogs`), checking entries without
+        the cache of file ids."""
+        return BoxLogs(self)
+
     # --- sharing -------------------------------------------------------------------
     def share(self, email: str) -> str:
         """Invite ``email`` to the namespace folder as an editor (``POST
@@ -1201,6 +1204,20 @@ class BoxBackend(CloudAccess, ObjectStoreLogs):
         if result == "already":
             return f"{email} is already a collaborator on the Box folder {where}"
         return f"invited {email} to edit the Box folder {where}"
+
+
+class BoxLogs(ObjectStoreLogs):
+    """:class:`ObjectStoreLogs` on Box, whose ``append_at`` checks entry *p − 1* with
+    one preflight check (which never goes by a cached file id) rather than ``size``
+    (which does)."""
+
+    def __init__(self, backend: BoxBackend) -> None:
+        super().__init__(backend)
+        #: The Box backend (``self.backend``, with its preflight check).
+        self.box = backend
+
+    def has_entry(self, key: str) -> bool:
+        return self.box.poll(key) is not None
 
 
 class _BoxReader(ObjectReader):

@@ -36,13 +36,17 @@ Fixtures (override any of them in the subclass):
     ``FaultProxy`` (tests/servers/faultproxy.py) that can reset connections.
 
 Class attributes say which tests apply: ``backend_class`` (whose
-``capabilities`` decide the capability tests) and ``transient_faults`` (False
-for a backend without a network connection to break). Tests that do not apply
+``capabilities`` decide the capability tests), ``transient_faults`` (False
+for a backend without a network connection to break) and ``clients_are_threads``
+(True for a backend whose store lives in the test process, such as ``memory:``:
+the concurrent clients of the multi-client tests are then threads of this
+process instead of spawned processes). Tests that do not apply
 are *deselected* at collection time by :func:`deselect_inapplicable`, with the
 reason printed in the test summary; they are never silently skipped, so in CI
 "0 skipped" means every applicable backend test ran. ``require_capability``
-inside a test remains as a guard. No test sleeps or asserts on timing;
-process-based tests use a barrier so that the contended part starts together.
+inside a test remains as a guard. Logs are reached as ``backend.logs``. No test
+sleeps or asserts on timing; multi-client tests use a barrier so that the contended
+part starts together.
 The 100 MB streaming test is marked ``slow``.
 """
 
@@ -54,21 +58,26 @@ import multiprocessing
 import random
 import resource
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
-from multiprocessing.synchronize import Barrier
+from multiprocessing.synchronize import Barrier as ProcessBarrier
 from typing import Any, BinaryIO, cast
 
 import pytest
 
 from metasync.backends import Backend, open_backend
+from metasync.backends.logs import LogStore
 from metasync.errors import BackendError, InvalidKey, ObjectNotFound
 
 #: ``(uri, namespace)``: everything a child process needs to open a backend.
 Location = tuple[str, str]
+#: What the clients of a multi-client test wait on: a process barrier, or a thread
+#: barrier when the clients are threads (both have ``wait(timeout)`` and ``abort()``).
+Barrier = ProcessBarrier | threading.Barrier
 
 #: Seconds a test waits for its child processes before failing (a hang guard, not a
 #: timing assertion: generous enough for slow remote services).
@@ -142,6 +151,9 @@ def inapplicable_reason(item: pytest.Item) -> str | None:
             return f"{backend_class.__name__} lacks capability {name!r}"
     if item.get_closest_marker("needs_transient_faults") and not cls.transient_faults:
         return f"{cls.__name__}: the backend has no network connection to break"
+    if item.get_closest_marker("needs_separate_process") and cls.clients_are_threads:
+        return (f"{cls.__name__}: the backend's store lives in the test process, so the "
+                "measurement cannot run in a fresh one")
     if item.get_closest_marker("needs_large_objects") and backend_class is not None:
         limit = backend_class.capabilities.max_object_size
         if limit is not None and limit < LARGE_OBJECT_SIZE:
@@ -344,6 +356,71 @@ class ChildProcesses:
             conn.close()
 
 
+class ChildThreads:
+    """:class:`ChildProcesses` for a backend whose store lives in this process: each
+    ``target(barrier, *args)`` of ``arg_list`` runs in a thread of its own (the same
+    interface, the same barrier protocol)."""
+
+    def __init__(
+        self,
+        target: Callable[..., Any],
+        arg_list: Sequence[tuple[Any, ...]],
+        *,
+        parent_in_barrier: bool = False,
+    ) -> None:
+        self.barrier = threading.Barrier(len(arg_list) + int(parent_in_barrier))
+        self._results: dict[int, tuple[str, Any]] = {}
+        self._lock = threading.Lock()
+        self._threads = [
+            # Daemon threads: one stuck on a broken backend must not keep pytest alive.
+            threading.Thread(target=self._run, args=(index, target, args), daemon=True)
+            for index, args in enumerate(arg_list)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, index: int, target: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            outcome: tuple[str, Any] = ("ok", target(self.barrier, *args))
+        except BaseException:
+            self.barrier.abort()  # siblings waiting for us fail fast instead of hanging
+            outcome = ("error", traceback.format_exc())
+        with self._lock:
+            self._results[index] = outcome
+
+    def __enter__(self) -> ChildThreads:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def done(self) -> bool:
+        """True once every thread has reported (never blocks)."""
+        return not any(thread.is_alive() for thread in self._threads)
+
+    def results(self, timeout: float = CHILD_TIMEOUT) -> list[Any]:
+        """Each thread's return value, in ``arg_list`` order; AssertionError if any
+        failed or did not finish within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        try:
+            for thread in self._threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            if not self.done():
+                raise AssertionError(f"client threads did not finish within {timeout}s")
+        finally:
+            self.close()
+        errors = [text for status, text in self._results.values() if status != "ok"]
+        if errors:
+            raise AssertionError("client thread failed:\n" + "\n".join(errors))
+        return [self._results[i][1] for i in range(len(self._threads))]
+
+    def close(self) -> None:
+        """Break the barrier for threads still waiting on it (a test that failed
+        before releasing them), so that they end instead of waiting forever."""
+        if not self.done():
+            self.barrier.abort()
+
+
 def _barrier_wait(barrier: Barrier) -> None:
     barrier.wait(timeout=CHILD_TIMEOUT)
 
@@ -354,7 +431,7 @@ def _append_worker(
     backend = open_backend(*location)
     try:
         _barrier_wait(barrier)
-        return [backend.append(log, append_message(worker, i)) for i in range(count)]
+        return [backend.logs.append(log, append_message(worker, i)) for i in range(count)]
     finally:
         backend.close()
 
@@ -372,7 +449,7 @@ def _append_at_worker(barrier: Barrier, location: Location, log: str, worker: in
     backend = open_backend(*location)
     try:
         _barrier_wait(barrier)
-        return backend.append_at(log, 1, f"racer={worker}".encode())
+        return backend.logs.append_at(log, 1, f"racer={worker}".encode())
     finally:
         backend.close()
 
@@ -444,6 +521,21 @@ class BackendConformance:
     #: whose appends cost many requests (Disk Paxos logs) may lower it; the test
     #: still runs 6 processes contending for every position.
     appends_per_worker: int = 25
+    #: The backend's store lives in this process (``memory:``), out of reach of other
+    #: processes: the multi-client tests run their clients as threads.
+    clients_are_threads: bool = False
+
+    def clients(
+        self,
+        target: Callable[..., Any],
+        arg_list: Sequence[tuple[Any, ...]],
+        *,
+        parent_in_barrier: bool = False,
+    ) -> ChildProcesses | ChildThreads:
+        """Concurrent clients each running ``target(barrier, *args)``: spawned
+        processes (:class:`ChildProcesses`), or threads where ``clients_are_threads``."""
+        kind = ChildThreads if self.clients_are_threads else ChildProcesses
+        return kind(target, arg_list, parent_in_barrier=parent_in_barrier)
 
     @pytest.fixture
     def unicode_location(self) -> Location:
@@ -685,8 +777,8 @@ class BackendConformance:
             "size": backend.size,
             "delete": backend.delete,
             "poll": backend.poll,
-            "append": lambda k: backend.append(k, b"x"),
-            "fetch": backend.fetch,
+            "append": lambda k: backend.logs.append(k, b"x"),
+            "fetch": backend.logs.fetch,
         }
         for key in INVALID_KEYS:
             for name, operation in operations.items():
@@ -744,7 +836,7 @@ class BackendConformance:
         one succeeds and the object holds the winner's data."""
         require_capability(backend, "conditional_create")
         workers = 6
-        children = ChildProcesses(
+        children = self.clients(
             _put_if_absent_worker, [(backend_location, "race", w) for w in range(workers)]
         )
         won = children.results()
@@ -782,36 +874,47 @@ class BackendConformance:
         assert after is not None and after != before
 
     # --- append / fetch ------------------------------------------------------------------
+    def test_logs_are_one_component_per_backend(
+        self, backend: Backend, backend_factory: Callable[[], Backend]
+    ) -> None:
+        """backend.logs is a LogStore, the same object on every use (decided entries it
+        caches stay with it), and another client has its own."""
+        logs = backend.logs
+        assert isinstance(logs, LogStore)
+        assert backend.logs is logs
+        other = backend_factory()
+        assert isinstance(other.logs, LogStore) and other.logs is not logs
+
     def test_append_fetch_order(self, backend: Backend) -> None:
         """append returns positions 0, 1, 2, ...; fetch returns (position, message) in
         that order, messages byte-exact (including b'' and every byte value)."""
         messages = [b"zero", b"", bytes(range(256)), b"three" * 1000]
-        positions = [backend.append("log", m) for m in messages]
+        positions = [backend.logs.append("log", m) for m in messages]
         assert positions == [0, 1, 2, 3]
-        assert backend.fetch("log") == list(enumerate(messages))
+        assert backend.logs.fetch("log") == list(enumerate(messages))
 
     def test_fetch_start(self, backend: Backend) -> None:
         """fetch(start) returns exactly the entries at positions >= start."""
         for i in range(5):
-            backend.append("log", f"m{i}".encode())
-        assert backend.fetch("log", 0) == [(i, f"m{i}".encode()) for i in range(5)]
-        assert backend.fetch("log", 3) == [(3, b"m3"), (4, b"m4")]
-        assert backend.fetch("log", 4) == [(4, b"m4")]
-        assert backend.fetch("log", 5) == []
-        assert backend.fetch("log", 100) == []
+            backend.logs.append("log", f"m{i}".encode())
+        assert backend.logs.fetch("log", 0) == [(i, f"m{i}".encode()) for i in range(5)]
+        assert backend.logs.fetch("log", 3) == [(3, b"m3"), (4, b"m4")]
+        assert backend.logs.fetch("log", 4) == [(4, b"m4")]
+        assert backend.logs.fetch("log", 5) == []
+        assert backend.logs.fetch("log", 100) == []
 
     def test_fetch_missing_log_is_empty(self, backend: Backend) -> None:
         """fetch of a log never appended to is [], not an error."""
-        assert backend.fetch("never") == []
-        assert backend.fetch("nested/never", 3) == []
+        assert backend.logs.fetch("never") == []
+        assert backend.logs.fetch("nested/never", 3) == []
 
     def test_logs_are_independent(self, backend: Backend) -> None:
         """Each log has its own positions starting at 0."""
-        assert backend.append("logs/one", b"a") == 0
-        assert backend.append("logs/two", b"b") == 0
-        assert backend.append("logs/one", b"c") == 1
-        assert backend.fetch("logs/one") == [(0, b"a"), (1, b"c")]
-        assert backend.fetch("logs/two") == [(0, b"b")]
+        assert backend.logs.append("logs/one", b"a") == 0
+        assert backend.logs.append("logs/two", b"b") == 0
+        assert backend.logs.append("logs/one", b"c") == 1
+        assert backend.logs.fetch("logs/one") == [(0, b"a"), (1, b"c")]
+        assert backend.logs.fetch("logs/two") == [(0, b"b")]
 
     @needs_capability("log_deletion")
     def test_delete_log_removes_only_that_log(
@@ -822,44 +925,44 @@ class BackendConformance:
         removes nothing for a missing log."""
         require_capability(backend, "log_deletion")
         for i in range(3):
-            backend.append("log/000000000001", f"m{i}".encode())
-        backend.append("log/000000000002", b"kept")
+            backend.logs.append("log/000000000001", f"m{i}".encode())
+        backend.logs.append("log/000000000002", b"kept")
         backend.put("log-neighbour", b"object")
-        assert backend.fetch("log/000000000001") != []  # and it may now be cached
-        assert backend.delete_log("log/000000000001") >= 3
+        assert backend.logs.fetch("log/000000000001") != []  # and it may now be cached
+        assert backend.logs.delete_log("log/000000000001") >= 3
         other = backend_factory()
-        assert backend.fetch("log/000000000001") == other.fetch("log/000000000001") == []
-        assert backend.fetch("log/000000000002") == [(0, b"kept")]
+        assert backend.logs.fetch("log/000000000001") == other.logs.fetch("log/000000000001") == []
+        assert backend.logs.fetch("log/000000000002") == [(0, b"kept")]
         assert backend.get("log-neighbour") == b"object"
-        assert backend.delete_log("log/000000000001") == 0
-        assert backend.delete_log("log/000000000099") == 0
-        assert backend.append("log/000000000001", b"again") == 0
-        assert other.fetch("log/000000000001") == [(0, b"again")]
+        assert backend.logs.delete_log("log/000000000001") == 0
+        assert backend.logs.delete_log("log/000000000099") == 0
+        assert backend.logs.append("log/000000000001", b"again") == 0
+        assert other.logs.fetch("log/000000000001") == [(0, b"again")]
 
     def test_appends_of_two_clients_share_one_order(
         self, backend: Backend, backend_factory: Callable[[], Backend]
     ) -> None:
         """Appends by two clients interleave into one log both fetch identically."""
         other = backend_factory()
-        assert backend.append("log", b"a") == 0
-        assert other.append("log", b"b") == 1
-        assert backend.append("log", b"c") == 2
-        assert backend.fetch("log") == other.fetch("log") == [(0, b"a"), (1, b"b"), (2, b"c")]
+        assert backend.logs.append("log", b"a") == 0
+        assert other.logs.append("log", b"b") == 1
+        assert backend.logs.append("log", b"c") == 2
+        assert backend.logs.fetch("log") == other.logs.fetch("log") == [(0, b"a"), (1, b"b"), (2, b"c")]
 
     @needs_capability("conditional_append")
     def test_append_at_writes_only_at_the_end(self, backend: Backend) -> None:
         """append_at succeeds exactly when the log has ``position`` entries: at the
         end it writes; at a taken position or past the end it writes nothing."""
         require_capability(backend, "conditional_append")
-        assert backend.append_at("log", 0, b"a") is True
-        assert backend.append_at("log", 0, b"x") is False  # taken
-        assert backend.append_at("log", 2, b"x") is False  # past the end
-        assert backend.append("log", b"b") == 1  # plain appends share the positions
-        assert backend.append_at("log", 1, b"x") is False
-        assert backend.append_at("log", 2, b"c") is True
-        assert backend.fetch("log") == [(0, b"a"), (1, b"b"), (2, b"c")]
-        assert backend.append_at("other", 0, b"") is True
-        assert backend.fetch("other") == [(0, b"")]
+        assert backend.logs.append_at("log", 0, b"a") is True
+        assert backend.logs.append_at("log", 0, b"x") is False  # taken
+        assert backend.logs.append_at("log", 2, b"x") is False  # past the end
+        assert backend.logs.append("log", b"b") == 1  # plain appends share the positions
+        assert backend.logs.append_at("log", 1, b"x") is False
+        assert backend.logs.append_at("log", 2, b"c") is True
+        assert backend.logs.fetch("log") == [(0, b"a"), (1, b"b"), (2, b"c")]
+        assert backend.logs.append_at("other", 0, b"") is True
+        assert backend.logs.fetch("other") == [(0, b"")]
 
     @needs_capability("conditional_append")
     def test_append_at_race_has_one_winner(
@@ -868,13 +971,13 @@ class BackendConformance:
         """6 processes append_at the same position at once: exactly one succeeds and
         the log then holds that one's message there, once."""
         require_capability(backend, "conditional_append")
-        backend.append("race", b"first")
-        children = ChildProcesses(
+        backend.logs.append("race", b"first")
+        children = self.clients(
             _append_at_worker, [(backend_location, "race", w) for w in range(6)]
         )
         results = children.results()
         assert sorted(results) == [False] * 5 + [True], results
-        entries = backend.fetch("race")
+        entries = backend.logs.fetch("race")
         assert [p for p, _ in entries] == [0, 1]
         assert entries[1][1] == f"racer={results.index(True)}".encode()
 
@@ -888,7 +991,7 @@ class BackendConformance:
         each fetch extends the previous one (entries never change or move)."""
         workers, count = 6, self.appends_per_worker
         expected_set = {append_message(w, i) for w in range(workers) for i in range(count)}
-        with ChildProcesses(
+        with self.clients(
             _append_worker,
             [(backend_location, "sync/log", w, count) for w in range(workers)],
             parent_in_barrier=True,
@@ -896,14 +999,14 @@ class BackendConformance:
             children.barrier.wait(timeout=CHILD_TIMEOUT)
             seen: list[tuple[int, bytes]] = []
             while not children.done():
-                now = backend.fetch("sync/log")
+                now = backend.logs.fetch("sync/log")
                 assert [p for p, _ in now] == list(range(len(now))), "gap in positions"
                 assert all(m in expected_set for _, m in now), "torn or foreign entry"
                 assert now[: len(seen)] == seen, "an entry changed or moved"
                 seen = now
             returned = children.results()
         total = workers * count
-        entries = backend.fetch("sync/log")
+        entries = backend.logs.fetch("sync/log")
         assert [position for position, _ in entries] == list(range(total))
         messages = [message for _, message in entries]
         expected = sorted(expected_set)
@@ -914,14 +1017,14 @@ class BackendConformance:
             assert positions == sorted(positions), f"worker {worker} saw its order change"
             for index, position in enumerate(positions):
                 assert messages[position] == append_message(worker, index)
-        assert backend_factory().fetch("sync/log") == entries
+        assert backend_factory().logs.fetch("sync/log") == entries
 
     # --- atomicity -----------------------------------------------------------------------
     def test_put_is_atomic_for_readers(self, backend: Backend, backend_location: Location) -> None:
         """While another process overwrites a key repeatedly, every get returns one
         complete version (never a mix or a prefix) and the key never disappears."""
         backend.put("atomic", versioned_payload(0))
-        with ChildProcesses(
+        with self.clients(
             overwrite_worker, [(backend_location, "atomic", 30)], parent_in_barrier=True
         ) as children:
             children.barrier.wait(timeout=CHILD_TIMEOUT)
@@ -933,6 +1036,7 @@ class BackendConformance:
     # --- large objects -------------------------------------------------------------------
     @pytest.mark.slow
     @pytest.mark.needs_large_objects
+    @pytest.mark.needs_separate_process
     def test_large_object_streams_in_flat_memory(
         self, backend: Backend, backend_location: Location
     ) -> None:
@@ -1004,9 +1108,9 @@ class BackendConformance:
             backend.put("a/c", io.BytesIO(b"streamed"))
             assert other.get("a/b") == b"data"
             assert sorted(other.list("a")) == ["a/b", "a/c"]
-            assert backend.append("log/x", b"m0") == 0
-            assert other.append("log/x", b"m1") == 1
-            assert backend.fetch("log/x") == [(0, b"m0"), (1, b"m1")]
+            assert backend.logs.append("log/x", b"m0") == 0
+            assert other.logs.append("log/x", b"m1") == 1
+            assert backend.logs.fetch("log/x") == [(0, b"m0"), (1, b"m1")]
             other.delete("a/c")
             assert sorted(backend.list("a")) == ["a/b"]
         finally:
@@ -1033,9 +1137,9 @@ class BackendConformance:
                 ("list", lambda: sorted(backend.list()), ["big", "k"]),
                 ("put_if_absent new", lambda: backend.put_if_absent("p", b"x"), True),
                 ("put_if_absent taken", lambda: backend.put_if_absent("k", b"x"), False),
-                ("append", lambda: backend.append("log", b"e0"), 0),
-                ("append again", lambda: backend.append("log", b"e1"), 1),
-                ("fetch", lambda: backend.fetch("log"), [(0, b"e0"), (1, b"e1")]),
+                ("append", lambda: backend.logs.append("log", b"e0"), 0),
+                ("append again", lambda: backend.logs.append("log", b"e1"), 1),
+                ("fetch", lambda: backend.logs.fetch("log"), [(0, b"e0"), (1, b"e1")]),
                 ("poll", lambda: backend.poll("k") is not None, True),
                 ("delete", lambda: backend.delete("p"), None),
             ]
@@ -1046,7 +1150,7 @@ class BackendConformance:
             assert proxy.injected >= before + 2 * len(operations), "faults did not happen"
             proxy.break_connections()
             assert backend.get("k") == b"first"
-            assert backend.fetch("log") == [(0, b"e0"), (1, b"e1")]
+            assert backend.logs.fetch("log") == [(0, b"e0"), (1, b"e1")]
             with pytest.raises(ObjectNotFound):
                 backend.get("p")
         finally:

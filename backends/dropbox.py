@@ -43,6 +43,7 @@ from typing import Any, BinaryIO, cast
 
 from metasync.backends import register
 from metasync.backends.base import (
+    Backend,
     Capabilities,
     check_key,
     check_prefix,
@@ -64,7 +65,6 @@ from metasync.backends.cloud import (
     parse_cloud_uri,
 )
 from metasync.backends.http import ResponseReader, pin_ca, range_of_chunks, requests_failure
-from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import RetryMark, TransientError
 from metasync.backends.uploads import NO_JOURNAL, PendingUpload, UploadJournal
 from metasync.errors import (
@@ -202,7 +202,7 @@ def refresher(base_url: str | None, ca_file: str | None) -> Callable[[Grant], Gr
 
 
 @register
-class DropboxBackend(CloudAccess, ObjectStoreLogs):
+class DropboxBackend(CloudAccess, Backend):
     """A folder in Dropbox, URI ``dropbox:PATH?account=NAME`` (see the module docstring).
 
     Thread-safe: one requests session (connection pool) shared by all threads, at

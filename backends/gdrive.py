@@ -87,6 +87,7 @@ from metasync.backends.cloud import (
     pasted_code,
 )
 from metasync.backends.http import pin_ca
+from metasync.backends.logs import LogStore
 from metasync.backends.retry import TransientError
 from metasync.backends.uploads import PendingUpload, UploadJournal
 from metasync.errors import (
@@ -408,7 +409,6 @@ class GDriveBackend(CloudAccess, Backend):
         #: Key -> id of the file last seen holding it (a hint; checked on use).
         self._files: dict[str, str] = {}
         self._ids: builtins.list[str] = []
-        self.logs = DriveLogs(self)
 
     @property
     def name(self) -> str:
@@ -1097,14 +1097,10 @@ class GDriveBackend(CloudAccess, Backend):
                 f":{found.get('size', '')}")
 
     # --- logs ----------------------------------------------------------------------
-    def append(self, log: str, message: bytes) -> int:
-        return self.logs.append(log, message)
-
-    def append_at(self, log: str, position: int, message: bytes) -> bool:
-        return self.logs.append_at(log, position, message)
-
-    def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
-        return self.logs.fetch(log, start)
+    def specific_logs(self) -> LogStore:
+        """Logs from exclusive creates by reserved id (:class:`DriveLogs`): Drive has no
+        exclusive create by name."""
+        return DriveLogs(self)
 
     # --- sharing -------------------------------------------------------------------
     def share(self, email: str) -> str:
@@ -1264,7 +1260,7 @@ class _Chain:
         return self.entries[last].successors[position - last - 1]
 
 
-class DriveLogs:
+class DriveLogs(LogStore):
     """Append-only logs on Drive from exclusive creates by reserved id.
 
     Layout (all items are created with ids from ``files.generateIds``; the
@@ -1550,6 +1546,14 @@ class DriveLogs:
                 return False
             return False
         return bool(self._create_entry(log, chain, position, token, message))
+
+    def delete_log(self, log: str) -> int:
+        """Not on Drive (``log_deletion`` is False): a log's first entry is a link of
+        its index bucket's chain of log heads, so removing it would cut other logs off.
+        Raises :class:`NotImplementedError`."""
+        raise NotImplementedError(
+            f"{self.b.name} keeps its logs: Google Drive logs cannot be deleted"
+        )
 
 
 def _read_many(get: Callable[[str | None], LogEntry | None],

@@ -24,7 +24,6 @@ from __future__ import annotations
 import builtins
 import errno
 import os
-import re
 import secrets
 import stat
 from collections.abc import Iterator, Sequence
@@ -40,6 +39,7 @@ from metasync.backends.base import (
     check_prefix,
     is_key_part,
 )
+from metasync.backends.logs import LogStore, entry_name, entry_position
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
@@ -50,11 +50,6 @@ from metasync.errors import (
 
 #: Streams are copied in pieces of this size, so memory use does not grow with the object.
 CHUNK_SIZE = 1 << 20
-
-# Log entries are named by their zero-padded position. Exactly the canonical
-# spelling counts: an entry must have one name, or two names could claim a position.
-_ENTRY_NAME = re.compile(r"^[0-9]{10,}$")
-
 
 def _errnos(*names: str) -> frozenset[int]:
     # Not every platform defines every errno; take the ones that exist.
@@ -69,19 +64,6 @@ _TRANSIENT = _errnos("EAGAIN", "EBUSY", "EINTR", "ETIMEDOUT", "EIO")
 _NO_HARDLINKS = _errnos("EPERM", "ENOTSUP", "EOPNOTSUPP", "ENOSYS", "EXDEV")
 # fsync on a folder is not supported everywhere; durability is then best effort.
 _FSYNC_DIR_UNSUPPORTED = _errnos("EINVAL", "ENOTSUP", "EOPNOTSUPP", "EBADF", "EACCES", "EPERM")
-
-
-def _entry_name(position: int) -> str:
-    return f"{position:010d}"
-
-
-def _entry_position(name: str) -> int | None:
-    """The position a log entry file name stands for, or None for any other name."""
-    if not _ENTRY_NAME.match(name):
-        return None
-    position = int(name)
-    return position if _entry_name(position) == name else None
-
 
 
 def _fsync_dir(path: str) -> None:
@@ -536,7 +518,22 @@ class LocalBackend(Backend):
             return None
         return f"{st.st_mtime_ns}:{st.st_size}:{st.st_ino}"
 
-    # --- synchronization -----------------------------------------------------------
+    # --- logs ----------------------------------------------------------------------
+    def specific_logs(self) -> LogStore:
+        """Logs as folders of hard-linked entry files (:class:`LocalLogs`)."""
+        return LocalLogs(self)
+
+
+class LocalLogs(LogStore):
+    """The logs of a ``dir:`` backend: log ``L`` is the folder ``L/`` and entry *p*
+    the file ``L/<p:010d>``, published complete by an exclusive ``link()``
+    (docs/FORMAT.md §11.1). Entries are read from disk on every fetch (no cache:
+    a local read costs little)."""
+
+    def __init__(self, backend: LocalBackend) -> None:
+        #: The backend whose folder holds the logs.
+        self.backend = backend
+
     def append(self, log: str, message: bytes) -> int:
         """Append ``message`` to the log folder ``log/``; return its position.
 
@@ -547,23 +544,23 @@ class LocalBackend(Backend):
         and a position is only taken when the one before it exists, so positions
         stay contiguous and every reader sees the same order.
         """
-        self._key(log)
-        self._require_root()
+        self.backend._key(log)
+        self.backend._require_root()
         parts = log.split("/")
-        folder = self._path(log)
+        folder = self.backend._path(log)
         try:
-            self._make_dirs(parts)
-            tmp = self._write_temp(folder, log, message)
+            self.backend._make_dirs(parts)
+            tmp = self.backend._write_temp(folder, log, message)
             try:
                 # Listed after the slow part (writing), so the guess is as fresh as possible.
                 position = self._next_position(folder)
-                while not _link_exclusive(tmp, os.path.join(folder, _entry_name(position))):
+                while not _link_exclusive(tmp, os.path.join(folder, entry_name(position))):
                     position += 1
             finally:
                 _unlink_quietly(tmp)
             _fsync_dir(folder)
         except OSError as exc:
-            raise self._link_error(exc, log, "append to", "atomic appends") from exc
+            raise self.backend._link_error(exc, log, "append to", "atomic appends") from exc
         return position
 
     def append_at(self, log: str, position: int, message: bytes) -> bool:
@@ -572,22 +569,22 @@ class LocalBackend(Backend):
         exactly ``position`` entries); the exclusive link makes racers agree."""
         if position < 0:
             raise ValueError(f"append_at needs position >= 0, got {position}")
-        self._key(log)
-        self._require_root()
-        folder = self._path(log)
+        self.backend._key(log)
+        self.backend._require_root()
+        folder = self.backend._path(log)
         try:
-            self._make_dirs(log.split("/"))
-            if position > 0 and not os.path.exists(os.path.join(folder, _entry_name(position - 1))):
+            self.backend._make_dirs(log.split("/"))
+            if position > 0 and not os.path.exists(os.path.join(folder, entry_name(position - 1))):
                 return False
-            tmp = self._write_temp(folder, log, message)
+            tmp = self.backend._write_temp(folder, log, message)
             try:
-                written = _link_exclusive(tmp, os.path.join(folder, _entry_name(position)))
+                written = _link_exclusive(tmp, os.path.join(folder, entry_name(position)))
             finally:
                 _unlink_quietly(tmp)
             if written:
                 _fsync_dir(folder)
         except OSError as exc:
-            raise self._link_error(exc, log, "append to", "atomic appends") from exc
+            raise self.backend._link_error(exc, log, "append to", "atomic appends") from exc
         return written
 
     def _next_position(self, folder: str) -> int:
@@ -595,7 +592,7 @@ class LocalBackend(Backend):
         highest = -1
         with os.scandir(folder) as it:
             for entry in it:
-                position = _entry_position(entry.name)
+                position = entry_position(entry.name)
                 if position is not None and position > highest:
                     highest = position
         return highest + 1
@@ -603,16 +600,16 @@ class LocalBackend(Backend):
     def delete_log(self, log: str) -> int:
         """Unlink the entries of the log folder ``log/``, highest first (a reader sees
         a prefix meanwhile), then the folder itself; stray temp files go too."""
-        self._key(log)
-        self._require_root()
-        folder = self._path(log)
+        self.backend._key(log)
+        self.backend._require_root()
+        folder = self.backend._path(log)
         try:
             names = os.listdir(folder)
         except (FileNotFoundError, NotADirectoryError):
             return 0
         except OSError as exc:
-            raise self._error(exc, log, "delete", not_found=False) from exc
-        entries = sorted(((p, n) for n in names if (p := _entry_position(n)) is not None),
+            raise self.backend._error(exc, log, "delete", not_found=False) from exc
+        entries = sorted(((p, n) for n in names if (p := entry_position(n)) is not None),
                          reverse=True)
         removed = 0
         try:
@@ -626,7 +623,7 @@ class LocalBackend(Backend):
             pass
         except OSError as exc:
             if exc.errno != errno.ENOTEMPTY:  # else a late writer added an entry: kept
-                raise self._error(exc, log, "delete", not_found=False) from exc
+                raise self.backend._error(exc, log, "delete", not_found=False) from exc
         return removed
 
     def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
@@ -635,28 +632,28 @@ class LocalBackend(Backend):
         log folder are ignored."""
         if start < 0:
             raise ValueError(f"fetch needs start >= 0, got {start}")
-        self._key(log)
-        self._require_root()
-        folder = self._path(log)
+        self.backend._key(log)
+        self.backend._require_root()
+        folder = self.backend._path(log)
         try:
             names = os.listdir(folder)
         except (FileNotFoundError, NotADirectoryError) as exc:
-            if not os.path.isdir(self.root):
-                raise self._unavailable(exc) from exc
+            if not os.path.isdir(self.backend.root):
+                raise self.backend._unavailable(exc) from exc
             return []
         except OSError as exc:
-            raise self._error(exc, log, "read", not_found=False) from exc
+            raise self.backend._error(exc, log, "read", not_found=False) from exc
         positions = sorted(
             position
-            for position in map(_entry_position, names)
+            for position in map(entry_position, names)
             if position is not None and position >= start
         )
         entries: builtins.list[tuple[int, bytes]] = []
         for position in positions:
             try:
-                with open(os.path.join(folder, _entry_name(position)), "rb") as f:
+                with open(os.path.join(folder, entry_name(position)), "rb") as f:
                     entries.append((position, f.read()))
             except OSError as exc:
                 # Entries are never removed by metasync, so a vanished one is an error.
-                raise self._error(exc, log, "read", not_found=False) from exc
+                raise self.backend._error(exc, log, "read", not_found=False) from exc
         return entries

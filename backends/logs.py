@@ -1,6 +1,17 @@
-"""Append-only logs (paper Table 2b) built from a service's object operations.
+"""Append-only logs (paper Table 2b): the log component of every backend.
 
-Two constructions, chosen by what the service offers:
+pPaxos uses each backend as a passive append-only log. A backend's logs are a
+:class:`LogStore` (``append``, ``append_at``, ``fetch``, ``delete_log``), reached as
+``backend.logs`` and made once per backend instance by :func:`log_store_for`:
+
+- the backend's own construction where it has one (``Backend.specific_logs``): the
+  ``dir:`` folder's hard links, WebDAV locks, Google Drive's reserved ids;
+- else :class:`ObjectStoreLogs` where ``put_if_absent`` is atomic
+  (``capabilities.conditional_create``);
+- else :class:`RegisterLogs`, which needs only an atomic whole-object replace.
+
+The two generic constructions hold a backend and use only its object operations
+(:class:`ObjectStore`):
 
 :class:`ObjectStoreLogs`, for services with an atomic exclusive create
 (``capabilities.conditional_create``: S3's ``If-None-Match: *``, SFTP's
@@ -17,8 +28,12 @@ decided by Disk Paxos (Gafni and Lamport) on this one service: every attempt to
 write position *p* owns a private register, written as a new object
 ``L/<p:010d>.b.<32 hex>.<version>`` each time (so no object is ever replaced: some
 WebDAV servers replace a file by deleting it first, and a listing in that moment
-would miss it), and the decided entry is published as ``L/<p:010d>``. Safety needs only that a read or listing that starts after a write
-finished sees that write; it does not depend on timing. See docs/FORMAT.md §11.
+would miss it), and the decided entry is published as ``L/<p:010d>``. Safety needs
+only that a read or listing that starts after a write finished sees that write; it
+does not depend on timing. See docs/FORMAT.md §11.
+
+This module sits below :mod:`.base` (which reaches it through ``Backend.logs``), so
+it names backends only through the :class:`ObjectStore` protocol.
 """
 
 from __future__ import annotations
@@ -30,12 +45,14 @@ import re
 import secrets
 import struct
 import time
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import BinaryIO, Protocol, TypeVar
 
-from metasync.backends.base import Backend, check_key
+from metasync.backends.capabilities import Capabilities
+from metasync.backends.keys import check_key
 from metasync.backends.retry import TransientError
 from metasync.errors import BackendError, FormatError, ObjectNotFound
 
@@ -46,6 +63,82 @@ R = TypeVar("R")
 # could claim one position.
 _ENTRY = re.compile(r"^[0-9]{10,}$")
 _BLOCK = re.compile(r"^([0-9]{10,})\.b\.([0-9a-f]{32})\.([1-9][0-9]{0,8})$")
+
+
+class LogStore(ABC):
+    """The append-only logs of one backend namespace (paper Table 2b).
+
+    A log is named by a key (:func:`check_key`; an invalid name raises
+    :class:`InvalidKey` before the service is touched) and holds entries at
+    positions 0, 1, 2, ... Failures follow the backend error contract
+    (:mod:`metasync.backends.base`): :class:`BackendUnavailable` for an unreachable
+    service, :class:`BackendError` otherwise. A store is safe to use from several
+    threads, like its backend.
+    """
+
+    @abstractmethod
+    def append(self, log: str, message: bytes) -> int:
+        """Append ``message`` to the append-only list ``log`` atomically, even with
+        concurrent appenders in other processes; return its position (0-based).
+        No entry is lost or duplicated and every reader sees one order."""
+
+    @abstractmethod
+    def append_at(self, log: str, position: int, message: bytes) -> bool:
+        """Add ``message`` as entry ``position`` of ``log`` only if the log has exactly
+        ``position`` entries, atomically against concurrent writers; return False
+        (writing nothing) otherwise. Only where the backend declares
+        ``capabilities.conditional_append``. :class:`ValueError` for a negative
+        ``position``."""
+
+    @abstractmethod
+    def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
+        """Return ``(position, message)`` for every entry at ``position >= start`` in
+        order. A missing log is empty, not an error. :class:`ValueError` for a
+        negative ``start``."""
+
+    @abstractmethod
+    def delete_log(self, log: str) -> int:
+        """Remove every entry of ``log`` and return how many objects went; a missing
+        log removes nothing. Entries go highest position first, so a reader at any
+        moment sees a prefix of the log (an earlier state of that acceptor). Only for
+        pPaxos log compaction, once a floor record covers the log (docs/FORMAT.md
+        §9.1), and only where the backend declares ``capabilities.log_deletion``."""
+
+
+class ObjectStore(Protocol):
+    """What this module uses of a backend: its object operations (paper Table 2a,
+    with the contracts of :class:`metasync.backends.base.Backend`), its declared
+    capabilities and its own log construction, if any. Every ``Backend`` is one."""
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def put(self, key: str, data: bytes | BinaryIO) -> None: ...
+
+    def put_if_absent(self, key: str, data: bytes) -> bool: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def size(self, key: str) -> int: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def list(self, prefix: str = "") -> Iterator[str]: ...
+
+    def specific_logs(self) -> LogStore | None: ...
+
+
+def log_store_for(backend: ObjectStore) -> LogStore:
+    """A new log store for ``backend`` (``Backend.logs`` keeps one per instance): the
+    backend's own construction if it has one, else :class:`ObjectStoreLogs` where
+    ``put_if_absent`` is atomic (``capabilities.conditional_create``), else
+    :class:`RegisterLogs`, which needs only whole-object replaces. Does no I/O."""
+    own = backend.specific_logs()
+    if own is not None:
+        return own
+    if backend.capabilities.conditional_create:
+        return ObjectStoreLogs(backend)
+    return RegisterLogs(backend)
 
 
 def entry_name(position: int) -> str:
@@ -61,18 +154,41 @@ def entry_position(name: str) -> int | None:
     return position if entry_name(position) == name else None
 
 
-def log_children(backend: Backend, log: str) -> builtins.list[str]:
+def log_children(backend: ObjectStore, log: str) -> builtins.list[str]:
     """Names directly inside the log folder ``log``."""
     prefix = log + "/"
     return [key[len(prefix) :] for key in backend.list(log) if "/" not in key[len(prefix) :]]
 
 
-#: Decided entries remembered per backend instance (they never change), so that
-#: fetching a growing log re-reads only the new entries.
+def delete_log_objects(backend: ObjectStore, log: str) -> int:
+    """``delete_log`` for every layout whose entries are objects under ``log/`` (entry
+    ``p`` named ``p`` in ten or more digits, helper objects named after their
+    position): list the log, then delete highest position first. Returns how many
+    objects went (one deleted meanwhile by another client does not count)."""
+    check_key(log)
+    keys = builtins.list(backend.list(log))
+
+    def position_first(key: str) -> tuple[int, str]:
+        name = key[len(log) + 1:]
+        digits = name[: len(name) - len(name.lstrip("0123456789"))]
+        return (int(digits) if digits else -1, name)
+
+    removed = 0
+    for key in sorted(keys, key=position_first, reverse=True):
+        try:
+            backend.delete(key)
+            removed += 1
+        except ObjectNotFound:
+            pass
+    return removed
+
+
+#: Decided entries remembered per log store (one per backend instance; entries never
+#: change), so that fetching a growing log re-reads only the new entries.
 ENTRY_CACHE_LIMIT = 4096
 
 
-class _EntryCache:
+class EntryCache:
     """Entry bytes by ``(log, position)``; cleared whole when it grows past the limit."""
 
     def __init__(self) -> None:
@@ -101,43 +217,48 @@ class _EntryCache:
             del self.entries[key]
 
 
-class CachedEntries(Backend):
-    """Logs whose entries :func:`entry_cache` keeps: deleting a log also drops its
-    cached entries, so a position written again is read afresh."""
+class CachedEntries(LogStore):
+    """Logs kept as objects under ``log/`` on ``backend``, whose decided entries
+    :attr:`entries` remembers: ``delete_log`` removes the log's objects
+    (:func:`delete_log_objects`) and forgets its cached entries, so a position
+    written again is read afresh."""
+
+    def __init__(self, backend: ObjectStore) -> None:
+        #: The backend whose objects hold the logs.
+        self.backend = backend
+        #: Decided entries already read (or written) through this store.
+        self.entries = EntryCache()
 
     def delete_log(self, log: str) -> int:
-        removed = super().delete_log(log)
-        entry_cache(self).forget(log)
+        removed = delete_log_objects(self.backend, log)
+        self.entries.forget(log)
         return removed
 
 
-def entry_cache(backend: Backend) -> _EntryCache:
-    cache = getattr(backend, "_metasync_entry_cache", None)
-    if cache is None:
-        cache = _EntryCache()
-        backend._metasync_entry_cache = cache
-    return cache
-
-
 class ObjectStoreLogs(CachedEntries):
-    """``append``, ``append_at`` and ``fetch`` from ``put_if_absent`` (which must be
-    atomic), ``size`` and ``list``."""
+    """``append``, ``append_at`` and ``fetch`` from the backend's ``put_if_absent``
+    (which must be atomic: ``capabilities.conditional_create``), ``size`` and
+    ``list``."""
 
-    def _entry_exists(self, key: str) -> bool:
+    def has_entry(self, key: str) -> bool:
+        """Whether the entry object ``key`` exists now (``append_at`` asks this of
+        entry *p − 1*). Asks ``size``; a backend whose ``size`` may answer from a
+        cache provides a store that asks the service itself."""
         try:
-            self.size(key)
+            self.backend.size(key)
         except ObjectNotFound:
             return False
         return True
 
     def _log_end(self, log: str) -> int:
-        positions = [p for p in map(entry_position, log_children(self, log)) if p is not None]
+        positions = [p for p in map(entry_position, log_children(self.backend, log))
+                     if p is not None]
         return max(positions, default=-1) + 1
 
     def append(self, log: str, message: bytes) -> int:
         check_key(log)
         position = self._log_end(log)
-        while not self.put_if_absent(f"{log}/{entry_name(position)}", message):
+        while not self.backend.put_if_absent(f"{log}/{entry_name(position)}", message):
             position += 1
         return position
 
@@ -145,21 +266,22 @@ class ObjectStoreLogs(CachedEntries):
         if position < 0:
             raise ValueError(f"append_at needs position >= 0, got {position}")
         check_key(log)
-        if position > 0 and not self._entry_exists(f"{log}/{entry_name(position - 1)}"):
+        if position > 0 and not self.has_entry(f"{log}/{entry_name(position - 1)}"):
             return False
-        return self.put_if_absent(f"{log}/{entry_name(position)}", message)
+        return self.backend.put_if_absent(f"{log}/{entry_name(position)}", message)
 
     def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
         if start < 0:
             raise ValueError(f"fetch needs start >= 0, got {start}")
         check_key(log)
         positions = sorted(
-            p for p in map(entry_position, log_children(self, log)) if p is not None and p >= start
+            p for p in map(entry_position, log_children(self.backend, log))
+            if p is not None and p >= start
         )
         # Entries are never removed, so one that vanishes after listing is an error
         # (ObjectNotFound from get propagates).
-        return entry_cache(self).read(
-            log, positions, lambda p: self.get(f"{log}/{entry_name(p)}")
+        return self.entries.read(
+            log, positions, lambda p: self.backend.get(f"{log}/{entry_name(p)}")
         )
 
 
@@ -249,8 +371,8 @@ class _Position:
 
 
 class RegisterLogs(CachedEntries):
-    """``append``, ``append_at`` and ``fetch`` from ``put`` (an atomic whole-object
-    replace), ``get`` and ``list`` only.
+    """``append``, ``append_at`` and ``fetch`` from the backend's ``put`` (an atomic
+    whole-object replace), ``get``, ``list`` and ``delete`` only.
 
     Each value is stored with a random 16-byte append id, so an appender can tell
     its own value from an equal message of another appender. Uncontended, an
@@ -260,7 +382,7 @@ class RegisterLogs(CachedEntries):
 
     def _scan(self, log: str) -> dict[int, _Position]:
         positions: dict[int, _Position] = {}
-        for name in log_children(self, log):
+        for name in log_children(self.backend, log):
             position = entry_position(name)
             if position is not None:
                 positions.setdefault(position, _Position()).decided = True
@@ -278,7 +400,7 @@ class RegisterLogs(CachedEntries):
         key = f"{log}/{entry_name(position)}"
         for attempt in range(ENTRY_READ_TRIES):
             try:
-                return decode_entry(self.get(key), f"log entry {key}")
+                return decode_entry(self.backend.get(key), f"log entry {key}")
             except ObjectNotFound:
                 # Entries are never removed. Two attempts that decided the same
                 # position may both write its entry (create-if-absent is best effort
@@ -301,7 +423,7 @@ class RegisterLogs(CachedEntries):
             others = [(a, v) for a, v in (slot.blocks or {}).items() if a != mine]
             try:
                 raw = _read_all(
-                    self.get, [_block_key(log, position, a, v) for a, v in others]
+                    self.backend.get, [_block_key(log, position, a, v) for a, v in others]
                 )
             except ObjectNotFound:
                 continue
@@ -321,7 +443,7 @@ class RegisterLogs(CachedEntries):
         written: builtins.list[int] = []
         decided = self._attempt(log, position, value, mine, written)
         try:
-            _read_all(lambda v: self.delete(_block_key(log, position, mine, v)), written)
+            _read_all(lambda v: self.backend.delete(_block_key(log, position, mine, v)), written)
         except BackendError:
             pass  # garbage only: a leftover block never changes a decided position
         return decided
@@ -339,7 +461,7 @@ class RegisterLogs(CachedEntries):
             ballot: Ballot = (highest + 1, mine)
             # Phase 1: join ``ballot``, keeping what this attempt accepted before.
             writes += 1
-            self.put(_block_key(log, position, mine, writes), _block(ballot, accepted).encode())
+            self.backend.put(_block_key(log, position, mine, writes), _block(ballot, accepted).encode())
             written.append(writes)
             decided, others = self._read_blocks(log, position, mine)
             if decided:
@@ -355,7 +477,7 @@ class RegisterLogs(CachedEntries):
             # Phase 2: accept ``chosen`` at ``ballot``.
             accepted = (ballot, chosen)
             writes += 1
-            self.put(_block_key(log, position, mine, writes), _block(ballot, accepted).encode())
+            self.backend.put(_block_key(log, position, mine, writes), _block(ballot, accepted).encode())
             written.append(writes)
             decided, others = self._read_blocks(log, position, mine)
             if decided:
@@ -367,7 +489,7 @@ class RegisterLogs(CachedEntries):
             # Decided. Every attempt that gets here writes the same bytes; creating
             # only if absent avoids replacing the entry, which some servers do by
             # deleting it first.
-            self.put_if_absent(entry_key, encode_entry(chosen))
+            self.backend.put_if_absent(entry_key, encode_entry(chosen))
             return chosen
         raise TransientError(
             f"log {log} position {position} stayed contended for {MAX_ROUNDS} rounds"
@@ -405,7 +527,7 @@ class RegisterLogs(CachedEntries):
         end = start
         while scan.get(end, _Position()).decided:
             end += 1
-        entries = entry_cache(self).read(
+        entries = self.entries.read(
             log, list(range(start, end)), lambda p: self._decided_value(log, p)
         )
         return [(p, value[_ID_BYTES:]) for p, value in entries]

@@ -61,6 +61,7 @@ from urllib.parse import quote
 
 from metasync.backends import register
 from metasync.backends.base import (
+    Backend,
     Capabilities,
     check_key,
     check_prefix,
@@ -86,7 +87,6 @@ from metasync.backends.http import (
     range_of_chunks,
     requests_failure,
 )
-from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import RetryMark, TransientError
 from metasync.backends.uploads import PendingUpload, UploadJournal
 from metasync.errors import (
@@ -532,7 +532,7 @@ def _device_sign_in(app: Any, ui: AuthUI) -> dict[str, Any]:
 
 
 @register
-class OneDriveBackend(CloudAccess, ObjectStoreLogs):
+class OneDriveBackend(CloudAccess, Backend):
     """A folder in OneDrive, URI ``onedrive:PATH?account=NAME`` (see the module docstring).
 
     Thread-safe: one requests session (connection pool) shared by all threads, at most

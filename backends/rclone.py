@@ -60,12 +60,12 @@ import httpx
 from metasync.backends import register
 from metasync.backends.base import (
     TEMP_PREFIX,
+    Backend,
     Capabilities,
     check_key,
     check_namespace,
     check_prefix,
 )
-from metasync.backends.logs import RegisterLogs
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
     BackendError,
@@ -542,7 +542,7 @@ class _ResponseReader(io.RawIOBase):
 
 
 @register
-class RcloneBackend(RegisterLogs):
+class RcloneBackend(Backend):
     """Any rclone remote, URI ``rclone:REMOTE:PATH[?config=FILE&binary=PATH&transfers=N]``.
 
     Thread-safe: one instance may be called from many threads; at most ``transfers``
@@ -554,7 +554,7 @@ class RcloneBackend(RegisterLogs):
     capabilities = Capabilities(
         conditional_create=False,  # put_if_absent: stat, then write (best effort)
         compare_and_swap=False,
-        conditional_append=True,  # RegisterLogs.append_at (Disk Paxos)
+        conditional_append=True,  # RegisterLogs.append_at (Disk Paxos), the logs chosen here
         range_reads=True,
         max_object_size=None,
         case_sensitive=True,  # true of the remotes tested; not of every rclone remote

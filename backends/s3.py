@@ -32,6 +32,7 @@ from urllib.parse import parse_qsl
 
 from metasync.backends import register
 from metasync.backends.base import (
+    Backend,
     Capabilities,
     ObjectReader,
     check_key,
@@ -40,7 +41,6 @@ from metasync.backends.base import (
     one_line,
     read_full,
 )
-from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import (
     RetryMark,
     RetryPolicy,
@@ -159,7 +159,7 @@ def _invalid_range(exc: BaseException) -> bool:
 
 
 @register
-class S3Backend(ObjectStoreLogs):
+class S3Backend(Backend):
     """An S3 bucket (optionally below a key prefix), URI ``s3://BUCKET/PREFIX?...``.
 
     Options: ``endpoint`` (URL of an S3-compatible service; path-style addressing is

@@ -80,6 +80,7 @@ from paramiko.sftp_attr import SFTPAttributes
 from metasync.backends import register
 from metasync.backends.base import (
     TEMP_PREFIX,
+    Backend,
     Capabilities,
     check_key,
     check_namespace,
@@ -87,7 +88,6 @@ from metasync.backends.base import (
     is_key_part,
     public_uri,
 )
-from metasync.backends.logs import ObjectStoreLogs
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
     BackendError,
@@ -379,7 +379,7 @@ class _Attempts:
 
 
 @register
-class SftpBackend(ObjectStoreLogs):
+class SftpBackend(Backend):
     """A folder on an SSH server, URI ``sftp://USER@HOST:PORT/ABSOLUTE/PATH?...``.
 
     See the module docstring for options and for how writes are made atomic.

@@ -14,7 +14,7 @@ Requests (one HTTP/1.1 keep-alive connection pool per backend instance, httpx):
 - ``put_if_absent``: best effort (``conditional_create=False``): a PROPFIND, then a
   MOVE with ``Overwrite: F``. wsgidav checks the destination and then renames, so
   two racing creators can both win; logs therefore never rely on it.
-- logs (``logs=locks``, the default): entry *p* of log ``L`` is ``L/<p:010d>``. An
+- logs (``logs=locks``, the default; :class:`WebdavLockLogs`): entry *p* of log ``L`` is ``L/<p:010d>``. An
   appender uploads the message to ``.tmp-<random>`` at the namespace root, takes an
   exclusive depth-infinity WebDAV ``LOCK`` on the collection ``L/``, lists it, MOVEs
   the temp file to one past the highest entry (the MOVE carries the lock token, so
@@ -56,6 +56,7 @@ import httpx
 from metasync.backends import register
 from metasync.backends.base import (
     TEMP_PREFIX,
+    Backend,
     Capabilities,
     check_key,
     check_namespace,
@@ -63,8 +64,9 @@ from metasync.backends.base import (
     is_key_part,
 )
 from metasync.backends.logs import (
+    CachedEntries,
+    LogStore,
     RegisterLogs,
-    entry_cache,
     entry_name,
     entry_position,
     log_children,
@@ -199,7 +201,7 @@ class _ResponseStream(io.RawIOBase):
 
 
 @register
-class WebdavBackend(RegisterLogs):
+class WebdavBackend(Backend):
     """A collection on a WebDAV server, URI ``webdav://[user[:pass]@]host[:port]/path``.
 
     Thread-safe: one instance may be used from many threads; at most ``transfers``
@@ -211,7 +213,7 @@ class WebdavBackend(RegisterLogs):
         # MOVE with Overwrite: F is checked, then performed, without a lock on wsgidav.
         conditional_create=False,
         compare_and_swap=False,
-        # RegisterLogs implements append_at with Disk Paxos.
+        # Both log stores (locks, registers) implement append_at.
         conditional_append=True,
         range_reads=True,
         max_object_size=None,
@@ -605,30 +607,12 @@ class WebdavBackend(RegisterLogs):
         return self._call(f"publish {key!r}", request)
 
     # --- logs ---------------------------------------------------------------------------
-    def append(self, log: str, message: bytes) -> int:
+    def specific_logs(self) -> LogStore:
+        """The logs the URI's ``logs=`` option names: :class:`WebdavLockLogs` (``locks``,
+        the default) or Disk Paxos registers (``registers``, for servers without locks)."""
         if self.logs_mode == "registers":
-            return RegisterLogs.append(self, log, message)
-        written = _append_locked(self, log, message, None)
-        assert written is not None
-        return written
-
-    def append_at(self, log: str, position: int, message: bytes) -> bool:
-        if self.logs_mode == "registers":
-            return RegisterLogs.append_at(self, log, position, message)
-        if position < 0:
-            raise ValueError(f"append_at needs position >= 0, got {position}")
-        return _append_locked(self, log, message, position) is not None
-
-    def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
-        if self.logs_mode == "registers":
-            return RegisterLogs.fetch(self, log, start)
-        if start < 0:
-            raise ValueError(f"fetch needs start >= 0, got {start}")
-        check_key(log)
-        positions = sorted(
-            p for p in map(entry_position, log_children(self, log)) if p is not None and p >= start
-        )
-        return entry_cache(self).read(log, positions, lambda p: self.get(f"{log}/{entry_name(p)}"))
+            return RegisterLogs(self)
+        return WebdavLockLogs(self)
 
     def _ensure_log_folder(self, log: str) -> None:
         with self._folders_lock:
@@ -943,36 +927,69 @@ def _lock_pause(attempt: int) -> None:
     time.sleep(random.uniform(0, min(0.25, 0.002 * 2**attempt)))
 
 
-def _append_locked(backend: WebdavBackend, log: str, message: bytes, position: int | None) -> int | None:
-    """Append under the log's lock: at the end (``position`` None) or only at
-    ``position``; return the position written, or None if ``position`` was not the end."""
-    check_key(log)
-    backend._ensure_log_folder(log)
-    temp = [*backend._root_segments, TEMP_PREFIX + secrets.token_hex(8)]
-    backend._call(f"upload to log {log!r}", lambda: backend._put_plain(temp, message, log))
-    try:
-        deadline = time.monotonic() + LOCK_WAIT
-        attempt = 0
-        while True:
-            token = backend._call(f"lock log {log!r}", lambda: backend._lock(log))
-            if token is not None:
-                break
-            if time.monotonic() > deadline:
-                raise TransientError(
-                    f"log {log!r} on {backend.name} stayed locked for {LOCK_WAIT:.0f}s; retry"
-                )
-            _lock_pause(attempt)
-            attempt += 1
+class WebdavLockLogs(CachedEntries):
+    """Logs under WebDAV locks (docs/FORMAT.md §11.3): entry *p* of log ``L`` is the
+    resource ``L/<p:010d>``, moved there from a temporary upload while the appender
+    holds the exclusive lock of the collection ``L/``. Needs a class 2 server."""
+
+    def __init__(self, backend: WebdavBackend) -> None:
+        super().__init__(backend)
+        #: The server holding the logs (``self.backend`` with its WebDAV requests).
+        self.dav = backend
+
+    def append(self, log: str, message: bytes) -> int:
+        written = self._append_locked(log, message, None)
+        assert written is not None
+        return written
+
+    def append_at(self, log: str, position: int, message: bytes) -> bool:
+        if position < 0:
+            raise ValueError(f"append_at needs position >= 0, got {position}")
+        return self._append_locked(log, message, position) is not None
+
+    def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
+        if start < 0:
+            raise ValueError(f"fetch needs start >= 0, got {start}")
+        check_key(log)
+        positions = sorted(
+            p for p in map(entry_position, log_children(self.dav, log))
+            if p is not None and p >= start
+        )
+        return self.entries.read(log, positions, lambda p: self.dav.get(f"{log}/{entry_name(p)}"))
+
+    def _append_locked(self, log: str, message: bytes, position: int | None) -> int | None:
+        """Append under the log's lock: at the end (``position`` None) or only at
+        ``position``; return the position written, or None if ``position`` was not
+        the end."""
+        check_key(log)
+        dav = self.dav
+        dav._ensure_log_folder(log)
+        temp = [*dav._root_segments, TEMP_PREFIX + secrets.token_hex(8)]
+        dav._call(f"upload to log {log!r}", lambda: dav._put_plain(temp, message, log))
         try:
-            positions = [p for p in map(entry_position, log_children(backend, log)) if p is not None]
-            end = max(positions, default=-1) + 1
-            if position is not None and position != end:
-                return None
-            backend._move_locked(temp, log, end, token)
-            temp = []
-            return end
+            deadline = time.monotonic() + LOCK_WAIT
+            attempt = 0
+            while True:
+                token = dav._call(f"lock log {log!r}", lambda: dav._lock(log))
+                if token is not None:
+                    break
+                if time.monotonic() > deadline:
+                    raise TransientError(
+                        f"log {log!r} on {dav.name} stayed locked for {LOCK_WAIT:.0f}s; retry"
+                    )
+                _lock_pause(attempt)
+                attempt += 1
+            try:
+                positions = [p for p in map(entry_position, log_children(dav, log))
+                             if p is not None]
+                end = max(positions, default=-1) + 1
+                if position is not None and position != end:
+                    return None
+                dav._move_locked(temp, log, end, token)
+                temp = []
+                return end
+            finally:
+                dav._unlock(log, token)
         finally:
-            backend._unlock(log, token)
-    finally:
-        if temp:
-            backend._discard(temp)
+            if temp:
+                dav._discard(temp)

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from metasync.backends.base import Backend, Capabilities
+from metasync.backends.logs import LogStore
 from metasync.codec import Codec
 from metasync.consensus import Consensus
 from metasync.errors import BackendError, CorruptObject, ObjectNotFound
@@ -73,6 +74,37 @@ T = TypeVar("T")
 
 
 # ================================================================ backends
+class MemoryLogs(LogStore):
+    """Append-only logs in a dict: each append or fetch is one request."""
+
+    def __init__(self) -> None:
+        self._logs: dict[str, list[bytes]] = {}
+        self._lock = threading.Lock()
+
+    def append(self, log: str, message: bytes) -> int:
+        with self._lock:
+            entries = self._logs.setdefault(log, [])
+            entries.append(message)
+            return len(entries) - 1
+
+    def append_at(self, log: str, position: int, message: bytes) -> bool:
+        with self._lock:
+            entries = self._logs.setdefault(log, [])
+            if len(entries) != position:
+                return False
+            entries.append(message)
+            return True
+
+    def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
+        with self._lock:
+            entries = list(self._logs.get(log, ()))
+        return [(i, m) for i, m in enumerate(entries) if i >= start]
+
+    def delete_log(self, log: str) -> int:
+        with self._lock:
+            return len(self._logs.pop(log, ()))
+
+
 class MemoryBackend(Backend):
     """A whole storage service in a dict: objects and append-only logs."""
 
@@ -82,7 +114,6 @@ class MemoryBackend(Backend):
     def __init__(self, uri: str, namespace: str = "bench") -> None:
         super().__init__(uri, namespace)
         self._objects: dict[str, bytes] = {}
-        self._logs: dict[str, list[bytes]] = {}
         self._lock = threading.Lock()
 
     def exists(self) -> bool:
@@ -137,24 +168,8 @@ class MemoryBackend(Backend):
             data = self._objects.get(key)
         return None if data is None else hashlib.sha256(data).hexdigest()
 
-    def append(self, log: str, message: bytes) -> int:
-        with self._lock:
-            entries = self._logs.setdefault(log, [])
-            entries.append(message)
-            return len(entries) - 1
-
-    def append_at(self, log: str, position: int, message: bytes) -> bool:
-        with self._lock:
-            entries = self._logs.setdefault(log, [])
-            if len(entries) != position:
-                return False
-            entries.append(message)
-            return True
-
-    def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
-        with self._lock:
-            entries = list(self._logs.get(log, ()))
-        return [(i, m) for i, m in enumerate(entries) if i >= start]
+    def specific_logs(self) -> LogStore:
+        return MemoryLogs()
 
 
 class LatencyBackend(Backend):
@@ -210,14 +225,31 @@ class LatencyBackend(Backend):
     def poll(self, key: str) -> str | None:
         return self._serve("get", lambda: self.inner.poll(key))
 
+    def specific_logs(self) -> LogStore:
+        return LatencyLogs(self)
+
+
+class LatencyLogs(LogStore):
+    """The inner backend's logs, each request served by the :class:`LatencyBackend`."""
+
+    def __init__(self, backend: LatencyBackend) -> None:
+        self.backend = backend
+
     def append(self, log: str, message: bytes) -> int:
-        return self._serve("append", lambda: self.inner.append(log, message))
+        inner = self.backend.inner.logs
+        return self.backend._serve("append", lambda: inner.append(log, message))
 
     def append_at(self, log: str, position: int, message: bytes) -> bool:
-        return self._serve("append_at", lambda: self.inner.append_at(log, position, message))
+        inner = self.backend.inner.logs
+        return self.backend._serve("append_at", lambda: inner.append_at(log, position, message))
 
     def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
-        return self._serve("fetch", lambda: self.inner.fetch(log, start))
+        inner = self.backend.inner.logs
+        return self.backend._serve("fetch", lambda: inner.fetch(log, start))
+
+    def delete_log(self, log: str) -> int:
+        inner = self.backend.inner.logs
+        return self.backend._serve("delete_log", lambda: inner.delete_log(log))
 
 
 def make_backends(count: int, latency: float) -> dict[str, LatencyBackend]:

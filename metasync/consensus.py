@@ -419,7 +419,7 @@ class Consensus:
     def _perform(self, request: Request) -> Reply:
         backend = self.acceptors[request.acceptor]
         if isinstance(request, Fetch):
-            entries = backend.fetch(log_key(request.instance))
+            entries = backend.logs.fetch(log_key(request.instance))
             # One slot per position, None where nothing decodes (or nothing is):
             # conditional appends go at the log's real length.
             length = max((pos + 1 for pos, _ in entries if 0 <= pos < MAX_LOG), default=0)
@@ -431,9 +431,9 @@ class Consensus:
         if isinstance(request, Append):
             data = self._encode(request.instance, request.message)
             if request.position is None:
-                backend.append(log_key(request.instance), data)
+                backend.logs.append(log_key(request.instance), data)
                 return True
-            return backend.append_at(log_key(request.instance), request.position, data)
+            return backend.logs.append_at(log_key(request.instance), request.position, data)
         if isinstance(request, ReadHint):
             hint = read_hint(self.codec, backend)
             # A hint of another acceptor set cannot be confirmed on this one.
@@ -471,7 +471,7 @@ class Consensus:
             instances = {i for i in map(instance_of_log, backend.list(LOG_PREFIX))
                          if i is not None and i < below}
             for instance in sorted(instances):
-                removed += backend.delete_log(log_key(instance))
+                removed += backend.logs.delete_log(log_key(instance))
         for key in builtins.list(backend.list(FLOOR_PREFIX)):
             number = floor_of_key(key)
             if number is None:

@@ -229,8 +229,8 @@ def check_live_round_trip(backend: Backend) -> None:
     backend.put("k", b"v1")
     assert backend.get("k") == b"v1"
     assert backend.put_if_absent("k", b"v1") is False
-    assert backend.append("log", b"a") == 0 and backend.append("log", b"b") == 1
-    assert backend.fetch("log") == [(0, b"a"), (1, b"b")]
+    assert backend.logs.append("log", b"a") == 0 and backend.logs.append("log", b"b") == 1
+    assert backend.logs.fetch("log") == [(0, b"a"), (1, b"b")]
     token = backend.poll("k")
     assert token is not None and backend.replace_if("k", b"v2", token)
     assert backend.replace_if("k", b"v3", token) is False

@@ -126,8 +126,8 @@ def test_exclusive_create_even_for_identical_bytes(box: BoxBackend) -> None:
     never both win one log position; a folder of that name is not an object."""
     assert box.put_if_absent("log/0000000000", b"same") is True
     assert box.put_if_absent("log/0000000000", b"same") is False
-    assert box.append("log", b"same") == 1
-    assert box.fetch("log") == [(0, b"same"), (1, b"same")]
+    assert box.logs.append("log", b"same") == 1
+    assert box.logs.fetch("log") == [(0, b"same"), (1, b"same")]
     box.put("dir/inside", b"x")
     assert box.put_if_absent("dir", b"x") is False
     with pytest.raises(ObjectNotFound):

@@ -115,8 +115,8 @@ def test_exclusive_create_even_for_identical_bytes(dbx: DropboxBackend) -> None:
     message must not both win one log position."""
     assert dbx.put_if_absent("log/0000000000", b"same") is True
     assert dbx.put_if_absent("log/0000000000", b"same") is False
-    assert dbx.append("log", b"same") == 1
-    assert dbx.fetch("log") == [(0, b"same"), (1, b"same")]
+    assert dbx.logs.append("log", b"same") == 1
+    assert dbx.logs.fetch("log") == [(0, b"same"), (1, b"same")]
 
 
 def test_case_insensitive_paths(dbx: DropboxBackend) -> None:

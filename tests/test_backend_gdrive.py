@@ -210,22 +210,22 @@ def test_log_appends_race_for_reserved_ids(gd: GDriveBackend, gdrive_service: GD
     nothing new is one read."""
     emulator = gdrive_service.emulator
     other = open_backend(gd.uri, gd.namespace)
-    assert gd.append("log/x", b"a") == 0
-    assert other.fetch("log/x") == [(0, b"a")]
-    assert gd.append("log/x", b"b") == 1  # other's view is now stale
-    assert other.append("log/x", b"c") == 2  # lost the race for position 1, then won 2
-    assert other.append_at("log/x", 2, b"late") is False
+    assert gd.logs.append("log/x", b"a") == 0
+    assert other.logs.fetch("log/x") == [(0, b"a")]
+    assert gd.logs.append("log/x", b"b") == 1  # other's view is now stale
+    assert other.logs.append("log/x", b"c") == 2  # lost the race for position 1, then won 2
+    assert other.logs.append_at("log/x", 2, b"late") is False
     emulator.faults.inject(LOST_ANSWER, only=r"^/upload/drive/v3/files$")
-    assert gd.append("log/x", b"d") == 3
+    assert gd.logs.append("log/x", b"d") == 3
     before = dict(emulator.calls)
-    assert gd.append("log/x", b"e") == 4
+    assert gd.logs.append("log/x", b"e") == 4
     assert call_delta(before, emulator.calls) == {"files.create": 1}
     before = dict(emulator.calls)
-    assert other.fetch("log/x", 3) == [(3, b"d"), (4, b"e")]
-    assert gd.fetch("log/x", 5) == []
+    assert other.logs.fetch("log/x", 3) == [(3, b"d"), (4, b"e")]
+    assert gd.logs.fetch("log/x", 5) == []
     # entry 3, then entries 4 and 5 at once (5 is missing), then entry 5 again
     assert call_delta(before, emulator.calls)["files.get"] == 4
-    assert gd.fetch("log/x") == other.fetch("log/x") == [
+    assert gd.logs.fetch("log/x") == other.logs.fetch("log/x") == [
         (0, b"a"), (1, b"b"), (2, b"c"), (3, b"d"), (4, b"e")]
     assert sorted(gd.list()) == []  # the log machinery is not keys
     other.close()
@@ -234,8 +234,8 @@ def test_log_appends_race_for_reserved_ids(gd: GDriveBackend, gdrive_service: GD
 def test_damaged_log_entry_is_refused(gd: GDriveBackend, gdrive_service: GDriveService) -> None:
     """A log entry whose bytes were changed on the service fails with a format error
     instead of being believed (backends are untrusted)."""
-    gd.append("log/y", b"a")
-    gd.append("log/y", b"b")
+    gd.logs.append("log/y", b"a")
+    gd.logs.append("log/y", b"b")
     emulator = gdrive_service.emulator
     (entry,) = [i for i in emulator.items.values() if i.name == "log log-y 0000000001"]
     revision = entry.revisions[-1]
@@ -243,7 +243,7 @@ def test_damaged_log_entry_is_refused(gd: GDriveBackend, gdrive_service: GDriveS
     path.write_bytes(path.read_bytes()[:-1] + b"\0")
     fresh = open_backend(gd.uri, gd.namespace)
     with pytest.raises(FormatError):
-        fresh.fetch("log/y")
+        fresh.logs.fetch("log/y")
 
 
 def test_resumable_upload_continues_after_an_interrupted_put(
@@ -424,18 +424,18 @@ def test_logs_sharing_an_index_bucket(gd: GDriveBackend) -> None:
     after the first's, each keeps its own entries, and a client new to both finds
     them through the chain (including the log that does not exist yet)."""
     first, second = _colliding_log_names()
-    assert gd.append(first, b"1a") == 0
+    assert gd.logs.append(first, b"1a") == 0
     other = open_backend(gd.uri, gd.namespace)
-    assert other.fetch(second) == []
-    assert other.append(second, b"2a") == 0
-    assert gd.append(second, b"2b") == 1
-    assert gd.append(first, b"1b") == 1
+    assert other.logs.fetch(second) == []
+    assert other.logs.append(second, b"2a") == 0
+    assert gd.logs.append(second, b"2b") == 1
+    assert gd.logs.append(first, b"1b") == 1
     fresh = open_backend(gd.uri, gd.namespace)
-    assert fresh.fetch(first) == [(0, b"1a"), (1, b"1b")]
-    assert fresh.fetch(second) == [(0, b"2a"), (1, b"2b")]
-    assert fresh.append_at(second, 0, b"no") is False
-    assert fresh.append_at(second, 2, b"2c") is True
-    assert gd.fetch(second, 2) == [(2, b"2c")]
+    assert fresh.logs.fetch(first) == [(0, b"1a"), (1, b"1b")]
+    assert fresh.logs.fetch(second) == [(0, b"2a"), (1, b"2b")]
+    assert fresh.logs.append_at(second, 0, b"no") is False
+    assert fresh.logs.append_at(second, 2, b"2c") is True
+    assert gd.logs.fetch(second, 2) == [(2, b"2c")]
     other.close()
     fresh.close()
 
@@ -589,9 +589,9 @@ def test_live_gdrive_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
         backend.create()
         backend.put("k", b"v1")
         assert backend.get("k") == b"v1"
-        assert backend.append("log", b"a") == 0 and backend.append("log", b"b") == 1
-        assert backend.append_at("log", 1, b"x") is False
-        assert backend.fetch("log") == [(0, b"a"), (1, b"b")]
+        assert backend.logs.append("log", b"a") == 0 and backend.logs.append("log", b"b") == 1
+        assert backend.logs.append_at("log", 1, b"x") is False
+        assert backend.logs.fetch("log") == [(0, b"a"), (1, b"b")]
         backend.delete("k")
         with pytest.raises(ObjectNotFound):
             backend.get("k")

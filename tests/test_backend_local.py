@@ -139,9 +139,9 @@ def _every_operation(backend: Backend) -> dict[str, Callable[[], object]]:
         "list": lambda: backend.list(),
         "list prefix": lambda: backend.list("a"),
         "poll": lambda: backend.poll("k"),
-        "append": lambda: backend.append("logs/log", b"x"),
-        "fetch": lambda: backend.fetch("logs/log"),
-        "fetch missing": lambda: backend.fetch("nolog"),
+        "append": lambda: backend.logs.append("logs/log", b"x"),
+        "fetch": lambda: backend.logs.fetch("logs/log"),
+        "fetch missing": lambda: backend.logs.fetch("nolog"),
     }
 
 
@@ -153,7 +153,7 @@ def test_deleted_folder_is_unavailable_and_not_recreated(
     operation raises BackendUnavailable with a one-line message naming the folder,
     and no operation recreates anything."""
     local.put("k", b"x")
-    local.append("logs/log", b"entry")
+    local.logs.append("logs/log", b"entry")
     gone = store if deleted == "location" else store / "ns"
     shutil.rmtree(gone)
     assert not local.exists()
@@ -176,8 +176,8 @@ def test_leftover_temp_and_stray_files_are_ignored(local: LocalBackend, store: P
     other non-entry names in a log folder are skipped, and appending continues after
     the last real entry."""
     local.put("a/k", b"value")
-    assert local.append("log", b"e0") == 0
-    assert local.append("log", b"e1") == 1
+    assert local.logs.append("log", b"e0") == 0
+    assert local.logs.append("log", b"e1") == 1
     ns = store / "ns"
     (ns / f"{TEMP_PREFIX}deadbeef").write_bytes(b"half a wri")
     (ns / "a" / f"{TEMP_PREFIX}0000000007").write_bytes(b"half")
@@ -200,9 +200,9 @@ def test_leftover_temp_and_stray_files_are_ignored(local: LocalBackend, store: P
             "log/00000002",
         ]
     )
-    assert local.fetch("log") == [(0, b"e0"), (1, b"e1")]
-    assert local.append("log", b"e2") == 2
-    assert local.fetch("log", 2) == [(2, b"e2")]
+    assert local.logs.fetch("log") == [(0, b"e0"), (1, b"e1")]
+    assert local.logs.append("log", b"e2") == 2
+    assert local.logs.fetch("log", 2) == [(2, b"e2")]
 
 
 def test_temp_names_are_reserved(local: LocalBackend) -> None:
@@ -211,7 +211,7 @@ def test_temp_names_are_reserved(local: LocalBackend) -> None:
         with pytest.raises(InvalidKey):
             local.put(key, b"x")
         with pytest.raises(InvalidKey):
-            local.append(key, b"x")
+            local.logs.append(key, b"x")
         with pytest.raises(InvalidKey):
             local.list(key)
 
@@ -223,7 +223,7 @@ def test_writes_leave_no_temp_files(local: LocalBackend, store: Path) -> None:
     local.put("deep/er/s", io.BytesIO(b"y" * (CHUNK_SIZE + 1)))
     assert local.put_if_absent("deep/p", b"1")
     assert not local.put_if_absent("deep/p", b"2")
-    local.append("deep/log", b"m")
+    local.logs.append("deep/log", b"m")
     names = _all_names(store / "ns")
     assert not [n for n in names if n.startswith(TEMP_PREFIX)], names
     assert (store / "ns" / "deep" / "log" / "0000000000").read_bytes() == b"m"
@@ -232,8 +232,8 @@ def test_writes_leave_no_temp_files(local: LocalBackend, store: Path) -> None:
 def test_on_disk_layout(local: LocalBackend, store: Path) -> None:
     """Key a/b is the file <location>/<namespace>/a/b; log entry n is <log>/%010d."""
     local.put("a/b", b"object")
-    local.append("logs/main", b"first")
-    local.append("logs/main", b"second")
+    local.logs.append("logs/main", b"first")
+    local.logs.append("logs/main", b"second")
     assert (store / "ns" / "a" / "b").read_bytes() == b"object"
     assert sorted(os.listdir(store / "ns" / "logs" / "main")) == ["0000000000", "0000000001"]
 
@@ -349,4 +349,4 @@ def test_negative_ranges_are_programming_errors(local: LocalBackend) -> None:
     with pytest.raises(ValueError):
         local.get_range("k", 0, -1)
     with pytest.raises(ValueError):
-        local.fetch("log", -1)
+        local.logs.fetch("log", -1)

@@ -190,7 +190,7 @@ def test_deleted_namespace_is_an_error_not_empty(sshd_server: SshServer, sftp_st
             lambda: backend.put_if_absent("b", b"y"),
             lambda: list(backend.list()),
             lambda: backend.poll("k"),
-            lambda: backend.append("log", b"m"),
+            lambda: backend.logs.append("log", b"m"),
         ):
             with pytest.raises(BackendError) as info:
                 operation()
@@ -250,12 +250,12 @@ def test_temp_files_are_not_listed_and_writes_leave_none(
         backend.put("d/k", b"x")
         assert backend.put_if_absent("d/p", b"1")
         assert not backend.put_if_absent("d/p", b"2")
-        backend.append("d/log", b"m")
+        backend.logs.append("d/log", b"m")
         names = [n for _, dirs, files in os.walk(sftp_store / namespace) for n in dirs + files]
         assert not [n for n in names if n.startswith(TEMP_PREFIX)], names
         (sftp_store / namespace / "d" / f"{TEMP_PREFIX}0000000001").write_bytes(b"torn")
         assert sorted(backend.list()) == ["d/k", "d/log/0000000000", "d/p"]
-        assert backend.fetch("d/log") == [(0, b"m")]
+        assert backend.logs.fetch("d/log") == [(0, b"m")]
     finally:
         backend.close()
 

@@ -15,7 +15,8 @@ import pytest
 
 from metasync.backends import open_backend
 from metasync.backends.conformance import BackendConformance, Location
-from metasync.backends.webdav import TEMP_PREFIX, WebdavBackend, WebdavsBackend
+from metasync.backends.logs import RegisterLogs
+from metasync.backends.webdav import TEMP_PREFIX, WebdavBackend, WebdavLockLogs, WebdavsBackend
 from metasync.errors import BackendError, BackendUnavailable, ObjectNotFound, UsageError
 from tests.servers.faultproxy import FaultProxy
 from tests.servers.webdav import WebdavServer
@@ -139,7 +140,7 @@ def test_writes_leave_no_temp_files(dav: WebdavBackend, webdav_server: WebdavSer
     dav.put("deep/er/s", io.BytesIO(b"y" * (3 << 20)))
     assert dav.put_if_absent("deep/p", b"1")
     assert not dav.put_if_absent("deep/p", b"2")
-    dav.append("deep/log", b"m")
+    dav.logs.append("deep/log", b"m")
     folder = webdav_server.root_dir / "store" / dav.namespace
     names = [n for _, dirs, files in os.walk(folder) for n in dirs + files]
     assert not [n for n in names if n.startswith(TEMP_PREFIX)], names
@@ -201,19 +202,21 @@ def test_register_logs_mode(webdav_server: WebdavServer) -> None:
     namespace = _namespace()
     backend = open_backend(uri, namespace)
     assert isinstance(backend, WebdavBackend) and backend.logs_mode == "registers"
+    assert isinstance(backend.logs, RegisterLogs)
+    assert isinstance(open_backend(webdav_server.uri(folder), namespace).logs, WebdavLockLogs)
     backend.create()
     try:
-        assert backend.append("log", b"a") == 0
-        assert backend.append_at("log", 0, b"x") is False
-        assert backend.append_at("log", 1, b"b") is True
-        assert backend.append_at("log", 3, b"x") is False
-        assert backend.fetch("log") == [(0, b"a"), (1, b"b")]
+        assert backend.logs.append("log", b"a") == 0
+        assert backend.logs.append_at("log", 0, b"x") is False
+        assert backend.logs.append_at("log", 1, b"b") is True
+        assert backend.logs.append_at("log", 3, b"x") is False
+        assert backend.logs.fetch("log") == [(0, b"a"), (1, b"b")]
         results: dict[int, list[int]] = {}
 
         def appender(worker: int) -> None:
             other = open_backend(uri, namespace)
             try:
-                results[worker] = [other.append("race", f"{worker}-{i}".encode()) for i in range(4)]
+                results[worker] = [other.logs.append("race", f"{worker}-{i}".encode()) for i in range(4)]
             finally:
                 other.close()
 
@@ -222,7 +225,7 @@ def test_register_logs_mode(webdav_server: WebdavServer) -> None:
             thread.start()
         for thread in threads:
             thread.join()
-        entries = backend.fetch("race")
+        entries = backend.logs.fetch("race")
         assert [p for p, _ in entries] == list(range(12))
         assert sorted(m for _, m in entries) == sorted(
             f"{w}-{i}".encode() for w in range(3) for i in range(4)

@@ -25,6 +25,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from metasync.backends.faulty import ALWAYS, Faults, FaultyBackend
 from metasync.backends.local import LocalBackend
 from metasync.codec import Codec
 from metasync.consensus import HINT_KEY, Consensus, FloorElsewhere, floor_key, log_key
@@ -693,12 +694,12 @@ Acceptors = dict[str, LocalBackend]
 CODEC = Codec(KEY)
 
 
-def make_acceptors(root: Path, cls: type[LocalBackend] = LocalBackend, **kwargs: Any) -> Acceptors:
+def make_acceptors(root: Path) -> Acceptors:
     found: Acceptors = {}
     for i in range(3):
         location = root / f"acceptor{i}"
         location.mkdir(parents=True)
-        backend = cls(f"dir:{location}", "ns", **kwargs)
+        backend = LocalBackend(f"dir:{location}", "ns")
         backend.create()
         found[f"b{i}"] = backend
     return found
@@ -717,7 +718,7 @@ def client(acceptors: Acceptors, name: str = "alice", codec: Codec = CODEC, **kw
 
 
 def entries(backend: LocalBackend, instance: int) -> list[bytes]:
-    return [raw for _, raw in backend.fetch(log_key(instance))]
+    return [raw for _, raw in backend.logs.fetch(log_key(instance))]
 
 
 def log_folder(backend: LocalBackend, instance: int) -> Path:
@@ -886,35 +887,22 @@ def test_get_recent_failing_first_means_nothing_written(acceptors: Acceptors,
     assert entries(acceptors["b1"], 2) == []
 
 
-class FailingBackend(LocalBackend):
-    """Reachable, but every log and hint operation fails (e.g. permission denied)."""
+#: What the failing and hung acceptors below do wrong: every log and hint operation.
+LOG_AND_HINT_OPERATIONS = {"fetch", "append", "append_at", "get", "put"}
 
-    def _fail(self) -> None:
-        raise BackendError(f"permission denied on {self.name}")
 
-    def fetch(self, log: str, start: int = 0) -> list[tuple[int, bytes]]:
-        self._fail()
-        return []
-
-    def append(self, log: str, message: bytes) -> int:
-        self._fail()
-        return 0
-
-    def append_at(self, log: str, position: int, message: bytes) -> bool:
-        self._fail()
-        return False
-
-    def get(self, key: str) -> bytes:
-        self._fail()
-        return b""
-
-    def put(self, key: str, data: Any) -> None:
-        self._fail()
+def failing(backend: LocalBackend) -> FaultyBackend:
+    """``backend``, reachable, but every log and hint operation fails (e.g. permission
+    denied)."""
+    faulty = FaultyBackend(backend)
+    faulty.faults.refuse(LOG_AND_HINT_OPERATIONS, times=ALWAYS,
+                         message=f"permission denied on {backend.name}")
+    return faulty
 
 
 def test_two_of_three_failing_propose_names_them(tmp_path: Path) -> None:
     good = make_acceptors(tmp_path / "good")
-    bad = make_acceptors(tmp_path / "bad", FailingBackend)
+    bad = {name: failing(b) for name, b in make_acceptors(tmp_path / "bad").items()}
     accs = {"b0": good["b0"], "b1": bad["b1"], "b2": bad["b2"]}
     c = client(accs, max_attempts=3)
     with pytest.raises(BackendUnavailable) as info:  # get_recent gets this right
@@ -928,49 +916,20 @@ def test_two_of_three_failing_propose_names_them(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- hung backends
 
 
-class HungBackend(LocalBackend):
-    """Every log and hint operation blocks until ``release`` is set (at teardown)."""
-
-    def __init__(self, uri: str, namespace: str, release: threading.Event) -> None:
-        super().__init__(uri, namespace)
-        self.release = release
-
-    def fetch(self, log: str, start: int = 0) -> list[tuple[int, bytes]]:
-        self.release.wait()
-        return super().fetch(log, start)
-
-    def append(self, log: str, message: bytes) -> int:
-        self.release.wait()
-        return super().append(log, message)
-
-    def append_at(self, log: str, position: int, message: bytes) -> bool:
-        self.release.wait()
-        return super().append_at(log, position, message)
-
-    def get(self, key: str) -> bytes:
-        self.release.wait()
-        return super().get(key)
-
-    def put(self, key: str, data: Any) -> None:
-        self.release.wait()
-        super().put(key, data)
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        self.release.wait()
-        return super().list(prefix)
-
-
 @pytest.fixture
-def hung(tmp_path: Path) -> Iterator[Acceptors]:
-    """Three acceptors that hang forever (until teardown)."""
-    release = threading.Event()
-    found = make_acceptors(tmp_path / "hung", HungBackend, release=release)
+def hung(tmp_path: Path) -> Iterator[dict[str, FaultyBackend]]:
+    """Three acceptors whose every log and hint operation (and listing) blocks until
+    teardown releases them."""
+    faults = Faults()
+    faults.hang(LOG_AND_HINT_OPERATIONS | {"list"}, times=ALWAYS)
+    found = {name: FaultyBackend(b, faults)
+             for name, b in make_acceptors(tmp_path / "hung").items()}
     yield found
-    release.set()
+    faults.release_all()
 
 
-def test_one_hung_acceptor_times_out_and_commit_completes(acceptors: Acceptors,
-                                                         hung: Acceptors) -> None:
+def test_one_hung_acceptor_times_out_and_commit_completes(
+        acceptors: Acceptors, hung: dict[str, FaultyBackend]) -> None:
     accs = {"b0": acceptors["b0"], "b1": acceptors["b1"], "b2": hung["b2"]}
     c = client(accs, timeout=0.2)
     assert c.get_recent(V0) == V0
@@ -979,7 +938,8 @@ def test_one_hung_acceptor_times_out_and_commit_completes(acceptors: Acceptors,
     assert client(acceptors, "bob").learn(1) == v(1)  # on the two that answer
 
 
-def test_two_hung_acceptors_fail_with_no_answer(acceptors: Acceptors, hung: Acceptors) -> None:
+def test_two_hung_acceptors_fail_with_no_answer(acceptors: Acceptors,
+                                                hung: dict[str, FaultyBackend]) -> None:
     accs = {"b0": acceptors["b0"], "b1": hung["b1"], "b2": hung["b2"]}
     c = client(accs, timeout=0.2)
     for call in (lambda: c.get_recent(V0), lambda: c.propose(1, v(1))):
@@ -1036,7 +996,7 @@ def test_garbage_entries_do_not_decide_anything(acceptors: Acceptors, codec: Cod
     decided, nothing accepted, and get_recent writes nothing there."""
     for backend in acceptors.values():
         for raw in garbage_entries(codec, 1):
-            backend.append(log_key(1), raw)
+            backend.logs.append(log_key(1), raw)
     c = client(acceptors, codec=codec)
     assert c.learn(1) is None
     assert c.get_recent(V0) == V0
@@ -1045,7 +1005,7 @@ def test_garbage_entries_do_not_decide_anything(acceptors: Acceptors, codec: Cod
 
 def test_garbage_on_one_acceptor_propose_still_decides(acceptors: Acceptors) -> None:
     for raw in garbage_entries(CODEC, 1):
-        acceptors["b0"].append(log_key(1), raw)
+        acceptors["b0"].logs.append(log_key(1), raw)
     c = client(acceptors)
     assert commit(c, 1) == v(1)
     assert client(acceptors, "bob").get_recent(V0) == v(1)
@@ -1054,7 +1014,7 @@ def test_garbage_on_one_acceptor_propose_still_decides(acceptors: Acceptors) -> 
 def test_garbage_on_every_acceptor_plain_appends_still_decide(acceptors: Acceptors) -> None:
     for backend in acceptors.values():
         for raw in garbage_entries(CODEC, 1):
-            backend.append(log_key(1), raw)
+            backend.logs.append(log_key(1), raw)
     c = client(acceptors, conditional=False)
     assert commit(c, 1) == v(1)
     assert client(acceptors, "bob").get_recent(V0) == v(1)
@@ -1062,7 +1022,7 @@ def test_garbage_on_every_acceptor_plain_appends_still_decide(acceptors: Accepto
 
 def test_garbage_on_every_acceptor_conditional_still_decides(acceptors: Acceptors) -> None:
     for backend in acceptors.values():
-        backend.append(log_key(1), b"garbage")
+        backend.logs.append(log_key(1), b"garbage")
     c = client(acceptors)
     assert commit(c, 1) == v(1)
 
@@ -1075,9 +1035,9 @@ def test_forged_entries_under_another_key_are_ignored(acceptors: Acceptors) -> N
     assert commit(c, 1) == v(1)
     for name, backend in acceptors.items():
         if name != "b2":
-            backend.append(log_key(2), encoded(mallory, 2, prep(50, "mallory")))
-            backend.append(log_key(2), encoded(mallory, 2, acc(50, v(2, "forged"), "mallory")))
-        backend.append(log_key(3), encoded(mallory, 3, fast(v(3, "forged"))))
+            backend.logs.append(log_key(2), encoded(mallory, 2, prep(50, "mallory")))
+            backend.logs.append(log_key(2), encoded(mallory, 2, acc(50, v(2, "forged"), "mallory")))
+        backend.logs.append(log_key(3), encoded(mallory, 3, fast(v(3, "forged"))))
     for backend in acceptors.values():
         backend.put(HINT_KEY, mallory.encode("hint", HINT_KEY, json.dumps({"version": 3}).encode()))
     bob = client(acceptors, "bob")
@@ -1141,8 +1101,8 @@ def test_crashed_classic_proposer_is_finished_with_its_value(acceptors: Acceptor
     c = client(acceptors)
     assert commit(c, 1) == v(1)
     for backend in acceptors.values():
-        backend.append(log_key(2), encoded(CODEC, 2, prep(1, "crashed")))
-    acceptors["b2"].append(log_key(2), encoded(CODEC, 2, acc(1, v(2, "x"), "crashed")))
+        backend.logs.append(log_key(2), encoded(CODEC, 2, prep(1, "crashed")))
+    acceptors["b2"].logs.append(log_key(2), encoded(CODEC, 2, acc(1, v(2, "x"), "crashed")))
     bob = client(acceptors, "bob")
     assert bob.propose(2, v(2, "bob")) == v(2, "x")
     assert client(acceptors, "carol").get_recent(V0) == v(2, "x")

@@ -1,0 +1,38 @@
+"""What a backend can do: the :class:`Capabilities` each backend class declares once.
+
+A module of its own so that both the backend interface (:mod:`.base`) and the log
+constructions it chooses between (:mod:`.logs`) can read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, declared once per backend class.
+
+    The conformance suite skips tests whose capability is missing and records why.
+    """
+
+    #: ``put_if_absent`` is atomic (exclusive create) on the service itself.
+    conditional_create: bool = False
+    #: ``replace_if``: compare-and-swap on an object's poll token (If-Match / revision).
+    compare_and_swap: bool = False
+    #: ``logs.append_at`` is implemented: an atomic append at an exact log position, so
+    #: pPaxos learns the outcome of a write without reading the log back.
+    conditional_append: bool = False
+    #: ``get_range`` reads part of an object without transferring the rest.
+    range_reads: bool = True
+    #: Largest object the service accepts, in bytes (``None``: no practical limit).
+    max_object_size: int | None = None
+    #: Keys differing only in case are distinct objects.
+    case_sensitive: bool = True
+    #: ``poll`` can block until a change (long-poll) rather than only compare tokens.
+    long_poll: bool = False
+    #: ``share`` gives another user of the service access to the namespace folder.
+    sharing: bool = False
+    #: ``logs.delete_log`` removes a whole log, so pPaxos log compaction frees its
+    #: space (a backend without it keeps its logs; compaction still records the floor).
+    log_deletion: bool = True
