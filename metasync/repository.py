@@ -14,32 +14,33 @@ cloning one are :mod:`metasync.lifecycle`'s.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from metasync import lifecycle
 from metasync.backends import Backend
 from metasync.checkout import Checkout, PullResult
 from metasync.committer import Change, CommitResult, Committer, Status
 from metasync.context import RepoContext, find_root, open_context
 from metasync.errors import NotARepository
-from metasync.fsck import Fsck, FsckProblem, FsckReport
 from metasync.graph import ObjectGraph
-from metasync.history import History, LogEntry, RestoreResult
 from metasync.layout import DEFAULT_NAMESPACE
-from metasync.lifecycle import PassphraseSource
 from metasync.objects import Commit, Config, TreeEntry, Version
 from metasync.outbox import Outbox
 from metasync.progress import Reporter
 from metasync.replicator import Replicator
 from metasync.scanner import Scanner
 from metasync.store import RemoteStore
-from metasync.sync import PushResult, Sync
 from metasync.versions import Versions
 
+# The parts `status` and `commit` never use load on first use (start-up time):
+# sync, history, fsck, lifecycle and maintenance.
 if TYPE_CHECKING:
     from metasync.consensus import Consensus
+    from metasync.fsck import FsckProblem, FsckReport
+    from metasync.history import History, LogEntry, RestoreResult
     from metasync.maintenance import (
         BackendListing,
         ConfigChange,
@@ -49,6 +50,22 @@ if TYPE_CHECKING:
         Reconfiguration,
         ShareResult,
     )
+    from metasync.sync import PushResult, Sync
+
+PassphraseSource = Callable[[], str]
+
+#: Result types re-exported here, loaded with their modules on first use.
+_LAZY = {"FsckProblem": "metasync.fsck", "FsckReport": "metasync.fsck",
+         "LogEntry": "metasync.history", "RestoreResult": "metasync.history",
+         "PushResult": "metasync.sync"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "DEFAULT_NAMESPACE",
@@ -77,9 +94,19 @@ class Repository:
         self.scanner = Scanner(ctx)
         self.checkout = Checkout(ctx, self.graph, self.scanner)
         self.committer = Committer(ctx, self.graph, self.scanner, self.outbox, self.checkout)
-        self.sync = Sync(ctx, self.versions, self.graph, self.scanner, self.outbox,
-                         self.replicator, self.checkout, self.committer)
-        self.history = History(ctx, self.versions, self.graph)
+
+    @cached_property
+    def sync(self) -> Sync:
+        from metasync.sync import Sync
+
+        return Sync(self._ctx, self.versions, self.graph, self.scanner, self.outbox,
+                    self.replicator, self.checkout, self.committer)
+
+    @cached_property
+    def history(self) -> History:
+        from metasync.history import History
+
+        return History(self._ctx, self.versions, self.graph)
 
     # ============================================================== lifecycle
     @classmethod
@@ -100,6 +127,8 @@ class Repository:
         """Create a repository in ``root`` on the given backends (see
         :func:`metasync.lifecycle.create`: everything is validated before anything
         is written)."""
+        from metasync import lifecycle
+
         path = lifecycle.create(
             root, backend_uris, replicas=replicas, namespace=namespace, encrypt=encrypt,
             passphrase=passphrase, capacities=capacities, byzantine=byzantine, erasure=erasure)
@@ -131,6 +160,8 @@ class Repository:
         Everything that can fail on bad input (not a repository, wrong passphrase,
         ``root`` not empty) is checked before anything is written; a clone that
         fails later removes what it created."""
+        from metasync import lifecycle
+
         start = lifecycle.prepare_clone(uri, root, namespace=namespace, passphrase=passphrase)
         repo = cls(open_context(start.root, reporter))
         try:
@@ -278,6 +309,8 @@ class Repository:
         return self.history.restore(path, version, to)
 
     def fsck(self, *, quick: bool = False, repair: bool = False) -> FsckReport:
+        from metasync.fsck import Fsck
+
         return Fsck(self._ctx, self.versions, self.graph, self.replicator).run(
             quick=quick, repair=repair)
 
