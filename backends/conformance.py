@@ -271,6 +271,15 @@ def _child_main(
         conn.close()
 
 
+def _outcomes(results: dict[int, tuple[str, Any]], count: int, what: str) -> list[Any]:
+    """The ``count`` clients' return values in order, from their ``(status, value)``
+    reports; AssertionError with every failed client's traceback if any failed."""
+    errors = [text for status, text in results.values() if status != "ok"]
+    if errors:
+        raise AssertionError(f"{what} failed:\n" + "\n".join(errors))
+    return [results[i][1] for i in range(count)]
+
+
 class ChildProcesses:
     """Spawned processes each running ``target(barrier, *args)`` from ``arg_list``.
 
@@ -339,10 +348,7 @@ class ChildProcesses:
                 self._collect(remaining)
         finally:
             self.close()
-        errors = [text for status, text in self._results.values() if status != "ok"]
-        if errors:
-            raise AssertionError("child process failed:\n" + "\n".join(errors))
-        return [self._results[i][1] for i in range(len(self._conns))]
+        return _outcomes(self._results, len(self._conns), "child process")
 
     def close(self) -> None:
         """Reap the children (killing any still running)."""
@@ -409,10 +415,7 @@ class ChildThreads:
                 raise AssertionError(f"client threads did not finish within {timeout}s")
         finally:
             self.close()
-        errors = [text for status, text in self._results.values() if status != "ok"]
-        if errors:
-            raise AssertionError("client thread failed:\n" + "\n".join(errors))
-        return [self._results[i][1] for i in range(len(self._threads))]
+        return _outcomes(self._results, len(self._threads), "client thread")
 
     def close(self) -> None:
         """Break the barrier for threads still waiting on it (a test that failed
