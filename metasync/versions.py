@@ -19,6 +19,7 @@ from metasync.backends import Backend
 from metasync.context import RepoContext
 from metasync.errors import (
     BackendError,
+    BackendUnavailable,
     CorruptObject,
     FloorElsewhere,
     MetasyncError,
@@ -191,6 +192,15 @@ class Versions:
                 known = self._version_from_hints(consensus, exc)
                 consensus = self.consensus_for(known.config)
                 continue
+            except BackendUnavailable:
+                # No quorum of this configuration answers. If a later configuration
+                # (which no longer waits for the lost backends) has decided a newer
+                # version, a hint names it and a quorum of that one confirms it.
+                newer = self._newer_from_hints(consensus, known)
+                if newer is None:
+                    raise
+                known, consensus = newer, self.consensus_for(newer.config)
+                continue
             if latest.config == consensus.config_id:
                 self.note_gc_epoch(self.load_config(latest.config).gc_epoch)
                 return latest
@@ -212,7 +222,14 @@ class Versions:
         hint names) show it decided and not compacted, else None (hints are only
         shortcuts)."""
         try:
-            decided = self.consensus_for(config_id).learn(number)
+            consensus = self.consensus_for(config_id)
+            decided = consensus.learn(number)
+            if decided is None:
+                # Reading alone needs a quorum of matching accepts in view; a version
+                # decided in the fast round shows fewer once one of the acceptors
+                # that accepted it is gone. Finishing the instance -- a Paxos recovery
+                # that proposes nothing of its own -- learns it safely.
+                decided = consensus.propose(number, None)
         except MetasyncError:
             return None
         return decided if decided is not None and decided.number == number else None
@@ -220,17 +237,35 @@ class Versions:
     def _version_from_hints(self, consensus: Consensus, behind: MetasyncError) -> Version:
         """The newest version that some backend's ``latest`` hint names and the
         acceptors of the hint's configuration confirm (decided, not compacted)."""
+        found = self._newer_from_hints(consensus, None)
+        if found is None:
+            raise BackendError(f"{behind}, and no backend's latest-version hint could be "
+                               "confirmed; retry, or clone the repository again", transient=True)
+        return found
+
+    def _newer_from_hints(self, consensus: Consensus, known: Version | None) -> Version | None:
+        """The newest version after ``known`` (any, if None) that some reachable
+        backend's ``latest`` hint names and a quorum of the hint's configuration
+        confirms; None if there is none. Hints are only shortcuts: nothing is
+        believed that the acceptors do not confirm."""
         from metasync.consensus import read_hint
 
         backends = {**self.ctx.pool.open(self.config), **consensus.acceptors}
-        hints = sorted({h for b in backends.values() if (h := read_hint(self.ctx.codec, b))},
-                       reverse=True)
+        after = known.number if known is not None else -1
+
+        def hint_of(backend: Backend) -> tuple[int, str] | None:
+            try:
+                return read_hint(self.ctx.codec, backend)
+            except MetasyncError:
+                return None  # unreachable: its hint is as good as absent
+
+        found = self.ctx.store.executor.map(hint_of, backends.values())
+        hints = sorted({h for h in found if h is not None and h[0] > after}, reverse=True)
         for number, config_id in hints:
             decided = self.confirm_hint(number, config_id)
             if decided is not None:
                 return decided
-        raise BackendError(f"{behind}, and no backend's latest-version hint could be "
-                           "confirmed; retry, or clone the repository again", transient=True)
+        return None
 
     def start_from_hint(self, entry_id: str) -> None:
         """A fresh clone starts from the version its entry backend's ``latest`` hint
