@@ -262,9 +262,21 @@ def push(message: str) -> None:
     elif result.version is not None:
         _say(f"Pushed version {result.version.number}: {result.objects_uploaded} objects, "
              f"{_human(result.bytes_uploaded)} uploaded")
-    if result.missing_copies:
-        click.echo(f"warning: {result.missing_copies} object copies could not be written "
-                   "(a backend is unreachable); the next push retries them", err=True)
+    if result.short:
+        config = repo.config
+        wanted = f"R = {config.replicas}" + (
+            f", or {config.erasure[1]} fragments" if config.erasure else "")
+        what = f"version {result.version.number}" if result.version else "the upload"
+        click.echo(f"warning: {what} has fewer copies than the configuration asks for "
+                   f"({wanted}) of {len(result.short)} object(s): too few backends took "
+                   "writes; a later push or the daemon adds the missing copies when they "
+                   "answer", err=True)
+    elif result.spilled:
+        _say(f"note: {result.spilled} copies went to other backends while their holders "
+             "did not answer; they move home once those are back (any push or daemon does it)")
+    elif result.missing_copies:
+        click.echo(f"warning: {result.missing_copies} object copies are not on their "
+                   "backends yet (one is unreachable); the next push retries them", err=True)
 
 
 @cli.command()

@@ -245,6 +245,10 @@ class Daemon:
                 self.status.conflicts += result.conflicts
             if not result.up_to_date and result.version is not None:
                 self.log.info("synced version %d", result.version.number)
+        else:
+            # Copies any client spilled while a backend was away go home once it is
+            # back, whoever wrote them (a push does this too).
+            repo.repair_copies()
         self._watch_acceptors(repo)
         self.status.version = repo.prev.number
         self.status.state = "idle"

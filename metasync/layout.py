@@ -37,6 +37,8 @@ CONFIG_PREFIX = "config"
 OBJECTS_PREFIX = "objects"
 #: Per-client state (head, prev, announced uploads).
 CLIENTS_PREFIX = "clients"
+#: Records of copies written away from their holders (hinted hand-off, §7.1).
+SPILLS_PREFIX = "spills"
 #: pPaxos acceptor logs, one per instance (§9).
 LOG_PREFIX = "log"
 #: The ``latest`` hint every acceptor carries (§9).
@@ -79,6 +81,19 @@ def parse_fragment_key(key: str) -> tuple[str, int] | None:
         return None
     index = int(match.group(3))
     return (match.group(2), index) if index < MAX_FRAGMENTS else None
+
+
+def spill_key(stored_id: str) -> str:
+    """Key of the record that some copy of ``stored_id`` is away from its holders."""
+    return f"{SPILLS_PREFIX}/{stored_id}"
+
+
+def parse_spill_key(key: str) -> str | None:
+    """The stored id of ``spills/<id>``, or None for any other name."""
+    parts = key.split("/")
+    if len(parts) != 2 or parts[0] != SPILLS_PREFIX or not is_object_id(parts[1]):
+        return None
+    return parts[1]
 
 
 # --- configurations and clients ------------------------------------------------------

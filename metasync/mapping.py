@@ -441,6 +441,16 @@ class StableMapping:
         """
         return self.partition_replicas(self.partition_of(object_id))
 
+    def preference(self, object_id: str) -> tuple[str, ...]:
+        """Every backend, in ``object_id``'s preference order: the first R are its
+        holders (:meth:`locate`), the rest the order in which copies spill when a
+        holder cannot be written (docs/FORMAT.md §7).
+
+        Contract: deterministic function of ``object_id`` and the configuration;
+        ValueError unless ``object_id`` is 64 lowercase hex digits.
+        """
+        return self._orders.order(self.partition_of(object_id))
+
 
 _FIRST_U64: Final = struct.Struct(">Q24x")  # first 8 of 32 bytes, unsigned big-endian
 

@@ -17,6 +17,7 @@ import os
 import sqlite3
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -29,7 +30,7 @@ from metasync.graph import ObjectGraph
 from metasync.layout import client_key
 from metasync.localdb import IndexRow
 from metasync.objects import Commit, Index, PackEntry
-from metasync.replicator import Replicator
+from metasync.replicator import Replicator, Uploaded
 from metasync.worktree import write_durable
 
 #: A commit lists at most this many index objects; beyond it they are merged.
@@ -54,6 +55,32 @@ def pack_target_size() -> int:
     if not 1 <= value <= PACK_TARGET_SIZE * 4:
         raise UsageError(f"METASYNC_PACK_SIZE must be between 1 and {PACK_TARGET_SIZE * 4}")
     return value
+
+
+@dataclass
+class FlushReport:
+    """What one flush of the outbox uploaded."""
+
+    objects: int = 0
+    bytes: int = 0
+    #: Copies written to another backend because a holder could not take them.
+    spilled: int = 0
+    #: Objects that got fewer copies (or fragments) than they should have: fewer
+    #: backends took writes than the configuration asks for.
+    short: list[str] = field(default_factory=list)
+
+    def add(self, placed: Uploaded | FlushReport) -> None:
+        if isinstance(placed, FlushReport):
+            self.objects += placed.objects
+            self.bytes += placed.bytes
+            self.spilled += placed.spilled
+            self.short += placed.short
+            return
+        self.objects += 1
+        self.bytes += placed.written
+        self.spilled += len(placed.spilled)
+        if placed.short:
+            self.short.append(placed.stored_id)
 
 
 class KnownIds:
@@ -212,15 +239,14 @@ class Outbox:
                     Path(entry.path).unlink(missing_ok=True)
 
     # ---------------------------------------------------------------- uploading
-    def flush(self) -> tuple[int, int]:
+    def flush(self) -> FlushReport:
         """Upload queued objects: all packs, then indexes, then commits, so nothing
         on a backend ever refers to an object that is not there yet. Announces the
-        uploads to gc first. Returns (objects, bytes) uploaded."""
+        uploads to gc first."""
         pending = self.db.outbox()
         if pending:
             self.publish_client_state([sid for sid, _ in pending])
-        total = 0
-        count = 0
+        report = FlushReport()
         sizes = {sid: (self.folder / sid).stat().st_size for sid, _ in pending}
         replicas = self.ctx.store.config.replicas
         reporter = self.ctx.reporter
@@ -231,22 +257,21 @@ class Outbox:
                 if not items:
                     continue
 
-                def done(stored_id: str, written: int, failures: dict[str, str]) -> None:
-                    nonlocal total, count
+                def done(placed: Uploaded) -> None:
+                    stored_id = placed.stored_id
                     with self.db.transaction():
-                        for backend_id in failures:
+                        for backend_id in placed.missed:
                             self.db.add_missing_copy(stored_id, backend_id)
                         self.db.remove_outbox(stored_id)
                     (self.folder / stored_id).unlink(missing_ok=True)
-                    total += written
-                    count += 1
+                    report.add(placed)
                     reporter.advance(sizes[stored_id] * replicas)
                     crash_point("upload")
 
                 self.replicator.upload(items, done)
         finally:
             reporter.finish()
-        return count, total
+        return report
 
     def _loader(self, stored_id: str) -> Callable[[], BinaryIO]:
         path = self.folder / stored_id
@@ -259,10 +284,10 @@ class Outbox:
         encoded = {object_id: codec.encode(kind, object_id, plaintext)
                    for kind, object_id, plaintext in stored}
 
-        def done(stored_id: str, size: int, failures: dict[str, str]) -> None:
+        def done(placed: Uploaded) -> None:
             with self.db.transaction():
-                for backend_id in failures:
-                    self.db.add_missing_copy(stored_id, backend_id)
+                for backend_id in placed.missed:
+                    self.db.add_missing_copy(placed.stored_id, backend_id)
 
         self.replicator.upload(
             [(object_id, _bytes_loader(data)) for object_id, data in encoded.items()], done)

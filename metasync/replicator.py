@@ -2,120 +2,93 @@
 
 Every write to ``objects/`` goes through :class:`Replicator`: a push's first
 upload of what it committed (:meth:`Replicator.upload`), the retry of copies a
-backend refused (:meth:`Replicator.repair_missing`), ``fsck --repair``
-(:meth:`Replicator.repair`), a rebalance's placement of copies and fragments on
-the holders a configuration names (:meth:`Replicator.place`,
-:meth:`Replicator.place_fragments`), and the deletions of a rebalance and of gc
-(:meth:`Replicator.delete`).
+backend refused and the hand-off of copies spilled to other backends
+(:meth:`Replicator.repair_missing`), ``fsck --repair`` (:meth:`Replicator.repair`),
+a rebalance's placement of copies and fragments on the holders a configuration
+names (:meth:`Replicator.place`, :meth:`Replicator.place_fragments`), and the
+deletions of a rebalance and of gc (:meth:`Replicator.delete`). The placement
+rules themselves are :mod:`metasync.placement`'s.
 
-The rule it keeps: **a byte copied from one backend to another is verified
-against its id first** (:func:`verify_stored` for a whole copy, the fragment's
-cross-checksum for a fragment; a fragment rebuilt from others is checked
-against the cross-checksum before it is written), and a copy is dropped only
-when every holder has the object and those copies were verified by content in
-this run (git-annex's numcopies). A source that fails its check is never
-copied; the copy it should have fed stays missing and is reported.
+The rules it keeps:
+
+- **A byte copied from one backend to another is verified against its id
+  first** (:func:`~metasync.placement.verify_stored` for a whole copy, the
+  fragment's cross-checksum for a fragment; a fragment rebuilt from others is
+  checked against the cross-checksum before it is written), and a copy is
+  dropped only when every holder has the object and those copies were verified
+  by content in this run (git-annex's numcopies). A source that fails its check
+  is never copied; the copy it should have fed stays missing and is reported.
+- **Copies spill instead of staying single** (Hybris; Dynamo's sloppy quorum
+  with hinted hand-off): an upload walks the object's preference order
+  (:meth:`~metasync.mapping.StableMapping.preference`) until R backends took a
+  copy -- its holders first, then, for each holder that could not be written,
+  the next backend that can. Where a holder missed its copy, a record
+  ``spills/<id>`` goes to every backend that took one (docs/FORMAT.md §7.1), so
+  any client -- not only the writer -- moves the copy home once the holder is
+  back, and drops the spilled one. Readers already look at every backend of the
+  configuration after the holders.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from metasync.backends import Backend
 from metasync.codec import Codec
-from metasync.errors import (
-    CorruptObject,
-    MetasyncError,
-    ObjectNotFound,
-    ObjectUnavailable,
-)
-from metasync.layout import fragment_key, object_key, parse_fragment_key, parse_object_key
+from metasync.errors import MetasyncError, ObjectNotFound, ObjectUnavailable
+from metasync.layout import SPILLS_PREFIX, fragment_key, object_key, parse_spill_key, spill_key
 from metasync.localdb import LocalDB
 from metasync.objects import Config
+from metasync.placement import (
+    Inventory,
+    PlaceOutcome,
+    place,
+    place_fragments,
+    take_inventory,
+    verify_stored,
+)
 from metasync.progress import Reporter
 from metasync.store import SMALL_READ, RemoteStore, fragment_mapping_of
 
-
-def verify_stored(codec: Codec, stored_id: str, data: bytes) -> None:
-    """Raise :class:`CorruptObject` unless ``data`` is a good stored copy of
-    ``stored_id``: a pack whose bytes hash to its id, or a commit or index that
-    decodes under its id (the translator chain checks MAC and id)."""
-    if codec.id_of("pack", data) == stored_id:
-        return
-    for kind in ("commit", "index"):
-        try:
-            codec.decode(kind, stored_id, data)
-            return
-        except CorruptObject:
-            continue
-    raise CorruptObject(f"object {stored_id[:12]}: content does not match its id")
+__all__ = ["Inventory", "PlaceOutcome", "Replicator", "Uploaded", "take_inventory", "verify_stored"]
 
 
-# ============================================================== what the backends hold
-@dataclass
-class Inventory:
-    """Which backend holds a copy of which stored object, and its size."""
-
-    copies: dict[str, dict[str, int]] = field(default_factory=dict)
-    #: Erasure-coded objects: stored id -> fragment index -> backend -> size.
-    fragments: dict[str, dict[int, dict[str, int]]] = field(default_factory=dict)
-    #: Backends whose listing failed, with the reason.
-    unreachable: dict[str, str] = field(default_factory=dict)
-
-    def held_by(self, backend_id: str) -> tuple[int, int]:
-        """(objects or fragments, bytes) one backend holds."""
-        sizes = [c[backend_id] for c in self.copies.values() if backend_id in c]
-        sizes += [h[backend_id] for f in self.fragments.values() for h in f.values()
-                  if backend_id in h]
-        return len(sizes), sum(sizes)
-
-    def stored_ids(self) -> set[str]:
-        return set(self.copies) | set(self.fragments)
-
-
-def take_inventory(backends: dict[str, Backend], executor: Executor) -> Inventory:
-    """List ``objects/`` on every backend at once (names are parsed strictly:
-    anything but a well-formed object or fragment key is ignored)."""
-    inventory = Inventory()
-
-    def listing(backend: Backend) -> list[tuple[str, int]]:
-        return list(backend.list_sizes("objects"))
-
-    futures = {b: executor.submit(listing, backend) for b, backend in backends.items()}
-    for backend_id, future in futures.items():
-        try:
-            keys = future.result()
-        except MetasyncError as exc:
-            inventory.unreachable[backend_id] = str(exc)
-            continue
-        for key, size in keys:
-            stored_id = parse_object_key(key)
-            if stored_id is not None:
-                inventory.copies.setdefault(stored_id, {})[backend_id] = size
-                continue
-            fragment = parse_fragment_key(key)
-            if fragment is not None:
-                by_index = inventory.fragments.setdefault(fragment[0], {})
-                by_index.setdefault(fragment[1], {})[backend_id] = size
-    return inventory
-
-
-@dataclass
-class PlaceOutcome:
-    """What placing one object did."""
+@dataclass(frozen=True)
+class Uploaded:
+    """Where one upload put an object."""
 
     stored_id: str
-    copied: int = 0
-    bytes_copied: int = 0
-    dropped: int = 0
-    kept: int = 0
-    #: No good copy (or not enough good fragments) could be found to copy from.
-    lost: bool = False
-    #: Backends that now verifiably hold what they should.
-    placed: set[str] = field(default_factory=set)
+    #: Bytes stored on backends, all copies or fragments together.
+    written: int
+    #: The backends that should hold it (its R holders, or its n fragment holders).
+    holders: tuple[str, ...]
+    #: Backend id -> fragment index (None: a whole copy) of every copy made.
+    copies: dict[str, int | None]
+    #: Holders that did not take their copy, with the reason.
+    missed: dict[str, str]
+
+    @property
+    def spilled(self) -> list[str]:
+        """Backends that took a copy in place of a holder."""
+        return [b for b in self.copies if b not in self.holders]
+
+    @property
+    def short(self) -> bool:
+        """Fewer copies (or fragments) than the object should have."""
+        return len(self.copies) < len(self.holders)
+
+
+@dataclass
+class SpillRecord:
+    """What ``spills/<id>`` records say, and which backends list one."""
+
+    listed_on: set[str] = field(default_factory=set)
+    #: Backend id -> fragment index (None: a whole copy), as the writer recorded;
+    #: None if no record could be read back (then the holders are probed).
+    copies: dict[str, int | None] | None = None
 
 
 class Replicator:
@@ -132,59 +105,66 @@ class Replicator:
     def upload(
         self,
         items: Iterable[tuple[str, Callable[[], BinaryIO]]],
-        on_done: Callable[[str, int, dict[str, str]], None],
+        on_done: Callable[[Uploaded], None],
     ) -> None:
-        """Upload every ``(stored_id, open)`` (bytes this client made) to all its
-        holders, many at once; ``open()`` returns a fresh readable, seekable stream
-        of the stored bytes.
+        """Upload every ``(stored_id, open)`` (bytes this client made), many at once;
+        ``open()`` returns a fresh readable, seekable stream of the stored bytes.
+        Each object goes to its holders, and a copy a holder cannot take spills to
+        the next backend of its preference order that can (see the module
+        docstring), with a spill record where a holder missed it.
 
-        ``on_done(stored_id, written, failures)`` runs in the caller's thread as each
-        object reaches enough holders (one, or k fragment holders); ``written`` is
-        the bytes stored on backends, ``failures`` maps backend id to reason for the
-        holders it did not reach (record them: :meth:`repair_missing` writes them
-        later). The copies of one object are written one after another; different
-        objects (and so different backends) in parallel. Raises
-        :class:`ObjectUnavailable` if some object reached no backend at all.
+        ``on_done(uploaded)`` runs in the caller's thread for each object that
+        reached enough backends to be read (one, or k fragment holders): record its
+        ``missed`` holders (:meth:`repair_missing` writes them later) and tell the
+        user if it is ``short``. The copies of one object are written one after
+        another; different objects (and so different backends) in parallel. Raises
+        :class:`ObjectUnavailable` if some object reached no backend at all (it is
+        not reported done: it stays queued).
         """
         store = self.store
 
-        def task(stored_id: str, open_: Callable[[], BinaryIO]) -> tuple[str, int, dict[str, str]]:
-            failures: dict[str, str] = {}
+        def task(stored_id: str, open_: Callable[[], BinaryIO]) -> Uploaded:
             # Streamed from the source for each copy: memory stays at a few pieces
             # per worker however large the object.
             with open_() as stream:
                 size = stream.seek(0, 2)
                 if store.coded(size):
                     stream.seek(0)
-                    return stored_id, size, self._put_fragments(stored_id, stream.read())
-                for backend_id in store.mapping.locate(stored_id):
+                    return self._put_fragments(stored_id, stream.read())
+                order = store.mapping.preference(stored_id)
+                holders = order[: store.config.replicas]
+                copies: dict[str, int | None] = {}
+                missed: dict[str, str] = {}
+                for backend_id in order:
+                    if len(copies) >= len(holders):
+                        break
+                    if backend_id not in holders and backend_id in store.down:
+                        continue  # a spill goes only where writes work
                     stream.seek(0)
                     reason = store.put_copy(backend_id, stored_id, stream)
-                    if reason is not None:
-                        failures[backend_id] = reason
-            return stored_id, size, failures
+                    if reason is None:
+                        copies[backend_id] = None
+                    elif backend_id in holders:
+                        missed[backend_id] = reason
+            placed = Uploaded(stored_id, size * len(copies), holders, copies, missed)
+            self._record_spill(placed)
+            return placed
 
         futures = [store.executor.submit(task, sid, load) for sid, load in items]
         unplaced: list[str] = []
         first_error: BaseException | None = None
         for fut in futures:
             try:
-                stored_id, size, failures = fut.result()
+                placed = fut.result()
             except BaseException as exc:  # keep draining so no task is left running
                 first_error = first_error or exc
                 continue
-            if store.scheme is not None and store.coded(size):
-                from metasync.erasure import stored_bytes
-
-                needed, total = store.scheme.k, store.scheme.n
-                written = stored_bytes(store.scheme, size) // total * (total - len(failures))
-            else:
-                needed, total = 1, len(store.mapping.locate(stored_id))
-                written = size * (total - len(failures))
-            if total - len(failures) < needed:
-                unplaced.append(stored_id)  # not reported done: it stays queued
+            coded = any(index is not None for index in placed.copies.values())
+            needed = store.scheme.k if coded and store.scheme is not None else 1
+            if len(placed.copies) < needed:
+                unplaced.append(placed.stored_id)
                 continue
-            on_done(stored_id, written, failures)
+            on_done(placed)
         if first_error is not None:
             raise first_error
         if unplaced:
@@ -194,26 +174,60 @@ class Replicator:
                 "they stay queued and the next push retries"
             )
 
-    def _put_fragments(self, stored_id: str, data: bytes) -> dict[str, str]:
-        """Write fragment j of ``data`` to the j-th fragment holder; return failures."""
+    def _put_fragments(self, stored_id: str, data: bytes) -> Uploaded:
+        """Write fragment j of ``data`` to the j-th fragment holder, or, where that
+        one cannot take it, to the next backend of the fragment order that holds no
+        fragment of the object yet."""
         from metasync.erasure import encode_fragments
 
         store = self.store
         assert store.scheme is not None
         fragments = encode_fragments(self.codec.hasher, store.scheme, stored_id, data)
-        failures: dict[str, str] = {}
-        holders = store.fragment_mapping.locate(stored_id)
-        for index, (backend_id, fragment) in enumerate(zip(holders, fragments, strict=True)):
-            reason = store.put_copy(backend_id, stored_id, fragment, fragment_key(stored_id, index))
+        order = store.fragment_mapping.preference(stored_id)
+        holders = order[: store.scheme.n]
+        spares = [b for b in order[store.scheme.n:] if b not in store.down]
+        copies: dict[str, int | None] = {}
+        missed: dict[str, str] = {}
+        written = 0
+        for index, (holder, fragment) in enumerate(zip(holders, fragments, strict=True)):
+            key = fragment_key(stored_id, index)
+            reason = store.put_copy(holder, stored_id, fragment, key)
             if reason is not None:
-                failures[backend_id] = reason
-        return failures
+                missed[holder] = reason
+                while spares and reason is not None:
+                    target = spares.pop(0)
+                    reason = store.put_copy(target, stored_id, fragment, key)
+                    if reason is None:
+                        copies[target] = index
+            else:
+                copies[holder] = index
+            if reason is None:
+                written += len(fragment)
+        placed = Uploaded(stored_id, written, holders, copies, missed)
+        self._record_spill(placed)
+        return placed
+
+    def _record_spill(self, placed: Uploaded) -> None:
+        """Where a holder missed its copy, tell every backend that took one (best
+        effort: this client also keeps a missing-copy row of its own)."""
+        if not placed.missed or not placed.copies:
+            return
+        key = spill_key(placed.stored_id)
+        data = self.codec.encode("spill", key, json.dumps(
+            {"copies": {b: i for b, i in placed.copies.items()}}, sort_keys=True).encode())
+        for backend_id in placed.copies:
+            try:
+                self.store.backends[backend_id].put(key, data)
+            except MetasyncError:
+                continue
 
     # ---------------------------------------------------------------- repairs
     def repair_missing(self) -> int:
-        """Write the copies and fragments a backend refused earlier (recorded as
-        missing copies), each from a verified source; forget each one written.
-        Backends down in this session are skipped. Returns how many stay missing."""
+        """Bring every copy home: the copies and fragments this client's uploads
+        missed (its missing-copy rows) and those any client spilled (the
+        ``spills/`` records the backends list), each written from a verified
+        source, the spilled copy dropped once every holder's copy is verified.
+        Backends down in this session are skipped. Returns how many rows stay."""
         store = self.store
         by_object: dict[str, set[str]] = {}
         for stored_id, backend_id in self.db.missing_copies():
@@ -224,15 +238,100 @@ class Replicator:
                 self.forget_missing(stored_id, [backend_id])
             elif backend_id not in store.down:
                 by_object.setdefault(stored_id, set()).add(backend_id)
+        records = self.spill_records(store.backends)
         backends = store.backends
-        for stored_id, wanted in sorted(by_object.items()):
+        for stored_id in sorted(set(by_object) | set(records)):
+            record = records.get(stored_id)
+            if record is not None:
+                self._hand_off(backends, stored_id, record)
+                continue
+            wanted = by_object[stored_id]
             outcome = self.restore(backends, stored_id, wanted)
             if outcome.lost:
-                self.reporter.note(
-                    f"no good copy of object {stored_id[:12]} to repair from; its missing "
-                    "copies stay missing (run `metasync fsck`)")
+                self._no_source(stored_id)
             self.forget_missing(stored_id, outcome.placed & wanted)
         return len(self.db.missing_copies())
+
+    def _no_source(self, stored_id: str) -> None:
+        self.reporter.note(
+            f"no good copy of object {stored_id[:12]} to repair from; its missing "
+            "copies stay missing (run `metasync fsck`)")
+
+    def spill_records(self, backends: dict[str, Backend], *,
+                      read: bool = True) -> dict[str, SpillRecord]:
+        """The ``spills/`` records every reachable backend lists, by stored id (names
+        parsed strictly), with the recorded copies read from one of them (unless
+        ``read`` is false)."""
+
+        def listing(item: tuple[str, Backend]) -> tuple[str, list[str]]:
+            backend_id, backend = item
+            try:
+                return backend_id, list(backend.list(SPILLS_PREFIX))
+            except MetasyncError:
+                return backend_id, []
+
+        records: dict[str, SpillRecord] = {}
+        for backend_id, keys in self.store.executor.map(listing, sorted(backends.items())):
+            for key in keys:
+                stored_id = parse_spill_key(key)
+                if stored_id is not None:
+                    records.setdefault(stored_id, SpillRecord()).listed_on.add(backend_id)
+        for stored_id, record in records.items() if read else ():
+            record.copies = self._read_record(backends, stored_id, record.listed_on)
+        return records
+
+    def _read_record(self, backends: dict[str, Backend], stored_id: str,
+                     listed_on: set[str]) -> dict[str, int | None] | None:
+        key = spill_key(stored_id)
+        for backend_id in sorted(listed_on):
+            try:
+                doc = json.loads(self.codec.decode("spill", key, backends[backend_id].get(key)))
+                copies = doc["copies"]
+            except (MetasyncError, ValueError, KeyError, TypeError, RecursionError):
+                continue  # damaged or forged: as if unread
+            if isinstance(copies, dict) and all(
+                    isinstance(b, str) and (i is None or type(i) is int) for b, i in copies.items()):
+                return copies
+        return None
+
+    def _hand_off(self, backends: dict[str, Backend], stored_id: str, record: SpillRecord) -> None:
+        """Move a spilled object home: every holder gets its verified copy (or
+        fragment), the copies on other backends go, and the record goes last."""
+        store = self.store
+        recorded = record.copies or {}
+        coded = any(index is not None for index in recorded.values()) or (
+            record.copies is None and bool(self._probe_fragments(backends, stored_id)))
+        if coded and store.config.erasure is not None:
+            held = self._probe_fragments(backends, stored_id)
+            for backend_id, index in recorded.items():
+                if index is not None and backend_id in backends:
+                    held.setdefault(index, {})[backend_id] = 0
+            holders = store.fragment_mapping.locate(stored_id)
+            outcome = place_fragments(self.codec, backends, holders, stored_id, held,
+                                      erasure=store.config.erasure, drop=True,
+                                      unreachable=dict(store.down))
+        else:
+            holders = store.mapping.locate(stored_id)
+            have = {b: 0 for b in recorded if b in backends}
+            for backend_id in holders:
+                try:
+                    backends[backend_id].size(object_key(stored_id))
+                    have[backend_id] = 0
+                except MetasyncError:
+                    continue
+            outcome = place(self.codec, backends, holders, stored_id, have, drop=True,
+                            unreachable=dict(store.down))
+        if outcome.lost:
+            self._no_source(stored_id)
+        done = set(holders) <= outcome.placed and outcome.kept == 0
+        self.forget_missing(stored_id, outcome.placed & set(holders))
+        if done:
+            for backend_id in sorted(record.listed_on | set(recorded)):
+                if backend_id in backends:
+                    try:
+                        backends[backend_id].delete(spill_key(stored_id))
+                    except MetasyncError:
+                        continue
 
     def forget_missing(self, stored_id: str, backend_ids: Iterable[str]) -> None:
         """Missing-copy rows of ``stored_id`` on these backends are settled."""
@@ -251,11 +350,11 @@ class Replicator:
             held = {i: {b: n for b, n in where.items() if b not in wanted}
                     for i, where in fragments.items()}
             assert store.config.erasure is not None
-            return self.place_fragments(backends, holders, stored_id,
-                                        {i: w for i, w in held.items() if w},
-                                        erasure=store.config.erasure)
+            return place_fragments(self.codec, backends, holders, stored_id,
+                                   {i: w for i, w in held.items() if w},
+                                   erasure=store.config.erasure)
         order = [b for b in store.read_order(stored_id, SMALL_READ) if b in backends and b not in wanted]
-        return self.place(backends, tuple(sorted(wanted)), stored_id, dict.fromkeys(order, 0))
+        return place(self.codec, backends, tuple(sorted(wanted)), stored_id, dict.fromkeys(order, 0))
 
     def _probe_fragments(self, backends: dict[str, Backend], stored_id: str) -> dict[int, dict[str, int]]:
         """Which fragments of ``stored_id`` its fragment holders have (empty if the
@@ -290,14 +389,14 @@ class Replicator:
             if stored_id in coded and config.erasure is not None:
                 # Every fragment is checked again: a bad one is not assigned, so it
                 # is replaced like a missing one.
-                outcome = self.place_fragments(
-                    backends, fragment_holders.locate(stored_id), stored_id,
+                outcome = place_fragments(
+                    self.codec, backends, fragment_holders.locate(stored_id), stored_id,
                     coded[stored_id], erasure=config.erasure, verify_all=True)
             else:
                 order = [b for b in self.store.read_order(stored_id, SMALL_READ)
                          if b in backends and b not in bad]
-                outcome = self.place(backends, tuple(sorted(bad)), stored_id,
-                                     dict.fromkeys(order, 0))
+                outcome = place(self.codec, backends, tuple(sorted(bad)), stored_id,
+                                dict.fromkeys(order, 0))
             return stored_id, outcome.placed & bad
 
         repaired: dict[str, set[str]] = {}
@@ -316,185 +415,20 @@ class Replicator:
         return repaired
 
     # ---------------------------------------------------------------- placement
-    def place(
-        self,
-        backends: dict[str, Backend],
-        holders: tuple[str, ...],
-        stored_id: str,
-        have: dict[str, int],
-        *,
-        drop: bool = False,
-        verify_all: bool = False,
-        unreachable: dict[str, str] | None = None,
-    ) -> PlaceOutcome:
-        """Copy a whole object to the ``holders`` that lack it (``have`` lists the
-        backends that may hold a copy, best source first), from a copy verified
-        first; with ``drop``, then delete the copies on backends not among
-        ``holders`` (numcopies: only once every holder's copy is verified). With
-        ``verify_all`` every copy in ``have`` is checked and a bad one replaced."""
-        unreachable = unreachable or {}
-        out = PlaceOutcome(stored_id)
-        key = object_key(stored_id)
-        verified: set[str] = set()
-        bad: set[str] = set()
+    def place(self, backends: dict[str, Backend], holders: tuple[str, ...], stored_id: str,
+              have: dict[str, int], *, drop: bool = False, verify_all: bool = False,
+              unreachable: dict[str, str] | None = None) -> PlaceOutcome:
+        """:func:`metasync.placement.place` with this replicator's codec."""
+        return place(self.codec, backends, holders, stored_id, have, drop=drop,
+                     verify_all=verify_all, unreachable=unreachable)
 
-        def verify_at(backend_id: str) -> bytes | None:
-            """The copy on ``backend_id`` if it is good (and remember which it was)."""
-            if backend_id in unreachable or backend_id in bad or backend_id not in backends:
-                return None
-            try:
-                data = backends[backend_id].get(key)
-                verify_stored(self.codec, stored_id, data)
-            except MetasyncError:
-                bad.add(backend_id)
-                return None
-            verified.add(backend_id)
-            return data
-
-        good: bytes | None = None
-        if verify_all:
-            for backend_id in sorted(have):
-                good = verify_at(backend_id) or good
-        missing = [h for h in holders if (h not in have or h in bad) and h not in unreachable]
-        if missing:
-            # A verified copy, from the best backend that has one (holders first).
-            for backend_id in sorted(have, key=lambda b: (b in verified, b not in holders)):
-                if good is not None:
-                    break
-                good = verify_at(backend_id)
-            if good is None:
-                out.lost = True
-                out.placed = verified & set(holders)
-                return out
-            for backend_id in missing:
-                try:
-                    backends[backend_id].put(key, good)
-                except MetasyncError:
-                    continue
-                verified.add(backend_id)
-                bad.discard(backend_id)
-                out.copied += 1
-                out.bytes_copied += len(good)
-        out.placed = verified & set(holders)
-        if not drop:
-            return out
-        extras = [b for b in have if b not in holders]
-        if not extras:
-            return out
-        # numcopies: every holder has it, and all R of those copies are verified by
-        # content, before any extra copy goes.
-        for h in holders:
-            if h not in verified:
-                verify_at(h)
-        if not all(h in verified for h in holders):
-            out.kept += len(extras)
-            return out
-        for backend_id in extras:
-            if backend_id in unreachable:
-                out.kept += 1
-                continue
-            _drop(out, backends[backend_id], key)
-        return out
-
-    def place_fragments(
-        self,
-        backends: dict[str, Backend],
-        holders: tuple[str, ...],
-        stored_id: str,
-        held: dict[int, dict[str, int]],
-        *,
-        erasure: tuple[int, int],
-        drop: bool = False,
-        verify_all: bool = False,
-        unreachable: dict[str, str] | None = None,
-    ) -> PlaceOutcome:
-        """An erasure-coded object: each of its n ``holders`` must hold one fragment,
-        all of different indexes (``held``: index -> backend -> size, what is known
-        to exist). A fragment stays where it is if that backend is still a holder; a
-        holder without one gets a missing index, copied (verified) if some other
-        backend has it, else rebuilt from any k good fragments (checked against the
-        cross-checksum). With ``drop``, fragments on other backends (and second
-        fragments on a holder) go once every holder's fragment is verified."""
-        from metasync.erasure import ErasureScheme, rebuild_fragment, verify_fragment
-
-        unreachable = unreachable or {}
-        out = PlaceOutcome(stored_id)
-        scheme = ErasureScheme(*erasure)
-        hasher = self.codec.hasher
-        good: dict[int, bytes] = {}
-        verified: dict[str, int] = {}  # backend -> the index it verifiably holds
-
-        def fetch(index: int, backend_id: str) -> bytes | None:
-            if backend_id in unreachable or backend_id not in backends:
-                return None
-            try:
-                data = backends[backend_id].get(fragment_key(stored_id, index))
-                verify_fragment(hasher, stored_id, index, data)
-            except MetasyncError:
-                return None
-            good.setdefault(index, data)
-            return data
-
-        # Which index each holder keeps (its own position's if it has that one).
-        assigned: dict[str, int] = {}
-        for position, backend_id in enumerate(holders):
-            options = sorted(i for i, where in held.items() if backend_id in where)
-            options.sort(key=lambda i: i != position)
-            for index in options:
-                if index in assigned.values():
-                    continue
-                if verify_all and fetch(index, backend_id) is None:
-                    continue
-                assigned[backend_id] = index
-                if verify_all:
-                    verified[backend_id] = index
-                break
-        missing = sorted(set(range(scheme.n)) - set(assigned.values()))
-        empty = [b for b in holders if b not in assigned and b not in unreachable]
-        for backend_id, index in zip(empty, missing, strict=False):
-            data = good.get(index)
-            if data is None:
-                for source in held.get(index, {}):
-                    data = fetch(index, source)
-                    if data is not None:
-                        break
-            if data is None:
-                for other, holding in sorted(held.items()):
-                    if len(good) >= scheme.k:
-                        break
-                    for b in holding:
-                        if fetch(other, b) is not None:
-                            break
-                try:
-                    data = rebuild_fragment(hasher, scheme, stored_id, good, index)
-                except (CorruptObject, ObjectUnavailable):
-                    out.lost = True
-                    continue
-            try:
-                backends[backend_id].put(fragment_key(stored_id, index), data)
-            except MetasyncError:
-                continue
-            assigned[backend_id] = index
-            verified[backend_id] = index
-            out.copied += 1
-            out.bytes_copied += len(data)
-        out.placed = set(verified)
-        if not drop:
-            return out
-        extras = [(i, b) for i, where in held.items() for b in where if assigned.get(b) != i]
-        if not extras:
-            return out
-        if len(assigned) < len(holders):
-            out.kept += len(extras)
-            return out
-        for backend_id, index in assigned.items():
-            if backend_id not in verified and fetch(index, backend_id) is None:
-                out.kept += len(extras)
-                return out
-            verified[backend_id] = index
-        for index, backend_id in extras:
-            _drop(out, backends[backend_id], fragment_key(stored_id, index))
-        return out
+    def place_fragments(self, backends: dict[str, Backend], holders: tuple[str, ...],
+                        stored_id: str, held: dict[int, dict[str, int]], *,
+                        erasure: tuple[int, int], drop: bool = False, verify_all: bool = False,
+                        unreachable: dict[str, str] | None = None) -> PlaceOutcome:
+        """:func:`metasync.placement.place_fragments` with this replicator's codec."""
+        return place_fragments(self.codec, backends, holders, stored_id, held, erasure=erasure,
+                               drop=drop, verify_all=verify_all, unreachable=unreachable)
 
     # ---------------------------------------------------------------- deletion
     def delete(self, backend: Backend, keys: dict[str, int]) -> tuple[int, int, int]:
@@ -511,15 +445,3 @@ class Replicator:
             except MetasyncError:
                 failed += 1
         return done, size, failed
-
-
-def _drop(out: PlaceOutcome, backend: Backend, key: str) -> None:
-    """Delete one extra copy (its required copies are verified); one that cannot be
-    deleted now stays, counted as kept, for the next rebalance."""
-    try:
-        backend.delete(key)
-        out.dropped += 1
-    except ObjectNotFound:
-        pass
-    except MetasyncError:
-        out.kept += 1

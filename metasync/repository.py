@@ -265,6 +265,12 @@ class Repository:
         """``(stored id, kind)`` of every object committed here and not uploaded yet."""
         return self._ctx.db.outbox()
 
+    def repair_copies(self) -> int:
+        """Bring copies home: those this client's uploads missed and those any
+        client spilled to other backends (from verified copies); returns how many
+        of this client's missing copies remain."""
+        return self.replicator.repair_missing()
+
     def missing_copies(self) -> list[tuple[str, str]]:
         """``(stored id, backend id)`` of copies a backend refused, not yet rewritten."""
         return self._ctx.db.missing_copies()

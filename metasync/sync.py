@@ -14,6 +14,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from metasync.checkout import Checkout, PullResult
 from metasync.committer import CommitResult, Committer
@@ -29,6 +30,9 @@ from metasync.state import PendingCheckout
 from metasync.versions import Versions
 from metasync.worktree import ScanEntry, remove_stale_temps
 
+if TYPE_CHECKING:
+    from metasync.merge import MergeConflict
+
 #: A push merges with a moving master at most this many times before giving up.
 MAX_MERGES = 50
 
@@ -40,9 +44,16 @@ class PushResult:
     objects_uploaded: int = 0
     bytes_uploaded: int = 0
     up_to_date: bool = False
+    #: Copies not yet on their holders (this client's missing-copy rows): spilled
+    #: elsewhere, or short; any later push or daemon cycle writes them.
     missing_copies: int = 0
     #: Conflict copies a merge with a moved master made.
     conflicts: list[str] = field(default_factory=list)
+    #: Copies written to another backend because a holder could not take them.
+    spilled: int = 0
+    #: Objects this push stored with fewer copies than the configuration asks for
+    #: (fewer backends took writes than R): the version is readable, less durable.
+    short: list[str] = field(default_factory=list)
 
 
 def commit_stamp(time_ns: int) -> str:
@@ -95,13 +106,15 @@ class Sync:
         for _ in range(MAX_MERGES):
             if latest.number > self.state.prev.number:
                 conflicts += self.integrate(latest).conflicts
-                more = self.outbox.flush()
-                uploaded = (uploaded[0] + more[0], uploaded[1] + more[1])
+                uploaded.add(self.outbox.flush())
             prev, head = self.state.prev, self.state.head
-            missing = len(self.ctx.db.missing_copies())
+            done = PushResult(prev, result, uploaded.objects, uploaded.bytes,
+                              missing_copies=len(self.ctx.db.missing_copies()),
+                              conflicts=conflicts, spilled=uploaded.spilled,
+                              short=uploaded.short)
             if head is None or head == prev.master:
-                return PushResult(prev, result, *uploaded, up_to_date=True,
-                                  missing_copies=missing, conflicts=conflicts)
+                done.up_to_date = True
+                return done
             proposal = Version(prev.number + 1, head, prev.config)
             crash_point("push:propose")
             consensus = self.versions.consensus
@@ -111,8 +124,8 @@ class Sync:
                 self.record_decided(chosen)
                 consensus.publish(chosen)
                 self.outbox.publish_client_state()
-                return PushResult(chosen, result, *uploaded, missing_copies=missing,
-                                  conflicts=conflicts)
+                done.version = chosen
+                return done
             latest = self.versions.learn_latest()
         raise BackendError(
             f"other clients kept committing during {MAX_MERGES} merges; run `metasync push` again",
@@ -174,26 +187,38 @@ class Sync:
                 versions.set_base(learned)
             versions.adopt_config()
             return PullResult(learned, up_to_date=True)
-        theirs = self.graph.load_commit(learned.master)
-        versions.note_gc_epoch(versions.load_config(learned.config).gc_epoch)
-        self.graph.load_indexes(theirs)
-        ours = self.graph.head_commit()
-        from_tree = ours.tree if ours is not None else None
-        if head is None or head == prev.master:
-            with state.transaction():
-                state.head = learned.master
-                versions.set_base(learned)
-                state.checkout_pending = PendingCheckout(from_tree, theirs.tree)
-            versions.adopt_config()
-            return self.checkout.run_pending()
-        assert ours is not None
-        return self._merge(learned, theirs, ours, head, prev.master)
+        # Read what the learned version needs by its own configuration: a client a
+        # few configurations behind finds its objects only on the newer backends.
+        conflicts: list[MergeConflict] = []
+        merging = head is not None and head != prev.master
+        with versions.reading_with(versions.load_config(learned.config)):
+            theirs = self.graph.load_commit(learned.master)
+            versions.note_gc_epoch(versions.load_config(learned.config).gc_epoch)
+            self.graph.load_indexes(theirs)
+            ours = self.graph.head_commit()
+            if not merging:
+                with state.transaction():
+                    state.head = learned.master
+                    versions.set_base(learned)
+                    state.checkout_pending = PendingCheckout(
+                        ours.tree if ours is not None else None, theirs.tree)
+            else:
+                assert ours is not None and head is not None
+                conflicts = self._merge(learned, theirs, ours, head, prev.master)
+        versions.adopt_config()
+        for c in conflicts:
+            self.ctx.reporter.note(f"conflict: {c.path} changed on both sides; the other version is {c.copy}")
+        if merging:
+            crash_point("merge:sealed")
+        result = self.checkout.run_pending()
+        result.conflicts[:0] = [c.copy for c in conflicts]
+        return result
 
     def _merge(self, learned: Version, theirs: Commit, ours: Commit, head: str,
-               base_master: str | None) -> PullResult:
+               base_master: str | None) -> list[MergeConflict]:
         """Merge head (``ours``) with ``learned``'s master (``theirs``) three ways,
-        base ``base_master``, into a local commit whose parents are (master, head);
-        then check the merge out."""
+        base ``base_master``, into a local commit whose parents are (master, head),
+        recorded with the checkout of it as pending; return the conflicts."""
         from metasync.merge import Side, merge_trees
 
         assert learned.master is not None
@@ -222,13 +247,7 @@ class Sync:
             message=f"merge version {learned.number}", inherited=[theirs, ours], refreshed=[],
             then=then,
         )
-        self.versions.adopt_config()
-        for c in conflicts:
-            self.ctx.reporter.note(f"conflict: {c.path} changed on both sides; the other version is {c.copy}")
-        crash_point("merge:sealed")
-        result = self.checkout.run_pending()
-        result.conflicts[:0] = [c.copy for c in conflicts]
-        return result
+        return conflicts
 
     def _repack_collected(self, flat: dict[str, TreeEntry], writer: ObjectWriter) -> None:
         """Objects an unpushed local commit shares with content a concurrent gc

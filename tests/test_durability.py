@@ -35,6 +35,31 @@ def _away(path: Path) -> Path:
     return hidden
 
 
+@pytest.mark.parametrize("lost", ["b1", "b2", "b3"])
+def test_push_while_one_backend_was_away_survives_losing_any_other(
+        tmp_path: Path, lost: str) -> None:
+    """R=2 over 3; b3 is away during a push; it comes back; then one backend is
+    lost for good with no push in between (each in turn, by parametrization): a
+    fresh clone has the pushed file every time."""
+    b = _dirs(tmp_path, "b1", "b2", "b3")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "first.txt").write_text("first\n")
+    run_cli("init", *(f"--backend=dir:{b[n]}" for n in ("b1", "b2", "b3")), cwd=src)
+    run_cli("push", cwd=src)
+    hidden = _away(b["b3"])
+    (src / "pushed while b3 was away.txt").write_bytes(b"x" * 70_000)
+    (src / "small.txt").write_text("small\n")
+    pushed = run_cli(*TIMEOUT, "push", cwd=src)
+    assert "fewer" not in pushed.stdout + pushed.stderr, pushed.stdout + pushed.stderr
+    hidden.rename(b["b3"])
+    shutil.rmtree(b[lost])
+    survivor = next(n for n in ("b1", "b2", "b3") if n != lost)
+    clone = tmp_path / "clone"
+    run_cli(*TIMEOUT, "clone", f"dir:{b[survivor]}", str(clone))
+    assert snapshot(clone) == snapshot(src)
+
+
 @pytest.mark.parametrize("entry", ["b3", "b4"])
 def test_clone_after_removing_a_dead_backend_and_losing_another(tmp_path: Path, entry: str) -> None:
     """init on b1, b2, b3; backend add b4; b2 dies; backend remove b2; a push;
@@ -63,3 +88,65 @@ def test_clone_after_removing_a_dead_backend_and_losing_another(tmp_path: Path, 
     # hints to the configuration that replaced it, and catches up.
     run_cli(*TIMEOUT, "pull", cwd=early)
     assert snapshot(early) == snapshot(clone)
+
+
+def _objects_on(backend_dir: Path) -> set[str]:
+    root = backend_dir / "metasync" / "objects"
+    return {p.name for p in root.rglob("*") if p.is_file()} if root.exists() else set()
+
+
+def _spill_records(backend_dir: Path) -> list[str]:
+    folder = backend_dir / "metasync" / "spills"
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+def test_another_client_moves_spilled_copies_home(tmp_path: Path) -> None:
+    """A spills while b3 is away and never syncs again; once b3 is back, any other
+    client's push (here B's, with nothing of its own to push) writes each spilled
+    copy to its holder from a verified copy, drops the spilled one and the
+    records: every object is then exactly on its R holders (fsck clean)."""
+    b = _dirs(tmp_path, "b1", "b2", "b3")
+    src = tmp_path / "a"
+    src.mkdir()
+    (src / "seed.txt").write_text("seed\n")
+    run_cli("init", *(f"--backend=dir:{b[n]}" for n in ("b1", "b2", "b3")), cwd=src)
+    run_cli("push", cwd=src)
+    hidden = _away(b["b3"])
+    for i in range(12):
+        (src / f"file-{i}.txt").write_text(f"content {i}\n" * (i + 1))
+    pushed = run_cli(*TIMEOUT, "push", cwd=src)
+    assert "went to other backends" in pushed.stdout, pushed.stdout
+    records = set(_spill_records(b["b1"])) | set(_spill_records(b["b2"]))
+    assert records, "a copy spilled in place of b3's is recorded for any client"
+    hidden.rename(b["b3"])
+    other = tmp_path / "b"
+    run_cli(*TIMEOUT, "clone", f"dir:{b['b1']}", str(other))
+    run_cli(*TIMEOUT, "push", cwd=other)
+    assert not any(_spill_records(b[n]) for n in ("b1", "b2", "b3"))
+    for sid in records:
+        holding = [n for n in ("b1", "b2", "b3") if sid in _objects_on(b[n])]
+        assert len(holding) == 2, (sid, holding)
+    run_cli(*TIMEOUT, "fsck", cwd=other)  # exit 0: every holder has a good copy
+
+
+def test_a_push_with_fewer_backends_than_r_says_so(tmp_path: Path) -> None:
+    """R=3 over 3 with one away: a quorum still decides, but no backend can take the
+    third copies; the push says plainly that the version has fewer copies than R,
+    and the next push after the backend is back writes them."""
+    b = _dirs(tmp_path, "b1", "b2", "b3")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a\n")
+    run_cli("init", "--replicas", "3", *(f"--backend=dir:{b[n]}" for n in ("b1", "b2", "b3")),
+            cwd=src)
+    run_cli("push", cwd=src)
+    hidden = _away(b["b2"])
+    (src / "b.txt").write_text("b\n")
+    pushed = run_cli(*TIMEOUT, "push", cwd=src)
+    assert "fewer copies than the configuration asks for (R = 3)" in pushed.stderr, pushed.stderr
+    assert pushed.stderr.count("\n") == 1, "one line"
+    hidden.rename(b["b2"])
+    healed = run_cli(*TIMEOUT, "push", cwd=src)
+    assert "warning" not in healed.stderr, healed.stderr
+    assert _objects_on(b["b1"]) == _objects_on(b["b2"]) == _objects_on(b["b3"])
+    run_cli(*TIMEOUT, "fsck", cwd=src)

@@ -90,13 +90,13 @@ def test_repair_never_copies_a_rotten_copy(
     missing = repo.missing_copies()
     by_id = dict(zip(ids, dirs, strict=True))
     rotten: dict[str, Path] = {}
-    mapping_holders = {sid: [b for b in repo.store.mapping.locate(sid) if b != refused]
-                       for sid, _ in missing}
-    for sid, others in mapping_holders.items():
-        (other,) = others
-        path = _path(by_id[other], object_key(sid))
-        path.write_bytes(b"\0" * path.stat().st_size)
-        rotten[sid] = path
+    for sid, _ in missing:
+        # Every copy there is -- the other holder's, and the one spilled in place of
+        # the refused holder's -- rots.
+        copies = [_path(d, object_key(sid)) for b, d in by_id.items() if b != refused]
+        for path in (p for p in copies if p.exists()):
+            path.write_bytes(b"\0" * path.stat().st_size)
+            rotten[sid] = path
     (repo.root / "more.txt").write_text("a second push\n")
     result = repo.push("second")
 

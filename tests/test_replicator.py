@@ -33,7 +33,7 @@ from metasync.localdb import LocalDB
 from metasync.mapping import vnode_unit
 from metasync.objects import FORMAT_VERSION, BackendSpec, Config
 from metasync.progress import NullReporter
-from metasync.replicator import Replicator, take_inventory, verify_stored
+from metasync.replicator import Replicator, Uploaded, take_inventory, verify_stored
 from metasync.store import SMALL_READ, RemoteStore, fragment_mapping_of
 
 NAMESPACE = "ns"
@@ -121,14 +121,19 @@ def _upload(world: World, items: list[tuple[str, bytes]]) -> dict[str, dict[str,
     return the failures each object's upload reported."""
     reported: dict[str, dict[str, str]] = {}
 
-    def done(stored_id: str, written: int, failures: dict[str, str]) -> None:
-        reported[stored_id] = failures
+    def done(placed: Uploaded) -> None:
+        reported[placed.stored_id] = placed.missed
         with world.db.transaction():
-            for backend_id in failures:
-                world.db.add_missing_copy(stored_id, backend_id)
+            for backend_id in placed.missed:
+                world.db.add_missing_copy(placed.stored_id, backend_id)
 
     world.replicator.upload([(sid, _loader(data)) for sid, data in items], done)
     return reported
+
+
+def _holding(world: World, stored_id: str) -> list[str]:
+    """The backends that really hold a whole copy of ``stored_id``."""
+    return [b for b in world.backends if world.stored(b, object_key(stored_id)) is not None]
 
 
 def _fresh_session(world: World) -> None:
@@ -215,10 +220,11 @@ def test_repair_never_copies_a_rotten_source(make_world: Callable[..., World], h
     stays, and the user is told."""
     world = make_world()
     sid, data = _pack(world)
-    refused, source = world.store.mapping.locate(sid)
+    refused, _ = world.store.mapping.locate(sid)
     world.faults.refuse("put", "objects/", backend=refused)
     _upload(world, [(sid, data)])
-    world.plant(source, object_key(sid), corrupted(data, how))  # type: ignore[arg-type]
+    for source in _holding(world, sid):  # the other holder, and where the copy spilled
+        world.plant(source, object_key(sid), corrupted(data, how))  # type: ignore[arg-type]
     _fresh_session(world)
     assert world.replicator.repair_missing() == 1
     assert world.stored(refused, object_key(sid)) is None
@@ -249,10 +255,11 @@ def test_standalone_objects_verify_by_decoding(make_world: Callable[..., World])
     commit_id = world.codec.id_of("commit", plaintext)
     stored = world.codec.encode("commit", commit_id, plaintext)
     verify_stored(world.codec, commit_id, stored)
-    refused, source = world.store.mapping.locate(commit_id)
+    refused, _ = world.store.mapping.locate(commit_id)
     world.faults.refuse("put", "objects/", backend=refused)
     _upload(world, [(commit_id, stored)])
-    world.plant(source, object_key(commit_id), stored[:-1] + bytes([stored[-1] ^ 1]))
+    for source in _holding(world, commit_id):
+        world.plant(source, object_key(commit_id), stored[:-1] + bytes([stored[-1] ^ 1]))
     _fresh_session(world)
     assert world.replicator.repair_missing() == 1
     assert world.stored(refused, object_key(commit_id)) is None

@@ -24,7 +24,7 @@ from metasync.errors import (
     ObjectUnavailable,
 )
 from metasync.graph import ObjectGraph
-from metasync.layout import CLIENTS_PREFIX, fragment_key, object_key
+from metasync.layout import CLIENTS_PREFIX, fragment_key, object_key, spill_key
 from metasync.maintenance.reconfig import Reconfiguration
 from metasync.objects import Commit, PackEntry, Version, is_object_id
 from metasync.outbox import Outbox
@@ -163,6 +163,11 @@ class GarbageCollector:
                 done, size, failed = done + d, size + s, failed + f
             return done, size, failed
 
+        # Spill records of collected objects go too (there is nothing left to move).
+        for stored_id, record in self.replicator.spill_records(backends, read=False).items():
+            if stored_id in garbage:
+                for backend_id in record.listed_on:
+                    self.replicator.delete(backends[backend_id], {spill_key(stored_id): 0})
         reporter = ctx.reporter
         reporter.start("gc", len(garbage))
         try:
