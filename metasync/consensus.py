@@ -73,11 +73,10 @@ from metasync.paxos import (
     read,
     read_floor,
 )
+from metasync.timeouts import DEFAULT_TIMEOUT
 
 #: Longest log a reader accepts (a hostile backend could claim any position).
 MAX_LOG = 100_000
-#: Default bound, in seconds, on how long consensus waits without progress.
-DEFAULT_TIMEOUT = 30.0
 
 T = TypeVar("T")
 

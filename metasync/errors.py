@@ -18,6 +18,11 @@ class UsageError(MetasyncError):
     """The user asked for something that cannot be done as asked (bad URI, bad DIR, ...)."""
 
 
+class FolderBusy(UsageError):
+    """Another process (the daemon's sync step, another command) has the folder and
+    did not let go within the wait allowed."""
+
+
 class NotARepository(MetasyncError):
     """A folder or backend holds no metasync repository."""
 

@@ -33,6 +33,7 @@ from metasync.progress import Reporter
 from metasync.replicator import Replicator
 from metasync.scanner import Scanner
 from metasync.store import RemoteStore
+from metasync.timeouts import wait_bound
 from metasync.versions import Versions
 
 # The parts `status` and `commit` never use load on first use (start-up time):
@@ -135,15 +136,20 @@ class Repository:
         return cls(open_context(path, reporter))
 
     @classmethod
-    def open(cls, path: str | Path = ".", reporter: Reporter | None = None) -> Repository:
-        """Open the repository containing ``path`` (searching upwards, as git does)."""
+    def open(cls, path: str | Path = ".", reporter: Reporter | None = None,
+             wait: float | None = None) -> Repository:
+        """Open the repository containing ``path`` (searching upwards, as git does).
+        While another process (the daemon's sync step, another command) has the
+        folder, wait up to ``wait`` seconds (default: the ``--timeout``, 30 s)."""
         root = find_root(path)
         if root is None:
             raise NotARepository(
                 f"{Path(path).absolute()} is not inside a metasync repository; run "
                 "`metasync init` or `metasync clone`"
             )
-        return cls(open_context(root, reporter))
+        if wait is None:
+            wait = wait_bound()
+        return cls(open_context(root, reporter, wait))
 
     @classmethod
     def clone(
