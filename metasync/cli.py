@@ -220,6 +220,41 @@ def clone(uri: str, directory: str | None, namespace: str, passphrase_file: str 
 
 
 @cli.command()
+@click.argument("directory", required=False)
+@click.option("--backend", "backends", multiple=True, required=True, metavar="URI",
+              help="A backend that survived (repeat for each).")
+@click.option("--add-backend", "added", multiple=True, metavar="URI",
+              help="A new, empty backend to add to the recovered repository (repeatable).")
+@click.option("--namespace", default=DEFAULT_NAMESPACE, show_default=True)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@passphrase_file_option
+def recover(directory: str | None, backends: tuple[str, ...], added: tuple[str, ...],
+            namespace: str, yes: bool, passphrase_file: str | None) -> None:
+    """Rebuild a repository whose majority of backends is gone for good from the
+    backends that survived, into DIRECTORY (see docs/design.md, "Recovery")."""
+
+    def confirm(explanation: str) -> bool:
+        click.echo(explanation, err=True)
+        if yes:
+            return True
+        if not sys.stdin.isatty():
+            raise UsageError("recover changes the repository for every client; "
+                             "confirm with --yes")
+        return click.confirm("Go on?", default=False, err=True)
+
+    repo, result = Repository.recover(
+        list(backends), directory or namespace, add=list(added), namespace=namespace,
+        passphrase=_passphrase_source(passphrase_file, confirm=False), confirm=confirm,
+        reporter=_reporter())
+    with repo:
+        assert result.version is not None
+        _say(f"Recovered version {result.restored.number} into {repo.root}: the repository "
+             f"now goes on from version {result.version.number} on "
+             f"{len(result.backends)} backend(s) with R = {result.replicas} "
+             f"({result.rebalance.copied} copies written)")
+
+
+@cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(as_json: bool) -> None:
     """Show changes in the folder that are not committed yet."""

@@ -124,3 +124,9 @@ class FloorElsewhere(ProtocolError):
         super().__init__(f"this client is behind the log compaction at version {floor}, "
                          "which other backends decided")
         self.floor = floor
+
+
+class Retired(ProtocolError):
+    """This client's configuration lost its majority for good and the repository was
+    recovered on the backends that survived (``metasync recover``): it must not
+    propose there. The message says to clone the repository again."""

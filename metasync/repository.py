@@ -24,7 +24,7 @@ from metasync.backends import Backend
 from metasync.checkout import Checkout, PullResult
 from metasync.committer import Change, CommitResult, Committer, Status
 from metasync.context import RepoContext, find_root, open_context
-from metasync.errors import NotARepository
+from metasync.errors import NotARepository, UsageError
 from metasync.graph import ObjectGraph
 from metasync.layout import DEFAULT_NAMESPACE
 from metasync.objects import Commit, Config, TreeEntry, Version
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
         Reconfiguration,
         ShareResult,
     )
+    from metasync.maintenance.recover import RecoverResult
     from metasync.sync import PushResult, Sync
 
 PassphraseSource = Callable[[], str]
@@ -178,6 +179,42 @@ class Repository:
             start.undo()
             raise
         return repo
+
+    @classmethod
+    def recover(
+        cls,
+        uris: list[str],
+        root: str | Path,
+        *,
+        add: list[str] | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
+        passphrase: PassphraseSource | None = None,
+        confirm: Callable[[str], bool],
+        reporter: Reporter | None = None,
+    ) -> tuple[Repository, RecoverResult]:
+        """Rebuild a repository whose majority of backends is gone for good from the
+        backends ``uris`` that survived, into ``root`` (see
+        :mod:`metasync.maintenance.recover`): restore the newest version whose whole
+        tree they hold, then -- once ``confirm(explanation)`` is true -- make them
+        (and ``add``) a new configuration, retire the old ones and copy everything
+        back to R copies. Nothing is written to a backend before ``confirm``; a
+        failure before it removes what was created locally."""
+        from metasync.maintenance import recover as recovery
+
+        plan = recovery.prepare(uris, root, namespace=namespace, passphrase=passphrase)
+        repo = cls(open_context(plan.root, reporter))
+        try:
+            work = recovery.Recovery(repo._ctx, repo.versions, repo.graph, repo.checkout,
+                                     repo.replicator, plan)
+            result = work.restore_newest()
+            if not confirm(recovery.explain(plan, result)):
+                raise UsageError("recovery cancelled; nothing was written to any backend")
+            work.reform(result, list(add or ()), repo._reconfig)
+        except BaseException:
+            repo.close()
+            plan.undo()
+            raise
+        return repo, result
 
     def close(self) -> None:
         self._ctx.close()
