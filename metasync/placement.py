@@ -168,7 +168,13 @@ def place(
     if not extras:
         return out
     # numcopies: every holder has it, and all R of those copies are verified by
-    # content, before any extra copy goes.
+    # content, before any extra copy goes. A holder known to lack it (not listed,
+    # bad, unreachable, and not written just now) settles that without downloading
+    # the others.
+    if any(h not in verified and (h not in have or h in bad or h in unreachable)
+           for h in holders):
+        out.kept += len(extras)
+        return out
     for h in holders:
         if h not in verified:
             verify_at(h)
