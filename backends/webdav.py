@@ -42,6 +42,7 @@ import hashlib
 import io
 import os
 import random
+import re
 import secrets
 import socket
 import threading
@@ -76,6 +77,7 @@ from metasync.errors import (
     BackendError,
     BackendUnavailable,
     ObjectNotFound,
+    PrimitiveMissing,
     UsageError,
 )
 
@@ -631,8 +633,9 @@ class WebdavBackend(Backend):
         if response.status_code not in (200, 201, 204):
             raise self._status_error(response, f"upload to log {log!r}")
 
-    def _lock(self, log: str) -> str | None:
-        """Take the exclusive lock of the log collection; its token, or None if held."""
+    def _lock(self, log: str) -> tuple[str, float] | None:
+        """Take the exclusive lock of the log collection: its token and the seconds the
+        server granted it for, or None if another client holds it."""
         response = self._send(
             "LOCK",
             self._url(self._key_segments(log), folder=True),
@@ -649,11 +652,13 @@ class WebdavBackend(Backend):
         token = response.headers.get("Lock-Token", "").strip().strip("<>")
         if response.status_code not in (200, 201) or not token:
             if response.status_code in (405, 501):
-                raise BackendError(
-                    f"{self.name} does not support WebDAV locks; add ?logs=registers to its URI"
+                raise PrimitiveMissing(
+                    f"{self.name} does not support WebDAV locks; add logs=registers to the "
+                    "URI's options"
                 )
             raise self._status_error(response, f"lock log {log!r}")
-        return token
+        granted = _GRANTED.search(response.text)
+        return token, min(float(granted.group(1)), LOCK_TIMEOUT) if granted else LOCK_TIMEOUT
 
     def _unlock(self, log: str, token: str) -> None:
         # Best effort: an unlock that fails leaves the lock to expire on its own.
@@ -667,7 +672,13 @@ class WebdavBackend(Backend):
         except BackendError:
             pass
 
-    def _move_locked(self, temp: builtins.list[str], log: str, position: int, token: str) -> None:
+    def _move_locked(
+        self, temp: builtins.list[str], log: str, position: int, token: str, expires: float
+    ) -> None:
+        """MOVE the temp file to entry ``position`` of ``log`` with the lock token. A
+        refusal well before the lock could expire (``expires``, a ``time.monotonic()``
+        time) is not an expired lock: the server does not honour its own tokens
+        (:class:`PrimitiveMissing`, not retried); near or after it, it may be (transient)."""
         key = f"{log}/{entry_name(position)}"
         headers = {
             "Destination": self._url(self._key_segments(key)),
@@ -685,6 +696,14 @@ class WebdavBackend(Backend):
             if response.status_code == 404 and attempts[0] > 1:
                 return  # our temp file is gone: the earlier, dropped attempt moved it
             if response.status_code in (412, 423):
+                left = expires - time.monotonic()
+                if left > LOCK_MARGIN:
+                    raise PrimitiveMissing(
+                        f"append to log {log!r} on {self.name}: the server refused to move the "
+                        f"entry in (HTTP {response.status_code}) with the token of the log's "
+                        f"lock, which this client holds for {left:.0f} s more: it does not "
+                        "honour its locks; add logs=registers to the URI's options"
+                    )
                 raise TransientError(f"append to log {log!r} on {self.name}: lost the log's lock")
             raise self._status_error(response, f"append to log {log!r}")
 
@@ -920,6 +939,11 @@ _LOCK_BODY = (
 LOCK_TIMEOUT = 60
 #: How long an appender keeps asking for a held lock: longer than a lock can last.
 LOCK_WAIT = LOCK_TIMEOUT + 30.0
+#: A locked MOVE refused with more than this many seconds of the lock left is the
+#: server not honouring its own lock, never the lock expiring.
+LOCK_MARGIN = 10.0
+#: The timeout a LOCK answer grants (``<D:timeout>Second-N</D:timeout>``).
+_GRANTED = re.compile(r"timeout>\s*Second-([0-9]+)\s*<", re.IGNORECASE)
 
 
 def _lock_pause(attempt: int) -> None:
@@ -970,8 +994,10 @@ class WebdavLockLogs(CachedEntries):
             deadline = time.monotonic() + LOCK_WAIT
             attempt = 0
             while True:
-                token = dav._call(f"lock log {log!r}", lambda: dav._lock(log))
-                if token is not None:
+                asked = time.monotonic()
+                lock = dav._call(f"lock log {log!r}", lambda: dav._lock(log))
+                if lock is not None:
+                    token, expires = lock[0], asked + lock[1]
                     break
                 if time.monotonic() > deadline:
                     raise TransientError(
@@ -985,7 +1011,7 @@ class WebdavLockLogs(CachedEntries):
                 end = max(positions, default=-1) + 1
                 if position is not None and position != end:
                     return None
-                dav._move_locked(temp, log, end, token)
+                dav._move_locked(temp, log, end, token, expires)
                 temp = []
                 return end
             finally:

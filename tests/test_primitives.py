@@ -1,0 +1,195 @@
+"""Primitives are verified, not assumed (issue 15, point 4, and two smaller points).
+
+metasync's logs need one atomic primitive per backend: an exclusive create (S3
+``If-None-Match: *``, SFTP's link-based rename), or a lock the server enforces
+(WebDAV). Servers that accept the request but do not honour it are started here
+from real parts (tests/servers/s3_no_conditionals.py, paramiko_sftp.py,
+wsgidav_faults.py), and the real ``metasync`` command is run against them:
+
+- ``init`` and ``backend add`` refuse such a backend with one line naming what it
+  lacks and what to use instead, and leave nothing behind;
+- the mode they suggest (``logs=registers``) is accepted, and two clients racing
+  6 rounds of pushes through it lose nothing;
+- the error of a refused append is reported as that error, not as contention;
+- folders are created before the first write into them (a WebDAV server answering
+  500 to a PUT into a missing folder works), and ``init``/``backend add`` create a
+  missing WebDAV or SFTP location, but a missing ``dir:`` folder only with ``--mkdir``;
+- the check is repeated at most once per period, in commands that talk to backends.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from metasync.backends import open_backend
+from metasync.backends.faulty import ALWAYS, FaultyBackend
+from metasync.backends.local import LocalBackend
+from metasync.codec import Codec
+from metasync.consensus import Consensus
+from metasync.errors import BackendError, BackendUnavailable, PrimitiveMissing
+from metasync.objects import Version
+from tests.servers.s3_no_conditionals import NoConditionalsS3
+from tests.servers.sshd import SshServer
+from tests.servers.webdav import WebdavServer
+
+NAMESPACE = "metasync"
+ROUNDS = 6
+
+
+def _tag() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def with_option(uri: str, name: str, value: str) -> str:
+    return f"{uri}{'&' if '?' in uri else '?'}{name}={value}"
+
+
+def one_line_failure(*args: str, cwd: Path | None = None) -> str:
+    """Run the CLI, expect it to fail with exactly one line on stderr; return it."""
+    proc = run_cli(*args, cwd=cwd, check=False)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+@dataclass
+class Broken:
+    """A server that accepts the request of one primitive and does not honour it."""
+
+    kind: str
+    #: A fresh location on it: ``make_uri(tag)`` (the folder exists).
+    make_uri: Callable[[str], str]
+    #: Words the refusal must contain (the missing primitive, what broke it).
+    words: tuple[str, ...]
+
+
+@pytest.fixture(params=["s3", "sftp", "webdav"])
+def broken(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Broken:
+    if request.param == "s3":
+        proxy: NoConditionalsS3 = request.getfixturevalue("s3_ignoring_if_none_match")
+        return Broken("s3", lambda tag: proxy.uri(f"prim-{tag}"),
+                      ("lacks an exclusive create", "If-None-Match"))
+    if request.param == "sftp":
+        sftp: SshServer = request.getfixturevalue("sftp_rename_overwrites")
+
+        def sftp_uri(tag: str) -> str:
+            folder = sftp.root_dir / f"prim-{tag}"
+            folder.mkdir()
+            return sftp.uri(folder)
+
+        return Broken("sftp", sftp_uri, ("lacks an exclusive create", "rename"))
+    dav: WebdavServer = request.getfixturevalue("webdav_refusing_locked_move")
+    monkeypatch.setenv("METASYNC_WEBDAV_USER", dav.user)
+    monkeypatch.setenv("METASYNC_WEBDAV_PASSWORD", dav.password)
+
+    def dav_uri(tag: str) -> str:
+        (dav.root_dir / f"prim-{tag}").mkdir()
+        return dav.uri(f"prim-{tag}")
+
+    return Broken("webdav", dav_uri, ("lacks a lock", "412"))
+
+
+def _left_on(uri: str) -> list[str]:
+    backend = open_backend(uri, NAMESPACE)
+    try:
+        return sorted(backend.list()) if backend.exists() else []
+    finally:
+        backend.close()
+
+
+# ---------------------------------------------------------------- the servers break it
+
+
+def test_the_test_servers_really_break_the_primitive(
+    s3_ignoring_if_none_match: NoConditionalsS3,
+    sftp_rename_overwrites: SshServer,
+    webdav_refusing_locked_move: WebdavServer,
+) -> None:
+    """Without any probing: the S3 endpoint and the SFTP server let a second exclusive
+    create of one key succeed (and overwrite), and the WebDAV server refuses a locked
+    append. (This is what made two racing clients both "win" a log position.)"""
+    tag = _tag()
+    (sftp_rename_overwrites.root_dir / tag).mkdir()
+    (webdav_refusing_locked_move.root_dir / tag).mkdir()
+    s3 = open_backend(s3_ignoring_if_none_match.uri(tag), "ns")
+    sftp = open_backend(sftp_rename_overwrites.uri(sftp_rename_overwrites.root_dir / tag), "ns")
+    for backend in (s3, sftp):
+        backend.create()
+        assert backend.put_if_absent("k", b"first") is True
+        assert backend.put_if_absent("k", b"second") is True
+        assert backend.get("k") == b"second"
+        backend.close()
+    assert s3_ignoring_if_none_match.stripped >= 2
+    dav = open_backend(webdav_refusing_locked_move.uri(tag), "ns")
+    dav.create()
+    with pytest.raises(BackendError):
+        dav.logs.append("log/1", b"m")
+    dav.close()
+
+
+# ---------------------------------------------------------------- the append path's own errors
+
+
+def test_a_refused_locked_append_is_the_servers_error_not_contention(
+    webdav_refusing_locked_move: WebdavServer,
+) -> None:
+    """A WebDAV server that refuses the MOVE carrying this client's own fresh lock token
+    fails the append at once (no retries) with that refusal, and the pPaxos driver
+    reports it as the backend's error -- not as "other clients kept committing"."""
+    server = webdav_refusing_locked_move
+    tag = _tag()
+    (server.root_dir / tag).mkdir()
+    backend = open_backend(server.uri(tag), "ns")
+    backend.create()
+    try:
+        started = time.monotonic()
+        with pytest.raises(PrimitiveMissing) as info:
+            backend.logs.append("log/1", b"m")
+        assert time.monotonic() - started < 1.5
+        message = str(info.value)
+        assert "412" in message and "logs=registers" in message and "\n" not in message
+        assert not info.value.transient
+        consensus = Consensus({"w": backend}, Codec(None), "client", timeout=10)
+        assert consensus.get_recent(Version(0, None, "c")).number == 0
+        with pytest.raises(BackendUnavailable) as failed:
+            consensus.propose(1, Version(1, None, "c"))
+        assert "412" in str(failed.value)
+        assert "kept committing" not in str(failed.value)
+    finally:
+        backend.close()
+
+
+def test_a_faulty_backend_refusing_appends_is_reported_as_its_error(tmp_path: Path) -> None:
+    """Two of three acceptors refuse every append with a PrimitiveMissing: a proposal
+    fails at once naming them and carrying their error."""
+    acceptors: dict[str, LocalBackend | FaultyBackend] = {}
+    for i in range(3):
+        folder = tmp_path / f"b{i}"
+        folder.mkdir()
+        inner = LocalBackend(f"dir:{folder}", "ns")
+        inner.create()
+        if i == 0:
+            acceptors[f"b{i}"] = inner
+            continue
+        faulty = FaultyBackend(inner)
+        faulty.faults.refuse({"append", "append_at"}, times=ALWAYS, error=PrimitiveMissing,
+                             message=f"{inner.name}: the service refused the entry (injected)")
+        acceptors[f"b{i}"] = faulty
+    consensus = Consensus(dict(acceptors), Codec(None), "client", timeout=10)
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailable) as info:
+        consensus.propose(1, Version(1, None, "c"))
+    assert time.monotonic() - started < 5
+    message = str(info.value)
+    assert "the service refused the entry (injected)" in message
+    assert "kept committing" not in message
+    assert acceptors["b1"].name in message and acceptors["b2"].name in message
