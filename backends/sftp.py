@@ -444,6 +444,9 @@ class SftpBackend(Backend):
         self.root: str = posixpath.join(self.location, namespace)
         self._policy = RetryPolicy()
         self._pool = _Pool(self._connect, self.transfers)
+        #: Folders known to exist (so each is made, or checked, once per instance).
+        self._folders: set[str] = set()
+        self._folders_lock = threading.Lock()
 
     @staticmethod
     def _positive(options: dict[str, str], name: str, default: float, shown: str) -> Any:
@@ -666,6 +669,23 @@ class SftpBackend(Backend):
                         "cannot be both an object and a folder of other keys"
                     ) from None
 
+    def _ensure_folder(self, sftp: paramiko.SFTPClient, key: str, folder: str) -> None:
+        """Make ``folder`` (where ``key`` goes) exist before the first write into it --
+        one ``mkdir`` when only it is new, or a ``stat`` when it exists -- and remember
+        it: servers differ in how they refuse a file in a missing folder."""
+        if folder == self.root:
+            return
+        with self._folders_lock:
+            if folder in self._folders:
+                return
+        try:
+            sftp.mkdir(folder)
+        except OSError:
+            if not self._is_folder(sftp, folder):
+                self._make_parents(sftp, key)
+        with self._folders_lock:
+            self._folders.add(folder)
+
     def _write_temp(
         self,
         session: _Session,
@@ -676,11 +696,17 @@ class SftpBackend(Backend):
         """Write ``data`` to a new, fsynced temp file next to ``key``; return its path."""
         sftp = session.sftp
         path = self._path(key)
-        tmp = posixpath.join(posixpath.dirname(path), TEMP_PREFIX + secrets.token_hex(8))
+        folder = posixpath.dirname(path)
+        tmp = posixpath.join(folder, TEMP_PREFIX + secrets.token_hex(8))
         flags = SFTP_FLAG_WRITE | SFTP_FLAG_CREATE | SFTP_FLAG_EXCL
+        self._ensure_folder(sftp, key, folder)
         try:
             handle = _open_handle(sftp, tmp, flags)
-        except FileNotFoundError:
+        except OSError:
+            # The folder went away since (some servers say "failure", not "no such
+            # file"): make it again, or report the first error if it is there.
+            if self._is_folder(sftp, folder):
+                raise
             self._make_parents(sftp, key)
             handle = _open_handle(sftp, tmp, flags)
         attempts.temps.append(tmp)

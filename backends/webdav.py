@@ -477,6 +477,13 @@ class WebdavBackend(Backend):
         for depth in range(len(self._base_segments) + 1, len(self._root_segments) + 1):
             self._mkcol(self._root_segments[:depth], root=True)
 
+    def _mkcol_exists(self, segments: builtins.list[str]) -> bool:
+        """One MKCOL of ``segments`` (no retry): whether the folder exists now. False
+        when a parent is missing (409, or a 5xx some servers answer instead)."""
+        response = self._send("MKCOL", self._url(segments, folder=True), "create folder")
+        response.close()
+        return response.status_code in (200, 201, 204, 405)
+
     def _mkcol(self, segments: builtins.list[str], *, root: bool = False) -> None:
         """Create one collection; an existing one is fine. A missing parent is the
         missing location (``root``) or namespace (otherwise)."""
@@ -500,12 +507,20 @@ class WebdavBackend(Backend):
         self._call("create folder", request)
 
     def _ensure_folders(self, parents: builtins.list[str]) -> None:
-        """MKCOL each of ``parents`` (key parts below the namespace) not known to exist.
+        """Make the folder ``parents`` (key parts below the namespace) exist: one MKCOL
+        of it when only it is new (or it exists), else each level not known to exist.
 
         The namespace collection itself is never created here: a vanished namespace
         must fail, not be silently recreated empty.
         """
         if not parents:
+            return
+        with self._folders_lock:
+            if "/".join(parents) in self._folders:
+                return
+        if self._mkcol_exists([*self._root_segments, *parents]):
+            with self._folders_lock:
+                self._folders.update("/".join(parents[:d]) for d in range(1, len(parents) + 1))
             return
         if self._propfind(self._root_segments, "0", "check namespace") is None:
             self._missing_root()
@@ -539,8 +554,10 @@ class WebdavBackend(Backend):
             headers["Content-Length"] = str(body.length)
         with self._folders_lock:
             known = "/".join(parents) in self._folders
-        if parents and not known and not isinstance(data, bytes | bytearray | memoryview):
-            # Create folders first rather than stream a large body to a 409.
+        if parents and not known:
+            # Folders are made before the first write into them: some servers answer a
+            # PUT into a missing folder with 500 rather than 409 (and a large body
+            # would be streamed for nothing).
             self._call("create folder", lambda: self._ensure_folders(parents))
 
         def request() -> None:

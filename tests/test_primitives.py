@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import make_tree, run_cli, snapshot
 from metasync.backends import open_backend
 from metasync.backends.faulty import ALWAYS, FaultyBackend
 from metasync.backends.local import LocalBackend
@@ -193,3 +193,46 @@ def test_a_faulty_backend_refusing_appends_is_reported_as_its_error(tmp_path: Pa
     assert "the service refused the entry (injected)" in message
     assert "kept committing" not in message
     assert acceptors["b1"].name in message and acceptors["b2"].name in message
+
+
+# ---------------------------------------------------------------- folders
+
+
+def test_webdav_answering_500_for_a_missing_folder(
+    webdav_500_for_missing_folder: WebdavServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A WebDAV server answering 500 (not 409) to a PUT into a missing folder: folders
+    are created before the first write into them, so init, push and clone work."""
+    server = webdav_500_for_missing_folder
+    monkeypatch.setenv("METASYNC_WEBDAV_USER", server.user)
+    monkeypatch.setenv("METASYNC_WEBDAV_PASSWORD", server.password)
+    folder = f"store-{_tag()}"
+    (server.root_dir / folder).mkdir()
+    uri = server.uri(folder)
+    src = tmp_path / "src"
+    make_tree(src, small_files=40)
+    run_cli("init", str(src), "--backend", uri)
+    run_cli("push", cwd=src)
+    clone = tmp_path / "clone"
+    run_cli("clone", uri, str(clone))
+    assert snapshot(clone) == snapshot(src)
+    (clone / "new folder" / "deep").mkdir(parents=True)
+    (clone / "new folder" / "deep" / "f.txt").write_text("new\n")
+    run_cli("push", cwd=clone)
+    run_cli("pull", cwd=src)
+    assert snapshot(clone) == snapshot(src)
+
+
+def test_sftp_generic_failure_for_a_missing_folder(sftp_rename_overwrites: SshServer) -> None:
+    """An SFTP server answering a generic failure (not "no such file") to an open in a
+    missing folder: the folders are made first, so the write works."""
+    folder = sftp_rename_overwrites.root_dir / f"f-{_tag()}"
+    folder.mkdir()
+    backend = open_backend(sftp_rename_overwrites.uri(folder), "ns")
+    try:
+        backend.create()
+        backend.put("a/b/c", b"deep")
+        assert backend.get("a/b/c") == b"deep"
+        assert backend.put_if_absent("d/e", b"x") is True
+    finally:
+        backend.close()
