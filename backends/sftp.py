@@ -4,10 +4,12 @@
 namespace ``ns`` keeps key ``a/b`` in the file ``/ABSOLUTE/PATH/ns/a/b`` on the
 server. Options (query string): ``identity`` (private key file; default the SSH
 agent and ``~/.ssh/id_*``), ``known_hosts`` (default ``~/.ssh/known_hosts``),
-``transfers`` (concurrent SFTP sessions per backend instance, default 4) and
-``timeout`` (seconds one request may take, default 60). A password may be given
-as ``USER:PASSWORD@`` or in ``METASYNC_SFTP_PASSWORD``; it never appears in
-messages. The path is percent-decoded (``%20``, UTF-8 as ``%C3%BC`` or raw).
+``transfers`` (concurrent SFTP sessions per backend instance, default 4),
+``timeout`` (seconds one request may take, default 60) and ``logs`` (``creates``,
+the default, or ``registers`` for a server whose rename replaces an existing file:
+logs then need only ``put``, see :class:`~metasync.backends.logs.RegisterLogs`). A
+password may be given as ``USER:PASSWORD@`` or in ``METASYNC_SFTP_PASSWORD``; it
+never appears in messages. The path is percent-decoded (``%20``, UTF-8 as ``%C3%BC`` or raw).
 
 Host keys are checked strictly against ``known_hosts``: an unknown or changed key
 is an error naming the host and the fix, never accepted silently.
@@ -88,6 +90,7 @@ from metasync.backends.base import (
     is_key_part,
     public_uri,
 )
+from metasync.backends.capabilities import LOGS_MODES, logs_mode_capabilities
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
     BackendError,
@@ -115,7 +118,7 @@ CONNECT_TIMEOUT = 20.0
 KEEPALIVE = 30
 DEFAULT_TRANSFERS = 4
 DEFAULT_TIMEOUT = 60.0
-_OPTIONS = ("identity", "known_hosts", "transfers", "timeout")
+_OPTIONS = ("identity", "known_hosts", "transfers", "timeout", "logs")
 #: SFTP status texts of OpenSSH for a failed request whose reason is unknown.
 _FAILURE = "Failure"
 
@@ -431,6 +434,12 @@ class SftpBackend(Backend):
         self._password: str | None = (
             urllib.parse.unquote(parts.password) if parts.password is not None else None
         ) or os.environ.get("METASYNC_SFTP_PASSWORD")
+        #: How logs are kept: ``creates`` (the link-based rename) or ``registers`` (for a
+        #: server whose rename replaces an existing file; every client uses the same URI).
+        self.logs_mode = single.get("logs", "creates")
+        if self.logs_mode not in LOGS_MODES:
+            raise UsageError(f"option logs in {shown!r} must be creates or registers")
+        self.capabilities = logs_mode_capabilities(type(self).capabilities, self.logs_mode)
         identity = single.get("identity")
         self.identity: str | None = os.path.expanduser(identity) if identity else None
         self.known_hosts: str = os.path.expanduser(

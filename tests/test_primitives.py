@@ -19,6 +19,10 @@ wsgidav_faults.py), and the real ``metasync`` command is run against them:
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -27,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_tree, run_cli, snapshot
+from conftest import METASYNC, PASSPHRASE, make_tree, run_cli, snapshot
 from metasync.backends import open_backend
 from metasync.backends.faulty import ALWAYS, FaultyBackend
 from metasync.backends.local import LocalBackend
@@ -136,6 +140,70 @@ def test_the_test_servers_really_break_the_primitive(
     dav.close()
 
 
+# ---------------------------------------------------------------- the accepted mode races safely
+
+#: One client's work: ROUNDS rounds, each adding one file of its own and pushing at once.
+WORKER = r"""
+import json, os, subprocess, sys
+root, name, rounds, metasync = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+os.makedirs(os.path.join(root, name), exist_ok=True)
+for k in range(rounds):
+    with open(os.path.join(root, name, f"r{k}.txt"), "w") as f:
+        f.write(f"{name} round {k}\n")
+    proc = subprocess.run([metasync, "push", "-m", f"{name} {k}"], cwd=root,
+                          capture_output=True, text=True)
+    print(json.dumps({"round": k, "rc": proc.returncode, "out": proc.stdout,
+                      "err": proc.stderr}), flush=True)
+"""
+
+
+def race(roots: list[Path], rounds: int) -> list[list[dict[str, object]]]:
+    env = {**os.environ, "METASYNC_PASSPHRASE": PASSPHRASE}
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(root), f"client{i}", str(rounds),
+                               METASYNC], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env)
+             for i, root in enumerate(roots)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate()
+        assert proc.returncode == 0, err
+        results.append([json.loads(line) for line in out.splitlines()])
+    return results
+
+
+def files_of(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): p.read_text() for p in root.rglob("*")
+            if p.is_file() and not p.relative_to(root).as_posix().startswith(".metasync")}
+
+
+def test_two_clients_racing_in_the_suggested_mode_lose_nothing(
+    broken: Broken, tmp_path: Path
+) -> None:
+    """With the option the refusal suggests (logs=registers), init accepts the same
+    server, and two clients (real `metasync` processes) racing 6 rounds of pushes
+    each lose nothing: every push reports success, every file of every round is in
+    both folders at the end, and both have the same history."""
+    uri = with_option(broken.make_uri(_tag()), "logs", "registers")
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    (a / "start.txt").write_text("start\n")
+    run_cli("init", str(a), "--backend", uri)
+    run_cli("push", cwd=a)
+    run_cli("clone", uri, str(b))
+    results = race([a, b], ROUNDS)
+    for i, pushes in enumerate(results):
+        assert [p["rc"] for p in pushes] == [0] * ROUNDS, f"client{i}: {pushes}"
+    for root in (a, b):
+        run_cli("pull", cwd=root)
+    expected = {"start.txt": "start\n"} | {
+        f"client{i}/r{k}.txt": f"client{i} round {k}\n" for i in range(2) for k in range(ROUNDS)}
+    assert files_of(a) == expected
+    assert files_of(b) == expected
+    logs = [json.loads(run_cli("log", "--json", cwd=root).stdout) for root in (a, b)]
+    assert logs[0] == logs[1]
+    assert len(logs[0]) == 2 * ROUNDS + 1
+
+
 # ---------------------------------------------------------------- the append path's own errors
 
 
@@ -195,7 +263,7 @@ def test_a_faulty_backend_refusing_appends_is_reported_as_its_error(tmp_path: Pa
     assert acceptors["b1"].name in message and acceptors["b2"].name in message
 
 
-# ---------------------------------------------------------------- folders
+# ---------------------------------------------------------------- folders before writes
 
 
 def test_webdav_answering_500_for_a_missing_folder(
