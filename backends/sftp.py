@@ -447,7 +447,8 @@ class SftpBackend(Backend):
         )
         self.transfers: int = self._positive(single, "transfers", DEFAULT_TRANSFERS, shown)
         self.timeout: float = float(self._positive(single, "timeout", DEFAULT_TIMEOUT, shown))
-        #: The folder named in the URI; it must exist before :meth:`create`.
+        #: The folder named in the URI; it must exist before :meth:`create` (``init`` makes
+        #: it with :meth:`create_location`).
         self.location: str = posixpath.normpath(path)
         #: The namespace folder holding every key.
         self.root: str = posixpath.join(self.location, namespace)
@@ -788,10 +789,30 @@ class SftpBackend(Backend):
         if mode is None:
             raise BackendUnavailable(
                 f"{self.name}: the folder {self.location} does not exist on the server; "
-                "create it there first (metasync never creates the location itself)"
+                "create it there first (metasync init and backend add create it)"
             )
         if not stat.S_ISDIR(mode):
             raise BackendUnavailable(f"{self.name}: {self.location} is not a folder")
+
+    def create_location(self) -> None:
+        """Create the location folder and its missing parents on the server (``init``
+        and ``backend add``, as restic's and rclone's sftp backends do)."""
+
+        def request(sftp: paramiko.SFTPClient, _: _Session) -> None:
+            if self._is_folder(sftp, self.location):
+                return
+            folder = "/"
+            for part in self.location.strip("/").split("/"):
+                folder = posixpath.join(folder, part)
+                if self._is_folder(sftp, folder):
+                    continue
+                try:
+                    sftp.mkdir(folder)
+                except OSError:
+                    if not self._is_folder(sftp, folder):
+                        raise
+
+        self._call(f"create the folder {self.location}", request)
 
     def create(self) -> None:
         """Create the namespace folder (idempotent) inside the existing location folder;

@@ -2,8 +2,9 @@
 
 ``webdav://user:pass@host:port/some/folder`` with namespace ``ns`` keeps every key
 under ``/some/folder/ns/``; key ``a/b`` is the resource ``/some/folder/ns/a/b``.
-``webdavs://`` is the same over HTTPS. The location folder must exist on the server;
-:meth:`WebdavBackend.create` makes only the namespace collection (MKCOL).
+``webdavs://`` is the same over HTTPS. ``init`` and ``backend add`` create a missing
+location folder (:meth:`WebdavBackend.create_location`); :meth:`WebdavBackend.create`
+makes only the namespace collection (MKCOL) in an existing one.
 
 Requests (one HTTP/1.1 keep-alive connection pool per backend instance, httpx):
 
@@ -470,6 +471,17 @@ class WebdavBackend(Backend):
                 f"location {self.name} does not exist on the server (or is not a folder); "
                 "create that folder on the WebDAV server first"
             )
+
+    def create_location(self) -> None:
+        """MKCOL the location collection and its missing parents (``init`` and ``backend
+        add``, as restic and rclone do)."""
+        entries = self._call(
+            "check location", lambda: self._propfind(self._base_segments, "0", "check location")
+        )
+        if entries:
+            return
+        for depth in range(1, len(self._base_segments) + 1):
+            self._mkcol(self._base_segments[:depth], root=True)
 
     def create(self) -> None:
         """MKCOL the namespace (idempotent); the location must exist already."""
@@ -972,6 +984,8 @@ class WebdavLockLogs(CachedEntries):
     """Logs under WebDAV locks (docs/FORMAT.md §11.3): entry *p* of log ``L`` is the
     resource ``L/<p:010d>``, moved there from a temporary upload while the appender
     holds the exclusive lock of the collection ``L/``. Needs a class 2 server."""
+
+    primitive = "a lock the server enforces"
 
     def __init__(self, backend: WebdavBackend) -> None:
         super().__init__(backend)

@@ -19,26 +19,31 @@ wsgidav_faults.py), and the real ``metasync`` command is run against them:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from conftest import METASYNC, PASSPHRASE, make_tree, run_cli, snapshot
-from metasync.backends import open_backend
+from metasync.backends import open_backend, public_uri
 from metasync.backends.faulty import ALWAYS, FaultyBackend
 from metasync.backends.local import LocalBackend
 from metasync.codec import Codec
 from metasync.consensus import Consensus
 from metasync.errors import BackendError, BackendUnavailable, PrimitiveMissing
+from metasync.layout import DESCRIPTOR_KEY
+from metasync.localdb import LocalDB
 from metasync.objects import Version
+from metasync.state import LocalState
 from tests.servers.s3_no_conditionals import NoConditionalsS3
 from tests.servers.sshd import SshServer
 from tests.servers.webdav import WebdavServer
@@ -138,6 +143,43 @@ def test_the_test_servers_really_break_the_primitive(
     with pytest.raises(BackendError):
         dav.logs.append("log/1", b"m")
     dav.close()
+
+
+# ---------------------------------------------------------------- refused with one line
+
+
+def test_init_refuses_a_backend_that_does_not_honour_its_primitive(
+    broken: Broken, tmp_path: Path
+) -> None:
+    """`init` names the missing primitive and the option that would do instead, in one
+    line; no repository is created, locally or on the backend, and the probe's scratch
+    keys are gone."""
+    uri = broken.make_uri(_tag())
+    line = one_line_failure("init", str(tmp_path / "r"), "--backend", uri)
+    for word in broken.words:
+        assert word in line, line
+    assert "logs=registers" in line, line
+    assert not (tmp_path / "r" / ".metasync").exists()
+    assert _left_on(uri) == []
+
+
+def test_backend_add_refuses_a_backend_that_does_not_honour_its_primitive(
+    broken: Broken, tmp_path: Path, backends: list[Path]
+) -> None:
+    """`backend add` refuses it the same way; the configuration keeps its backends."""
+    root = tmp_path / "r"
+    root.mkdir()
+    (root / "a.txt").write_text("a\n")
+    run_cli("init", str(root), "--backend", f"dir:{backends[0]}")
+    run_cli("push", cwd=root)
+    uri = broken.make_uri(_tag())
+    line = one_line_failure("backend", "add", uri, cwd=root)
+    for word in broken.words:
+        assert word in line, line
+    assert "logs=registers" in line, line
+    listing = json.loads(run_cli("backend", "list", "--json", cwd=root).stdout)
+    assert len(listing["backends"]) == 1
+    assert _left_on(uri) == []
 
 
 # ---------------------------------------------------------------- the accepted mode races safely
@@ -263,6 +305,55 @@ def test_a_faulty_backend_refusing_appends_is_reported_as_its_error(tmp_path: Pa
     assert acceptors["b1"].name in message and acceptors["b2"].name in message
 
 
+# ---------------------------------------------------------------- missing locations
+
+
+def test_init_creates_a_missing_webdav_or_sftp_location(
+    webdav_server: WebdavServer, sshd_server: SshServer, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Like restic and rclone, `init` and `backend add` create a WebDAV or SFTP
+    location folder (with its parents) that does not exist yet."""
+    monkeypatch.setenv("METASYNC_WEBDAV_USER", webdav_server.user)
+    monkeypatch.setenv("METASYNC_WEBDAV_PASSWORD", webdav_server.password)
+    tag = _tag()
+    dav_path = f"new-{tag}/deeper"
+    sftp_path = sshd_server.root_dir / f"new-{tag}" / "deeper"
+    src = tmp_path / "src"
+    make_tree(src, small_files=20)
+    run_cli("init", str(src), "--backend", webdav_server.uri(dav_path),
+            "--backend", sshd_server.uri(sftp_path))
+    assert (webdav_server.root_dir / dav_path / NAMESPACE).is_dir()
+    assert (sftp_path / NAMESPACE).is_dir()
+    run_cli("push", cwd=src)
+    added = f"added-{tag}/x"
+    run_cli("backend", "add", webdav_server.uri(added), cwd=src)
+    assert (webdav_server.root_dir / added / NAMESPACE / DESCRIPTOR_KEY).is_file()
+    clone = tmp_path / "clone"
+    run_cli("clone", sshd_server.uri(sftp_path), str(clone))
+    assert snapshot(clone) == snapshot(src)
+
+
+def test_a_missing_dir_location_needs_mkdir(tmp_path: Path, backends: list[Path]) -> None:
+    """A missing dir: folder is usually an unmounted disk: `init` and `backend add`
+    refuse it (naming --mkdir) and create nothing, unless --mkdir is given."""
+    missing = tmp_path / "usb" / "sync"
+    line = one_line_failure("init", str(tmp_path / "r"), "--backend", f"dir:{missing}")
+    assert str(missing) in line and "--mkdir" in line
+    assert not missing.exists() and not (tmp_path / "r").exists()
+    root = tmp_path / "r"
+    run_cli("init", str(root), "--backend", f"dir:{missing}", "--mkdir")
+    assert (missing / NAMESPACE / DESCRIPTOR_KEY).is_file()
+    (root / "a.txt").write_text("a\n")
+    run_cli("push", cwd=root)
+    other = tmp_path / "usb2" / "sync"
+    line = one_line_failure("backend", "add", f"dir:{other}", cwd=root)
+    assert str(other) in line and "--mkdir" in line
+    assert not other.exists()
+    run_cli("backend", "add", f"dir:{other}", "--mkdir", cwd=root)
+    assert (other / NAMESPACE / DESCRIPTOR_KEY).is_file()
+
+
 # ---------------------------------------------------------------- folders before writes
 
 
@@ -304,3 +395,58 @@ def test_sftp_generic_failure_for_a_missing_folder(sftp_rename_overwrites: SshSe
         assert backend.put_if_absent("d/e", b"x") is True
     finally:
         backend.close()
+
+
+# ---------------------------------------------------------------- when the check is repeated
+
+
+def _state(root: Path) -> Iterator[LocalState]:
+    db = LocalDB(root / ".metasync" / "state.db")
+    try:
+        yield LocalState(db)
+    finally:
+        db.close()
+
+
+def test_a_backend_that_breaks_later_is_refused_by_the_recheck(
+    webdav_server: WebdavServer, webdav_refusing_locked_move: WebdavServer, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """init records each backend's verified primitives; status and commit never
+    recheck; a push rechecks a backend whose check is older than the period (or
+    that this client now reaches by another URI), and refuses it in one line if it
+    no longer holds. Skipping the recheck, the push's append fails with the server's
+    own error."""
+    monkeypatch.setenv("METASYNC_WEBDAV_USER", webdav_server.user)
+    monkeypatch.setenv("METASYNC_WEBDAV_PASSWORD", webdav_server.password)
+    folder = f"moved-{_tag()}"
+    (webdav_server.root_dir / folder).mkdir()
+    root = tmp_path / "r"
+    root.mkdir()
+    (root / "a.txt").write_text("a\n")
+    run_cli("init", str(root), "--backend", webdav_server.uri(folder))
+    for state in _state(root):
+        (backend_id, record), = state.primitives_checked.items()
+        assert record.uri == public_uri(webdav_server.uri(folder))
+        assert record.logs == "WebdavLockLogs" and time.time() - record.at < 60
+    run_cli("push", cwd=root)
+
+    # The same repository, now served by a server that refuses locked moves.
+    bad = webdav_refusing_locked_move
+    shutil.copytree(webdav_server.root_dir / folder, bad.root_dir / folder)
+    for state in _state(root):
+        with state.transaction():
+            state.uri_overrides = {backend_id: bad.uri(folder)}
+    (root / "b.txt").write_text("b\n")
+    run_cli("status", cwd=root)
+    run_cli("commit", cwd=root)
+    line = one_line_failure("push", cwd=root)
+    assert "lacks a lock" in line and "logs=registers" in line
+
+    # Pretend the recheck ran: the append itself now fails, as the server's error.
+    for state in _state(root):
+        with state.transaction():
+            state.primitives_checked = {backend_id: dataclasses.replace(
+                record, uri=public_uri(bad.uri(folder)), at=time.time())}
+    line = one_line_failure("push", cwd=root)
+    assert "412" in line and "kept committing" not in line
