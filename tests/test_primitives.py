@@ -44,6 +44,7 @@ from metasync.layout import DESCRIPTOR_KEY
 from metasync.localdb import LocalDB
 from metasync.objects import Version
 from metasync.state import LocalState
+from metasync.verification import RECHECK_SECONDS
 from tests.servers.s3_no_conditionals import NoConditionalsS3
 from tests.servers.sshd import SshServer
 from tests.servers.webdav import WebdavServer
@@ -442,6 +443,9 @@ def test_a_backend_that_breaks_later_is_refused_by_the_recheck(
     run_cli("commit", cwd=root)
     line = one_line_failure("push", cwd=root)
     assert "lacks a lock" in line and "logs=registers" in line
+    # A clone from it is refused the same way, and leaves no folder behind.
+    line = one_line_failure("clone", bad.uri(folder), str(tmp_path / "clone"))
+    assert "lacks a lock" in line and not (tmp_path / "clone").exists()
 
     # Pretend the recheck ran: the append itself now fails, as the server's error.
     for state in _state(root):
@@ -450,3 +454,46 @@ def test_a_backend_that_breaks_later_is_refused_by_the_recheck(
                 record, uri=public_uri(bad.uri(folder)), at=time.time())}
     line = one_line_failure("push", cwd=root)
     assert "412" in line and "kept committing" not in line
+
+
+def _checked_at(root: Path) -> dict[str, float]:
+    for state in _state(root):
+        return {b: r.at for b, r in state.primitives_checked.items()}
+    raise AssertionError("unreachable")
+
+
+def test_the_recheck_runs_at_most_once_per_period(tmp_path: Path, backends: list[Path]) -> None:
+    """A clone checks (and records) every backend before its first pull; a push or
+    pull rechecks a backend only once its check is older than the period, then not
+    again; status and commit never touch the record."""
+    root = tmp_path / "r"
+    root.mkdir()
+    (root / "a.txt").write_text("a\n")
+    run_cli("init", str(root), *(f"--backend=dir:{b}" for b in backends[:2]))
+    first = _checked_at(root)
+    assert len(first) == 2
+    run_cli("push", cwd=root)
+    assert _checked_at(root) == first
+    clone = tmp_path / "clone"
+    run_cli("clone", f"dir:{backends[0]}", str(clone))
+    assert set(_checked_at(clone)) == set(first)
+
+    old_id = sorted(first)[0]
+    week_ago = time.time() - RECHECK_SECONDS - 60
+    for state in _state(root):
+        with state.transaction():
+            state.primitives_checked = {
+                b: dataclasses.replace(r, at=week_ago) if b == old_id else r
+                for b, r in state.primitives_checked.items()}
+    aged = _checked_at(root)
+    (root / "b.txt").write_text("b\n")
+    run_cli("status", cwd=root)
+    run_cli("commit", cwd=root)
+    assert _checked_at(root) == aged
+    run_cli("push", cwd=root)
+    after = _checked_at(root)
+    assert after[old_id] > time.time() - 120
+    assert {b: t for b, t in after.items() if b != old_id} == {
+        b: t for b, t in first.items() if b != old_id}
+    run_cli("pull", cwd=root)
+    assert _checked_at(root) == after
