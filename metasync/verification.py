@@ -23,8 +23,8 @@ Each success is recorded as a typed setting of :class:`~metasync.state.LocalStat
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from metasync.backends import Backend, public_uri
 from metasync.backends.probe import verify_primitives
@@ -33,6 +33,15 @@ from metasync.state import LocalState, PrimitivesChecked
 
 #: A backend's primitives are checked again when its last check is this old (7 days).
 RECHECK_SECONDS = 7 * 24 * 3600.0
+#: The longest a push or pull waits for its rechecks; a backend not done by then is
+#: checked by a later command.
+RECHECK_WAIT = 20.0
+#: Within one process, a recheck that did not succeed is not tried again for this long.
+RETRY_SECONDS = 3600.0
+
+#: (backend id, URI) -> when (``time.monotonic()``) this process last tried a recheck
+#: that did not succeed.
+_attempted: dict[tuple[str, str], float] = {}
 
 
 def verify(backend: Backend) -> PrimitivesChecked:
@@ -65,25 +74,49 @@ def due(state: LocalState, backends: dict[str, Backend],
     return stale
 
 
-def recheck(state: LocalState, backends: dict[str, Backend], now: float | None = None) -> None:
-    """Check the backends that are :func:`due` (all at once), and record those that
-    hold. Raises the :class:`UsageError` of one that no longer does; a backend that
-    fails to answer is left for the next command (pPaxos copes with it meanwhile)."""
-    stale = due(state, backends, now)
+def recheck(state: LocalState, backends: dict[str, Backend], now: float | None = None,
+            wait: float = RECHECK_WAIT) -> None:
+    """Check the backends that are :func:`due` (all at once, for at most ``wait``
+    seconds), and record those that hold. Raises the :class:`UsageError` of one that
+    no longer does. A backend that fails to answer, or takes longer, is left for the
+    next command (pPaxos copes with it meanwhile), and within this process is not
+    tried again for :data:`RETRY_SECONDS` (a daemon runs many pushes)."""
+    stale = {b: backend for b, backend in due(state, backends, now).items()
+             if not _tried_lately(b, backend)}
     if not stale:
         return
+    outcomes: dict[str, PrimitivesChecked | UsageError] = {}
+    lock = threading.Lock()
 
-    def check(backend: Backend) -> PrimitivesChecked | UsageError | None:
+    def check(backend_id: str, backend: Backend) -> None:
         try:
-            return verify(backend)
+            outcome: PrimitivesChecked | UsageError = verify(backend)
         except UsageError as exc:
-            return exc
+            outcome = exc
         except BackendError:
-            return None
+            return
+        with lock:
+            outcomes[backend_id] = outcome
 
-    with ThreadPoolExecutor(len(stale), "metasync-verify") as pool:
-        outcomes = dict(zip(stale, pool.map(check, stale.values()), strict=True))
-    remember(state, {b: r for b, r in outcomes.items() if isinstance(r, PrimitivesChecked)})
-    refusals = [r for r in outcomes.values() if isinstance(r, UsageError)]
+    # Daemon threads: a backend that never answers must not hold up the command.
+    threads = [threading.Thread(target=check, args=item, name="metasync-verify", daemon=True)
+               for item in stale.items()]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + wait
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    with lock:
+        done = dict(outcomes)
+    for backend_id, backend in stale.items():
+        if backend_id not in done:  # did not answer (in time): not a refusal
+            _attempted[(backend_id, public_uri(backend.uri))] = time.monotonic()
+    remember(state, {b: r for b, r in done.items() if isinstance(r, PrimitivesChecked)})
+    refusals = [r for r in done.values() if isinstance(r, UsageError)]
     if refusals:
         raise refusals[0]
+
+
+def _tried_lately(backend_id: str, backend: Backend) -> bool:
+    tried = _attempted.get((backend_id, public_uri(backend.uri)))
+    return tried is not None and time.monotonic() - tried < RETRY_SECONDS

@@ -34,12 +34,14 @@ from pathlib import Path
 import pytest
 
 from conftest import METASYNC, PASSPHRASE, make_tree, run_cli, snapshot
+from metasync import verification
 from metasync.backends import open_backend, public_uri
 from metasync.backends.faulty import ALWAYS, FaultyBackend
 from metasync.backends.local import LocalBackend
+from metasync.backends.memory import MemoryBackend
 from metasync.codec import Codec
 from metasync.consensus import Consensus
-from metasync.errors import BackendError, BackendUnavailable, PrimitiveMissing
+from metasync.errors import BackendError, BackendUnavailable, PrimitiveMissing, UsageError
 from metasync.layout import DESCRIPTOR_KEY
 from metasync.localdb import LocalDB
 from metasync.objects import Version
@@ -497,3 +499,39 @@ def test_the_recheck_runs_at_most_once_per_period(tmp_path: Path, backends: list
         b: t for b, t in first.items() if b != old_id}
     run_cli("pull", cwd=root)
     assert _checked_at(root) == after
+
+
+def test_a_recheck_waits_a_bounded_time_and_a_refusal_always_fails(tmp_path: Path) -> None:
+    """A recheck of a backend that does not answer gives up after its wait (not
+    recorded, and not tried again by this process for a while); a backend that
+    fails its check fails every recheck, never only the first."""
+    db = LocalDB(tmp_path / "state.db")
+    try:
+        state = LocalState(db)
+        tag = _tag()
+        hung = FaultyBackend(MemoryBackend(f"memory:hung-{tag}", "ns"))
+        hung.create()
+        stuck = hung.faults.hang({"put_if_absent"}, times=ALWAYS)
+        started = time.monotonic()
+        verification.recheck(state, {"h": hung}, wait=0.5)
+        assert time.monotonic() - started < 5
+        assert stuck.entered.is_set() and state.primitives_checked == {}
+        fired = stuck.fired
+        verification.recheck(state, {"h": hung}, wait=0.5)
+        assert stuck.fired == fired and verification.due(state, {"h": hung})
+        stuck.release()
+
+        bad = FaultyBackend(MemoryBackend(f"memory:bad-{tag}", "ns"))
+        bad.create()
+        bad.faults.refuse({"append_at"}, times=ALWAYS, error=PrimitiveMissing,
+                          message="the entry was refused (injected)")
+        for _ in range(2):
+            with pytest.raises(UsageError, match=r"refused \(injected\)"):
+                verification.recheck(state, {"b": bad})
+        good = MemoryBackend(f"memory:good-{tag}", "ns")
+        good.create()
+        verification.recheck(state, {"g": good})
+        assert set(state.primitives_checked) == {"g"}
+        assert state.primitives_checked["g"].logs == "ObjectStoreLogs"
+    finally:
+        db.close()
