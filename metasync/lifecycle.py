@@ -111,13 +111,13 @@ def create(
         raise UsageError("give one positive capacity per backend")
     backends = [open_backend(u, namespace) for u in uris]
     prepare_locations(backends, mkdir)
+    key = MasterKey.generate() if encrypt else None
+    keyfile = wrap(key, ask(passphrase)) if key is not None else None
     ids = [secrets.token_hex(4) for _ in uris]
     checked = {}
     for backend_id, backend in zip(ids, backends, strict=True):
         backend.create()
         checked[backend_id] = verification.verify(backend)
-    key = MasterKey.generate() if encrypt else None
-    keyfile = wrap(key, ask(passphrase)) if key is not None else None
 
     unit = vnode_unit([Fraction(repr(float(c))) for c in caps])
     config = Config(
