@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
 from metasync.backends.base import Backend
-from metasync.errors import BackendError, PrimitiveMissing, UsageError
+from metasync.errors import BackendError, BackendUnavailable, PrimitiveMissing, UsageError
 
 T = TypeVar("T")
 
@@ -48,6 +48,8 @@ T = TypeVar("T")
 PROBE_PREFIX = "probe"
 #: Clients racing for one key or one log position.
 RACERS = 3
+#: Whole checks made when the service keeps failing transiently (it throttles).
+ATTEMPTS = 3
 #: Seconds the racing threads wait for each other at the start line.
 START_TIMEOUT = 60.0
 
@@ -93,7 +95,20 @@ def verify_primitives(backend: Backend) -> Verified:
     scratch keys. The namespace must exist (``backend.create()``).
 
     Raises :class:`UsageError` (one line) naming what the backend lacks and what to
-    use instead; an error of the service itself (unreachable, denied) as it is."""
+    use instead; an error of the service itself (unreachable, denied) as it is. A
+    transient one that outlasted the backend's retries (a throttling service) costs
+    another whole check on fresh keys, up to :data:`ATTEMPTS` in all."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return _verify_once(backend)
+        except BackendError as exc:
+            if (not exc.transient or isinstance(exc, BackendUnavailable)
+                    or attempt + 1 == ATTEMPTS):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _verify_once(backend: Backend) -> Verified:
     scratch = f"{PROBE_PREFIX}/{secrets.token_hex(8)}"
     caps = backend.capabilities
     checked: builtins.list[str] = []
