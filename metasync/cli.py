@@ -45,6 +45,12 @@ def cli(debug: bool, quiet: bool, timeout: float | None) -> None:
         os.environ["METASYNC_TIMEOUT"] = repr(timeout)
 
 
+mkdir_option = click.option(
+    "--mkdir", is_flag=True,
+    help="Create a missing dir: folder (refused otherwise: a missing local folder is "
+         "usually an unmounted disk). WebDAV and SFTP folders are always created.",
+)
+
 passphrase_file_option = click.option(
     "--passphrase-file",
     type=click.Path(dir_okay=False),
@@ -65,9 +71,11 @@ passphrase_file_option = click.option(
 @click.option("--erasure", default=None, metavar="K/N",
               help="Store objects of 1 MiB or more as N fragments on N backends, any K of "
                    "which rebuild them (e.g. 2/3: 1.5x storage, survives losing one backend).")
+@mkdir_option
 @passphrase_file_option
 def init(directory: str, backends: tuple[str, ...], replicas: int | None, namespace: str,
-         no_encrypt: bool, bft: bool, erasure: str | None, passphrase_file: str | None) -> None:
+         no_encrypt: bool, bft: bool, erasure: str | None, mkdir: bool,
+         passphrase_file: str | None) -> None:
     """Create a repository in DIRECTORY on the given backends."""
     if not backends:
         raise UsageError("give at least one --backend URI, e.g. --backend dir:/mnt/usb/sync")
@@ -85,7 +93,7 @@ def init(directory: str, backends: tuple[str, ...], replicas: int | None, namesp
         directory, list(backends), replicas=r, namespace=namespace, encrypt=not no_encrypt,
         byzantine=bft, erasure=scheme,
         passphrase=None if no_encrypt else _passphrase_source(passphrase_file, confirm=True),
-        reporter=_reporter(),
+        reporter=_reporter(), mkdir=mkdir,
     )
     with repo:
         layout = f"{r} replica(s)" + (f", erasure {erasure} from 1 MiB" if scheme else "")
@@ -288,10 +296,11 @@ def backend() -> None:
 @click.argument("uri")
 @click.option("--capacity", type=float, default=None, metavar="GB",
               help="Its capacity; objects are spread in proportion (default: the others' mean).")
-def backend_add(uri: str, capacity: float | None) -> None:
+@mkdir_option
+def backend_add(uri: str, capacity: float | None, mkdir: bool) -> None:
     """Add the storage location URI; move to it the copies it should hold."""
     with _open() as repo:
-        change = repo.add_backend(uri, capacity)
+        change = repo.add_backend(uri, capacity, mkdir)
         added = next(b for b in change.new.backends if b.id not in change.old.backend_ids)
     _report_change(f"added backend {added.id} ({added.uri})", change)
 

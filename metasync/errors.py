@@ -58,6 +58,17 @@ class BackendUnavailable(BackendError):
         super().__init__(message, transient=True)
 
 
+class PrimitiveMissing(BackendUnavailable):
+    """A backend accepts the requests of an atomic primitive metasync's logs need (an
+    exclusive create, a lock) but does not honour it. Not transient: no retry cures
+    it. For agreement the backend then counts as unavailable, so the pPaxos driver
+    reports it at once, naming the backend and carrying this message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.transient = False
+
+
 class ObjectNotFound(BackendError):
     """The key does not exist on this backend."""
 

@@ -125,15 +125,17 @@ class Repository:
         byzantine: bool = False,
         erasure: tuple[int, int] | None = None,
         reporter: Reporter | None = None,
+        mkdir: bool = False,
     ) -> Repository:
         """Create a repository in ``root`` on the given backends (see
         :func:`metasync.lifecycle.create`: everything is validated before anything
-        is written)."""
+        is written; ``mkdir`` creates missing ``dir:`` folders)."""
         from metasync import lifecycle
 
         path = lifecycle.create(
             root, backend_uris, replicas=replicas, namespace=namespace, encrypt=encrypt,
-            passphrase=passphrase, capacities=capacities, byzantine=byzantine, erasure=erasure)
+            passphrase=passphrase, capacities=capacities, byzantine=byzantine, erasure=erasure,
+            mkdir=mkdir)
         return cls(open_context(path, reporter))
 
     @classmethod
@@ -295,10 +297,20 @@ class Repository:
         return self.committer.commit(message)
 
     def push(self, message: str = "") -> PushResult:
+        self._recheck_primitives()
         return self.sync.push(message)
 
     def pull(self) -> PullResult:
+        self._recheck_primitives()
         return self.sync.pull()
+
+    def _recheck_primitives(self) -> None:
+        """Check again the primitives of backends whose last check is old (or missing:
+        a clone's first pull), at most once per backend per period
+        (:mod:`metasync.verification`)."""
+        from metasync import verification
+
+        verification.recheck(self._ctx.state, self.versions.backends)
 
     def learn_latest(self) -> Version:
         """The newest decided version (following configuration changes)."""
@@ -378,8 +390,9 @@ class Repository:
         return GarbageCollector(self._ctx, self.versions, self.graph, self.outbox,
                                 self.replicator, self._reconfig)
 
-    def add_backend(self, uri: str, capacity: float | None = None) -> ConfigChange:
-        return self._reconfig.add_backend(uri, capacity)
+    def add_backend(self, uri: str, capacity: float | None = None,
+                    mkdir: bool = False) -> ConfigChange:
+        return self._reconfig.add_backend(uri, capacity, mkdir)
 
     def remove_backend(self, name: str) -> ConfigChange:
         return self._reconfig.remove_backend(name)

@@ -89,6 +89,45 @@ class PendingCheckout:
                    {str(k): str(v) for k, v in moves.items()})
 
 
+@dataclass(frozen=True)
+class PrimitivesChecked:
+    """This client's last successful check of one backend's atomic primitives
+    (:func:`metasync.backends.probe.verify_primitives`; when it runs:
+    :mod:`metasync.verification`)."""
+
+    #: The URI the check went through (without a password): a backend this client
+    #: reaches by another URI since is checked again.
+    uri: str
+    #: The log construction checked (the class of ``backend.logs``).
+    logs: str
+    #: The primitives checked, e.g. ``["exclusive create", "log appends"]``.
+    checked: tuple[str, ...]
+    #: When (Unix time, seconds).
+    at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"uri": self.uri, "logs": self.logs, "checked": list(self.checked), "at": self.at}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> PrimitivesChecked | None:
+        """The record ``raw`` describes; None for anything else (a damaged record is as
+        if the backend had never been checked: it is checked again)."""
+        if not isinstance(raw, dict):
+            return None
+        uri, logs, checked, at = raw.get("uri"), raw.get("logs"), raw.get("checked"), raw.get("at")
+        if not (isinstance(uri, str) and isinstance(logs, str) and isinstance(checked, list)
+                and isinstance(at, int | float)):
+            return None
+        return cls(uri, logs, tuple(str(c) for c in checked), float(at))
+
+
+def _primitives_checked(raw: Any) -> dict[str, PrimitivesChecked]:
+    if not isinstance(raw, dict):
+        return {}
+    records = {str(k): PrimitivesChecked.from_json(v) for k, v in raw.items()}
+    return {k: v for k, v in records.items() if v is not None}
+
+
 def _pending_checkout(raw: Any) -> PendingCheckout | None:
     return PendingCheckout.from_json(raw)
 
@@ -144,6 +183,11 @@ class LocalState:
     #: unchanged folder skip rebuilding every tree.
     tree_memo: Setting[tuple[str, str] | None] = Setting(
         "tree_memo_v1", default=lambda: None, load=_tree_memo, dump=lambda v: list(v) if v else None)
+
+    #: Backend id -> this client's last successful check of its primitives.
+    primitives_checked: Setting[dict[str, PrimitivesChecked]] = Setting(
+        "primitives_checked", default=dict, load=_primitives_checked,
+        dump=lambda records: {k: v.to_json() for k, v in records.items()})
 
     def __init__(self, db: LocalDB) -> None:
         self.db = db

@@ -336,8 +336,8 @@ def test_one_command_per_folder_at_a_time(
     from metasync.errors import UsageError
 
     a = _init(tmp_path, backends, passphrase)
-    with pytest.raises(UsageError, match="another metasync command is using .* did not "
-                                         "finish within 0.2 s"):
+    with pytest.raises(UsageError, match=r"another metasync command is using .* did not "
+                                         r"finish within 0\.2 s"):
         Repository.open(a.root / "doc.txt", wait=0.2)
     with pytest.raises(UsageError, match="another metasync command is using"):
         Repository.open(a.root, wait=0)

@@ -15,6 +15,7 @@ import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
+from metasync import verification
 from metasync.backends import Backend, normalize_uri, open_backend, public_uri
 from metasync.consensus import encode_hint
 from metasync.context import RepoContext
@@ -23,10 +24,10 @@ from metasync.layout import (
     DESCRIPTOR_KEY,
     HINT_KEY,
     KEYFILE_KEY,
-    check_backend_free,
     config_key,
     descriptor,
 )
+from metasync.lifecycle import prepare_locations
 from metasync.maintenance.rebalance import RebalanceReport, rebalance
 from metasync.mapping import movement
 from metasync.objects import BackendSpec, Config, Version, is_snapshot_name
@@ -163,9 +164,12 @@ class Reconfiguration:
         return report
 
     # ---------------------------------------------------------------- backends
-    def add_backend(self, uri: str, capacity: float | None = None) -> ConfigChange:
+    def add_backend(self, uri: str, capacity: float | None = None,
+                    mkdir: bool = False) -> ConfigChange:
         """Add the backend at ``uri`` (capacity in GB; default: the others' mean) and
-        move to it exactly the copies the new placement gives it."""
+        move to it exactly the copies the new placement gives it. A missing location
+        folder is created on servers, and for ``dir:`` only with ``mkdir``; a backend
+        whose primitives do not hold is refused (:class:`UsageError`)."""
         uri = normalize_uri(uri)
         latest = self.versions.learn_latest()
         current = self.versions.load_config(latest.config)
@@ -173,7 +177,7 @@ class Reconfiguration:
             raise UsageError(f"{public_uri(uri)} is already a backend of this repository")
         backend = open_backend(uri, current.namespace)
         spec = new_backend_spec(uri, capacity, current)
-        self._prepare_new_backend(backend, spec.id)
+        self._prepare_new_backend(backend, spec.id, mkdir)
         self.ctx.pool.adopt(spec.id, backend, uri)
 
         def make_new(config: Config) -> Config:
@@ -184,14 +188,16 @@ class Reconfiguration:
 
         return self.reconfigure(make_new)
 
-    def _prepare_new_backend(self, backend: Backend, backend_id: str) -> None:
+    def _prepare_new_backend(self, backend: Backend, backend_id: str, mkdir: bool) -> None:
         """Make ``backend`` part of the repository before any configuration names it:
-        the namespace, the wrapped key file, the configurations a clone starts from
-        (each copied from a copy verified under its id), and the descriptor last
+        its location (:func:`prepare_locations`), the namespace, a check of its
+        primitives (recorded), the wrapped key file, the configurations a clone starts
+        from (each copied from a copy verified under its id), and the descriptor last
         (its presence marks a complete repository)."""
-        check_backend_free(backend)
+        prepare_locations([backend], mkdir)
         backend.create()
         versions, state = self.versions, self.ctx.state
+        verification.remember(state, {backend_id: verification.verify(backend)})
         if versions.config.encryption != "none":
             backend.put(KEYFILE_KEY, self._read_anywhere(KEYFILE_KEY))
         init_config = state.init_config_id
