@@ -39,6 +39,14 @@ from metasync.versions import Versions
 MAX_CHANGE_ATTEMPTS = 50
 
 
+class IncompleteCopy(BackendError):
+    """The copy before a change did not reach every new holder: nothing was decided,
+    and running the same command again completes it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, transient=True)
+
+
 @dataclass
 class ConfigChange:
     """A decided configuration change."""
@@ -129,8 +137,8 @@ class Reconfiguration:
         make_new: Callable[[Config], Config],
         extra: dict[str, Backend] | None = None,
     ) -> ConfigChange:
-        """A configuration change that moves data: copy to the new places, decide the
-        change, copy what arrived meanwhile and drop what is no longer needed. The
+        """A configuration change that moves data: copy to the new places, and only
+        if that copy is clean (:func:`unplaced`) decide the change; then copy what arrived meanwhile and drop what is no longer needed. The
         report counts every copy written against the theoretical minimum."""
         report = RebalanceReport()
         pool, state = self.ctx.pool, self.ctx.state
@@ -138,6 +146,9 @@ class Reconfiguration:
         def copy_first(old: Config, new: Config) -> None:
             sources = {**pool.open(old), **(extra or {})}
             first = rebalance(self.ctx, self.replicator, new, sources, drop=False)
+            problem = unplaced(first, new, pool.name)
+            if problem is not None:
+                raise IncompleteCopy(problem)
             report.merge(first)
             report.stored_ids = first.stored_ids
             report.minimum = moved_minimum(old, new, first.stored_ids)
@@ -186,7 +197,16 @@ class Reconfiguration:
             return replace(config, backends=(*config.backends, spec),
                            acceptors=(*config.acceptors, spec.id))
 
-        return self.reconfigure(make_new)
+        try:
+            return self.reconfigure(make_new)
+        except IncompleteCopy:
+            # Nothing was decided: without its descriptor the backend is free again,
+            # so running the command again adds it (the copies made stay and count).
+            try:
+                backend.delete(DESCRIPTOR_KEY)
+            except MetasyncError:
+                pass
+            raise
 
     def _prepare_new_backend(self, backend: Backend, backend_id: str, mkdir: bool) -> None:
         """Make ``backend`` part of the repository before any configuration names it:
@@ -306,6 +326,25 @@ class Reconfiguration:
         if days < 0:
             raise UsageError("the retention must be zero or more days")
         return self.change_config(lambda config: replace(config, retention_days=days)).version
+
+
+def unplaced(report: RebalanceReport, config: Config,
+             name: Callable[[str], str]) -> str | None:
+    """Why a copy to ``config``'s holders is not clean, in one line, or None if it
+    is: every backend of ``config`` answered its listing and every object found is
+    on all of its holders. Backends not in ``config`` (one being removed, maybe dead)
+    may be unreachable, and objects with no good copy anywhere (``report.lost``)
+    can never be placed: they are reported, never waited for."""
+    ids = {b.id for b in config.backends}
+    why = {b: f"did not answer: {r}" for b, r in report.unreachable.items() if b in ids}
+    for backend_id, reason in report.missed.items():
+        why.setdefault(backend_id, reason)
+    if not why:
+        return None
+    backends = "; ".join(f"{name(b)} {' '.join(r.split())}" for b, r in sorted(why.items()))
+    count = len(report.short)
+    return (f"nothing was changed: {count} object(s) could not be placed on their new holders "
+            f"({backends}); retry later (run the command again) to complete the change")
 
 
 def moved_minimum(old: Config, new: Config, stored_ids: Iterable[str]) -> int:
