@@ -121,6 +121,38 @@ class PrimitivesChecked:
         return cls(uri, logs, tuple(str(c) for c in checked), float(at))
 
 
+@dataclass(frozen=True)
+class PendingRebalance:
+    """A configuration change whose rebalance may not be finished: recorded before
+    the change is proposed. ``sources`` are the configurations this client moved
+    away from (and one it proposed, if that lost its instance): their backends may
+    hold copies the newest configuration places elsewhere, so finishing reads from
+    them and empties them; the target is always the newest configuration."""
+
+    sources: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sources": list(self.sources)}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> PendingRebalance | None:
+        """The record ``raw`` describes: a bare configuration id (what earlier
+        versions wrote) is a rebalance with that one source; None for anything else."""
+        if isinstance(raw, str):
+            return cls((raw,))
+        if isinstance(raw, dict) and isinstance(raw.get("sources"), list):
+            return cls(tuple(str(s) for s in raw["sources"] if isinstance(s, str)))
+        return None
+
+    def adding(self, *config_ids: str) -> PendingRebalance:
+        """This record with more sources (each once, in order)."""
+        return PendingRebalance(tuple(dict.fromkeys((*self.sources, *config_ids))))
+
+
+def _pending_rebalance(raw: Any) -> PendingRebalance | None:
+    return PendingRebalance.from_json(raw)
+
+
 def _primitives_checked(raw: Any) -> dict[str, PrimitivesChecked]:
     if not isinstance(raw, dict):
         return {}
@@ -172,8 +204,11 @@ class LocalState:
         "checkout_pending", default=lambda: None, load=_pending_checkout, dump=_dump_pending)
     #: The gc epoch whose collections this client has taken into account.
     gc_epoch: Setting[int] = Setting("gc_epoch", default=lambda: 0, load=int)
-    #: A configuration whose rebalance did not finish (``backend list`` says so).
-    rebalance_pending: Setting[str | None] = Setting("rebalance_pending", default=lambda: None)
+    #: A configuration change whose rebalance did not finish (``backend list`` says
+    #: so; ``metasync rebalance`` finishes it), with the configurations to read from.
+    rebalance_pending: Setting[PendingRebalance | None] = Setting(
+        "rebalance_pending", default=lambda: None, load=_pending_rebalance,
+        dump=lambda value: value.to_json() if value is not None else None)
     #: Objects this client announced to gc (``pending`` in its client state) since
     #: its last decided push.
     announced: Setting[list[str]] = Setting("announced", default=list)

@@ -16,6 +16,8 @@ failure injected at one precise place):
 
 from __future__ import annotations
 
+import os
+import random
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -85,10 +87,16 @@ def _repo(tmp_path: Path, b: dict[str, Path], names: tuple[str, ...], files: int
     src = tmp_path / "src"
     src.mkdir()
     for i in range(files):
-        (src / f"f{i:03d}.txt").write_text(f"file {i}\n" * (i + 1))
+        (src / f"f{i:03d}.bin").write_bytes(random.Random(i).randbytes(400))
     run_cli("init", "--replicas", str(replicas), *(f"--backend=dir:{b[n]}" for n in names),
             cwd=src)
-    run_cli("push", cwd=src)
+    # A pack per file: many objects, so every backend holds some whatever the
+    # repository's random placement key.
+    os.environ["METASYNC_PACK_SIZE"] = "300"
+    try:
+        run_cli("push", cwd=src)
+    finally:
+        del os.environ["METASYNC_PACK_SIZE"]
     return src
 
 
@@ -158,7 +166,7 @@ def test_removing_a_dead_backend_is_not_blocked_by_objects_without_a_good_copy(
     removal of a dead backend reports it and goes on (else it could never be
     removed)."""
     b = _dirs(tmp_path, "b1", "b2", "b3")
-    src = _repo(tmp_path, b, ("b1", "b2", "b3"), files=5)
+    src = _repo(tmp_path, b, ("b1", "b2", "b3"), files=30)
     # An object on b1 and b2 only: b2 dies and b1's copy goes bad.
     victim = sorted(_held(b["b1"]) & _held(b["b2"]))[0]
     shutil.rmtree(b["b2"])
@@ -166,3 +174,53 @@ def test_removing_a_dead_backend_is_not_blocked_by_objects_without_a_good_copy(
     out = run_cli(*TIMEOUT, "backend", "remove", f"dir:{b['b2']}", cwd=src)
     assert "removed backend" in out.stdout
     assert "1 object(s) have no good copy" in out.stderr, out.stderr
+
+
+# ---------------------------------------------------------------- F2
+def test_a_change_cut_short_right_after_its_decision_is_finished_by_rebalance(
+        tmp_path: Path) -> None:
+    """``backend remove`` dies right after the change is decided: the rebalance it
+    needs was recorded before, so ``backend list`` says so, and ``rebalance``
+    empties the removed backend (a source only the old configuration names)."""
+    b = _dirs(tmp_path, "b1", "b2", "b3", "b4")
+    src = _repo(tmp_path, b, ("b1", "b2", "b3", "b4"))
+    assert _held(b["b2"])
+
+    def crash() -> None:
+        raise Crash()
+
+    with _after_first_publish(crash), Repository.open(src) as repo, pytest.raises(Crash):
+        repo.remove_backend(f"dir:{b['b2']}")
+    _, config = _latest(src)
+    assert str(b["b2"]) not in {s.uri.removeprefix("dir:") for s in config.backends}
+    listed = run_cli("backend", "list", cwd=src)
+    assert "run `metasync rebalance`" in listed.stderr, listed.stderr
+    run_cli("rebalance", cwd=src)
+    assert _held(b["b2"]) == set(), "the removed backend is emptied"
+    _check_placement(src, {n: b[n] for n in ("b1", "b3", "b4")})
+    listed = run_cli("backend", "list", cwd=src)
+    assert "rebalance" not in listed.stderr, listed.stderr
+
+
+# ---------------------------------------------------------------- F3
+def test_the_slower_of_two_changes_drops_by_the_newest_configuration(tmp_path: Path) -> None:
+    """A adds b4; right after A's change is decided, B removes b3 (deciding after
+    A's). A's rebalance with drops must follow B's newer configuration: every
+    object ends up exactly where it says, and b3 is emptied."""
+    b = _dirs(tmp_path, "b1", "b2", "b3", "b4")
+    src = _repo(tmp_path, b, ("b1", "b2", "b3"))
+    other = tmp_path / "other"
+    run_cli("clone", f"dir:{b['b1']}", str(other))
+
+    def remove_b3() -> None:
+        with Repository.open(other) as repo_b:
+            repo_b.remove_backend(f"dir:{b['b3']}")
+
+    with _after_first_publish(remove_b3), Repository.open(src) as repo:
+        repo.add_backend(f"dir:{b['b4']}")
+    _, config = _latest(src)
+    assert {s.uri.removeprefix("dir:") for s in config.backends} == {
+        str(b[n]) for n in ("b1", "b2", "b4")}
+    assert _held(b["b3"]) == set()
+    _check_placement(src, b)
+    run_cli("fsck", cwd=src)

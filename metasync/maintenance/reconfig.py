@@ -32,6 +32,7 @@ from metasync.maintenance.rebalance import RebalanceReport, rebalance
 from metasync.mapping import movement
 from metasync.objects import BackendSpec, Config, Version, is_snapshot_name
 from metasync.replicator import Replicator
+from metasync.state import PendingRebalance
 from metasync.store import mapping_of
 from metasync.versions import Versions
 
@@ -89,13 +90,14 @@ class Reconfiguration:
     def change_config(
         self,
         make_new: Callable[[Config], Config],
-        before_commit: Callable[[Config, Config], None] | None = None,
+        before_commit: Callable[[Version, Config, Config, str], None] | None = None,
     ) -> ConfigChange:
         """Decide a new configuration through pPaxos: learn the latest version, derive
         the new configuration from its one, store it on every backend of both, run
-        ``before_commit`` (copies that must exist before anyone reads by the new
-        mapping), then propose ``(latest + 1, latest master, new config)`` to the old
-        configuration's acceptors. Retries from the start if another version wins.
+        ``before_commit(latest, old, new, new id)`` (copies that must exist before
+        anyone reads by the new mapping; it may raise to decide nothing), then propose
+        ``(latest + 1, latest master, new config)`` to the old configuration's
+        acceptors. Retries from the start if another version wins.
 
         Leaves this client's folder and base version alone: its next pull or push
         learns the change like any other client's."""
@@ -111,8 +113,9 @@ class Reconfiguration:
             db = self.ctx.db
             with db.transaction():
                 db.cache_object(config_id, "config", new.to_bytes())
+                db.cache_object(latest.config, "config", old.to_bytes())
             if before_commit is not None:
-                before_commit(old, new)
+                before_commit(latest, old, new, config_id)
             consensus = versions.consensus_for(latest.config)
             proposal = Version(latest.number + 1, latest.master, config_id)
             chosen = consensus.propose(proposal.number, proposal)
@@ -138,12 +141,15 @@ class Reconfiguration:
         extra: dict[str, Backend] | None = None,
     ) -> ConfigChange:
         """A configuration change that moves data: copy to the new places, and only
-        if that copy is clean (:func:`unplaced`) decide the change; then copy what arrived meanwhile and drop what is no longer needed. The
-        report counts every copy written against the theoretical minimum."""
+        if that copy is clean (:func:`unplaced`) record the rebalance it needs and
+        decide the change; then finish that rebalance (:meth:`finish_rebalance`:
+        copy what arrived meanwhile and drop what is no longer needed, by the newest
+        configuration). The report counts every copy written against the
+        theoretical minimum."""
         report = RebalanceReport()
         pool, state = self.ctx.pool, self.ctx.state
 
-        def copy_first(old: Config, new: Config) -> None:
+        def copy_first(latest: Version, old: Config, new: Config, config_id: str) -> None:
             sources = {**pool.open(old), **(extra or {})}
             first = rebalance(self.ctx, self.replicator, new, sources, drop=False)
             problem = unplaced(first, new, pool.name)
@@ -152,26 +158,44 @@ class Reconfiguration:
             report.merge(first)
             report.stored_ids = first.stored_ids
             report.minimum = moved_minimum(old, new, first.stored_ids)
+            # Recorded before anything is proposed: a crash from here on leaves a
+            # rebalance to finish, reading from (and emptying) the old backends.
+            with state.transaction():
+                pending = state.rebalance_pending or PendingRebalance(())
+                state.rebalance_pending = pending.adding(latest.config, config_id)
 
         change = self.change_config(make_new, copy_first)
-        with state.transaction():
-            state.rebalance_pending = change.config_id
-        second = rebalance(self.ctx, self.replicator, change.new,
-                           {**pool.open(change.old), **(extra or {})}, drop=True)
-        with state.transaction():
-            state.rebalance_pending = None
-        report.merge(second)
+        report.merge(self.finish_rebalance(extra))
         change.report = report
         return change
 
-    def finish_rebalance(self) -> RebalanceReport:
-        """Put every object on the backends the latest configuration names for it and
-        drop copies no longer needed: finishes an interrupted change."""
-        latest = self.versions.learn_latest()
-        config = self.versions.load_config(latest.config)
-        report = rebalance(self.ctx, self.replicator, config, drop=True)
-        with self.ctx.state.transaction():
-            self.ctx.state.rebalance_pending = None
+    def finish_rebalance(self, extra: dict[str, Backend] | None = None) -> RebalanceReport:
+        """Put every object on the backends the newest configuration names for it and
+        drop copies no longer needed, reading also from the backends of the
+        configurations a pending change recorded (and ``extra``), which are emptied:
+        the second phase of every change, and what finishes an interrupted one. The
+        record is cleared once every backend of the newest configuration answered,
+        every object is on all its holders and no copy had to be kept (objects with
+        no good copy anywhere are reported, and do not keep it)."""
+        state, versions = self.ctx.state, self.versions
+        pending = state.rebalance_pending
+        latest = versions.learn_latest()
+        config = versions.load_config(latest.config)
+        sources: dict[str, Backend] = {}
+        for config_id in pending.sources if pending is not None else ():
+            if config_id == latest.config:
+                continue
+            try:
+                sources.update(self.ctx.pool.open(versions.load_config(config_id)))
+            except MetasyncError as exc:
+                self.ctx.reporter.note(f"cannot read configuration {config_id[:12]} to move "
+                                       f"copies from its backends ({exc})")
+        sources.update(extra or {})
+        report = rebalance(self.ctx, self.replicator, config, sources, drop=True)
+        if (pending is not None and unplaced(report, config, self.ctx.pool.name) is None
+                and report.kept == 0):
+            with state.transaction():
+                state.rebalance_pending = None
         return report
 
     # ---------------------------------------------------------------- backends
