@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, snapshot
 from metasync.backends import Backend
 from metasync.backends.faulty import ALWAYS, Faults, FaultyBackend
 from metasync.consensus import Consensus
@@ -224,3 +224,28 @@ def test_the_slower_of_two_changes_drops_by_the_newest_configuration(tmp_path: P
     assert _held(b["b3"]) == set()
     _check_placement(src, b)
     run_cli("fsck", cwd=src)
+
+
+# ---------------------------------------------------------------- F5
+def test_clone_and_pull_after_removing_a_dead_backend_and_losing_another_without_a_push(
+        tmp_path: Path) -> None:
+    """init on b1, b2, b3; a second client clones; backend add b4; b2 dies;
+    backend remove b2; no push; b1 dies. The configuration is {b1, b3, b4}, of
+    which b3 and b4 answer: a clone from b4 and a pull by the second client work."""
+    b = _dirs(tmp_path, "b1", "b2", "b3", "b4")
+    src = _repo(tmp_path, b, ("b1", "b2", "b3"), files=3)
+    second = tmp_path / "second"
+    run_cli("clone", f"dir:{b['b3']}", str(second))
+    run_cli("backend", "add", f"dir:{b['b4']}", cwd=src)
+    shutil.rmtree(b["b2"])
+    run_cli(*TIMEOUT, "backend", "remove", f"dir:{b['b2']}", cwd=src)
+    shutil.rmtree(b["b1"])
+    clone = tmp_path / "clone"
+    run_cli(*TIMEOUT, "clone", f"dir:{b['b4']}", str(clone))
+    assert snapshot(clone) == snapshot(src)
+    run_cli(*TIMEOUT, "pull", cwd=second)
+    assert snapshot(second) == snapshot(src)
+    (clone / "new.txt").write_text("pushed after the losses\n")
+    run_cli(*TIMEOUT, "push", cwd=clone)
+    run_cli(*TIMEOUT, "pull", cwd=second)
+    assert snapshot(second) == snapshot(clone)

@@ -99,6 +99,10 @@ class Reconfiguration:
         ``(latest + 1, latest master, new config)`` to the old configuration's
         acceptors. Retries from the start if another version wins.
 
+        A change of the acceptors is then followed by one more version, the same
+        master under the same configuration, decided by the new acceptors
+        (:meth:`_settle_on_new_acceptors`).
+
         Leaves this client's folder and base version alone: its next pull or push
         learns the change like any other client's."""
         versions, pool = self.versions, self.ctx.pool
@@ -122,18 +126,40 @@ class Reconfiguration:
             if chosen != proposal:
                 continue
             consensus.publish(chosen)
-            # New acceptors get the hint too: a clone from one of them starts there.
-            hint = encode_hint(self.ctx.codec, chosen.number, latest.config)
-            for backend_id in set(new.acceptors) - set(old.acceptors):
-                try:
-                    both[backend_id].put(HINT_KEY, hint)
-                except MetasyncError:
-                    pass
+            if set(new.acceptors) != set(old.acceptors):
+                self._settle_on_new_acceptors(chosen, latest.config, old, new, both)
             return ConfigChange(chosen, old, new, config_id)
         raise BackendError(
             f"other clients kept committing during {MAX_CHANGE_ATTEMPTS} attempts; retry",
             transient=True,
         )
+
+    def _settle_on_new_acceptors(self, change: Version, old_id: str, old: Config, new: Config,
+                                 backends: dict[str, Backend]) -> None:
+        """Decide ``(change + 1, same master, new config)`` on the new configuration's
+        acceptors and publish it. Until the new acceptors decide some version, the
+        newest one (the change) can only be confirmed by a quorum of the old
+        configuration, so losing backends the new one tolerates but the old one's
+        majority needs would strand every client behind and every fresh clone.
+        Another client's version winning that instance is just as good (its
+        proposer publishes it). If the new acceptors cannot decide now, they get the
+        change's hint instead, as before: nothing is lost, the next push settles."""
+        consensus = self.versions.consensus_for(change.config, new)
+        settle = Version(change.number + 1, change.master, change.config)
+        try:
+            chosen = consensus.propose(settle.number, settle)
+            if chosen == settle:
+                consensus.publish(chosen)
+            return
+        except MetasyncError as exc:
+            self.ctx.reporter.note(f"the new backends did not decide a version yet ({exc}); "
+                                   "the next push does")
+        hint = encode_hint(self.ctx.codec, change.number, old_id)
+        for backend_id in set(new.acceptors) - set(old.acceptors):
+            try:
+                backends[backend_id].put(HINT_KEY, hint)
+            except MetasyncError:
+                pass
 
     def reconfigure(
         self,
