@@ -246,6 +246,11 @@ class Daemon:
                 self.status.conflicts += result.conflicts
             if not result.up_to_date and result.version is not None:
                 self.log.info("synced version %d", result.version.number)
+            if result.short:
+                self.log.warning(
+                    "version %d has fewer copies than the configuration asks for of %d "
+                    "object(s): too few backends take writes; the next cycle adds them "
+                    "when they answer", repo.prev.number, len(result.short))
         else:
             # Copies any client spilled while a backend was away go home once it is
             # back, whoever wrote them (a push does this too).

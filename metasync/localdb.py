@@ -38,6 +38,7 @@ CREATE TABLE IF NOT EXISTS indexes (index_id TEXT PRIMARY KEY, state TEXT NOT NU
 CREATE TABLE IF NOT EXISTS outbox (stored_id TEXT PRIMARY KEY, kind TEXT NOT NULL, seq INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS missing_copies (
     stored_id TEXT NOT NULL, backend_id TEXT NOT NULL, PRIMARY KEY (stored_id, backend_id));
+CREATE TABLE IF NOT EXISTS short_objects (stored_id TEXT PRIMARY KEY, copies TEXT NOT NULL);
 """
 
 
@@ -234,6 +235,22 @@ class LocalDB:
         self.conn.execute(
             "DELETE FROM missing_copies WHERE stored_id=? AND backend_id=?", (stored_id, backend_id)
         )
+
+    # --- objects stored with fewer copies than R ------------------------------------------
+    def set_short(self, stored_id: str, copies: dict[str, int | None]) -> None:
+        """Record (or update) an object that has fewer copies or fragments than the
+        configuration asks for: ``copies`` maps each backend known to hold one to
+        its fragment index (None: a whole copy)."""
+        self.conn.execute("INSERT OR REPLACE INTO short_objects VALUES (?,?)",
+                          (stored_id, json.dumps(copies, sort_keys=True)))
+
+    def short_objects(self) -> dict[str, dict[str, int | None]]:
+        """Every object recorded short, with the backends known to hold a copy."""
+        return {r[0]: json.loads(r[1])
+                for r in self.conn.execute("SELECT stored_id, copies FROM short_objects")}
+
+    def remove_short(self, stored_id: str) -> None:
+        self.conn.execute("DELETE FROM short_objects WHERE stored_id=?", (stored_id,))
 
 
 def location_in(conn: sqlite3.Connection, object_id: str) -> tuple[str, PackEntry] | None:

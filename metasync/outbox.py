@@ -260,8 +260,7 @@ class Outbox:
                 def done(placed: Uploaded) -> None:
                     stored_id = placed.stored_id
                     with self.db.transaction():
-                        for backend_id in placed.missed:
-                            self.db.add_missing_copy(stored_id, backend_id)
+                        self._record_missed(placed)
                         self.db.remove_outbox(stored_id)
                     (self.folder / stored_id).unlink(missing_ok=True)
                     report.add(placed)
@@ -272,6 +271,15 @@ class Outbox:
         finally:
             reporter.finish()
         return report
+
+    def _record_missed(self, placed: Uploaded) -> None:
+        """Remember (inside the caller's transaction) the holders an upload missed,
+        and, if it is short, the copies it has: every later push and daemon cycle
+        repairs it and says it is short until R copies exist."""
+        for backend_id in placed.missed:
+            self.db.add_missing_copy(placed.stored_id, backend_id)
+        if placed.short:
+            self.db.set_short(placed.stored_id, placed.copies)
 
     def _loader(self, stored_id: str) -> Callable[[], BinaryIO]:
         path = self.folder / stored_id
@@ -286,8 +294,7 @@ class Outbox:
 
         def done(placed: Uploaded) -> None:
             with self.db.transaction():
-                for backend_id in placed.missed:
-                    self.db.add_missing_copy(placed.stored_id, backend_id)
+                self._record_missed(placed)
 
         self.replicator.upload(
             [(object_id, _bytes_loader(data)) for object_id, data in encoded.items()], done)

@@ -37,6 +37,19 @@ def verify_stored(codec: Codec, stored_id: str, data: bytes) -> None:
     raise CorruptObject(f"object {stored_id[:12]}: content does not match its id")
 
 
+def enough_copies(copies: dict[str, int | None], holders: tuple[str, ...], replicas: int,
+                  fragments: int) -> bool:
+    """Whether an object has what the configuration asks for, given ``copies``
+    (backend -> fragment index, None for a whole copy or an unknown one): R
+    whole copies on different backends (a copy spilled in place of a holder
+    counts), or, erasure-coded, a fragment on every fragment holder or its
+    ``fragments`` distinct indexes somewhere."""
+    if any(i is not None for i in copies.values()):
+        indexes = {i for i in copies.values() if i is not None}
+        return set(holders) <= set(copies) or len(indexes) >= fragments
+    return len(copies) >= replicas
+
+
 # ---------------------------------------------------------------- what the backends hold
 @dataclass
 class Inventory:

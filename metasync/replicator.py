@@ -45,6 +45,7 @@ from metasync.objects import Config
 from metasync.placement import (
     Inventory,
     PlaceOutcome,
+    enough_copies,
     place,
     place_fragments,
     take_inventory,
@@ -89,6 +90,28 @@ class SpillRecord:
     #: Backend id -> fragment index (None: a whole copy), as the writer recorded;
     #: None if no record could be read back (then the holders are probed).
     copies: dict[str, int | None] | None = None
+
+
+def holders_of(store: RemoteStore, stored_id: str, copies: dict[str, int | None]) -> tuple[str, ...]:
+    """The backends that should hold ``stored_id`` (its fragment holders if
+    ``copies`` are fragments)."""
+    coded = any(i is not None for i in copies.values())
+    return (store.fragment_mapping if coded else store.mapping).locate(stored_id)
+
+
+def settle_short(db: LocalDB, store: RemoteStore, stored_id: str,
+                 copies: dict[str, int | None], placed: set[str]) -> None:
+    """A short object (``copies``: what its row says) whose holders in ``placed``
+    now verifiably hold their copy: forget it once it has the copies the
+    configuration asks for, else remember the new copies."""
+    known = {b: i for b, i in copies.items() if b in store.backends}
+    known.update((b, None) for b in placed if b not in known)
+    n = store.scheme.n if store.scheme is not None else store.config.replicas
+    with db.transaction():
+        if enough_copies(known, holders_of(store, stored_id, copies), store.config.replicas, n):
+            db.remove_short(stored_id)
+        elif known != copies:
+            db.set_short(stored_id, known)
 
 
 class Replicator:
@@ -224,8 +247,9 @@ class Replicator:
     # ---------------------------------------------------------------- repairs
     def repair_missing(self) -> int:
         """Bring every copy home: the copies and fragments this client's uploads
-        missed (its missing-copy rows) and those any client spilled (the
-        ``spills/`` records the backends list), each written from a verified
+        missed (its missing-copy rows), the holders its short objects lack (fewer
+        copies than R: see :meth:`short_objects`) and the copies any client spilled
+        (the ``spills/`` records the backends list), each written from a verified
         source, the spilled copy dropped once every holder's copy is verified.
         Backends down in this session are skipped. Returns how many rows stay."""
         store = self.store
@@ -238,19 +262,35 @@ class Replicator:
                 self.forget_missing(stored_id, [backend_id])
             elif backend_id not in store.down:
                 by_object.setdefault(stored_id, set()).add(backend_id)
+        short = self.db.short_objects()
+        for stored_id, copies in short.items():
+            lacking = {h for h in holders_of(store, stored_id, copies)
+                       if h not in copies and h not in store.down}
+            if lacking:
+                by_object.setdefault(stored_id, set()).update(lacking)
         records = self.spill_records(store.backends)
         backends = store.backends
         for stored_id in sorted(set(by_object) | set(records)):
             record = records.get(stored_id)
             if record is not None:
-                self._hand_off(backends, stored_id, record)
-                continue
-            wanted = by_object[stored_id]
-            outcome = self.restore(backends, stored_id, wanted)
-            if outcome.lost:
-                self._no_source(stored_id)
-            self.forget_missing(stored_id, outcome.placed & wanted)
+                placed = self._hand_off(backends, stored_id, record)
+            else:
+                wanted = by_object[stored_id]
+                outcome = self.restore(backends, stored_id, wanted)
+                if outcome.lost:
+                    self._no_source(stored_id)
+                placed = outcome.placed & wanted
+                self.forget_missing(stored_id, placed)
+            if stored_id in short:
+                settle_short(self.db, self.store, stored_id, short[stored_id], placed)
         return len(self.db.missing_copies())
+
+    def short_objects(self) -> list[str]:
+        """Objects this client stored with fewer copies (or fragments) than the
+        configuration asks for, whichever of its pushes uploaded them, and not
+        repaired since: recorded at the upload, forgotten only once R copies
+        exist (a copy spilled in place of a holder counts; one missed does not)."""
+        return sorted(self.db.short_objects())
 
     def _no_source(self, stored_id: str) -> None:
         self.reporter.note(
@@ -294,16 +334,18 @@ class Replicator:
                 return copies
         return None
 
-    def _hand_off(self, backends: dict[str, Backend], stored_id: str, record: SpillRecord) -> None:
+    def _hand_off(self, backends: dict[str, Backend], stored_id: str,
+                  record: SpillRecord) -> set[str]:
         """Move a spilled object home: every holder gets its verified copy (or
-        fragment), the copies on other backends go, and the record goes last."""
+        fragment), the copies on other backends go, and the record goes last.
+        Returns the holders that verifiably hold theirs."""
         store = self.store
         recorded = record.copies or {}
         coded_holders = store.fragment_mapping.locate(stored_id)
         lacking = [h for h in (coded_holders if any(i is not None for i in recorded.values())
                                else store.mapping.locate(stored_id)) if h not in recorded]
         if record.copies is not None and any(h in store.down for h in lacking):
-            return  # a holder that lacks its copy is down in this session: nothing to do yet
+            return set()  # a holder that lacks its copy is down in this session: not yet
         coded = any(index is not None for index in recorded.values()) or (
             record.copies is None and bool(self._probe_fragments(backends, stored_id)))
         if coded and store.config.erasure is not None:
@@ -337,6 +379,7 @@ class Replicator:
                         backends[backend_id].delete(spill_key(stored_id))
                     except MetasyncError:
                         continue
+        return outcome.placed & set(holders)
 
     def forget_missing(self, stored_id: str, backend_ids: Iterable[str]) -> None:
         """Missing-copy rows of ``stored_id`` on these backends are settled."""
@@ -413,10 +456,13 @@ class Replicator:
                 self.reporter.advance(1)
         finally:
             self.reporter.finish()
+        short = self.db.short_objects()
         with self.db.transaction():
             for stored_id, fixed in repaired.items():
                 for backend_id in fixed:
                     self.db.remove_missing_copy(stored_id, backend_id)
+                if stored_id in short:
+                    settle_short(self.db, self.store, stored_id, short[stored_id], fixed)
         return repaired
 
     # ---------------------------------------------------------------- placement

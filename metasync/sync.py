@@ -51,8 +51,10 @@ class PushResult:
     conflicts: list[str] = field(default_factory=list)
     #: Copies written to another backend because a holder could not take them.
     spilled: int = 0
-    #: Objects this push stored with fewer copies than the configuration asks for
-    #: (fewer backends took writes than R): the version is readable, less durable.
+    #: Objects of this client's versions with fewer copies than the configuration
+    #: asks for (fewer backends took writes than R, when this push or an earlier
+    #: one uploaded them) that the repair before it could not complete: the
+    #: version is readable, less durable.
     short: list[str] = field(default_factory=list)
 
 
@@ -91,7 +93,8 @@ class Sync:
         :mod:`metasync.merge`), the folder is updated, and the merge is proposed --
         again until it wins. Objects are uploaded before the commit naming them is
         proposed; copies a backend missed earlier are written again from a
-        verified copy.
+        verified copy. The result's ``short`` lists every object still below R
+        copies, whichever push of this client uploaded it.
         """
         self.checkout.resume()
         latest = self.versions.learn_latest()
@@ -111,7 +114,7 @@ class Sync:
             done = PushResult(prev, result, uploaded.objects, uploaded.bytes,
                               missing_copies=len(self.ctx.db.missing_copies()),
                               conflicts=conflicts, spilled=uploaded.spilled,
-                              short=uploaded.short)
+                              short=self.replicator.short_objects())
             if head is None or head == prev.master:
                 done.up_to_date = True
                 return done

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -151,6 +152,76 @@ def test_a_push_with_fewer_backends_than_r_says_so(tmp_path: Path) -> None:
     pushed = run_cli(*TIMEOUT, "push", cwd=src)
     assert "fewer copies than the configuration asks for (R = 3)" in pushed.stderr, pushed.stderr
     assert pushed.stderr.count("\n") == 1, "one line"
+    hidden.rename(b["b2"])
+    healed = run_cli(*TIMEOUT, "push", cwd=src)
+    assert "warning" not in healed.stderr, healed.stderr
+    assert _objects_on(b["b1"]) == _objects_on(b["b2"]) == _objects_on(b["b3"])
+    run_cli(*TIMEOUT, "fsck", cwd=src)
+
+
+def _warned_count(stderr: str) -> int | None:
+    """How many objects the push's "fewer copies" warning counts (None: no warning)."""
+    match = re.search(r"fewer copies than the configuration asks for \(R = 3\) of (\d+) object",
+                      stderr)
+    return int(match.group(1)) if match else None
+
+
+def test_every_push_says_fewer_copies_until_the_earlier_objects_have_r(tmp_path: Path) -> None:
+    """R=3 over 3 with b2 away: each push's warning counts every object of the
+    version still below R copies, also those an earlier push uploaded -- not
+    only its own. Once b2 is back the next push writes the copies and is silent."""
+    b = _dirs(tmp_path, "b1", "b2", "b3")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a\n")
+    run_cli("init", "--replicas", "3", *(f"--backend=dir:{b[n]}" for n in ("b1", "b2", "b3")),
+            cwd=src)
+    run_cli("push", cwd=src)
+    hidden = _away(b["b2"])
+    (src / "b.txt").write_text("b\n")
+    first = run_cli(*TIMEOUT, "push", cwd=src)
+    short = _objects_on(b["b1"]) - _objects_on(hidden)
+    assert short and _warned_count(first.stderr) == len(short), first.stderr
+    (src / "c.txt").write_text("c\n")
+    second = run_cli(*TIMEOUT, "push", cwd=src)
+    short = _objects_on(b["b1"]) - _objects_on(hidden)
+    assert "Pushed version" in second.stdout, second.stdout
+    assert _warned_count(second.stderr) == len(short), (second.stderr, len(short))
+    again = run_cli(*TIMEOUT, "push", cwd=src)  # nothing new: still short, still said
+    assert _warned_count(again.stderr) == len(short), again.stderr
+    hidden.rename(b["b2"])
+    healed = run_cli(*TIMEOUT, "push", cwd=src)
+    assert "warning" not in healed.stderr, healed.stderr
+    assert _objects_on(b["b1"]) == _objects_on(b["b2"]) == _objects_on(b["b3"])
+    quiet = run_cli(*TIMEOUT, "push", cwd=src)
+    assert "warning" not in quiet.stderr, quiet.stderr
+    run_cli(*TIMEOUT, "fsck", cwd=src)
+
+
+@pytest.mark.parametrize("point", ["upload", "push:propose", "push:decided"])
+def test_a_push_after_an_interrupted_short_upload_says_fewer_copies(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str) -> None:
+    """R=3 over 3 with b2 away; a push dies after uploading (crash point
+    ``point``) before it could say anything; the next push, b2 still away,
+    acknowledges that content: it says the version has fewer copies, counting
+    every object uploaded short, whichever push uploaded it."""
+    b = _dirs(tmp_path, "b1", "b2", "b3")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a\n")
+    run_cli("init", "--replicas", "3", *(f"--backend=dir:{b[n]}" for n in ("b1", "b2", "b3")),
+            cwd=src)
+    run_cli("push", cwd=src)
+    hidden = _away(b["b2"])
+    (src / "b.txt").write_text("b\n")
+    monkeypatch.setenv("METASYNC_CRASH_AT", point)
+    crashed = run_cli(*TIMEOUT, "push", cwd=src, check=False)
+    monkeypatch.delenv("METASYNC_CRASH_AT")
+    assert crashed.returncode == 137, crashed.stderr
+    assert _objects_on(b["b1"]) - _objects_on(hidden), "it uploaded before it died"
+    after = run_cli(*TIMEOUT, "push", cwd=src)
+    short = _objects_on(b["b1"]) - _objects_on(hidden)
+    assert _warned_count(after.stderr) == len(short), (after.stdout, after.stderr, len(short))
     hidden.rename(b["b2"])
     healed = run_cli(*TIMEOUT, "push", cwd=src)
     assert "warning" not in healed.stderr, healed.stderr

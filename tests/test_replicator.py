@@ -389,3 +389,65 @@ def test_store_put_copy_reports_a_lost_answer_and_marks_the_backend(
     reason = world.store.put_copy("b1", sid, data)
     assert reason is not None and "b1" in world.store.down
     assert world.stored("b1", object_key(sid)) == data
+
+
+# ---------------------------------------------------------------- short objects
+def _upload_recording_short(world: World, sid: str, data: bytes) -> Uploaded:
+    """Upload one object and record what it missed as the outbox does: the
+    missing-copy rows, and a short-object row if it got fewer than R copies."""
+    got: list[Uploaded] = []
+
+    def done(placed: Uploaded) -> None:
+        got.append(placed)
+        with world.db.transaction():
+            for backend_id in placed.missed:
+                world.db.add_missing_copy(placed.stored_id, backend_id)
+            if placed.short:
+                world.db.set_short(placed.stored_id, placed.copies)
+
+    world.replicator.upload([(sid, _loader(data))], done)
+    return got[0]
+
+
+def test_a_short_object_stays_recorded_until_r_copies_exist(
+        make_world: Callable[..., World]) -> None:
+    """R=3 over 3 with one holder away: the object is short, and stays reported
+    by every repair while the holder stays away; once it is back, the repair
+    writes the copy and the object is no longer short."""
+    world = make_world(n=3, replicas=3)
+    sid, data = _pack(world)
+    away = world.store.mapping.locate(sid)[1]
+    world.faults.refuse("put", "objects/", backend=away, times=ALWAYS, error=BackendUnavailable)
+    assert _upload_recording_short(world, sid, data).short
+    assert world.replicator.short_objects() == [sid]
+    _fresh_session(world)
+    world.replicator.repair_missing()
+    assert world.replicator.short_objects() == [sid], "still two copies"
+    world.faults.clear()
+    _fresh_session(world)
+    assert world.replicator.repair_missing() == 0
+    assert world.replicator.short_objects() == []
+    assert world.stored(away, object_key(sid)) == data
+
+
+def test_a_missed_holder_whose_copy_spilled_does_not_keep_an_object_short(
+        make_world: Callable[..., World]) -> None:
+    """R=3 over 4, two holders away: one copy spills to the fourth backend, the
+    other goes nowhere -- two copies, short. When one holder is back, the
+    repair writes its copy: with the spilled one that makes R copies, so the
+    object is no longer short, although the other holder still misses its copy."""
+    world = make_world(n=4, replicas=3)
+    sid, data = _pack(world)
+    first, second, third, spare = world.store.mapping.preference(sid)
+    for holder in (second, third):
+        world.faults.refuse("put", "objects/", backend=holder, times=ALWAYS,
+                            error=BackendUnavailable)
+    placed = _upload_recording_short(world, sid, data)
+    assert placed.short and set(placed.copies) == {first, spare}
+    world.faults.clear()
+    world.faults.refuse("put", "objects/", backend=third, times=ALWAYS, error=BackendUnavailable)
+    _fresh_session(world)
+    world.replicator.repair_missing()
+    assert world.stored(second, object_key(sid)) == data
+    assert world.replicator.short_objects() == [], "first, second and the spilled copy: R"
+    assert (sid, third) in world.db.missing_copies()
