@@ -44,6 +44,8 @@ LOG_FILE = "daemon.log"
 RESUME_FILE = "daemon.resume"
 #: The deletion guard applies only to folders with at least this many files.
 GUARD_MIN_FILES = 10
+#: Seconds before an unfinished rebalance of a configuration change is tried again.
+REBALANCE_RETRY = 3600.0
 
 
 @dataclass
@@ -99,6 +101,7 @@ class Daemon:
         self._names: dict[str, str] = {}
         self._allow_deletes = False
         self._remote_pending = False
+        self._rebalance_after = 0.0
 
     # --- lifecycle ---------------------------------------------------------------
     def stop(self) -> None:
@@ -255,6 +258,7 @@ class Daemon:
             # Copies any client spilled while a backend was away go home once it is
             # back, whoever wrote them (a push does this too).
             repo.repair_copies()
+        self._finish_rebalance(repo)
         self._watch_acceptors(repo)
         self.status.version = repo.prev.number
         self.status.state = "idle"
@@ -262,6 +266,23 @@ class Daemon:
         self.status.last_sync = time.time()
         self.status.pending_changes = 0
         self.status.unpushed = False
+
+    def _finish_rebalance(self, repo: Repository) -> None:
+        """Finish the rebalance a configuration change made here left undone (a crash
+        right after its decision, or a backend that did not answer): copies left on
+        a removed backend or by the old placement are moved and dropped, as
+        ``metasync rebalance`` does. It reads every backend's listing, so one that
+        stays unclean is tried again after REBALANCE_RETRY seconds, not every cycle."""
+        if time.monotonic() < self._rebalance_after or not repo.rebalance_pending():
+            return
+        report = repo.rebalance()
+        self.log.info("finished the rebalance of a configuration change: %d copies written, "
+                      "%d dropped", report.copied, report.dropped)
+        if repo.rebalance_pending():
+            self._rebalance_after = time.monotonic() + REBALANCE_RETRY
+            self.log.warning("the rebalance of a configuration change is not complete yet "
+                             "(%d copies kept, unreachable: %s); it is tried again later",
+                             report.kept, ", ".join(sorted(report.unreachable)) or "none")
 
     def _commit_offline(self) -> None:
         """Backends unreachable: keep local changes as a local commit, pushed later."""

@@ -406,6 +406,11 @@ class Repository:
     def rebalance(self) -> RebalanceReport:
         return self._reconfig.finish_rebalance()
 
+    def rebalance_pending(self) -> bool:
+        """Whether a configuration change made here left its rebalance unfinished
+        (crashed, or some backend did not answer): :meth:`rebalance` finishes it."""
+        return self._ctx.state.rebalance_pending is not None
+
     def backend_list(self) -> BackendListing:
         """Every backend of the latest configuration with what it holds."""
         from metasync.maintenance import list_backends

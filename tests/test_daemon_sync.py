@@ -23,10 +23,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import METASYNC, PASSPHRASE, run_cli, snapshot
+from metasync.consensus import Consensus
+from metasync.repository import Repository
 
 DAEMON_ARGS = ("daemon", "--settle", "0.5", "--poll", "0.5", "--rescan", "5")
 TEMP_PREFIX = ".metasync-tmp-"
@@ -602,3 +605,39 @@ def test_a_command_waits_for_the_daemons_step_and_succeeds(
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert "new.txt" in out or "Nothing to commit" in out, out
+
+
+def test_the_daemon_finishes_a_configuration_change_cut_short(
+        tmp_path: Path, daemons: Daemons) -> None:
+    """``backend remove`` dies right after its change is decided (the rebalance it
+    needs recorded first): the daemon's next cycle moves the copies off the removed
+    backend and clears the record, as ``metasync rebalance`` would."""
+    a, _ = _setup(tmp_path)
+    removed = tmp_path / "backend2"
+    assert any((removed / "metasync" / "objects").rglob("*"))
+    real = Consensus.publish
+
+    def publish_then_die(self: Consensus, version: Any) -> None:
+        real(self, version)
+        raise _Crash()
+
+    Consensus.publish = publish_then_die  # type: ignore[method-assign]
+    try:
+        with Repository.open(a) as repo, pytest.raises(_Crash):
+            repo.remove_backend(f"dir:{removed}")
+    finally:
+        Consensus.publish = real  # type: ignore[method-assign]
+    with Repository.open(a) as repo:
+        assert repo.rebalance_pending()
+    d = daemons.start(a)
+    wait_until(lambda: not any(p.is_file() for p in (removed / "metasync" / "objects").rglob("*")),
+               60, "the removed backend emptied by the daemon",
+               lambda: _daemon_log(a))
+    daemons.stop(d)
+    with Repository.open(a) as repo:
+        assert not repo.rebalance_pending()
+    run_cli("fsck", cwd=a)
+
+
+class _Crash(BaseException):
+    """The process dying at a precise point (no handler of MetasyncError catches it)."""
