@@ -139,7 +139,7 @@ def latest(known: Version, config: str, *, max_hops: int = MAX_CONFIG_HOPS) -> F
             # No quorum of this configuration answers. If a later configuration
             # (which no longer waits for the lost backends) has decided a newer
             # version, a hint names it and a quorum of that one confirms it.
-            newer = yield from newer_from_hints(config, current, known)
+            newer = yield from newer_from_hints(config, current, known.number)
             if newer is None:
                 raise exc
             known, current = newer, newer.config
@@ -177,24 +177,25 @@ def candidates(hints: Iterable[Hint | None], after: int) -> list[Hint]:
     return sorted({h for h in hints if h is not None and h[0] > after}, reverse=True)
 
 
-def newer_from_hints(own: str, current: str, known: Version | None) -> Follow[Version | None]:
-    """The newest version after ``known`` (any, if ``None``) that some reachable
-    backend's ``latest`` hint names and a quorum of the hint's configuration
-    confirms; ``None`` if there is none. The hints read are those of every backend
-    of ``own`` (the client's configuration) and every acceptor of ``current``."""
+def newer_from_hints(own: str, current: str, after: int) -> Follow[Version | None]:
+    """The newest version numbered above ``after`` that some reachable backend's
+    ``latest`` hint names and a quorum of the hint's configuration confirms;
+    ``None`` if there is none. The hints read are those of every backend of
+    ``own`` (the client's configuration) and every acceptor of ``current``."""
     hints = yield ReadHints(own, current)
-    for number, config in candidates(hints or (), known.number if known is not None else -1):
+    for number, config in candidates(hints or (), after):
         decided = yield from confirm(number, config)
         if decided is not None:
             return decided
     return None
 
 
-def version_from_hints(own: str, current: str, behind: MetasyncError) -> Follow[Version]:
-    """The newest version that some backend's ``latest`` hint names and the
-    acceptors of the hint's configuration confirm; :class:`BackendError`
-    (transient) naming ``behind`` if none can be confirmed."""
-    found = yield from newer_from_hints(own, current, None)
+def version_from_hints(own: str, current: str, behind: FloorElsewhere) -> Follow[Version]:
+    """The newest version at or above the floor of ``behind`` that some backend's
+    ``latest`` hint names and the acceptors of the hint's configuration confirm;
+    :class:`BackendError` (transient) naming ``behind`` if none can be confirmed.
+    A version below the floor would only lead back to it."""
+    found = yield from newer_from_hints(own, current, behind.floor - 1)
     if found is None:
         raise BackendError(f"{behind}, and no backend's latest-version hint could be "
                            "confirmed; retry, or clone the repository again", transient=True)

@@ -111,6 +111,24 @@ def test_behind_a_floor_elsewhere_restarts_from_any_confirmed_hint() -> None:
               lambda s: FloorElsewhere(50) if isinstance(s, follow.GetRecent) else [])
 
 
+def test_behind_a_floor_only_hints_past_it_count() -> None:
+    """A confirmed hint below the floor leads back to the floor: following it looped
+    until MAX_CONFIG_HOPS (the simulator's seed 12072 at --bft-share 0.5, with the
+    rebalance after a change made to the configuration it decided)."""
+    answers = iter(range(10))
+
+    def answer(step: follow.Step) -> Any:
+        next(answers)  # a loop would run out of answers
+        if isinstance(step, follow.GetRecent):
+            return FloorElsewhere(50)
+        if isinstance(step, follow.ReadHints):
+            return [(49, B), (7, B), (50, A)]
+        return None if step.number == 50 else v(step.number, step.config)
+
+    with pytest.raises(BackendError, match=r"version 50.*no backend's latest-version hint"):
+        drive(follow.latest(v(3, A), A), answer)
+
+
 def test_a_clone_starts_from_its_entry_hint_once_confirmed() -> None:
     assert drive(follow.start(None, v(0, A, None)), lambda s: None)[0] is None
     assert drive(follow.start((1, A), v(0, A, None)), lambda s: None)[1] == []
