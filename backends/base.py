@@ -83,6 +83,9 @@ class Backend(ABC):
     capabilities: Capabilities = Capabilities()
     #: URI scheme this class handles, e.g. ``"dir"``.
     scheme: str = ""
+    #: Whether ``init`` and ``backend add`` create a missing location folder only when
+    #: asked (``--mkdir``): ``dir:``, where a missing folder is usually an unmounted disk.
+    location_needs_mkdir: bool = False
 
     def __init__(self, uri: str, namespace: str) -> None:
         self.uri = uri
@@ -111,6 +114,12 @@ class Backend(ABC):
     def probe(self) -> None:  # noqa: B027 - optional hook
         """Raise :class:`BackendUnavailable` (naming the location and the fix) if the
         service location cannot be reached. Never writes. The default checks nothing."""
+
+    def create_location(self) -> None:  # noqa: B027 - optional hook
+        """Create the location folder the URI names, with its parents, if it is missing
+        (``init`` and ``backend add`` call it before :meth:`create`, as restic and
+        rclone do; see :attr:`location_needs_mkdir`). The default creates nothing: the
+        service has no such folder, or it must exist (an S3 bucket)."""
 
     @abstractmethod
     def create(self) -> None:

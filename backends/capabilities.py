@@ -6,7 +6,7 @@ constructions it chooses between (:mod:`.logs`) can read it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -36,3 +36,19 @@ class Capabilities:
     #: ``logs.delete_log`` removes a whole log, so pPaxos log compaction frees its
     #: space (a backend without it keeps its logs; compaction still records the floor).
     log_deletion: bool = True
+
+
+#: The values of the ``logs=`` option of a backend whose logs are exclusive creates
+#: (``s3:``, ``sftp:``): ``creates``, the default, or ``registers``.
+LOGS_MODES = ("creates", "registers")
+
+
+def logs_mode_capabilities(capabilities: Capabilities, mode: str) -> Capabilities:
+    """What a backend instance declares under its URI's ``logs=`` option: ``creates``
+    keeps ``capabilities``; ``registers`` -- for a service that accepts conditional
+    writes without enforcing them -- drops the exclusive create and the
+    compare-and-swap, so nothing relies on them and its logs are Disk Paxos registers
+    over whole-object writes (:class:`~metasync.backends.logs.RegisterLogs`)."""
+    if mode == "registers":
+        return replace(capabilities, conditional_create=False, compare_and_swap=False)
+    return capabilities

@@ -380,6 +380,11 @@ class FaultyLogs(LogStore):
         #: The wrapper whose rules apply.
         self.backend = backend
 
+    @property
+    def primitive(self) -> str:
+        """What the inner backend's appends rest on."""
+        return self.backend.inner.logs.primitive
+
     def append(self, log: str, message: bytes) -> int:
         faulty = self.backend
         rule = faulty._before("append", log)

@@ -128,6 +128,7 @@ class LocalBackend(Backend):
     """
 
     scheme = "dir"
+    location_needs_mkdir = True
     capabilities = Capabilities(
         conditional_create=True,
         compare_and_swap=False,
@@ -305,13 +306,23 @@ class LocalBackend(Backend):
         self.probe()
         self._create_namespace(self.location)
 
+    def create_location(self) -> None:
+        """Create the location folder and its parents (``--mkdir``)."""
+        try:
+            os.makedirs(self.location, exist_ok=True)
+        except OSError as exc:
+            raise BackendUnavailable(
+                f"cannot create backend location {self.location} ({exc.strerror})"
+            ) from exc
+
     def probe(self) -> None:
         """Raise :class:`BackendUnavailable` unless the location folder exists."""
         try:
             st = os.stat(self.location)
         except FileNotFoundError as exc:
             raise BackendUnavailable(
-                f"backend location {self.location} does not exist; create that folder first"
+                f"backend location {self.location} does not exist (an unmounted disk?); "
+                "create that folder first, or give --mkdir to create it"
             ) from exc
         except OSError as exc:
             raise BackendUnavailable(
@@ -529,6 +540,8 @@ class LocalLogs(LogStore):
     the file ``L/<p:010d>``, published complete by an exclusive ``link()``
     (docs/FORMAT.md §11.1). Entries are read from disk on every fetch (no cache:
     a local read costs little)."""
+
+    primitive = "an exclusive hard link"
 
     def __init__(self, backend: LocalBackend) -> None:
         #: The backend whose folder holds the logs.

@@ -76,6 +76,10 @@ class LogStore(ABC):
     threads, like its backend.
     """
 
+    #: What its appends rest on, for messages (named when a backend fails the check of
+    #: :mod:`metasync.backends.probe`).
+    primitive: str = "an atomic log append"
+
     @abstractmethod
     def append(self, log: str, message: bytes) -> int:
         """Append ``message`` to the append-only list ``log`` atomically, even with
@@ -240,6 +244,8 @@ class ObjectStoreLogs(CachedEntries):
     (which must be atomic: ``capabilities.conditional_create``), ``size`` and
     ``list``."""
 
+    primitive = "an exclusive create"
+
     def has_entry(self, key: str) -> bool:
         """Whether the entry object ``key`` exists now (``append_at`` asks this of
         entry *p − 1*). Asks ``size``; a backend whose ``size`` may answer from a
@@ -379,6 +385,8 @@ class RegisterLogs(CachedEntries):
     append costs three listings (find the end; after phase 1; after phase 2), two
     block writes, the entry's create-if-absent and the removal of the two blocks.
     """
+
+    primitive = "whole-object writes that later reads and listings see"
 
     def _scan(self, log: str) -> dict[int, _Position]:
         positions: dict[int, _Position] = {}

@@ -1,7 +1,7 @@
 """The ``s3:`` backend: Amazon S3 and S3-compatible object stores (SeaweedFS, MinIO,
 Ceph RGW, Cloudflare R2, ...), through boto3.
 
-URI: ``s3://BUCKET/PREFIX?endpoint=URL&region=R&profile=NAME&transfers=N&timeout=S``. With
+URI: ``s3://BUCKET/PREFIX?endpoint=URL&region=R&profile=NAME&transfers=N&timeout=S&logs=M``. With
 namespace ``ns`` every key ``k`` is the object ``PREFIX/ns/k`` of ``BUCKET`` (just
 ``ns/k`` without a prefix). The prefix is taken literally (no percent-decoding),
 so it may contain spaces and any Unicode.
@@ -41,6 +41,7 @@ from metasync.backends.base import (
     one_line,
     read_full,
 )
+from metasync.backends.capabilities import LOGS_MODES, logs_mode_capabilities
 from metasync.backends.retry import (
     RetryMark,
     RetryPolicy,
@@ -74,7 +75,7 @@ CONNECT_TIMEOUT = 10.0
 #: Default seconds to wait for the next bytes of an answer (option ``timeout``).
 READ_TIMEOUT = 60.0
 
-_OPTIONS = ("endpoint", "region", "profile", "transfers", "timeout")
+_OPTIONS = ("endpoint", "region", "profile", "transfers", "timeout", "logs")
 
 # Error codes a retry may cure: throttling, server trouble, a conditional write
 # racing another one on the same key (409 ConditionalRequestConflict).
@@ -166,7 +167,10 @@ class S3Backend(Backend):
     then used), ``region`` (default: the AWS configuration's, else ``us-east-1``),
     ``profile`` (a profile of ``~/.aws/config``), ``transfers`` (concurrent requests
     per instance, default 4), ``timeout`` (seconds without an answer before a request
-    is retried, default 60). Credentials come from the standard AWS chain.
+    is retried, default 60), ``logs`` (``creates``, the default: exclusive creates with
+    ``If-None-Match: *``; ``registers``: for a service that accepts conditional writes
+    without enforcing them, logs of whole-object writes, and no conditional request is
+    relied on). Credentials come from the standard AWS chain.
 
     Thread-safe: one boto3 client (itself thread-safe) with a connection pool is
     shared by all threads; a semaphore bounds concurrent requests to ``transfers``.
@@ -211,6 +215,12 @@ class S3Backend(Backend):
             self.timeout = 0.0
         if not self.timeout > 0:
             raise UsageError(f"timeout must be a number of seconds > 0 in {uri!r}")
+        #: How logs are kept: ``creates`` (``If-None-Match: *``) or ``registers`` (for a
+        #: service that ignores conditional writes; every client uses the same URI).
+        self.logs_mode = options.get("logs", "creates")
+        if self.logs_mode not in LOGS_MODES:
+            raise UsageError(f"logs= must be creates or registers in {uri!r}")
+        self.capabilities = logs_mode_capabilities(type(self).capabilities, self.logs_mode)
         self.endpoint: str | None = options.get("endpoint") or None
         #: Every key of the namespace starts with this (ends in "/").
         self.base = f"{self.prefix}/{namespace}/" if self.prefix else f"{namespace}/"

@@ -4,10 +4,12 @@
 namespace ``ns`` keeps key ``a/b`` in the file ``/ABSOLUTE/PATH/ns/a/b`` on the
 server. Options (query string): ``identity`` (private key file; default the SSH
 agent and ``~/.ssh/id_*``), ``known_hosts`` (default ``~/.ssh/known_hosts``),
-``transfers`` (concurrent SFTP sessions per backend instance, default 4) and
-``timeout`` (seconds one request may take, default 60). A password may be given
-as ``USER:PASSWORD@`` or in ``METASYNC_SFTP_PASSWORD``; it never appears in
-messages. The path is percent-decoded (``%20``, UTF-8 as ``%C3%BC`` or raw).
+``transfers`` (concurrent SFTP sessions per backend instance, default 4),
+``timeout`` (seconds one request may take, default 60) and ``logs`` (``creates``,
+the default, or ``registers`` for a server whose rename replaces an existing file:
+logs then need only ``put``, see :class:`~metasync.backends.logs.RegisterLogs`). A
+password may be given as ``USER:PASSWORD@`` or in ``METASYNC_SFTP_PASSWORD``; it
+never appears in messages. The path is percent-decoded (``%20``, UTF-8 as ``%C3%BC`` or raw).
 
 Host keys are checked strictly against ``known_hosts``: an unknown or changed key
 is an error naming the host and the fix, never accepted silently.
@@ -88,6 +90,7 @@ from metasync.backends.base import (
     is_key_part,
     public_uri,
 )
+from metasync.backends.capabilities import LOGS_MODES, logs_mode_capabilities
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
     BackendError,
@@ -115,7 +118,7 @@ CONNECT_TIMEOUT = 20.0
 KEEPALIVE = 30
 DEFAULT_TRANSFERS = 4
 DEFAULT_TIMEOUT = 60.0
-_OPTIONS = ("identity", "known_hosts", "transfers", "timeout")
+_OPTIONS = ("identity", "known_hosts", "transfers", "timeout", "logs")
 #: SFTP status texts of OpenSSH for a failed request whose reason is unknown.
 _FAILURE = "Failure"
 
@@ -431,6 +434,12 @@ class SftpBackend(Backend):
         self._password: str | None = (
             urllib.parse.unquote(parts.password) if parts.password is not None else None
         ) or os.environ.get("METASYNC_SFTP_PASSWORD")
+        #: How logs are kept: ``creates`` (the link-based rename) or ``registers`` (for a
+        #: server whose rename replaces an existing file; every client uses the same URI).
+        self.logs_mode = single.get("logs", "creates")
+        if self.logs_mode not in LOGS_MODES:
+            raise UsageError(f"option logs in {shown!r} must be creates or registers")
+        self.capabilities = logs_mode_capabilities(type(self).capabilities, self.logs_mode)
         identity = single.get("identity")
         self.identity: str | None = os.path.expanduser(identity) if identity else None
         self.known_hosts: str = os.path.expanduser(
@@ -438,12 +447,16 @@ class SftpBackend(Backend):
         )
         self.transfers: int = self._positive(single, "transfers", DEFAULT_TRANSFERS, shown)
         self.timeout: float = float(self._positive(single, "timeout", DEFAULT_TIMEOUT, shown))
-        #: The folder named in the URI; it must exist before :meth:`create`.
+        #: The folder named in the URI; it must exist before :meth:`create` (``init`` makes
+        #: it with :meth:`create_location`).
         self.location: str = posixpath.normpath(path)
         #: The namespace folder holding every key.
         self.root: str = posixpath.join(self.location, namespace)
         self._policy = RetryPolicy()
         self._pool = _Pool(self._connect, self.transfers)
+        #: Folders known to exist (so each is made, or checked, once per instance).
+        self._folders: set[str] = set()
+        self._folders_lock = threading.Lock()
 
     @staticmethod
     def _positive(options: dict[str, str], name: str, default: float, shown: str) -> Any:
@@ -666,6 +679,23 @@ class SftpBackend(Backend):
                         "cannot be both an object and a folder of other keys"
                     ) from None
 
+    def _ensure_folder(self, sftp: paramiko.SFTPClient, key: str, folder: str) -> None:
+        """Make ``folder`` (where ``key`` goes) exist before the first write into it --
+        one ``mkdir`` when only it is new, or a ``stat`` when it exists -- and remember
+        it: servers differ in how they refuse a file in a missing folder."""
+        if folder == self.root:
+            return
+        with self._folders_lock:
+            if folder in self._folders:
+                return
+        try:
+            sftp.mkdir(folder)
+        except OSError:
+            if not self._is_folder(sftp, folder):
+                self._make_parents(sftp, key)
+        with self._folders_lock:
+            self._folders.add(folder)
+
     def _write_temp(
         self,
         session: _Session,
@@ -676,11 +706,17 @@ class SftpBackend(Backend):
         """Write ``data`` to a new, fsynced temp file next to ``key``; return its path."""
         sftp = session.sftp
         path = self._path(key)
-        tmp = posixpath.join(posixpath.dirname(path), TEMP_PREFIX + secrets.token_hex(8))
+        folder = posixpath.dirname(path)
+        tmp = posixpath.join(folder, TEMP_PREFIX + secrets.token_hex(8))
         flags = SFTP_FLAG_WRITE | SFTP_FLAG_CREATE | SFTP_FLAG_EXCL
+        self._ensure_folder(sftp, key, folder)
         try:
             handle = _open_handle(sftp, tmp, flags)
-        except FileNotFoundError:
+        except OSError:
+            # The folder went away since (some servers say "failure", not "no such
+            # file"): make it again, or report the first error if it is there.
+            if self._is_folder(sftp, folder):
+                raise
             self._make_parents(sftp, key)
             handle = _open_handle(sftp, tmp, flags)
         attempts.temps.append(tmp)
@@ -753,10 +789,30 @@ class SftpBackend(Backend):
         if mode is None:
             raise BackendUnavailable(
                 f"{self.name}: the folder {self.location} does not exist on the server; "
-                "create it there first (metasync never creates the location itself)"
+                "create it there first (metasync init and backend add create it)"
             )
         if not stat.S_ISDIR(mode):
             raise BackendUnavailable(f"{self.name}: {self.location} is not a folder")
+
+    def create_location(self) -> None:
+        """Create the location folder and its missing parents on the server (``init``
+        and ``backend add``, as restic's and rclone's sftp backends do)."""
+
+        def request(sftp: paramiko.SFTPClient, _: _Session) -> None:
+            if self._is_folder(sftp, self.location):
+                return
+            folder = "/"
+            for part in self.location.strip("/").split("/"):
+                folder = posixpath.join(folder, part)
+                if self._is_folder(sftp, folder):
+                    continue
+                try:
+                    sftp.mkdir(folder)
+                except OSError:
+                    if not self._is_folder(sftp, folder):
+                        raise
+
+        self._call(f"create the folder {self.location}", request)
 
     def create(self) -> None:
         """Create the namespace folder (idempotent) inside the existing location folder;

@@ -2,8 +2,9 @@
 
 ``webdav://user:pass@host:port/some/folder`` with namespace ``ns`` keeps every key
 under ``/some/folder/ns/``; key ``a/b`` is the resource ``/some/folder/ns/a/b``.
-``webdavs://`` is the same over HTTPS. The location folder must exist on the server;
-:meth:`WebdavBackend.create` makes only the namespace collection (MKCOL).
+``webdavs://`` is the same over HTTPS. ``init`` and ``backend add`` create a missing
+location folder (:meth:`WebdavBackend.create_location`); :meth:`WebdavBackend.create`
+makes only the namespace collection (MKCOL) in an existing one.
 
 Requests (one HTTP/1.1 keep-alive connection pool per backend instance, httpx):
 
@@ -42,6 +43,7 @@ import hashlib
 import io
 import os
 import random
+import re
 import secrets
 import socket
 import threading
@@ -76,6 +78,7 @@ from metasync.errors import (
     BackendError,
     BackendUnavailable,
     ObjectNotFound,
+    PrimitiveMissing,
     UsageError,
 )
 
@@ -469,11 +472,29 @@ class WebdavBackend(Backend):
                 "create that folder on the WebDAV server first"
             )
 
+    def create_location(self) -> None:
+        """MKCOL the location collection and its missing parents (``init`` and ``backend
+        add``, as restic and rclone do)."""
+        entries = self._call(
+            "check location", lambda: self._propfind(self._base_segments, "0", "check location")
+        )
+        if entries:
+            return
+        for depth in range(1, len(self._base_segments) + 1):
+            self._mkcol(self._base_segments[:depth], root=True)
+
     def create(self) -> None:
         """MKCOL the namespace (idempotent); the location must exist already."""
         self.probe()
         for depth in range(len(self._base_segments) + 1, len(self._root_segments) + 1):
             self._mkcol(self._root_segments[:depth], root=True)
+
+    def _mkcol_exists(self, segments: builtins.list[str]) -> bool:
+        """One MKCOL of ``segments`` (no retry): whether the folder exists now. False
+        when a parent is missing (409, or a 5xx some servers answer instead)."""
+        response = self._send("MKCOL", self._url(segments, folder=True), "create folder")
+        response.close()
+        return response.status_code in (200, 201, 204, 405)
 
     def _mkcol(self, segments: builtins.list[str], *, root: bool = False) -> None:
         """Create one collection; an existing one is fine. A missing parent is the
@@ -498,12 +519,20 @@ class WebdavBackend(Backend):
         self._call("create folder", request)
 
     def _ensure_folders(self, parents: builtins.list[str]) -> None:
-        """MKCOL each of ``parents`` (key parts below the namespace) not known to exist.
+        """Make the folder ``parents`` (key parts below the namespace) exist: one MKCOL
+        of it when only it is new (or it exists), else each level not known to exist.
 
         The namespace collection itself is never created here: a vanished namespace
         must fail, not be silently recreated empty.
         """
         if not parents:
+            return
+        with self._folders_lock:
+            if "/".join(parents) in self._folders:
+                return
+        if self._mkcol_exists([*self._root_segments, *parents]):
+            with self._folders_lock:
+                self._folders.update("/".join(parents[:d]) for d in range(1, len(parents) + 1))
             return
         if self._propfind(self._root_segments, "0", "check namespace") is None:
             self._missing_root()
@@ -537,8 +566,10 @@ class WebdavBackend(Backend):
             headers["Content-Length"] = str(body.length)
         with self._folders_lock:
             known = "/".join(parents) in self._folders
-        if parents and not known and not isinstance(data, bytes | bytearray | memoryview):
-            # Create folders first rather than stream a large body to a 409.
+        if parents and not known:
+            # Folders are made before the first write into them: some servers answer a
+            # PUT into a missing folder with 500 rather than 409 (and a large body
+            # would be streamed for nothing).
             self._call("create folder", lambda: self._ensure_folders(parents))
 
         def request() -> None:
@@ -631,8 +662,9 @@ class WebdavBackend(Backend):
         if response.status_code not in (200, 201, 204):
             raise self._status_error(response, f"upload to log {log!r}")
 
-    def _lock(self, log: str) -> str | None:
-        """Take the exclusive lock of the log collection; its token, or None if held."""
+    def _lock(self, log: str) -> tuple[str, float] | None:
+        """Take the exclusive lock of the log collection: its token and the seconds the
+        server granted it for, or None if another client holds it."""
         response = self._send(
             "LOCK",
             self._url(self._key_segments(log), folder=True),
@@ -649,11 +681,13 @@ class WebdavBackend(Backend):
         token = response.headers.get("Lock-Token", "").strip().strip("<>")
         if response.status_code not in (200, 201) or not token:
             if response.status_code in (405, 501):
-                raise BackendError(
-                    f"{self.name} does not support WebDAV locks; add ?logs=registers to its URI"
+                raise PrimitiveMissing(
+                    f"{self.name} does not support WebDAV locks; add logs=registers to the "
+                    "URI's options"
                 )
             raise self._status_error(response, f"lock log {log!r}")
-        return token
+        granted = _GRANTED.search(response.text)
+        return token, min(float(granted.group(1)), LOCK_TIMEOUT) if granted else LOCK_TIMEOUT
 
     def _unlock(self, log: str, token: str) -> None:
         # Best effort: an unlock that fails leaves the lock to expire on its own.
@@ -667,7 +701,13 @@ class WebdavBackend(Backend):
         except BackendError:
             pass
 
-    def _move_locked(self, temp: builtins.list[str], log: str, position: int, token: str) -> None:
+    def _move_locked(
+        self, temp: builtins.list[str], log: str, position: int, token: str, expires: float
+    ) -> None:
+        """MOVE the temp file to entry ``position`` of ``log`` with the lock token. A
+        refusal well before the lock could expire (``expires``, a ``time.monotonic()``
+        time) is not an expired lock: the server does not honour its own tokens
+        (:class:`PrimitiveMissing`, not retried); near or after it, it may be (transient)."""
         key = f"{log}/{entry_name(position)}"
         headers = {
             "Destination": self._url(self._key_segments(key)),
@@ -685,6 +725,14 @@ class WebdavBackend(Backend):
             if response.status_code == 404 and attempts[0] > 1:
                 return  # our temp file is gone: the earlier, dropped attempt moved it
             if response.status_code in (412, 423):
+                left = expires - time.monotonic()
+                if left > LOCK_MARGIN:
+                    raise PrimitiveMissing(
+                        f"append to log {log!r} on {self.name}: the server refused to move the "
+                        f"entry in (HTTP {response.status_code}) with the token of the log's "
+                        f"lock, which this client holds for {left:.0f} s more: it does not "
+                        "honour its locks; add logs=registers to the URI's options"
+                    )
                 raise TransientError(f"append to log {log!r} on {self.name}: lost the log's lock")
             raise self._status_error(response, f"append to log {log!r}")
 
@@ -920,6 +968,11 @@ _LOCK_BODY = (
 LOCK_TIMEOUT = 60
 #: How long an appender keeps asking for a held lock: longer than a lock can last.
 LOCK_WAIT = LOCK_TIMEOUT + 30.0
+#: A locked MOVE refused with more than this many seconds of the lock left is the
+#: server not honouring its own lock, never the lock expiring.
+LOCK_MARGIN = 10.0
+#: The timeout a LOCK answer grants (``<D:timeout>Second-N</D:timeout>``).
+_GRANTED = re.compile(r"timeout>\s*Second-([0-9]+)\s*<", re.IGNORECASE)
 
 
 def _lock_pause(attempt: int) -> None:
@@ -931,6 +984,8 @@ class WebdavLockLogs(CachedEntries):
     """Logs under WebDAV locks (docs/FORMAT.md §11.3): entry *p* of log ``L`` is the
     resource ``L/<p:010d>``, moved there from a temporary upload while the appender
     holds the exclusive lock of the collection ``L/``. Needs a class 2 server."""
+
+    primitive = "a lock the server enforces"
 
     def __init__(self, backend: WebdavBackend) -> None:
         super().__init__(backend)
@@ -970,8 +1025,10 @@ class WebdavLockLogs(CachedEntries):
             deadline = time.monotonic() + LOCK_WAIT
             attempt = 0
             while True:
-                token = dav._call(f"lock log {log!r}", lambda: dav._lock(log))
-                if token is not None:
+                asked = time.monotonic()
+                lock = dav._call(f"lock log {log!r}", lambda: dav._lock(log))
+                if lock is not None:
+                    token, expires = lock[0], asked + lock[1]
                     break
                 if time.monotonic() > deadline:
                     raise TransientError(
@@ -985,7 +1042,7 @@ class WebdavLockLogs(CachedEntries):
                 end = max(positions, default=-1) + 1
                 if position is not None and position != end:
                     return None
-                dav._move_locked(temp, log, end, token)
+                dav._move_locked(temp, log, end, token, expires)
                 temp = []
                 return end
             finally:

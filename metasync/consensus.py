@@ -36,6 +36,7 @@ from metasync.errors import (
     MetasyncError,
     NoQuorum,
     ObjectNotFound,
+    Retired,
 )
 from metasync.faults import crash_point
 from metasync.layout import (
@@ -47,6 +48,7 @@ from metasync.layout import (
     instance_of_log,
     log_key,
     mark_key,
+    retired_key,
 )
 from metasync.objects import Version
 from metasync.paxos import (
@@ -73,11 +75,10 @@ from metasync.paxos import (
     read,
     read_floor,
 )
+from metasync.timeouts import DEFAULT_TIMEOUT
 
 #: Longest log a reader accepts (a hostile backend could claim any position).
 MAX_LOG = 100_000
-#: Default bound, in seconds, on how long consensus waits without progress.
-DEFAULT_TIMEOUT = 30.0
 
 T = TypeVar("T")
 
@@ -367,7 +368,7 @@ class Consensus:
             "Whether this version was made is unknown until they are back; the next "
             "push or pull settles it" if self._wrote
             else "Nothing was changed; retry when they are reachable"
-        )
+        ) + " (if they are gone for good, `metasync recover` rebuilds the repository from the rest)"
         return BackendUnavailable(
             f"only {max(answered, 0)} of {len(self.acceptors)} backends answered and "
             f"{self.quorums.classic} are needed to agree on a version; not answering: "
@@ -408,6 +409,9 @@ class Consensus:
                 replies.append(out.reply)
         for acceptor in answered - failed:
             self._errors.pop(acceptor, None)
+        for out in outcomes:
+            if isinstance(out.error, Retired):
+                raise out.error  # a recovery retired this configuration: nothing goes on
         return replies
 
     def _one(self, request: Request, out: _Outcome) -> None:
@@ -454,13 +458,33 @@ class Consensus:
             return self._drop_logs(backend, request.below)
         raise TypeError(f"unknown request {request!r}")
 
-    @staticmethod
-    def _floor(backend: Backend) -> int:
+    def _floor(self, backend: Backend) -> int:
         """The highest floor named under ``floor/`` (0: never compacted). Names are
         enough: a floor that is false can only send a reader to an instance whose
-        decision it then confirms on a quorum, or fail (docs/protocol.md)."""
-        return max((f for f in map(floor_of_key, backend.list(FLOOR_PREFIX)) if f is not None),
-                   default=0)
+        decision it then confirms on a quorum, or fail (docs/protocol.md).
+
+        The same listing shows whether ``metasync recover`` retired this
+        configuration: then (once the mark decodes under the repository key) it
+        raises :class:`Retired`, which ends the operation however many other
+        acceptors answer."""
+        keys = builtins.list(backend.list(FLOOR_PREFIX))
+        mark = retired_key(self.config_id)
+        if self.config_id and mark in keys:
+            self._check_retired(backend, mark)
+        return max((f for f in map(floor_of_key, keys) if f is not None), default=0)
+
+    def _check_retired(self, backend: Backend, key: str) -> None:
+        try:
+            doc = json.loads(self.codec.decode("retired", key, backend.get(key)))
+            version, when = int(doc["version"]), str(doc["date"])
+        except (MetasyncError, ValueError, KeyError, TypeError, RecursionError):
+            return  # damaged or forged: as if absent
+        raise Retired(
+            f"this repository was recovered on {when} from the backends that survived "
+            f"(`metasync recover`, version {version}); this folder still uses the "
+            "configuration that lost them, so it can no longer push or pull: clone the "
+            "repository again into a new folder and copy over your changes, which are "
+            "still here")
 
     @staticmethod
     def _drop_logs(backend: Backend, below: int) -> int:

@@ -17,12 +17,13 @@ import os
 import secrets
 import shutil
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from metasync.backends import Backend, open_backend, public_uri
 from metasync.codec import Codec
-from metasync.errors import FormatError, UsageError
+from metasync.errors import FolderBusy, FormatError
 from metasync.keys import MasterKey
 from metasync.localdb import LocalDB
 from metasync.objects import FORMAT_VERSION, Config, Version
@@ -136,10 +137,12 @@ def find_root(path: str | Path) -> Path | None:
     return None
 
 
-def open_context(root: Path, reporter: Reporter | None = None) -> RepoContext:
-    """Lock ``root``'s folder and open its repository's handles."""
+def open_context(root: Path, reporter: Reporter | None = None,
+                 wait: float = 0.0) -> RepoContext:
+    """Lock ``root``'s folder (waiting up to ``wait`` seconds while another process
+    has it) and open its repository's handles."""
     meta = root / META_DIR
-    lock = lock_folder(meta)
+    lock = lock_folder(meta, wait, reporter)
     try:
         db = LocalDB(meta / "state.db")
         try:
@@ -212,16 +215,56 @@ def device_name() -> str:
     return "".join(ch for ch in name if ch.isalnum() or ch in "-_") or "device"
 
 
-def lock_folder(meta: Path) -> int:
+def lock_folder(meta: Path, wait: float = 0.0, reporter: Reporter | None = None) -> int:
     """Take the repository's exclusive lock (``.metasync/lock``) for as long as the
     returned descriptor is open: one command (or daemon cycle) at a time, so no two
-    writers interleave commits, checkouts or outbox cleanup."""
+    writers interleave commits, checkouts or outbox cleanup. If another process
+    holds it, wait up to ``wait`` seconds for it (saying so once, on ``reporter``),
+    then fail with one line."""
     fd = os.open(meta / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    deadline = time.monotonic() + wait
+    said = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            pass
+        if time.monotonic() >= deadline:
+            os.close(fd)
+            if not wait:
+                raise FolderBusy(
+                    f"another metasync command is using {meta.parent}; wait for it to finish")
+            raise FolderBusy(
+                f"{_holder(meta)} is using {meta.parent} and did not finish within "
+                f"{wait:g} s; retry, or give it longer with --timeout")
+        holder = _holder(meta)
+        if not said and reporter is not None:
+            reporter.note(f"waiting for {holder} to finish with {meta.parent}…")
+            said = True
+        time.sleep(LOCK_POLL)
+
+
+def _holder(meta: Path) -> str:
+    return "the daemon" if daemon_running(meta.parent) else "another metasync command"
+
+
+#: Seconds between tries of a held folder lock.
+LOCK_POLL = 0.05
+#: The daemon's pid file in ``.metasync``: locked while a daemon runs for the folder.
+PID_FILE = "daemon.pid"
+
+
+def daemon_running(root: Path) -> bool:
+    """True if some process holds the daemon's pid-file lock for ``root``."""
+    try:
+        fd = os.open(root / META_DIR / PID_FILE, os.O_RDWR)
+    except OSError:
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        return True
+    finally:
         os.close(fd)
-        raise UsageError(
-            f"another metasync command is using {meta.parent}; wait for it to finish"
-        ) from None
-    return fd
+    return False

@@ -32,14 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from metasync.backends import Backend, open_backend, public_uri
-from metasync.errors import BackendError, MetasyncError, UsageError
-from metasync.faults import watch_failure
+from metasync.context import PID_FILE, daemon_running
+from metasync.errors import BackendError, FolderBusy, MetasyncError, UsageError
+from metasync.faults import pause_point, watch_failure
 from metasync.layout import HINT_KEY
 from metasync.repository import Repository
 from metasync.worktree import IGNORE_FILE, META_DIR, TEMP_PREFIX, IgnoreRules
 
 STATUS_FILE = "daemon.json"
-PID_FILE = "daemon.pid"
 LOG_FILE = "daemon.log"
 RESUME_FILE = "daemon.resume"
 #: The deletion guard applies only to folders with at least this many files.
@@ -180,19 +180,19 @@ class Daemon:
         self.status.state = "syncing"
         self._write_status()
         try:
-            with Repository.open(self.root) as repo:
+            with Repository.open(self.root, wait=0) as repo:
                 try:
                     self._sync_repo(repo)
                 finally:
                     self._record_backends(repo)
         except _Paused:
             return
+        except FolderBusy:
+            self._dirty = True  # a CLI command has the folder: try again soon
+            self._last_event = time.monotonic()
+            self.status.state = "idle"
+            return
         except UsageError as exc:
-            if "another metasync command" in str(exc):
-                self._dirty = True  # a CLI command has the folder: try again soon
-                self._last_event = time.monotonic()
-                self.status.state = "idle"
-                return
             self._fail(exc)
         except BackendError as exc:
             self.status.state = "offline"
@@ -216,6 +216,7 @@ class Daemon:
         self._write_status()
 
     def _sync_repo(self, repo: Repository) -> None:
+        pause_point("daemon:sync")
         allow = self._allow_deletes
         self._allow_deletes = False
         st = repo.status()
@@ -260,7 +261,7 @@ class Daemon:
     def _commit_offline(self) -> None:
         """Backends unreachable: keep local changes as a local commit, pushed later."""
         try:
-            with Repository.open(self.root) as repo:
+            with Repository.open(self.root, wait=0) as repo:
                 repo.commit("offline")
                 st = repo.status()
                 self.status.pending_changes = len(st.changes)
@@ -301,7 +302,7 @@ class Daemon:
 
     # --- remote changes --------------------------------------------------------------
     def _open_acceptors(self) -> None:
-        with Repository.open(self.root) as repo:
+        with Repository.open(self.root, wait=0) as repo:
             self._watch_acceptors(repo)
             self.status.version = repo.prev.number
 
@@ -440,23 +441,6 @@ def read_status(root: Path) -> dict[str, Any]:
     if not isinstance(pid, int) or not _alive(pid) or not daemon_running(root):
         doc["state"] = "stopped"
     return doc
-
-
-def daemon_running(root: Path) -> bool:
-    """True if some process holds the daemon's pid-file lock for ``root``."""
-    import fcntl
-
-    try:
-        fd = os.open(root / META_DIR / PID_FILE, os.O_RDWR)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def running_pid(root: Path) -> int | None:

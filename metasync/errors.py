@@ -18,6 +18,11 @@ class UsageError(MetasyncError):
     """The user asked for something that cannot be done as asked (bad URI, bad DIR, ...)."""
 
 
+class FolderBusy(UsageError):
+    """Another process (the daemon's sync step, another command) has the folder and
+    did not let go within the wait allowed."""
+
+
 class NotARepository(MetasyncError):
     """A folder or backend holds no metasync repository."""
 
@@ -51,6 +56,17 @@ class BackendUnavailable(BackendError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, transient=True)
+
+
+class PrimitiveMissing(BackendUnavailable):
+    """A backend accepts the requests of an atomic primitive metasync's logs need (an
+    exclusive create, a lock) but does not honour it. Not transient: no retry cures
+    it. For agreement the backend then counts as unavailable, so the pPaxos driver
+    reports it at once, naming the backend and carrying this message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.transient = False
 
 
 class ObjectNotFound(BackendError):
@@ -119,3 +135,9 @@ class FloorElsewhere(ProtocolError):
         super().__init__(f"this client is behind the log compaction at version {floor}, "
                          "which other backends decided")
         self.floor = floor
+
+
+class Retired(ProtocolError):
+    """This client's configuration lost its majority for good and the repository was
+    recovered on the backends that survived (``metasync recover``): it must not
+    propose there. The message says to clone the repository again."""

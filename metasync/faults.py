@@ -47,3 +47,21 @@ def watch_failure() -> OSError | None:
 
         return OSError(errno.ENOSPC, "inotify watch limit reached (METASYNC_FAIL_WATCH)")
     return None
+
+
+def pause_point(name: str) -> None:
+    """Wait here if the environment asks (``METASYNC_PAUSE_AT=NAME`` and
+    ``METASYNC_PAUSE_FILE=PATH``): create ``PATH.reached``, then go on once a test
+    creates ``PATH.release`` (or after a minute). Lets a test hold a process in the
+    middle of a step, and act while it is there, without sleeping. Unset (always,
+    outside tests) it costs one dictionary lookup."""
+    if os.environ.get("METASYNC_PAUSE_AT") != name:
+        return
+    import time
+
+    path = os.environ["METASYNC_PAUSE_FILE"]
+    with open(f"{path}.reached", "w"):
+        pass
+    deadline = time.monotonic() + 60
+    while not os.path.exists(f"{path}.release") and time.monotonic() < deadline:
+        time.sleep(0.02)

@@ -118,6 +118,12 @@ def mark_key(number: int) -> str:
     return f"{FLOOR_PREFIX}/mark-{number:012d}"
 
 
+def retired_key(config_id: str) -> str:
+    """Key of the mark ``metasync recover`` leaves for configuration ``config_id``
+    (which lost its majority for good) on the backends that survived (§9.2)."""
+    return f"{FLOOR_PREFIX}/retired-{config_id}"
+
+
 def instance_of_log(key: str) -> int | None:
     """The instance of a key ``log/<12 digits>/...``, else None."""
     parts = key.split("/")

@@ -2,9 +2,12 @@
 
 Both check everything that can fail on bad input before writing anything: a
 bad URI, a missing backend folder, a backend that already holds the namespace,
-a folder that is already a repository, a wrong passphrase. A new backend gets
-its descriptor last (its presence marks a complete repository); the local
-``.metasync`` folder appears whole or not at all (:func:`create_local`).
+a folder that is already a repository, a wrong passphrase. Only then does ``init``
+create missing location folders where that is expected (:func:`prepare_locations`)
+and the namespaces, and verify each backend's primitives on scratch keys
+(:mod:`metasync.verification`) before it writes anything of the repository. A new
+backend gets its descriptor last (its presence marks a complete repository); the
+local ``.metasync`` folder appears whole or not at all (:func:`create_local`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from metasync.backends import normalize_uri, open_backend, public_uri
+from metasync import verification
+from metasync.backends import Backend, normalize_uri, open_backend, public_uri
 from metasync.codec import Codec
 from metasync.context import create_local
 from metasync.errors import (
@@ -38,8 +42,10 @@ from metasync.layout import (
     descriptor,
     parse_descriptor,
 )
+from metasync.localdb import LocalDB
 from metasync.mapping import vnode_unit
 from metasync.objects import FORMAT_VERSION, MAX_FRAGMENTS, BackendSpec, Config
+from metasync.state import LocalState
 from metasync.worktree import META_DIR
 
 DEFAULT_PARTITIONS = 16384
@@ -57,6 +63,7 @@ def create(
     capacities: list[float] | None = None,
     byzantine: bool = False,
     erasure: tuple[int, int] | None = None,
+    mkdir: bool = False,
 ) -> Path:
     """Create a repository in ``root`` on the given backends; return ``root``.
 
@@ -66,7 +73,10 @@ def create(
 
     Validates everything before writing anything: a bad URI, a missing backend
     folder, a backend that already holds this namespace, or a folder that is
-    already a repository fails with nothing written.
+    already a repository fails with nothing written. A missing location folder is
+    created on servers (SFTP, WebDAV), and for ``dir:`` only with ``mkdir``. Each
+    backend's primitives are verified before anything of the repository is written
+    there; one that fails is refused (:class:`UsageError`, one line).
     """
     root = Path(root).absolute()
     if (root / META_DIR).exists():
@@ -100,12 +110,15 @@ def create(
     if len(caps) != len(uris) or any(c <= 0 for c in caps):
         raise UsageError("give one positive capacity per backend")
     backends = [open_backend(u, namespace) for u in uris]
-    for b in backends:
-        check_backend_free(b)
+    prepare_locations(backends, mkdir)
     key = MasterKey.generate() if encrypt else None
     keyfile = wrap(key, ask(passphrase)) if key is not None else None
-
     ids = [secrets.token_hex(4) for _ in uris]
+    checked = {}
+    for backend_id, backend in zip(ids, backends, strict=True):
+        backend.create()
+        checked[backend_id] = verification.verify(backend)
+
     unit = vnode_unit([Fraction(repr(float(c))) for c in caps])
     config = Config(
         format=FORMAT_VERSION,
@@ -128,7 +141,6 @@ def create(
     stored_config = codec.encode("config", config_id, config_bytes)
     # Write the descriptor last on each backend: its presence marks a complete repository.
     for backend_id, backend in zip(ids, backends, strict=True):
-        backend.create()
         if keyfile is not None:
             backend.put(KEYFILE_KEY, keyfile)
         backend.put(config_key(config_id), stored_config)
@@ -137,7 +149,32 @@ def create(
         backend.close()
     secret_uris = {i: u for i, u in zip(ids, uris, strict=True) if public_uri(u) != u}
     create_local(root, config, config_id, key, secret_uris)
+    db = LocalDB(root / META_DIR / "state.db")
+    try:
+        verification.remember(LocalState(db), checked)
+    finally:
+        db.close()
     return root
+
+
+def prepare_locations(backends: list[Backend], mkdir: bool) -> None:
+    """Check that every backend can be used for a new repository
+    (:func:`check_backend_free`), creating missing location folders where that is
+    expected -- on servers always (SFTP, WebDAV, as restic and rclone do), on ``dir:``
+    only with ``mkdir`` (a missing local folder is usually an unmounted disk) -- but
+    only once every backend whose location exists passed its check."""
+    missing = []
+    for backend in backends:
+        if mkdir or not backend.location_needs_mkdir:
+            try:
+                backend.probe()
+            except BackendUnavailable:
+                missing.append(backend)
+                continue
+        check_backend_free(backend)
+    for backend in missing:
+        backend.create_location()
+        check_backend_free(backend)
 
 
 @dataclass

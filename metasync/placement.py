@@ -99,7 +99,10 @@ class PlaceOutcome:
     lost: bool = False
     #: Backends that now verifiably hold what they should.
     placed: set[str] = field(default_factory=set)
-
+    #: Holders known to lack their copy (or fragment) after this placement -- not
+    #: listed as holding it and not written now -- with the reason (a refused write,
+    #: an unreachable backend, no source). Empty when every holder has it.
+    missed: dict[str, str] = field(default_factory=dict)
 
 
 def place(
@@ -142,6 +145,8 @@ def place(
         for backend_id in sorted(have):
             good = verify_at(backend_id) or good
     missing = [h for h in holders if (h not in have or h in bad) and h not in unreachable]
+    out.missed = {h: f"did not answer: {unreachable[h]}" for h in holders
+                  if h in unreachable and h not in have}
     if missing:
         # A verified copy, from the best backend that has one (holders first).
         for backend_id in sorted(have, key=lambda b: (b in verified, b not in holders)):
@@ -151,11 +156,13 @@ def place(
         if good is None:
             out.lost = True
             out.placed = verified & set(holders)
+            out.missed.update(dict.fromkeys(missing, "no good copy to copy from"))
             return out
         for backend_id in missing:
             try:
                 backends[backend_id].put(key, good)
-            except MetasyncError:
+            except MetasyncError as exc:
+                out.missed[backend_id] = f"refused: {exc}"
                 continue
             verified.add(backend_id)
             bad.discard(backend_id)
@@ -168,7 +175,13 @@ def place(
     if not extras:
         return out
     # numcopies: every holder has it, and all R of those copies are verified by
-    # content, before any extra copy goes.
+    # content, before any extra copy goes. A holder known to lack it (not listed,
+    # bad, unreachable, and not written just now) settles that without downloading
+    # the others.
+    if any(h not in verified and (h not in have or h in bad or h in unreachable)
+           for h in holders):
+        out.kept += len(extras)
+        return out
     for h in holders:
         if h not in verified:
             verify_at(h)
@@ -256,16 +269,20 @@ def place_fragments(
                 data = rebuild_fragment(hasher, scheme, stored_id, good, index)
             except (CorruptObject, ObjectUnavailable):
                 out.lost = True
+                out.missed[backend_id] = "no good fragments to rebuild from"
                 continue
         try:
             backends[backend_id].put(fragment_key(stored_id, index), data)
-        except MetasyncError:
+        except MetasyncError as exc:
+            out.missed[backend_id] = f"refused: {exc}"
             continue
         assigned[backend_id] = index
         verified[backend_id] = index
         out.copied += 1
         out.bytes_copied += len(data)
     out.placed = set(verified)
+    out.missed.update({b: f"did not answer: {unreachable[b]}" for b in holders
+                       if b in unreachable and b not in assigned})
     if not drop:
         return out
     extras = [(i, b) for i, where in held.items() for b in where if assigned.get(b) != i]

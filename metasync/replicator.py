@@ -299,6 +299,11 @@ class Replicator:
         fragment), the copies on other backends go, and the record goes last."""
         store = self.store
         recorded = record.copies or {}
+        coded_holders = store.fragment_mapping.locate(stored_id)
+        lacking = [h for h in (coded_holders if any(i is not None for i in recorded.values())
+                               else store.mapping.locate(stored_id)) if h not in recorded]
+        if record.copies is not None and any(h in store.down for h in lacking):
+            return  # a holder that lacks its copy is down in this session: nothing to do yet
         coded = any(index is not None for index in recorded.values()) or (
             record.copies is None and bool(self._probe_fragments(backends, stored_id)))
         if coded and store.config.erasure is not None:
@@ -306,7 +311,7 @@ class Replicator:
             for backend_id, index in recorded.items():
                 if index is not None and backend_id in backends:
                     held.setdefault(index, {})[backend_id] = 0
-            holders = store.fragment_mapping.locate(stored_id)
+            holders = coded_holders
             outcome = place_fragments(self.codec, backends, holders, stored_id, held,
                                       erasure=store.config.erasure, drop=True,
                                       unreachable=dict(store.down))

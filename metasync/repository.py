@@ -24,7 +24,7 @@ from metasync.backends import Backend
 from metasync.checkout import Checkout, PullResult
 from metasync.committer import Change, CommitResult, Committer, Status
 from metasync.context import RepoContext, find_root, open_context
-from metasync.errors import NotARepository
+from metasync.errors import NotARepository, UsageError
 from metasync.graph import ObjectGraph
 from metasync.layout import DEFAULT_NAMESPACE
 from metasync.objects import Commit, Config, TreeEntry, Version
@@ -33,6 +33,7 @@ from metasync.progress import Reporter
 from metasync.replicator import Replicator
 from metasync.scanner import Scanner
 from metasync.store import RemoteStore
+from metasync.timeouts import wait_bound
 from metasync.versions import Versions
 
 # The parts `status` and `commit` never use load on first use (start-up time):
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
         Reconfiguration,
         ShareResult,
     )
+    from metasync.maintenance.recover import RecoverResult
     from metasync.sync import PushResult, Sync
 
 PassphraseSource = Callable[[], str]
@@ -123,27 +125,34 @@ class Repository:
         byzantine: bool = False,
         erasure: tuple[int, int] | None = None,
         reporter: Reporter | None = None,
+        mkdir: bool = False,
     ) -> Repository:
         """Create a repository in ``root`` on the given backends (see
         :func:`metasync.lifecycle.create`: everything is validated before anything
-        is written)."""
+        is written; ``mkdir`` creates missing ``dir:`` folders)."""
         from metasync import lifecycle
 
         path = lifecycle.create(
             root, backend_uris, replicas=replicas, namespace=namespace, encrypt=encrypt,
-            passphrase=passphrase, capacities=capacities, byzantine=byzantine, erasure=erasure)
+            passphrase=passphrase, capacities=capacities, byzantine=byzantine, erasure=erasure,
+            mkdir=mkdir)
         return cls(open_context(path, reporter))
 
     @classmethod
-    def open(cls, path: str | Path = ".", reporter: Reporter | None = None) -> Repository:
-        """Open the repository containing ``path`` (searching upwards, as git does)."""
+    def open(cls, path: str | Path = ".", reporter: Reporter | None = None,
+             wait: float | None = None) -> Repository:
+        """Open the repository containing ``path`` (searching upwards, as git does).
+        While another process (the daemon's sync step, another command) has the
+        folder, wait up to ``wait`` seconds (default: the ``--timeout``, 30 s)."""
         root = find_root(path)
         if root is None:
             raise NotARepository(
                 f"{Path(path).absolute()} is not inside a metasync repository; run "
                 "`metasync init` or `metasync clone`"
             )
-        return cls(open_context(root, reporter))
+        if wait is None:
+            wait = wait_bound()
+        return cls(open_context(root, reporter, wait))
 
     @classmethod
     def clone(
@@ -172,6 +181,42 @@ class Repository:
             start.undo()
             raise
         return repo
+
+    @classmethod
+    def recover(
+        cls,
+        uris: list[str],
+        root: str | Path,
+        *,
+        add: list[str] | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
+        passphrase: PassphraseSource | None = None,
+        confirm: Callable[[str], bool],
+        reporter: Reporter | None = None,
+    ) -> tuple[Repository, RecoverResult]:
+        """Rebuild a repository whose majority of backends is gone for good from the
+        backends ``uris`` that survived, into ``root`` (see
+        :mod:`metasync.maintenance.recover`): restore the newest version whose whole
+        tree they hold, then -- once ``confirm(explanation)`` is true -- make them
+        (and ``add``) a new configuration, retire the old ones and copy everything
+        back to R copies. Nothing is written to a backend before ``confirm``; a
+        failure before it removes what was created locally."""
+        from metasync.maintenance import recover as recovery
+
+        plan = recovery.prepare(uris, root, namespace=namespace, passphrase=passphrase)
+        repo = cls(open_context(plan.root, reporter))
+        try:
+            work = recovery.Recovery(repo._ctx, repo.versions, repo.graph, repo.checkout,
+                                     repo.replicator, plan)
+            result = work.restore_newest()
+            if not confirm(recovery.explain(plan, result)):
+                raise UsageError("recovery cancelled; nothing was written to any backend")
+            work.reform(result, list(add or ()), repo._reconfig)
+        except BaseException:
+            repo.close()
+            plan.undo()
+            raise
+        return repo, result
 
     def close(self) -> None:
         self._ctx.close()
@@ -252,10 +297,20 @@ class Repository:
         return self.committer.commit(message)
 
     def push(self, message: str = "") -> PushResult:
+        self._recheck_primitives()
         return self.sync.push(message)
 
     def pull(self) -> PullResult:
+        self._recheck_primitives()
         return self.sync.pull()
+
+    def _recheck_primitives(self) -> None:
+        """Check again the primitives of backends whose last check is old (or missing:
+        a clone's first pull), at most once per backend per period
+        (:mod:`metasync.verification`)."""
+        from metasync import verification
+
+        verification.recheck(self._ctx.state, self.versions.backends)
 
     def learn_latest(self) -> Version:
         """The newest decided version (following configuration changes)."""
@@ -335,8 +390,9 @@ class Repository:
         return GarbageCollector(self._ctx, self.versions, self.graph, self.outbox,
                                 self.replicator, self._reconfig)
 
-    def add_backend(self, uri: str, capacity: float | None = None) -> ConfigChange:
-        return self._reconfig.add_backend(uri, capacity)
+    def add_backend(self, uri: str, capacity: float | None = None,
+                    mkdir: bool = False) -> ConfigChange:
+        return self._reconfig.add_backend(uri, capacity, mkdir)
 
     def remove_backend(self, name: str) -> ConfigChange:
         return self._reconfig.remove_backend(name)

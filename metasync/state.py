@@ -89,6 +89,77 @@ class PendingCheckout:
                    {str(k): str(v) for k, v in moves.items()})
 
 
+@dataclass(frozen=True)
+class PrimitivesChecked:
+    """This client's last successful check of one backend's atomic primitives
+    (:func:`metasync.backends.probe.verify_primitives`; when it runs:
+    :mod:`metasync.verification`)."""
+
+    #: The URI the check went through (without a password): a backend this client
+    #: reaches by another URI since is checked again.
+    uri: str
+    #: The log construction checked (the class of ``backend.logs``).
+    logs: str
+    #: The primitives checked, e.g. ``["exclusive create", "log appends"]``.
+    checked: tuple[str, ...]
+    #: When (Unix time, seconds).
+    at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"uri": self.uri, "logs": self.logs, "checked": list(self.checked), "at": self.at}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> PrimitivesChecked | None:
+        """The record ``raw`` describes; None for anything else (a damaged record is as
+        if the backend had never been checked: it is checked again)."""
+        if not isinstance(raw, dict):
+            return None
+        uri, logs, checked, at = raw.get("uri"), raw.get("logs"), raw.get("checked"), raw.get("at")
+        if not (isinstance(uri, str) and isinstance(logs, str) and isinstance(checked, list)
+                and isinstance(at, int | float)):
+            return None
+        return cls(uri, logs, tuple(str(c) for c in checked), float(at))
+
+
+@dataclass(frozen=True)
+class PendingRebalance:
+    """A configuration change whose rebalance may not be finished: recorded before
+    the change is proposed. ``sources`` are the configurations this client moved
+    away from (and one it proposed, if that lost its instance): their backends may
+    hold copies the newest configuration places elsewhere, so finishing reads from
+    them and empties them; the target is always the newest configuration."""
+
+    sources: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sources": list(self.sources)}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> PendingRebalance | None:
+        """The record ``raw`` describes: a bare configuration id (what earlier
+        versions wrote) is a rebalance with that one source; None for anything else."""
+        if isinstance(raw, str):
+            return cls((raw,))
+        if isinstance(raw, dict) and isinstance(raw.get("sources"), list):
+            return cls(tuple(str(s) for s in raw["sources"] if isinstance(s, str)))
+        return None
+
+    def adding(self, *config_ids: str) -> PendingRebalance:
+        """This record with more sources (each once, in order)."""
+        return PendingRebalance(tuple(dict.fromkeys((*self.sources, *config_ids))))
+
+
+def _pending_rebalance(raw: Any) -> PendingRebalance | None:
+    return PendingRebalance.from_json(raw)
+
+
+def _primitives_checked(raw: Any) -> dict[str, PrimitivesChecked]:
+    if not isinstance(raw, dict):
+        return {}
+    records = {str(k): PrimitivesChecked.from_json(v) for k, v in raw.items()}
+    return {k: v for k, v in records.items() if v is not None}
+
+
 def _pending_checkout(raw: Any) -> PendingCheckout | None:
     return PendingCheckout.from_json(raw)
 
@@ -133,8 +204,11 @@ class LocalState:
         "checkout_pending", default=lambda: None, load=_pending_checkout, dump=_dump_pending)
     #: The gc epoch whose collections this client has taken into account.
     gc_epoch: Setting[int] = Setting("gc_epoch", default=lambda: 0, load=int)
-    #: A configuration whose rebalance did not finish (``backend list`` says so).
-    rebalance_pending: Setting[str | None] = Setting("rebalance_pending", default=lambda: None)
+    #: A configuration change whose rebalance did not finish (``backend list`` says
+    #: so; ``metasync rebalance`` finishes it), with the configurations to read from.
+    rebalance_pending: Setting[PendingRebalance | None] = Setting(
+        "rebalance_pending", default=lambda: None, load=_pending_rebalance,
+        dump=lambda value: value.to_json() if value is not None else None)
     #: Objects this client announced to gc (``pending`` in its client state) since
     #: its last decided push.
     announced: Setting[list[str]] = Setting("announced", default=list)
@@ -144,6 +218,11 @@ class LocalState:
     #: unchanged folder skip rebuilding every tree.
     tree_memo: Setting[tuple[str, str] | None] = Setting(
         "tree_memo_v1", default=lambda: None, load=_tree_memo, dump=lambda v: list(v) if v else None)
+
+    #: Backend id -> this client's last successful check of its primitives.
+    primitives_checked: Setting[dict[str, PrimitivesChecked]] = Setting(
+        "primitives_checked", default=dict, load=_primitives_checked,
+        dump=lambda records: {k: v.to_json() for k, v in records.items()})
 
     def __init__(self, db: LocalDB) -> None:
         self.db = db

@@ -22,12 +22,12 @@ from metasync.errors import (
     CorruptObject,
     MetasyncError,
     ObjectUnavailable,
-    UsageError,
 )
 from metasync.follow import MAX_CONFIG_HOPS
 from metasync.layout import config_key
 from metasync.objects import Config, Version
 from metasync.state import LocalState
+from metasync.timeouts import DEFAULT_TIMEOUT, parse_timeout
 
 if TYPE_CHECKING:
     from metasync.consensus import Consensus
@@ -40,16 +40,7 @@ def consensus_timeout(state: LocalState) -> float | None:
     """Seconds consensus waits without progress: ``METASYNC_TIMEOUT`` (set by the
     CLI's ``--timeout``), else the repository's setting, else None (the default
     of :class:`~metasync.consensus.Consensus`)."""
-    raw = os.environ.get("METASYNC_TIMEOUT") or state.timeout
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise UsageError(f"timeout {raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise UsageError(f"timeout must be positive, got {raw!r}")
-    return value
+    return parse_timeout(os.environ.get("METASYNC_TIMEOUT") or state.timeout)
 
 
 class Versions:
@@ -82,7 +73,7 @@ class Versions:
         """The pPaxos driver over the acceptors of configuration ``config_id``."""
         consensus = self._consensus.get(config_id)
         if consensus is None:
-            from metasync.consensus import DEFAULT_TIMEOUT, Consensus
+            from metasync.consensus import Consensus
             from metasync.paxos import Quorums
 
             config = config or self.load_config(config_id)

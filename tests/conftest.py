@@ -26,6 +26,9 @@ pytest_plugins: list[str] = [
     "tests.servers.seaweedfs",
     "tests.servers.sshd",
     "tests.servers.rclone",
+    # Servers that break one primitive metasync's logs need (tests/test_primitives.py).
+    "tests.servers.s3_no_conditionals",
+    "tests.servers.paramiko_sftp",
     # Emulators of the cloud providers' REST APIs (tests/emulators/).
     "tests.emulators.dropbox",
     "tests.emulators.box",

@@ -330,13 +330,17 @@ def test_one_command_per_folder_at_a_time(
     tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
 ) -> None:
     """While a repository is open (a command running), a second open of the same
-    folder fails with a one-line error instead of interleaving with it; once the
-    first closes, the folder opens again."""
+    folder waits for it at most its bound, then fails with a one-line error
+    instead of interleaving with it; once the first closes, the folder opens
+    again."""
     from metasync.errors import UsageError
 
     a = _init(tmp_path, backends, passphrase)
+    with pytest.raises(UsageError, match=r"another metasync command is using .* did not "
+                                         r"finish within 0\.2 s"):
+        Repository.open(a.root / "doc.txt", wait=0.2)
     with pytest.raises(UsageError, match="another metasync command is using"):
-        Repository.open(a.root / "doc.txt")
+        Repository.open(a.root, wait=0)
     a.close()
     Repository.open(a.root).close()
 

@@ -38,6 +38,11 @@ class RebalanceReport:
     #: the backend holding them could not be reached.
     kept: int = 0
     unreachable: dict[str, str] = field(default_factory=dict)
+    #: Objects (not lost) that some holder still lacks: its write was refused, or
+    #: it did not answer.
+    short: list[str] = field(default_factory=list)
+    #: Holder -> why it lacks a copy it should have (one reason per backend).
+    missed: dict[str, str] = field(default_factory=dict)
     #: Every object found on the backends.
     stored_ids: set[str] = field(default_factory=set, repr=False)
 
@@ -48,6 +53,8 @@ class RebalanceReport:
         self.dropped += other.dropped
         self.kept = other.kept
         self.lost = other.lost
+        self.short = other.short
+        self.missed = other.missed
         self.unreachable = {**self.unreachable, **other.unreachable}
 
 
@@ -108,6 +115,10 @@ def rebalance(
             report.kept += outcome.kept
             if outcome.lost:
                 report.lost.append(outcome.stored_id)
+            elif outcome.missed:
+                report.short.append(outcome.stored_id)
+                for backend_id, why in outcome.missed.items():
+                    report.missed.setdefault(backend_id, why)
             ctx.reporter.advance(1)
     finally:
         ctx.reporter.finish()

@@ -15,6 +15,7 @@ import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
+from metasync import verification
 from metasync.backends import Backend, normalize_uri, open_backend, public_uri
 from metasync.consensus import encode_hint
 from metasync.context import RepoContext
@@ -23,19 +24,28 @@ from metasync.layout import (
     DESCRIPTOR_KEY,
     HINT_KEY,
     KEYFILE_KEY,
-    check_backend_free,
     config_key,
     descriptor,
 )
+from metasync.lifecycle import prepare_locations
 from metasync.maintenance.rebalance import RebalanceReport, rebalance
 from metasync.mapping import movement
 from metasync.objects import BackendSpec, Config, Version, is_snapshot_name
 from metasync.replicator import Replicator
+from metasync.state import PendingRebalance
 from metasync.store import mapping_of
 from metasync.versions import Versions
 
 #: A configuration change that keeps losing its instance gives up after this many tries.
 MAX_CHANGE_ATTEMPTS = 50
+
+
+class IncompleteCopy(BackendError):
+    """The copy before a change did not reach every new holder: nothing was decided,
+    and running the same command again completes it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, transient=True)
 
 
 @dataclass
@@ -80,13 +90,18 @@ class Reconfiguration:
     def change_config(
         self,
         make_new: Callable[[Config], Config],
-        before_commit: Callable[[Config, Config], None] | None = None,
+        before_commit: Callable[[Version, Config, Config, str], None] | None = None,
     ) -> ConfigChange:
         """Decide a new configuration through pPaxos: learn the latest version, derive
         the new configuration from its one, store it on every backend of both, run
-        ``before_commit`` (copies that must exist before anyone reads by the new
-        mapping), then propose ``(latest + 1, latest master, new config)`` to the old
-        configuration's acceptors. Retries from the start if another version wins.
+        ``before_commit(latest, old, new, new id)`` (copies that must exist before
+        anyone reads by the new mapping; it may raise to decide nothing), then propose
+        ``(latest + 1, latest master, new config)`` to the old configuration's
+        acceptors. Retries from the start if another version wins.
+
+        A change of the acceptors is then followed by one more version, the same
+        master under the same configuration, decided by the new acceptors
+        (:meth:`_settle_on_new_acceptors`).
 
         Leaves this client's folder and base version alone: its next pull or push
         learns the change like any other client's."""
@@ -102,70 +117,120 @@ class Reconfiguration:
             db = self.ctx.db
             with db.transaction():
                 db.cache_object(config_id, "config", new.to_bytes())
+                db.cache_object(latest.config, "config", old.to_bytes())
             if before_commit is not None:
-                before_commit(old, new)
+                before_commit(latest, old, new, config_id)
             consensus = versions.consensus_for(latest.config)
             proposal = Version(latest.number + 1, latest.master, config_id)
             chosen = consensus.propose(proposal.number, proposal)
             if chosen != proposal:
                 continue
             consensus.publish(chosen)
-            # New acceptors get the hint too: a clone from one of them starts there.
-            hint = encode_hint(self.ctx.codec, chosen.number, latest.config)
-            for backend_id in set(new.acceptors) - set(old.acceptors):
-                try:
-                    both[backend_id].put(HINT_KEY, hint)
-                except MetasyncError:
-                    pass
+            if set(new.acceptors) != set(old.acceptors):
+                self._settle_on_new_acceptors(chosen, latest.config, old, new, both)
             return ConfigChange(chosen, old, new, config_id)
         raise BackendError(
             f"other clients kept committing during {MAX_CHANGE_ATTEMPTS} attempts; retry",
             transient=True,
         )
 
+    def _settle_on_new_acceptors(self, change: Version, old_id: str, old: Config, new: Config,
+                                 backends: dict[str, Backend]) -> None:
+        """Decide ``(change + 1, same master, new config)`` on the new configuration's
+        acceptors and publish it. Until the new acceptors decide some version, the
+        newest one (the change) can only be confirmed by a quorum of the old
+        configuration, so losing backends the new one tolerates but the old one's
+        majority needs would strand every client behind and every fresh clone.
+        Another client's version winning that instance is just as good (its
+        proposer publishes it). If the new acceptors cannot decide now, they get the
+        change's hint instead, as before: nothing is lost, the next push settles."""
+        consensus = self.versions.consensus_for(change.config, new)
+        settle = Version(change.number + 1, change.master, change.config)
+        try:
+            chosen = consensus.propose(settle.number, settle)
+            if chosen == settle:
+                consensus.publish(chosen)
+            return
+        except MetasyncError as exc:
+            self.ctx.reporter.note(f"the new backends did not decide a version yet ({exc}); "
+                                   "the next push does")
+        hint = encode_hint(self.ctx.codec, change.number, old_id)
+        for backend_id in set(new.acceptors) - set(old.acceptors):
+            try:
+                backends[backend_id].put(HINT_KEY, hint)
+            except MetasyncError:
+                pass
+
     def reconfigure(
         self,
         make_new: Callable[[Config], Config],
         extra: dict[str, Backend] | None = None,
     ) -> ConfigChange:
-        """A configuration change that moves data: copy to the new places, decide the
-        change, copy what arrived meanwhile and drop what is no longer needed. The
-        report counts every copy written against the theoretical minimum."""
+        """A configuration change that moves data: copy to the new places, and only
+        if that copy is clean (:func:`unplaced`) record the rebalance it needs and
+        decide the change; then finish that rebalance (:meth:`finish_rebalance`:
+        copy what arrived meanwhile and drop what is no longer needed, by the newest
+        configuration). The report counts every copy written against the
+        theoretical minimum."""
         report = RebalanceReport()
         pool, state = self.ctx.pool, self.ctx.state
 
-        def copy_first(old: Config, new: Config) -> None:
+        def copy_first(latest: Version, old: Config, new: Config, config_id: str) -> None:
             sources = {**pool.open(old), **(extra or {})}
             first = rebalance(self.ctx, self.replicator, new, sources, drop=False)
+            problem = unplaced(first, new, pool.name)
+            if problem is not None:
+                raise IncompleteCopy(problem)
             report.merge(first)
             report.stored_ids = first.stored_ids
             report.minimum = moved_minimum(old, new, first.stored_ids)
+            # Recorded before anything is proposed: a crash from here on leaves a
+            # rebalance to finish, reading from (and emptying) the old backends.
+            with state.transaction():
+                pending = state.rebalance_pending or PendingRebalance(())
+                state.rebalance_pending = pending.adding(latest.config, config_id)
 
         change = self.change_config(make_new, copy_first)
-        with state.transaction():
-            state.rebalance_pending = change.config_id
-        second = rebalance(self.ctx, self.replicator, change.new,
-                           {**pool.open(change.old), **(extra or {})}, drop=True)
-        with state.transaction():
-            state.rebalance_pending = None
-        report.merge(second)
+        report.merge(self.finish_rebalance(extra))
         change.report = report
         return change
 
-    def finish_rebalance(self) -> RebalanceReport:
-        """Put every object on the backends the latest configuration names for it and
-        drop copies no longer needed: finishes an interrupted change."""
-        latest = self.versions.learn_latest()
-        config = self.versions.load_config(latest.config)
-        report = rebalance(self.ctx, self.replicator, config, drop=True)
-        with self.ctx.state.transaction():
-            self.ctx.state.rebalance_pending = None
+    def finish_rebalance(self, extra: dict[str, Backend] | None = None) -> RebalanceReport:
+        """Put every object on the backends the newest configuration names for it and
+        drop copies no longer needed, reading also from the backends of the
+        configurations a pending change recorded (and ``extra``), which are emptied:
+        the second phase of every change, and what finishes an interrupted one. The
+        record is cleared once every backend of the newest configuration answered,
+        every object is on all its holders and no copy had to be kept (objects with
+        no good copy anywhere are reported, and do not keep it)."""
+        state, versions = self.ctx.state, self.versions
+        pending = state.rebalance_pending
+        latest = versions.learn_latest()
+        config = versions.load_config(latest.config)
+        sources: dict[str, Backend] = {}
+        for config_id in pending.sources if pending is not None else ():
+            if config_id == latest.config:
+                continue
+            try:
+                sources.update(self.ctx.pool.open(versions.load_config(config_id)))
+            except MetasyncError as exc:
+                self.ctx.reporter.note(f"cannot read configuration {config_id[:12]} to move "
+                                       f"copies from its backends ({exc})")
+        sources.update(extra or {})
+        report = rebalance(self.ctx, self.replicator, config, sources, drop=True)
+        if (pending is not None and unplaced(report, config, self.ctx.pool.name) is None
+                and report.kept == 0):
+            with state.transaction():
+                state.rebalance_pending = None
         return report
 
     # ---------------------------------------------------------------- backends
-    def add_backend(self, uri: str, capacity: float | None = None) -> ConfigChange:
+    def add_backend(self, uri: str, capacity: float | None = None,
+                    mkdir: bool = False) -> ConfigChange:
         """Add the backend at ``uri`` (capacity in GB; default: the others' mean) and
-        move to it exactly the copies the new placement gives it."""
+        move to it exactly the copies the new placement gives it. A missing location
+        folder is created on servers, and for ``dir:`` only with ``mkdir``; a backend
+        whose primitives do not hold is refused (:class:`UsageError`)."""
         uri = normalize_uri(uri)
         latest = self.versions.learn_latest()
         current = self.versions.load_config(latest.config)
@@ -173,7 +238,7 @@ class Reconfiguration:
             raise UsageError(f"{public_uri(uri)} is already a backend of this repository")
         backend = open_backend(uri, current.namespace)
         spec = new_backend_spec(uri, capacity, current)
-        self._prepare_new_backend(backend, spec.id)
+        self._prepare_new_backend(backend, spec.id, mkdir)
         self.ctx.pool.adopt(spec.id, backend, uri)
 
         def make_new(config: Config) -> Config:
@@ -182,16 +247,27 @@ class Reconfiguration:
             return replace(config, backends=(*config.backends, spec),
                            acceptors=(*config.acceptors, spec.id))
 
-        return self.reconfigure(make_new)
+        try:
+            return self.reconfigure(make_new)
+        except IncompleteCopy:
+            # Nothing was decided: without its descriptor the backend is free again,
+            # so running the command again adds it (the copies made stay and count).
+            try:
+                backend.delete(DESCRIPTOR_KEY)
+            except MetasyncError:
+                pass
+            raise
 
-    def _prepare_new_backend(self, backend: Backend, backend_id: str) -> None:
+    def _prepare_new_backend(self, backend: Backend, backend_id: str, mkdir: bool) -> None:
         """Make ``backend`` part of the repository before any configuration names it:
-        the namespace, the wrapped key file, the configurations a clone starts from
-        (each copied from a copy verified under its id), and the descriptor last
+        its location (:func:`prepare_locations`), the namespace, a check of its
+        primitives (recorded), the wrapped key file, the configurations a clone starts
+        from (each copied from a copy verified under its id), and the descriptor last
         (its presence marks a complete repository)."""
-        check_backend_free(backend)
+        prepare_locations([backend], mkdir)
         backend.create()
         versions, state = self.versions, self.ctx.state
+        verification.remember(state, {backend_id: verification.verify(backend)})
         if versions.config.encryption != "none":
             backend.put(KEYFILE_KEY, self._read_anywhere(KEYFILE_KEY))
         init_config = state.init_config_id
@@ -300,6 +376,25 @@ class Reconfiguration:
         if days < 0:
             raise UsageError("the retention must be zero or more days")
         return self.change_config(lambda config: replace(config, retention_days=days)).version
+
+
+def unplaced(report: RebalanceReport, config: Config,
+             name: Callable[[str], str]) -> str | None:
+    """Why a copy to ``config``'s holders is not clean, in one line, or None if it
+    is: every backend of ``config`` answered its listing and every object found is
+    on all of its holders. Backends not in ``config`` (one being removed, maybe dead)
+    may be unreachable, and objects with no good copy anywhere (``report.lost``)
+    can never be placed: they are reported, never waited for."""
+    ids = {b.id for b in config.backends}
+    why = {b: f"did not answer: {r}" for b, r in report.unreachable.items() if b in ids}
+    for backend_id, reason in report.missed.items():
+        why.setdefault(backend_id, reason)
+    if not why:
+        return None
+    backends = "; ".join(f"{name(b)} {' '.join(r.split())}" for b, r in sorted(why.items()))
+    count = len(report.short)
+    return (f"nothing was changed: {count} object(s) could not be placed on their new holders "
+            f"({backends}); retry later (run the command again) to complete the change")
 
 
 def moved_minimum(old: Config, new: Config, stored_ids: Iterable[str]) -> int:

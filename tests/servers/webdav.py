@@ -125,9 +125,21 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+#: wsgidav's own middleware stack (its default), which ``quirks`` extend.
+_MIDDLEWARE = [
+    "wsgidav.mw.cors.Cors",
+    "wsgidav.error_printer.ErrorPrinter",
+    "wsgidav.http_authenticator.HTTPAuthenticator",
+    "wsgidav.dir_browser.WsgiDavDirBrowser",
+    "wsgidav.request_resolver.RequestResolver",
+]
+
+
 @contextlib.contextmanager
-def run_wsgidav(workdir: Path) -> Iterator[WebdavServer]:
-    """Run wsgidav serving ``workdir/root`` until the block exits."""
+def run_wsgidav(workdir: Path, quirks: tuple[str, ...] = ()) -> Iterator[WebdavServer]:
+    """Run wsgidav serving ``workdir/root`` until the block exits. ``quirks`` names
+    middlewares of ``wsgidav_faults.py`` (e.g. ``"RefuseLockedMove"``), placed after
+    authentication, that make the server answer some requests as other servers do."""
     root = workdir / "root"
     root.mkdir(parents=True, exist_ok=True)
     user, password = "metasync-test", "s3cret pass/wörd"
@@ -151,6 +163,8 @@ def run_wsgidav(workdir: Path) -> Iterator[WebdavServer]:
         },
         "simple_dc": {"user_mapping": {"*": {user: {"password": password}}}},
         "dir_browser": {"enable": False},
+        "middleware_stack": [*_MIDDLEWARE[:3], *(f"wsgidav_faults.{q}" for q in quirks),
+                             *_MIDDLEWARE[3:]],
         "lock_storage": True,
         "property_manager": None,
         "verbose": 2,
@@ -181,4 +195,22 @@ def run_wsgidav(workdir: Path) -> Iterator[WebdavServer]:
 def webdav_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebdavServer]:
     """A wsgidav server for the whole session (see the module docstring)."""
     with run_wsgidav(tmp_path_factory.mktemp("wsgidav")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def webdav_refusing_locked_move(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebdavServer]:
+    """A wsgidav server that grants LOCK but answers 412 to every MOVE carrying a
+    lock token (``wsgidav_faults.RefuseLockedMove``)."""
+    with run_wsgidav(tmp_path_factory.mktemp("wsgidav-lockmove"), ("RefuseLockedMove",)) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def webdav_500_for_missing_folder(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[WebdavServer]:
+    """A wsgidav server that answers 500, not 409, to a PUT into a missing folder
+    (``wsgidav_faults.Answer500ForMissingFolder``)."""
+    with run_wsgidav(tmp_path_factory.mktemp("wsgidav-500"), ("Answer500ForMissingFolder",)) as server:
         yield server

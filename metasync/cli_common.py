@@ -1,0 +1,137 @@
+"""What every ``metasync`` command shares: the global options' state, one-line
+failures, progress reporters, the passphrase source and opening the repository."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from metasync.errors import UsageError
+from metasync.repository import Repository
+
+
+class _State:
+    debug = False
+    quiet = False
+
+
+STATE = _State()
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    click.echo(f"metasync: error: {message}", err=True)
+    sys.exit(code)
+
+
+class RichReporter:
+    """Progress bars (bytes, rate, ETA) on a terminal's stderr."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self._progress: Any = None
+        self._task: Any = None
+
+    def start(self, label: str, total: int) -> None:
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self.finish()
+        if total <= 0:
+            return
+        self._progress = Progress(
+            f"[bold]{label}",
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=True,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(label, total=total)
+
+    def advance(self, amount: int) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task, amount)
+
+    def finish(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def note(self, message: str) -> None:
+        self.console.print(message)
+
+
+class PlainReporter:
+    """No bars; notes go to stderr unless ``--quiet``."""
+
+    def start(self, label: str, total: int) -> None:
+        pass
+
+    def advance(self, amount: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        if not STATE.quiet:
+            click.echo(message, err=True)
+
+
+def _reporter() -> RichReporter | PlainReporter:
+    if not STATE.quiet and sys.stderr.isatty():
+        return RichReporter()
+    return PlainReporter()
+
+
+def _say(message: str) -> None:
+    if not STATE.quiet:
+        click.echo(message)
+
+
+def _passphrase_source(passphrase_file: str | None, confirm: bool) -> Callable[[], str]:
+    def read() -> str:
+        env = os.environ.get("METASYNC_PASSPHRASE")
+        if env:
+            return env
+        if passphrase_file:
+            try:
+                return Path(passphrase_file).read_text().rstrip("\r\n")
+            except OSError as exc:
+                raise UsageError(f"cannot read passphrase file {passphrase_file}: {exc.strerror}") from None
+        if not sys.stdin.isatty():
+            raise UsageError(
+                "this repository is encrypted: set METASYNC_PASSPHRASE or use --passphrase-file"
+            )
+        value: str = click.prompt("Passphrase", hide_input=True, confirmation_prompt=confirm, err=True)
+        return value
+
+    return read
+
+
+def _open() -> Repository:
+    return Repository.open(Path.cwd(), reporter=_reporter())
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+

@@ -1,0 +1,256 @@
+"""``metasync auth`` (cloud sign-ins) and ``metasync daemon`` (the background
+service): the commands that manage this computer rather than the repository."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import click
+
+from metasync.cli_common import _open, _say
+from metasync.errors import UsageError
+
+
+class ClickAuthUI:
+    """``metasync auth`` talking to the terminal: URLs on stdout, codes from stdin."""
+
+    def __init__(self, no_browser: bool) -> None:
+        self.no_browser = no_browser
+
+    def show(self, text: str) -> None:
+        click.echo(text)
+
+    def open_browser(self, url: str) -> bool:
+        if self.no_browser:
+            return False
+        if sys.platform.startswith("linux") and not (
+            os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
+        ):
+            return False  # no desktop: a text browser would take over the terminal
+        import webbrowser
+
+        try:
+            return webbrowser.open(url)
+        except webbrowser.Error:
+            return False
+
+    def prompt(self, text: str) -> str:
+        click.echo(text, nl=False, err=True)
+        line = sys.stdin.readline()
+        if not line:
+            raise UsageError("no answer on standard input; sign-in cancelled")
+        return line.strip()
+
+
+def _auth_help() -> str:
+    from metasync.backends import AUTH_PROVIDERS
+
+    return (f"Sign in to a cloud PROVIDER ({', '.join(sorted(AUTH_PROVIDERS))}) and keep "
+            "the grant on this computer (OS keyring, else a private file).")
+
+
+@click.command(help=_auth_help())
+@click.argument("provider")
+@click.option("--account", default="default", show_default=True,
+              help="Name for this sign-in; a backend URI selects it with ?account=NAME.")
+@click.option("--no-browser", is_flag=True,
+              help="Do not open a browser: print the address to visit and read the code.")
+@click.option("--app-key", default=None, help="Your own app's key (else METASYNC_<PROVIDER>_APP_KEY).")
+@click.option("--app-secret", default=None,
+              help="Your own app's secret, if it has one (else METASYNC_<PROVIDER>_APP_SECRET).")
+@click.option("--code", default=None, help="An authorization code obtained already.")
+def auth(provider: str, account: str, no_browser: bool, app_key: str | None,
+         app_secret: str | None, code: str | None) -> None:
+    from metasync.backends.cloud import AuthRequest, authorize, endpoint, token_store
+
+    store = token_store()
+    request = AuthRequest(provider.lower(), account, app_key, app_secret, no_browser, code,
+                          endpoint(provider.lower()))
+    grant = authorize(request, ClickAuthUI(no_browser), store)
+    who = grant.extra.get("email") or grant.extra.get("account_id") or grant.account
+    _say(f"Signed in to {grant.provider} as {who} (account {grant.account!r}); "
+         f"the sign-in is kept in {store.where}")
+
+
+# ============================================================== daemon
+def _settings_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    f = click.option("--settle", type=click.FloatRange(min=0), default=3.0, show_default=True,
+                     help="Quiet seconds after a local change before syncing it.")(f)
+    f = click.option("--poll", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+                     help="Seconds between checks of the backends for others' changes.")(f)
+    f = click.option("--rescan", type=click.FloatRange(min=1), default=60.0, show_default=True,
+                     help="Seconds between full checks, whatever the events say.")(f)
+    f = click.option("--delete-share", type=click.FloatRange(0, 1), default=0.5,
+                     show_default=True,
+                     help="Pause instead of syncing one change that deletes more than this "
+                          "share of the files.")(f)
+    return f
+
+
+def _repo_root() -> Path:
+    with _open() as repo:
+        return repo.root
+
+
+@click.group(invoke_without_command=True)
+@_settings_options
+@click.pass_context
+def daemon(ctx: click.Context, settle: float, poll: float, rescan: float,
+           delete_share: float) -> None:
+    """Keep this folder in sync in the background. Without a subcommand, run in
+    the foreground (for systemd or launchd)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from metasync.daemon import Daemon, Settings
+
+    root = _repo_root()
+    code = Daemon(root, Settings(settle, poll, rescan, delete_share)).run()
+    sys.exit(code)
+
+
+@daemon.command("start")
+@_settings_options
+def daemon_start(settle: float, poll: float, rescan: float, delete_share: float) -> None:
+    """Start the daemon in the background (log: .metasync/daemon.log)."""
+    import subprocess
+
+    from metasync.daemon import LOG_FILE, daemon_running, running_pid
+
+    root = _repo_root()
+    if daemon_running(root):
+        raise UsageError(f"a metasync daemon already runs for {root} (pid {running_pid(root)})")
+    args = [sys.executable, "-m", "metasync.cli", "daemon", "--settle", repr(settle),
+            "--poll", repr(poll), "--rescan", repr(rescan), "--delete-share", repr(delete_share)]
+    with open(root / ".metasync" / LOG_FILE, "ab") as log:
+        proc = subprocess.Popen(args, cwd=root, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True)
+    # Wait until it holds its pid file (or died), so `status` right after is accurate.
+    for _ in range(200):
+        if daemon_running(root) or proc.poll() is not None:
+            break
+        try:
+            proc.wait(timeout=0.05)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is not None:
+        raise UsageError(f"the daemon exited at once (status {proc.returncode}); "
+                         f"see {root / '.metasync' / LOG_FILE}")
+    _say(f"metasync daemon started for {root} (pid {proc.pid})")
+
+
+@daemon.command("stop")
+def daemon_stop() -> None:
+    """Stop the background daemon after its current step."""
+    import signal
+
+    from metasync.daemon import daemon_running, running_pid
+
+    root = _repo_root()
+    pid = running_pid(root)
+    if pid is None:
+        _say("no metasync daemon runs for this folder")
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = datetime.now().timestamp() + 60
+    while daemon_running(root) and datetime.now().timestamp() < deadline:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        import select
+
+        select.select([], [], [], 0.1)
+    if daemon_running(root):
+        raise UsageError(f"the daemon (pid {pid}) did not stop within 60 s; kill it if needed")
+    _say(f"metasync daemon stopped (pid {pid})")
+
+
+@daemon.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def daemon_status(as_json: bool) -> None:
+    """Show the daemon's state, last sync, pending changes, conflicts, backends."""
+    from metasync.daemon import read_status
+
+    root = Path.cwd()
+    for candidate in (root, *root.parents):
+        if (candidate / ".metasync").is_dir():
+            root = candidate
+            break
+    else:
+        raise UsageError(f"{root} is not inside a metasync repository")
+    doc = read_status(root)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+        return
+    last = doc.get("last_sync")
+    when = datetime.fromtimestamp(last).strftime("%Y-%m-%d %H:%M:%S") if last else "never"
+    click.echo(f"state:        {doc.get('state')}" + (f" ({doc['reason']})" if doc.get("reason") else ""))
+    click.echo(f"last sync:    {when} (version {doc.get('version', 0)})")
+    click.echo(f"pending:      {doc.get('pending_changes', 0)} change(s)"
+               + (", local commits not pushed" if doc.get("unpushed") else ""))
+    click.echo(f"conflicts:    {len(doc.get('conflicts', []))}")
+    for name in doc.get("conflicts", [])[-5:]:
+        click.echo(f"  {name}")
+    for backend, health in sorted(doc.get("backends", {}).items()):
+        click.echo(f"backend:      {backend}: {health}")
+
+
+@daemon.command("resume")
+def daemon_resume() -> None:
+    """Let a paused daemon sync what it paused on (e.g. a mass deletion)."""
+    from metasync.daemon import RESUME_FILE, daemon_running
+
+    root = _repo_root()
+    if not daemon_running(root):
+        raise UsageError("no metasync daemon runs for this folder; start it with `metasync daemon start`")
+    (root / ".metasync" / RESUME_FILE).write_text("resume\n")
+    _say("the daemon will sync the paused change now")
+
+
+@daemon.command("install-service")
+def daemon_install_service() -> None:
+    """Write a systemd user unit for this folder and enable it."""
+    import hashlib
+    import shutil
+    import subprocess
+
+    root = _repo_root()
+    unit_dir = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "systemd" / "user"
+    name = f"metasync-{hashlib.sha256(str(root).encode()).hexdigest()[:12]}.service"
+    exe = Path(sys.executable).with_name("metasync")
+    unit = (
+        "[Unit]\n"
+        f"Description=metasync: keep {root} in sync\n"
+        "After=network-online.target\n\n"
+        "[Service]\n"
+        f"WorkingDirectory={root}\n"
+        f"ExecStart={exe if exe.exists() else 'metasync'} daemon\n"
+        "Restart=on-failure\n"
+        "RestartSec=10\n"
+        "KillSignal=SIGTERM\n"
+        "TimeoutStopSec=90\n\n"
+        "[Install]\n"
+        "WantedBy=default.target\n"
+    )
+    unit_dir.mkdir(parents=True, exist_ok=True)
+    tmp = unit_dir / f".{name}.tmp"
+    tmp.write_text(unit)
+    os.replace(tmp, unit_dir / name)
+    systemctl = shutil.which("systemctl")
+    if systemctl is None:
+        raise UsageError(f"wrote {unit_dir / name}, but systemctl is not available to enable it; "
+                         f"run `systemctl --user enable --now {name}` where it is")
+    for args in (["daemon-reload"], ["enable", "--now", name]):
+        proc = subprocess.run([systemctl, "--user", *args], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise UsageError(f"wrote {unit_dir / name}, but `systemctl --user {' '.join(args)}` "
+                             f"failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+    _say(f"installed and started {name} ({unit_dir / name})")
+
+
