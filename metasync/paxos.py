@@ -713,10 +713,22 @@ def read_floor(setup: Setup) -> Run[int]:
 def compact(setup: Setup, below: int) -> Run[int]:
     """Delete every acceptor's logs of the instances below ``below``, which must be
     a decided instance that every proposal still running began after (the caller's
-    grace period ensures it; see docs/protocol.md). Two round trips: the floor on
-    *every* acceptor, then the deletions. Returns the log objects removed; raises
+    grace period ensures it; see docs/protocol.md). First the hints: an acceptor
+    whose ``latest`` hint (for these acceptors) is below ``below`` gets ``below``,
+    a version these acceptors decided and whose log stays, so a client behind the
+    floor always finds a hint it can confirm at or above it -- without this, a
+    version whose publisher crashed before writing its hint (a configuration
+    change's seal, which no client takes as its base) could leave none, and every
+    client behind would be stranded. Then the floor on *every* acceptor, then the
+    deletions. Returns the log objects removed; raises
     :class:`NoQuorum` (having deleted nothing) if some acceptor did not record the
     floor. Interrupted deletions are finished by the next compaction."""
+    hints = yield [ReadHint(a) for a in setup.acceptors]
+    hints = hints if hints is not None else [None] * len(setup.acceptors)
+    stale = [a for a, h in zip(setup.acceptors, hints, strict=True)
+             if not (type(h) is int and h >= below)]
+    if stale:
+        yield [WriteHint(a, below) for a in stale]
     replies = yield [WriteFloor(a, below) for a in setup.acceptors]
     recorded = sum(1 for r in replies or [] if r is True)
     if recorded < len(setup.acceptors):

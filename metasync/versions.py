@@ -13,18 +13,17 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from metasync import follow
 from metasync.backends import Backend
 from metasync.context import RepoContext
 from metasync.errors import (
-    BackendError,
-    BackendUnavailable,
     CorruptObject,
-    FloorElsewhere,
     MetasyncError,
     ObjectUnavailable,
 )
+from metasync.follow import MAX_CONFIG_HOPS
 from metasync.layout import config_key
 from metasync.objects import Config, Version
 from metasync.state import LocalState
@@ -33,9 +32,9 @@ from metasync.timeouts import DEFAULT_TIMEOUT, parse_timeout
 if TYPE_CHECKING:
     from metasync.consensus import Consensus
 
-#: Most configuration changes one read follows (each costs a round trip or two).
-MAX_CONFIG_HOPS = 1000
+__all__ = ["MAX_CONFIG_HOPS", "Versions", "consensus_timeout"]
 
+T = TypeVar("T")
 
 def consensus_timeout(state: LocalState) -> float | None:
     """Seconds consensus waits without progress: ``METASYNC_TIMEOUT`` (set by the
@@ -170,37 +169,15 @@ class Versions:
     def learn_latest(self) -> Version:
         """The newest decided version. Follows configuration changes: the instances
         after a version that changes the configuration are decided by the acceptors
-        of its new configuration (docs/FORMAT.md §9). A newer gc epoch is taken into
-        account before anything is read or deduplicated under what that gc left."""
-        known = self.prev
-        consensus = self.consensus
-        for _ in range(MAX_CONFIG_HOPS):
-            try:
-                latest = consensus.get_recent(known)
-            except FloorElsewhere as exc:
-                # Behind a log compaction that other acceptors than ours decided: start
-                # again from the newest version the backends' hints confirm, like a clone.
-                known = self._version_from_hints(consensus, exc)
-                consensus = self.consensus_for(known.config)
-                continue
-            except BackendUnavailable:
-                # No quorum of this configuration answers. If a later configuration
-                # (which no longer waits for the lost backends) has decided a newer
-                # version, a hint names it and a quorum of that one confirms it.
-                newer = self._newer_from_hints(consensus, known)
-                if newer is None:
-                    raise
-                known, consensus = newer, self.consensus_for(newer.config)
-                continue
-            if latest.config == consensus.config_id:
-                self.note_gc_epoch(self.load_config(latest.config).gc_epoch)
-                return latest
-            consensus = self.consensus_for(latest.config)
-            known = latest
-        raise BackendError(
-            f"the configuration changed more than {MAX_CONFIG_HOPS} times while reading; retry",
-            transient=True,
-        )
+        of its new configuration (docs/FORMAT.md §9), and where a configuration has
+        no quorum left, or the client is behind a compaction other acceptors
+        decided, from the newest version a backend's hint names and a quorum of the
+        hint's configuration confirms (:func:`metasync.follow.latest` decides; this
+        drives it). A newer gc epoch is taken into account before anything is read
+        or deduplicated under what that gc left."""
+        latest = self._follow(follow.latest(self.prev, self.config_id))
+        self.note_gc_epoch(self.load_config(latest.config).gc_epoch)
+        return latest
 
     def note_gc_epoch(self, epoch: int) -> None:
         """A configuration of gc epoch ``epoch`` was learned: if a gc ran since this
@@ -211,38 +188,70 @@ class Versions:
     def confirm_hint(self, number: int, config_id: str) -> Version | None:
         """Version ``number`` if the acceptors of ``config_id`` (the configuration a
         hint names) show it decided and not compacted, else None (hints are only
-        shortcuts)."""
-        try:
-            consensus = self.consensus_for(config_id)
-            decided = consensus.learn(number)
-            if decided is None:
-                # Reading alone needs a quorum of matching accepts in view; a version
-                # decided in the fast round shows fewer once one of the acceptors
-                # that accepted it is gone. Finishing the instance -- a Paxos recovery
-                # that proposes nothing of its own -- learns it safely.
-                decided = consensus.propose(number, None)
-        except MetasyncError:
-            return None
-        return decided if decided is not None and decided.number == number else None
+        shortcuts; :func:`metasync.follow.confirm`)."""
+        return self._follow(follow.confirm(number, config_id))
 
-    def _version_from_hints(self, consensus: Consensus, behind: MetasyncError) -> Version:
-        """The newest version that some backend's ``latest`` hint names and the
-        acceptors of the hint's configuration confirm (decided, not compacted)."""
-        found = self._newer_from_hints(consensus, None)
-        if found is None:
-            raise BackendError(f"{behind}, and no backend's latest-version hint could be "
-                               "confirmed; retry, or clone the repository again", transient=True)
-        return found
-
-    def _newer_from_hints(self, consensus: Consensus, known: Version | None) -> Version | None:
-        """The newest version after ``known`` (any, if None) that some reachable
-        backend's ``latest`` hint names and a quorum of the hint's configuration
-        confirms; None if there is none. Hints are only shortcuts: nothing is
-        believed that the acceptors do not confirm."""
+    def start_from_hint(self, entry_id: str) -> None:
+        """A fresh clone starts from the version its entry backend's ``latest`` hint
+        names, once that version's acceptors confirm it: learning from version 0
+        would need the first configuration's backends, which may be long gone. Any
+        failure to confirm leaves the start at version 0 (:func:`metasync.follow.start`)."""
         from metasync.consensus import read_hint
 
-        backends = {**self.ctx.pool.open(self.config), **consensus.acceptors}
-        after = known.number if known is not None else -1
+        uri = self.state.uri_overrides[entry_id]
+        entry = self.ctx.pool.open_by_id({entry_id: uri})[entry_id]
+        decided = self._follow(follow.start(read_hint(self.ctx.codec, entry), self.prev))
+        if decided is None:
+            return
+        with self.state.transaction():
+            self.set_base(decided)
+        self.adopt_config()
+
+    def _follow(self, walk: follow.Follow[T]) -> T:
+        """Drive a :mod:`metasync.follow` generator with the pPaxos drivers of the
+        configurations it names: each step's result is sent in, a step's
+        :class:`MetasyncError` thrown in. An error making a configuration's driver
+        for ``get_recent`` (its configuration unreadable, a backend that cannot be
+        opened) ends the walk as is; for a hint's confirmation it only leaves the
+        hint unconfirmed."""
+        reply: Any = None
+        error: MetasyncError | None = None
+        try:
+            while True:
+                try:
+                    step = walk.throw(error) if error is not None else walk.send(reply)
+                except StopIteration as stop:
+                    result: T = stop.value
+                    return result
+                reply, error = None, None
+                if isinstance(step, follow.GetRecent):
+                    consensus = self.consensus_for(step.config)
+                    try:
+                        reply = consensus.get_recent(step.known)
+                    except MetasyncError as exc:
+                        error = exc
+                elif isinstance(step, follow.ReadHints):
+                    reply = self._read_hints(step)
+                else:
+                    try:
+                        consensus = self.consensus_for(step.config)
+                        if isinstance(step, follow.Learn):
+                            reply = consensus.learn(step.number)
+                        else:
+                            reply = consensus.propose(step.number, None)
+                    except MetasyncError as exc:
+                        error = exc
+        finally:
+            walk.close()
+
+    def _read_hints(self, step: follow.ReadHints) -> list[tuple[int, str] | None]:
+        """The ``latest`` hint of every backend of configuration ``step.storage``
+        (this client's) and every acceptor of ``step.acceptors``, read at once; None
+        for a backend whose hint is missing, unreadable or out of reach."""
+        from metasync.consensus import read_hint
+
+        own = self.config if step.storage == self.config_id else self.load_config(step.storage)
+        backends = {**self.ctx.pool.open(own), **self.consensus_for(step.acceptors).acceptors}
 
         def hint_of(backend: Backend) -> tuple[int, str] | None:
             try:
@@ -250,32 +259,7 @@ class Versions:
             except MetasyncError:
                 return None  # unreachable: its hint is as good as absent
 
-        found = self.ctx.store.executor.map(hint_of, backends.values())
-        hints = sorted({h for h in found if h is not None and h[0] > after}, reverse=True)
-        for number, config_id in hints:
-            decided = self.confirm_hint(number, config_id)
-            if decided is not None:
-                return decided
-        return None
-
-    def start_from_hint(self, entry_id: str) -> None:
-        """A fresh clone starts from the version its entry backend's ``latest`` hint
-        names, once that version's acceptors confirm it: learning from version 0
-        would need the first configuration's backends, which may be long gone. Any
-        failure leaves the start at version 0."""
-        from metasync.consensus import read_hint
-
-        uri = self.state.uri_overrides[entry_id]
-        entry = self.ctx.pool.open_by_id({entry_id: uri})[entry_id]
-        hint = read_hint(self.ctx.codec, entry)
-        if hint is None or hint[0] <= self.prev.number + 1:
-            return
-        decided = self.confirm_hint(*hint)
-        if decided is None:
-            return
-        with self.state.transaction():
-            self.set_base(decided)
-        self.adopt_config()
+        return list(self.ctx.store.executor.map(hint_of, backends.values()))
 
     def acceptor_uris(self) -> dict[str, str]:
         """The URI this client uses for each acceptor of its configuration, by id."""

@@ -1125,14 +1125,19 @@ def test_compaction_records_every_floor_before_deleting_anything() -> None:
     cluster = Cluster()
     decide_versions(cluster, 6)
     run = compact(make_setup(), 4)
-    first = next(run)
+    assert [type(r) for r in next(run)] == [ReadHint] * 3
+    assert [type(r) for r in run.send([None, 6, 2])] == [WriteHint] * 2  # not a1's newer one
+    first = run.send([None, None])
     assert [type(r) for r in first] == [WriteFloor] * 3  # all floors, nothing deleted yet
     with pytest.raises(NoQuorum):  # one acceptor did not record it: nothing is deleted
         run.send([True, True, None])
     assert all(cluster.log(a, 1) for a in names(3))
+    cluster.hints["a1"] = 6
     removed, batches = drive(cluster, compact(make_setup(), 4))
-    assert batches == 2 and removed == 9  # instances 1-3 on 3 acceptors
+    assert batches == 4 and removed == 9  # instances 1-3 on 3 acceptors
     assert cluster.floors == {a: 4 for a in names(3)}
+    # A client behind the floor finds a hint at or above it, whoever published last.
+    assert cluster.hints == {"a0": 4, "a1": 6, "a2": 4}
     assert all(not cluster.log(a, i) and cluster.log(a, 4) for a in names(3) for i in (1, 2, 3))
 
 

@@ -100,3 +100,44 @@ def draw_params(rng: random.Random, bft_share: float) -> Params:
         think=rng.choice((0.0, 0.05, 0.5, 2.0)),
         compaction_every=rng.choice((0.0, 0.3, 1.0, 3.0)),
     )
+
+
+@dataclass
+class Plan:
+    """A schedule's configuration changes, losses, sleepers and clones, drawn from a
+    random stream of their own (``random.Random(f"plan/{seed}")``), so that a
+    schedule without any of them is the schedule its seed gave before they existed."""
+
+    #: R of version 0's configuration.
+    replicas: int
+    #: Configuration changes asked of clients during the fault phase, and attempts to
+    #: lose a backend for good (each made only if the configuration tolerates it).
+    changes: int = 0
+    losses: int = 0
+    #: Clients that fall asleep early in the fault phase and wake after the heal.
+    sleepers: tuple[int, ...] = ()
+    #: Fresh clones joining late, each with this many changes to push.
+    clones: tuple[int, ...] = ()
+    #: Chance that a lost backend is removed from the configuration later.
+    p_remove_dead: float = 0.8
+
+    def describe(self) -> str:
+        return (f"R={self.replicas} changes={self.changes} losses={self.losses} "
+                f"sleepers={list(self.sleepers)} clones={list(self.clones)}")
+
+
+def draw_plan(rng: random.Random, p: Params) -> Plan:
+    """What ``p``'s schedule does to its configuration (``rng``: the plan's stream)."""
+    n = p.acceptors
+    replicas = 1 if n == 1 else rng.choice((1, 2, 2, 2, 3)) if n >= 3 else rng.choice((1, 2))
+    if rng.random() < 0.3:
+        return Plan(replicas)  # a schedule of the old kind: one configuration for ever
+    clients = len(p.pushes)
+    return Plan(
+        replicas=replicas,
+        changes=rng.randint(1, 6),
+        losses=rng.choice((0, 1, 1, 2, 2, 3)),
+        sleepers=tuple(i for i in range(clients) if rng.random() < 0.25),
+        clones=tuple(rng.randint(1, 2) for _ in range(rng.choice((0, 0, 1, 1, 2)))),
+        p_remove_dead=rng.choice((0.5, 0.8, 1.0)),
+    )
