@@ -368,7 +368,9 @@ class Consensus:
             "Whether this version was made is unknown until they are back; the next "
             "push or pull settles it" if self._wrote
             else "Nothing was changed; retry when they are reachable"
-        ) + " (if they are gone for good, `metasync recover` rebuilds the repository from the rest)"
+        ) + (" (if they are gone for good: clone again from a backend still in use, which"
+             " follows any newer configuration, or `metasync recover` rebuilds the"
+             " repository from the rest)")
         return BackendUnavailable(
             f"only {max(answered, 0)} of {len(self.acceptors)} backends answered and "
             f"{self.quorums.classic} are needed to agree on a version; not answering: "

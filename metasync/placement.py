@@ -139,6 +139,9 @@ def place(
     key = object_key(stored_id)
     verified: set[str] = set()
     bad: set[str] = set()
+    #: Backends that listed the object but failed to hand it over just now: their
+    #: copy may well be good, so the object is not lost (a change must wait).
+    unanswered: dict[str, str] = {}
 
     def verify_at(backend_id: str) -> bytes | None:
         """The copy on ``backend_id`` if it is good (and remember which it was)."""
@@ -147,8 +150,12 @@ def place(
         try:
             data = backends[backend_id].get(key)
             verify_stored(codec, stored_id, data)
-        except MetasyncError:
+        except (CorruptObject, ObjectNotFound):
             bad.add(backend_id)
+            return None
+        except MetasyncError as exc:
+            bad.add(backend_id)
+            unanswered[backend_id] = " ".join(str(exc).split())
             return None
         verified.add(backend_id)
         return data
@@ -167,8 +174,15 @@ def place(
                 break
             good = verify_at(backend_id)
         if good is None:
-            out.lost = True
             out.placed = verified & set(holders)
+            if unanswered:
+                # Not lost: a copy is there but could not be read now (a transient
+                # failure); the holders stay short and the caller tries again.
+                source, why = sorted(unanswered.items())[0]
+                out.missed.update(dict.fromkeys(
+                    missing, f"its copy on {source} could not be read ({why})"))
+                return out
+            out.lost = True
             out.missed.update(dict.fromkeys(missing, "no good copy to copy from"))
             return out
         for backend_id in missing:
@@ -236,6 +250,9 @@ def place_fragments(
     hasher = codec.hasher
     good: dict[int, bytes] = {}
     verified: dict[str, int] = {}  # backend -> the index it verifiably holds
+    #: Backends that failed to hand over a fragment just now (not corrupt, not
+    #: absent): with them the object is not lost, only not placed yet.
+    unanswered: dict[str, str] = {}
 
     def fetch(index: int, backend_id: str) -> bytes | None:
         if backend_id in unreachable or backend_id not in backends:
@@ -243,7 +260,10 @@ def place_fragments(
         try:
             data = backends[backend_id].get(fragment_key(stored_id, index))
             verify_fragment(hasher, stored_id, index, data)
-        except MetasyncError:
+        except (CorruptObject, ObjectNotFound):
+            return None
+        except MetasyncError as exc:
+            unanswered[backend_id] = " ".join(str(exc).split())
             return None
         good.setdefault(index, data)
         return data
@@ -281,6 +301,10 @@ def place_fragments(
             try:
                 data = rebuild_fragment(hasher, scheme, stored_id, good, index)
             except (CorruptObject, ObjectUnavailable):
+                if unanswered:
+                    source, why = sorted(unanswered.items())[0]
+                    out.missed[backend_id] = f"fragments on {source} could not be read ({why})"
+                    continue
                 out.lost = True
                 out.missed[backend_id] = "no good fragments to rebuild from"
                 continue

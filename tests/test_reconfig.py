@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from conftest import run_cli, snapshot
+from metasync import context
 from metasync.backends import Backend
 from metasync.backends.faulty import ALWAYS, Faults, FaultyBackend
 from metasync.consensus import Consensus
@@ -158,6 +159,39 @@ def test_a_change_is_not_decided_unless_every_new_holder_got_its_copies(
     number, config = _latest(src)
     assert number > before[0] and len(config.backends) == 4
     _check_placement(src, b)
+
+
+def test_a_copy_that_could_not_be_read_just_now_is_not_lost(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """R=1: removing a live backend whose object reads fail for a moment (listing
+    fine). Its copies are not lost -- they are there, unread -- so nothing is
+    decided (before, each counted as "no good copy" and the change went through,
+    leaving those objects only on the removed backend; found by the simulator,
+    seed 1005893 at --bft-share 0.5); once reads work, the removal moves them."""
+    b = _dirs(tmp_path, "b1", "b2", "b3")
+    src = _repo(tmp_path, b, ("b1", "b2", "b3"), files=30, replicas=1)
+    only_b3 = _held(b["b3"])
+    assert only_b3
+    faults = Faults()
+    faults.refuse("get", "objects/", times=ALWAYS, message="connection reset")
+    real_open = context.open_backend
+
+    def open_flaky_b3(uri: str, namespace: str) -> Backend:
+        backend = real_open(uri, namespace)
+        return FaultyBackend(backend, faults) if uri.endswith(str(b["b3"])) else backend
+
+    before = _latest(src)
+    monkeypatch.setattr(context, "open_backend", open_flaky_b3)
+    with Repository.open(src) as repo, pytest.raises(MetasyncError) as refused:
+        repo.remove_backend(f"dir:{b['b3']}")
+    message = str(refused.value)
+    assert "\n" not in message and "could not be read" in message, message
+    assert _latest(src) == before, "nothing was decided"
+    assert _held(b["b3"]) == only_b3
+    monkeypatch.setattr(context, "open_backend", real_open)
+    run_cli("backend", "remove", f"dir:{b['b3']}", cwd=src)
+    assert _held(b["b3"]) == set()
+    _check_placement(src, {n: b[n] for n in ("b1", "b2")})
 
 
 def test_removing_a_dead_backend_is_not_blocked_by_objects_without_a_good_copy(

@@ -187,7 +187,8 @@ class Simulation(Sessions):
         if self.newest.number and decider is not None and self.guard_decider:
             involved.append(self.configs[decider])
         candidates = [b for b in config.backends if not self.acceptors[b].lost
-                      and all(self.tolerates_losing(b, c) for c in involved)]
+                      and all(self.tolerates_losing(b, c) for c in involved)
+                      and not (self.guard_decider and strands_clients_behind(self, b))]
         if not candidates:
             self.stats["losses skipped (not tolerated)"] += 1
             return
@@ -439,3 +440,29 @@ class Simulation(Sessions):
 def run(seed: int, bft_share: float = DEFAULT_BFT_SHARE, trace: bool = False) -> Result:
     """Simulate the schedule of ``seed`` and check it."""
     return Simulation(seed, bft_share, trace).run()
+
+
+def strands_clients_behind(sim: Simulation, backend: str) -> bool:
+    """Whether losing ``backend`` (in ``sim``) takes the quorum of a configuration some client
+    is still based on while none of that configuration's other live honest
+    backends holds a hint naming a later configuration. Such a client reads
+    hints only there (and production tells it to clone again): a backend that
+    was down when the seal's or a later push's hint was published keeps an old
+    one until the next push on the new configuration."""
+    current = sim.current().id
+    based = {c.known.config for c in sim.clients if c.started or not c.clone}
+    for config_id in sorted(based - {current}):
+        config = sim.configs[config_id]
+        if backend not in config.backends:
+            continue
+        lost = sum(1 for b in config.backends if sim.acceptors[b].lost or b == backend)
+        byzantine = sum(1 for b in config.backends if sim.acceptors[b].byzantine)
+        if lost + byzantine <= config.quorums.faults:
+            continue
+        hints = [sim.acceptors[b].hint for b in config.backends
+                 if b != backend and not sim.acceptors[b].lost
+                 and not sim.acceptors[b].byzantine]
+        if not any(h is not None and h[1] != config_id for h in hints):
+            sim.stats["losses skipped (would strand a client behind)"] += 1
+            return True
+    return False

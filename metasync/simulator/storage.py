@@ -132,9 +132,17 @@ class Storage:
         verified = {b for b in have if b in holders and self.verified(who, b, oid)}
         missing = [h for h in holders if h not in verified and h in reachable]
         if missing:
-            source = next((b for b in have if b in verified or self.verified(who, b, oid)), None)
+            source = None
+            unanswered = False
+            for b in have:
+                if b in verified or self.verified(who, b, oid):
+                    source = b
+                    break
+                # Listed but not read just now: its copy is not lost (production's
+                # placement keeps the holders short and the caller tries again).
+                unanswered = unanswered or oid in self.backends[b].objects
             if source is None:
-                out.lost = True
+                out.lost = not unanswered
                 out.placed = verified & set(holders)
                 return out
             for h in missing:
