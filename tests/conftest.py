@@ -111,6 +111,15 @@ def run_cli(
     return proc
 
 
+def backend_dirs(tmp_path: Path, *names: str) -> dict[str, Path]:
+    """Empty folders ``tmp_path/<name>`` for ``dir:`` backends, by name."""
+    out = {}
+    for name in names:
+        out[name] = tmp_path / name
+        out[name].mkdir()
+    return out
+
+
 def snapshot(root: Path) -> dict[str, tuple[str, ...]]:
     """Everything that must round-trip: type, content hash, exec bit, link target,
     and empty folders. ``.metasync`` is excluded."""

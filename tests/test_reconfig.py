@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from conftest import run_cli, snapshot
+from conftest import backend_dirs, run_cli, snapshot
 from metasync import context
 from metasync.backends import Backend
 from metasync.backends.faulty import ALWAYS, Faults, FaultyBackend
@@ -45,14 +45,6 @@ NAMESPACE = "metasync"
 class Crash(BaseException):
     """The process dying at a precise point (nothing after it runs; no handler of
     MetasyncError catches it)."""
-
-
-def _dirs(tmp_path: Path, *names: str) -> dict[str, Path]:
-    out = {}
-    for name in names:
-        out[name] = tmp_path / name
-        out[name].mkdir()
-    return out
 
 
 def _held(backend: Path) -> set[str]:
@@ -129,7 +121,7 @@ def test_a_change_is_not_decided_unless_every_new_holder_got_its_copies(
     listing): nothing is decided, the error says in one line how many objects
     could not be placed, which backend, and that retrying completes it; once the
     backend works, the same command does it and every object is in place."""
-    b = _dirs(tmp_path, "b1", "b2", "b3", "b4")
+    b = backend_dirs(tmp_path, "b1", "b2", "b3", "b4")
     src = _repo(tmp_path, b, ("b1", "b2", "b3"))
     faults = Faults()
     if fault == "write":
@@ -168,7 +160,7 @@ def test_a_copy_that_could_not_be_read_just_now_is_not_lost(
     decided (before, each counted as "no good copy" and the change went through,
     leaving those objects only on the removed backend; found by the simulator,
     seed 1005893 at --bft-share 0.5); once reads work, the removal moves them."""
-    b = _dirs(tmp_path, "b1", "b2", "b3")
+    b = backend_dirs(tmp_path, "b1", "b2", "b3")
     src = _repo(tmp_path, b, ("b1", "b2", "b3"), files=30, replicas=1)
     only_b3 = _held(b["b3"])
     assert only_b3
@@ -199,7 +191,7 @@ def test_removing_a_dead_backend_is_not_blocked_by_objects_without_a_good_copy(
     """An object whose every reachable copy is corrupt can never be placed: the
     removal of a dead backend reports it and goes on (else it could never be
     removed)."""
-    b = _dirs(tmp_path, "b1", "b2", "b3")
+    b = backend_dirs(tmp_path, "b1", "b2", "b3")
     src = _repo(tmp_path, b, ("b1", "b2", "b3"), files=30)
     # An object on b1 and b2 only: b2 dies and b1's copy goes bad.
     victim = sorted(_held(b["b1"]) & _held(b["b2"]))[0]
@@ -216,7 +208,7 @@ def test_a_change_cut_short_right_after_its_decision_is_finished_by_rebalance(
     """``backend remove`` dies right after the change is decided: the rebalance it
     needs was recorded before, so ``backend list`` says so, and ``rebalance``
     empties the removed backend (a source only the old configuration names)."""
-    b = _dirs(tmp_path, "b1", "b2", "b3", "b4")
+    b = backend_dirs(tmp_path, "b1", "b2", "b3", "b4")
     src = _repo(tmp_path, b, ("b1", "b2", "b3", "b4"))
     assert _held(b["b2"])
 
@@ -241,7 +233,7 @@ def test_the_slower_of_two_changes_drops_by_the_newest_configuration(tmp_path: P
     """A adds b4; right after A's change is decided, B removes b3 (deciding after
     A's). A's rebalance with drops must follow B's newer configuration: every
     object ends up exactly where it says, and b3 is emptied."""
-    b = _dirs(tmp_path, "b1", "b2", "b3", "b4")
+    b = backend_dirs(tmp_path, "b1", "b2", "b3", "b4")
     src = _repo(tmp_path, b, ("b1", "b2", "b3"))
     other = tmp_path / "other"
     run_cli("clone", f"dir:{b['b1']}", str(other))
@@ -266,7 +258,7 @@ def test_clone_and_pull_after_removing_a_dead_backend_and_losing_another_without
     """init on b1, b2, b3; a second client clones; backend add b4; b2 dies;
     backend remove b2; no push; b1 dies. The configuration is {b1, b3, b4}, of
     which b3 and b4 answer: a clone from b4 and a pull by the second client work."""
-    b = _dirs(tmp_path, "b1", "b2", "b3", "b4")
+    b = backend_dirs(tmp_path, "b1", "b2", "b3", "b4")
     src = _repo(tmp_path, b, ("b1", "b2", "b3"), files=3)
     second = tmp_path / "second"
     run_cli("clone", f"dir:{b['b3']}", str(second))
