@@ -199,7 +199,10 @@ class Consensus:
                     continue  # superseded by a newer floor meanwhile: read again
                 if ran_by != set(self.acceptors):
                     raise FloorElsewhere(exc.floor) from None
-                known = self.run(past_floor(self.setup, exc.floor, self.rng))
+                try:
+                    known = self.run(past_floor(self.setup, exc.floor, self.rng))
+                except Compacted:
+                    continue  # the floor moved on: whose it is is checked from the top
                 if known.config != self.config_id:
                     return known  # the caller continues on that configuration's acceptors
                 continue

@@ -515,27 +515,30 @@ def get_recent(
 
 
 def past_floor(setup: Setup, floor: int, rng: random.Random) -> Run[Version]:
-    """The version decided in instance ``floor`` (or a later floor's), for a caller
-    whose :func:`get_recent` raised :class:`Compacted`: compaction keeps that
-    instance's logs and records a floor only once it is decided. ``setup`` must be
-    the acceptors that ran that instance (the floor record names them). The caller
-    then runs :func:`get_recent` from the result, which validates it."""
+    """The version decided in instance ``floor``, for a caller whose
+    :func:`get_recent` raised :class:`Compacted`: compaction keeps that instance's
+    logs and records a floor only once it is decided. ``setup`` must be the
+    acceptors that ran that instance (the floor record names them). The caller
+    then runs :func:`get_recent` from the result, which validates it.
+
+    Raises :class:`Compacted` if the floor moves on meanwhile: whose the new floor
+    is -- these acceptors' or another configuration's -- is for the caller to check
+    from its record before jumping there. (Following it here, on these acceptors,
+    read a floor other acceptors had set as if these ran it: a sleeper decided a
+    second value in an instance a newer configuration had decided; simulator seed
+    18872.)"""
     attempt = 0
     while attempt < setup.max_attempts:
         reading = yield from read(setup, floor, rng, floor=True)
         if reading.floor > floor:
-            floor = reading.floor  # compacted again meanwhile: progress, not an attempt
-            continue
+            raise Compacted(floor, reading.floor)
         attempt += 1
         found = reading.decided
         if found is None and reading.anything_accepted:
             # Decided, but this quorum shows too few of the deciding votes (a fast
-            # quorum seen in part): finishing the instance re-proposes that value.
-            try:
-                found = yield from propose(setup, floor, None, rng, reading.logs)
-            except Compacted as exc:
-                floor = exc.floor
-                continue
+            # quorum seen in part): finishing the instance re-proposes that value
+            # (a Compacted from it goes to the caller, as above).
+            found = yield from propose(setup, floor, None, rng, reading.logs)
         if found is not None:
             if found.number != floor:
                 raise CorruptObject(f"instance {floor} decided version {found.number}")

@@ -1141,6 +1141,19 @@ def test_compaction_records_every_floor_before_deleting_anything() -> None:
     assert all(not cluster.log(a, i) and cluster.log(a, 4) for a in names(3) for i in (1, 2, 3))
 
 
+def test_past_floor_leaves_a_moved_floor_to_its_caller() -> None:
+    """A floor that moved on while reading is raised, not followed on the same
+    acceptors: the caller checks from the floor's record whose acceptors ran it
+    (another configuration's, for a client that slept through a change)."""
+    cluster = Cluster()
+    decide_versions(cluster, 6)
+    drive(cluster, compact(make_setup(), 2))
+    drive(cluster, compact(make_setup(), 4))
+    with pytest.raises(Compacted) as info:
+        drive(cluster, past_floor(make_setup(), 2, rng()))
+    assert (info.value.instance, info.value.floor) == (2, 4)
+
+
 def test_reader_behind_the_floor_jumps_to_it_and_walks_on() -> None:
     cluster = Cluster()
     decide_versions(cluster, 6)

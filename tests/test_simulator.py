@@ -11,10 +11,12 @@ import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import pytest
 
 from metasync import follow, paxos, simulator
+from metasync.errors import Compacted
 from metasync.mapping import StableMapping
 from metasync.objects import Version
 from metasync.paxos import FAST_ROUND, AcceptorState, Message, Quorums, Round
@@ -305,6 +307,27 @@ def test_checker_catches_proposals_that_skip_the_floor(monkeypatch: pytest.Monke
     monkeypatch.setattr(paxos._FloorCheck, "extend", lambda self, batch: batch)
     monkeypatch.setattr(paxos._FloorCheck, "split", split)
     assert first_violation([58]) is not None
+
+
+def test_checker_catches_past_floor_following_a_moved_floor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Safety: a reader behind a floor whose floor moves on while it reads must not
+    follow it on its own acceptors -- the new floor may be another configuration's.
+    Following it there (paxos.past_floor did), a sleeper decided a second value in
+    an instance the newer configuration had decided (seed 18872)."""
+    real = paxos.past_floor
+
+    def following(setup: paxos.Setup, floor: int, rng: Any) -> paxos.Run[Version]:
+        while True:
+            try:
+                return (yield from real(setup, floor, rng))
+            except Compacted as exc:
+                floor = exc.floor
+
+    assert run(18872).ok
+    monkeypatch.setattr(simulator.following, "past_floor", following)
+    found = first_violation([18872])
+    assert found is not None and "different values chosen" in found, found
 
 
 def test_checker_catches_compaction_without_the_grace(monkeypatch: pytest.MonkeyPatch) -> None:

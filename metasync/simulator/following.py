@@ -149,7 +149,10 @@ class Following(World):
                     continue  # superseded by a newer floor meanwhile: read again
                 if ran_by != set(setup.acceptors):
                     raise FloorElsewhere(exc.floor) from None
-                known = yield from self.on(c, config, past_floor(setup, exc.floor, rng))
+                try:
+                    known = yield from self.on(c, config, past_floor(setup, exc.floor, rng))
+                except Compacted:
+                    continue  # the floor moved on: whose it is is checked from the top
                 self.observe(c, known, "past the floor")
                 if known.number > c.known.number + 1 and c.known.number + 1 < self.compacted_below:
                     self.stats["get_recent jumped over compacted instances"] += 1
