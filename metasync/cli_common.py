@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 import click
 
 from metasync.errors import UsageError
+from metasync.progress import NullReporter
 from metasync.repository import Repository
 
 
@@ -75,17 +76,8 @@ class RichReporter:
         self.console.print(message)
 
 
-class PlainReporter:
+class PlainReporter(NullReporter):
     """No bars; notes go to stderr unless ``--quiet``."""
-
-    def start(self, label: str, total: int) -> None:
-        pass
-
-    def advance(self, amount: int) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
 
     def note(self, message: str) -> None:
         if not STATE.quiet:

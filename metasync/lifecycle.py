@@ -199,6 +199,17 @@ class CloneStart:
                 child.unlink(missing_ok=True)
 
 
+def new_folder(root: str | Path, verb: str) -> Path:
+    """``root`` made absolute, once it is checked to be a new or empty folder whose
+    parent exists (where ``verb`` -- clone, recover -- creates a repository)."""
+    root = Path(root).absolute()
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise UsageError(f"{root} is not empty; {verb} into a new or empty folder")
+    if not root.parent.is_dir():
+        raise UsageError(f"parent folder {root.parent} does not exist; create it first")
+    return root
+
+
 def prepare_clone(
     uri: str,
     root: str | Path,
@@ -209,11 +220,7 @@ def prepare_clone(
     """Read the repository at ``uri`` (descriptor, key, first configuration) and
     create ``root/.metasync`` for it. Everything that can fail on bad input is
     checked before anything is written."""
-    root = Path(root).absolute()
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise UsageError(f"{root} is not empty; clone into a new or empty folder")
-    if not root.parent.is_dir():
-        raise UsageError(f"parent folder {root.parent} does not exist; create it first")
+    root = new_folder(root, "clone")
     check_namespace(namespace)
     entry = open_backend(uri, namespace)
     try:

@@ -28,18 +28,26 @@ def _away(path: Path) -> Path:
     return hidden
 
 
+def _pushed_over_3(tmp_path: Path, replicas: int | None = None) -> tuple[dict[str, Path], Path]:
+    """A folder ``src`` pushed once over three ``dir:`` backends b1, b2, b3 (R as
+    given, else the default)."""
+    b = backend_dirs(tmp_path, "b1", "b2", "b3")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a\n")
+    r = ("--replicas", str(replicas)) if replicas else ()
+    run_cli("init", *r, *(f"--backend=dir:{b[n]}" for n in ("b1", "b2", "b3")), cwd=src)
+    run_cli("push", cwd=src)
+    return b, src
+
+
 @pytest.mark.parametrize("lost", ["b1", "b2", "b3"])
 def test_push_while_one_backend_was_away_survives_losing_any_other(
         tmp_path: Path, lost: str) -> None:
     """R=2 over 3; b3 is away during a push; it comes back; then one backend is
     lost for good with no push in between (each in turn, by parametrization): a
     fresh clone has the pushed file every time."""
-    b = backend_dirs(tmp_path, "b1", "b2", "b3")
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "first.txt").write_text("first\n")
-    run_cli("init", *(f"--backend=dir:{b[n]}" for n in ("b1", "b2", "b3")), cwd=src)
-    run_cli("push", cwd=src)
+    b, src = _pushed_over_3(tmp_path)
     hidden = _away(b["b3"])
     (src / "pushed while b3 was away.txt").write_bytes(b"x" * 70_000)
     (src / "small.txt").write_text("small\n")
@@ -98,12 +106,7 @@ def test_another_client_moves_spilled_copies_home(tmp_path: Path) -> None:
     client's push (here B's, with nothing of its own to push) writes each spilled
     copy to its holder from a verified copy, drops the spilled one and the
     records: every object is then exactly on its R holders (fsck clean)."""
-    b = backend_dirs(tmp_path, "b1", "b2", "b3")
-    src = tmp_path / "a"
-    src.mkdir()
-    (src / "seed.txt").write_text("seed\n")
-    run_cli("init", *(f"--backend=dir:{b[n]}" for n in ("b1", "b2", "b3")), cwd=src)
-    run_cli("push", cwd=src)
+    b, src = _pushed_over_3(tmp_path)
     hidden = _away(b["b3"])
     # Where an object goes depends on this repository's random hash key: a push's
     # few objects all have b3 outside their R holders about one time in 27. Push
@@ -128,23 +131,11 @@ def test_another_client_moves_spilled_copies_home(tmp_path: Path) -> None:
     run_cli(*TIMEOUT, "fsck", cwd=other)  # exit 0: every holder has a good copy
 
 
-def _r3_over_3(tmp_path: Path) -> tuple[dict[str, Path], Path]:
-    """A folder pushed once with R=3 over three ``dir:`` backends b1, b2, b3."""
-    b = backend_dirs(tmp_path, "b1", "b2", "b3")
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "a.txt").write_text("a\n")
-    run_cli("init", "--replicas", "3", *(f"--backend=dir:{b[n]}" for n in ("b1", "b2", "b3")),
-            cwd=src)
-    run_cli("push", cwd=src)
-    return b, src
-
-
 def test_a_push_with_fewer_backends_than_r_says_so(tmp_path: Path) -> None:
     """R=3 over 3 with one away: a quorum still decides, but no backend can take the
     third copies; the push says plainly that the version has fewer copies than R,
     and the next push after the backend is back writes them."""
-    b, src = _r3_over_3(tmp_path)
+    b, src = _pushed_over_3(tmp_path, replicas=3)
     hidden = _away(b["b2"])
     (src / "b.txt").write_text("b\n")
     pushed = run_cli(*TIMEOUT, "push", cwd=src)
@@ -168,7 +159,7 @@ def test_every_push_says_fewer_copies_until_the_earlier_objects_have_r(tmp_path:
     """R=3 over 3 with b2 away: each push's warning counts every object of the
     version still below R copies, also those an earlier push uploaded -- not
     only its own. Once b2 is back the next push writes the copies and is silent."""
-    b, src = _r3_over_3(tmp_path)
+    b, src = _pushed_over_3(tmp_path, replicas=3)
     hidden = _away(b["b2"])
     (src / "b.txt").write_text("b\n")
     first = run_cli(*TIMEOUT, "push", cwd=src)
@@ -197,7 +188,7 @@ def test_a_push_after_an_interrupted_short_upload_says_fewer_copies(
     ``point``) before it could say anything; the next push, b2 still away,
     acknowledges that content: it says the version has fewer copies, counting
     every object uploaded short, whichever push uploaded it."""
-    b, src = _r3_over_3(tmp_path)
+    b, src = _pushed_over_3(tmp_path, replicas=3)
     hidden = _away(b["b2"])
     (src / "b.txt").write_text("b\n")
     monkeypatch.setenv("METASYNC_CRASH_AT", point)

@@ -59,7 +59,7 @@ from metasync.layout import (
     parse_descriptor,
     retired_key,
 )
-from metasync.lifecycle import PassphraseSource, ask
+from metasync.lifecycle import PassphraseSource, ask, new_folder
 from metasync.maintenance.rebalance import RebalanceReport, rebalance
 from metasync.maintenance.reconfig import Reconfiguration, new_backend_spec
 from metasync.objects import BackendSpec, Config, TreeEntry, Version, is_object_id
@@ -133,11 +133,7 @@ def prepare(uris: list[str], root: str | Path, *, namespace: str,
     """Read the survivors and create ``root/.metasync`` (nothing goes to a backend).
     Fails with one line if ``root`` is not empty, no survivor holds the repository,
     or the passphrase is wrong."""
-    root = Path(root).absolute()
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise UsageError(f"{root} is not empty; recover into a new or empty folder")
-    if not root.parent.is_dir():
-        raise UsageError(f"parent folder {root.parent} does not exist; create it first")
+    root = new_folder(root, "recover")
     if not uris:
         raise UsageError("give the backends that survived: --backend URI (one or more)")
     check_namespace(namespace)
