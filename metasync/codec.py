@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 
 from metasync.errors import CorruptObject
-from metasync.keys import MasterKey
+from metasync.keys import Keyring, MasterKey
 from metasync.objects import ObjectHasher, PackEntry, canonical_json, parse_json, parse_pack_entry
 from metasync.translators import Context, Translator, TranslatorChain
 from metasync.translators.compress import ZstdTranslator
@@ -35,12 +35,15 @@ PACK_TARGET_SIZE = 16 * 1024 * 1024
 class Codec:
     """Hashing and the translator chain for one repository."""
 
-    def __init__(self, key: MasterKey | None) -> None:
-        self.encrypted = key is not None
-        self.hasher = ObjectHasher(key.id_key if key else None)
+    def __init__(self, key: MasterKey | Keyring | None) -> None:
+        ring = key.keyring() if isinstance(key, MasterKey) else key
+        self.encrypted = ring is not None
+        self.keyring = ring
+        self.hasher = ObjectHasher(ring.id_key if ring else None)
         chain: list[Translator] = [IntegrityTranslator(self.hasher), ZstdTranslator()]
-        if key is not None:
-            chain.append(AesGcmTranslator(key.enc_key))
+        if ring is not None:
+            older = tuple(k for e, k in sorted(ring.data_keys.items(), reverse=True) if e != ring.current)
+            chain.append(AesGcmTranslator(ring.data_keys[ring.current], older))
         self.chain = TranslatorChain(chain)
 
     def id_of(self, kind: str, data: bytes | memoryview) -> str:

@@ -61,6 +61,29 @@ class MasterKey:
             raise ValueError("key must be 32 bytes")
         return cls(secret)
 
+    def keyring(self) -> Keyring:
+        """The keys a codec uses: this secret's id key and, as data key epoch 0,
+        its encryption key."""
+        return Keyring(id_key=self.id_key, data_keys={0: self.enc_key}, current=0)
+
+
+@dataclass(frozen=True)
+class Keyring:
+    """What a codec needs: the id key (never rotated: object ids depend on it) and
+    the data keys by epoch. New stored bytes are encrypted under ``current``; stored
+    bytes under any epoch in ``data_keys`` are read. ``metasync key rotate`` adds an
+    epoch and, once nothing is stored under the older ones, drops them."""
+
+    id_key: bytes
+    data_keys: dict[int, bytes]
+    current: int
+
+    def __post_init__(self) -> None:
+        if len(self.id_key) != 32 or self.current not in self.data_keys:
+            raise ValueError("a keyring needs a 32-byte id key and its current data key")
+        if any(len(k) != 32 for k in self.data_keys.values()):
+            raise ValueError("data keys must be 32 bytes")
+
 
 def _kek(passphrase: str, salt: bytes, n: int, r: int, p: int) -> bytes:
     return Scrypt(salt=salt, length=32, n=n, r=r, p=p).derive(passphrase.encode())
