@@ -24,6 +24,8 @@ from metasync.graph import Ancestry
 
 TIMEOUT = ("--timeout", "10")
 NAMESPACE = "metasync"
+CRASH_MODE_NOTE = ("note: crash mode: a backend that loses or hides log entries can fork history; "
+                   "use --bft (4+ backends) to tolerate one that lies")
 
 
 def _away(path: Path) -> Path:
@@ -51,7 +53,10 @@ def _forked(tmp_path: Path, *bft: str) -> tuple[dict[str, Path], Path, Path, sub
     x, y = tmp_path / "x", tmp_path / "y"
     x.mkdir()
     (x / "start.txt").write_text("start\n")
-    run_cli("init", *bft, *(f"--backend=dir:{b[n]}" for n in names), cwd=x)
+    init = run_cli("init", *bft, *(f"--backend=dir:{b[n]}" for n in names), cwd=x)
+    # init says in one line what crash mode does not tolerate, and only in crash mode.
+    said = [line for line in init.stdout.splitlines() if "crash mode" in line]
+    assert said == ([] if bft else [CRASH_MODE_NOTE]), init.stdout
     first = run_cli(*TIMEOUT, "push", cwd=x)
     assert "Pushed version 1" in first.stdout, first.stdout
     run_cli(*TIMEOUT, "clone", f"dir:{b['a']}", str(y))
