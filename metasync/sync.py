@@ -251,8 +251,9 @@ class Sync:
                 "and use `init --bft` (4+ backends) to tolerate a backend that lies")
         if ancestry.contains is None:
             self.ctx.reporter.note(
-                f"note: version {learned.number} is more than {ANCESTRY_LIMIT} commits past "
-                f"version {prev.number}; that it descends from it was not checked")
+                f"note: that version {learned.number} descends from version {prev.number} "
+                f"was not checked (more than {ANCESTRY_LIMIT} commits apart, or part of its "
+                "history unreadable); `metasync log` shows its history")
         return prev.master, ""
 
     def _merge(self, learned: Version, theirs: Commit, ours: Commit, head: str,
