@@ -47,6 +47,9 @@ class PullResult:
     deleted: int = 0
     conflicts: list[str] = field(default_factory=list)
     up_to_date: bool = False
+    #: Set when the version taken does not descend from the one this client had
+    #: (history forked): the one-line warning saying so (:mod:`metasync.sync`).
+    fork: str = ""
 
 
 def now_stamp() -> str:

@@ -99,6 +99,9 @@ def init(directory: str, backends: tuple[str, ...], replicas: int | None, namesp
         layout = f"{r} replica(s)" + (f", erasure {erasure} from 1 MiB" if scheme else "")
         _say(f"Initialized metasync repository in {repo.root} on {len(backends)} backend(s), "
              f"{layout}, {'encrypted' if not no_encrypt else 'NOT encrypted'}")
+        if not bft:
+            _say("note: crash mode: a backend that loses or hides log entries can fork "
+                 "history; use --bft (4+ backends) to tolerate one that lies")
 
 
 @cli.command()
@@ -187,6 +190,7 @@ def push(message: str) -> None:
     """Commit pending changes and publish them as the new master."""
     with _open() as repo:
         result = repo.push(message)
+    _warn_fork(result.fork)
     for copy in result.conflicts:
         _say(f"conflict: kept the other version as {copy}")
     if result.up_to_date:
@@ -216,11 +220,18 @@ def pull() -> None:
     """Bring the latest master into the folder."""
     with _open() as repo:
         result = repo.pull()
+    _warn_fork(result.fork)
     if result.up_to_date:
         _say("Already up to date")
     else:
         _say(f"Updated to version {result.version.number}: {result.written} written, "
              f"{result.deleted} deleted, {len(result.conflicts)} conflict copies")
+
+
+def _warn_fork(fork: str) -> None:
+    """A forked history is said even with ``--quiet``: the user must act on it."""
+    if fork:
+        click.echo(f"warning: {fork}", err=True)
 
 
 @cli.command()

@@ -244,6 +244,8 @@ class Daemon:
         missed = bool(repo.missing_copies())
         if st.changes or st.unpushed or latest.number > repo.prev.number or missed:
             result = repo.push()
+            if result.fork:
+                self.log.warning("%s", result.fork)
             if result.conflicts:
                 self.log.info("conflicts: %s", ", ".join(result.conflicts))
                 self.status.conflicts += result.conflicts

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from collections import deque
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 from metasync.context import RepoContext
 from metasync.errors import CorruptObject, ObjectUnavailable
@@ -20,6 +22,28 @@ from metasync.objects import Commit, FileObject, Index, PackEntry, Tree, TreeEnt
 
 #: Worker threads' own read-only connections to the local database.
 _thread_conns = threading.local()
+
+#: :meth:`ObjectGraph.ancestry` reads at most this many commits of the newer side
+#: before it gives up undecided: a client that many commits behind pays for no
+#: more (each may be one request to a backend).
+ANCESTRY_LIMIT = 2000
+#: First parents :meth:`ObjectGraph.ancestry` follows before anything else: the
+#: usual learned master is a few commits ahead of the one this client had.
+ANCESTRY_QUICK = 16
+
+
+@dataclass(frozen=True)
+class Ancestry:
+    """Where a commit ``mine`` stands in the history of a commit ``top``
+    (:meth:`ObjectGraph.ancestry`)."""
+
+    #: True: ``mine`` is ``top`` or one of its ancestors (through any parent);
+    #: False: it is not (history forked); None: not decided within the limit.
+    contains: bool | None
+    #: When not contained: the newest commit of ``mine``'s first-parent line that
+    #: ``top``'s history also has (the base to merge the two sides from); None
+    #: when no common commit is known.
+    base: str | None = None
 
 
 class ObjectGraph:
@@ -65,6 +89,66 @@ class ObjectGraph:
             out[cid] = commit
             todo.extend(p for p in commit.parents if p not in out)
         return out
+
+    def ancestry(self, top: str, mine: str, limit: int = ANCESTRY_LIMIT) -> Ancestry:
+        """Whether ``mine`` is ``top`` or one of its ancestors, and if not, where the
+        two histories meet.
+
+        Cost: the usual case -- ``top`` a few first parents ahead -- reads those
+        few commits. Otherwise the walk covers ``top``'s history through every
+        parent (a merge contains both sides), stopping at commits of ``mine``'s
+        own first-parent line: those are ancestors of ``mine``, so ``mine`` is not
+        behind them, and the newest one met is the merge base. ``mine``'s line is
+        taken from the local cache only (this client made or learned it), never
+        from a backend. At most ``limit`` commits of ``top``'s side are read; a
+        walk that needs more, or meets a commit no backend has, is undecided."""
+        try:
+            for steps, (cid, _) in enumerate(self.first_parents(top)):
+                if cid == mine:
+                    return Ancestry(True)
+                if steps + 1 >= ANCESTRY_QUICK:
+                    break
+        except ObjectUnavailable:
+            return Ancestry(None)
+        line = self._cached_line(mine, limit)
+        seen: set[str] = set()
+        todo = deque([top])
+        best: int | None = None
+        while todo:
+            cid = todo.popleft()
+            if cid in seen:
+                continue
+            seen.add(cid)
+            if cid == mine:
+                return Ancestry(True)
+            position = line.get(cid)
+            if position is not None:
+                # An ancestor of mine: nothing below it can be mine (no cycles).
+                best = position if best is None else min(best, position)
+                continue
+            if len(seen) > limit:
+                return Ancestry(None)
+            try:
+                commit = self.load_commit(cid)
+            except ObjectUnavailable:
+                return Ancestry(None)
+            todo.extend(commit.parents)
+        by_position = {position: cid for cid, position in line.items()}
+        return Ancestry(False, by_position[best] if best is not None else None)
+
+    def _cached_line(self, start: str, limit: int) -> dict[str, int]:
+        """``start`` and its first parents -> their distance from ``start``, as far as
+        the local cache has the commits (the last one named may not be cached)."""
+        line: dict[str, int] = {}
+        current: str | None = start
+        while current and current not in line and len(line) <= limit:
+            line[current] = len(line)
+            data = self.db.cached_object(current)
+            if data is None:
+                break
+            parents = Commit.from_bytes(data).parents
+            current = parents[0] if parents else None
+        return line
 
     # ---------------------------------------------------------------- indexes
     def load_index(self, index_id: str, historic: bool = False) -> None:

@@ -21,7 +21,7 @@ from metasync.committer import CommitResult, Committer
 from metasync.context import RepoContext
 from metasync.errors import BackendError, ObjectUnavailable
 from metasync.faults import crash_point
-from metasync.graph import ObjectGraph
+from metasync.graph import ANCESTRY_LIMIT, ObjectGraph
 from metasync.objects import Commit, FileObject, TreeEntry, Version
 from metasync.outbox import ObjectWriter, Outbox
 from metasync.replicator import Replicator
@@ -56,6 +56,9 @@ class PushResult:
     #: one uploaded them) that the repair before it could not complete: the
     #: version is readable, less durable.
     short: list[str] = field(default_factory=list)
+    #: The warning of a learned version that did not descend from the one this
+    #: client had (history forked); the local side was merged on top and pushed.
+    fork: str = ""
 
 
 def commit_stamp(time_ns: int) -> str:
@@ -99,22 +102,25 @@ class Sync:
         self.checkout.resume()
         latest = self.versions.learn_latest()
         crash_point("push:learned")
+        fork = ""
         if latest.config != self.versions.config_id:
             # Place this push's objects by the new configuration's mapping.
-            self.integrate(latest)
+            fork = self.integrate(latest).fork
         result = self.committer.commit(message)
         uploaded = self.outbox.flush()
         self.replicator.repair_missing()
         conflicts: list[str] = []
         for _ in range(MAX_MERGES):
             if latest.number > self.state.prev.number:
-                conflicts += self.integrate(latest).conflicts
+                integrated = self.integrate(latest)
+                conflicts += integrated.conflicts
+                fork = fork or integrated.fork
                 uploaded.add(self.outbox.flush())
             prev, head = self.state.prev, self.state.head
             done = PushResult(prev, result, uploaded.objects, uploaded.bytes,
                               missing_copies=len(self.ctx.db.missing_copies()),
                               conflicts=conflicts, spilled=uploaded.spilled,
-                              short=self.replicator.short_objects())
+                              short=self.replicator.short_objects(), fork=fork)
             if head is None or head == prev.master:
                 done.up_to_date = True
                 return done
@@ -197,6 +203,12 @@ class Sync:
         with versions.reading_with(versions.load_config(learned.config)):
             theirs = self.graph.load_commit(learned.master)
             versions.note_gc_epoch(versions.load_config(learned.config).gc_epoch)
+            base, fork = self._check_descent(learned, prev)
+            if fork:
+                # Keep this client's side: merged on top of the learned master from
+                # where the two histories meet, never fast-forwarded over.
+                merging = True
+                head = head or prev.master
             self.graph.load_indexes(theirs)
             ours = self.graph.head_commit()
             if not merging:
@@ -206,8 +218,9 @@ class Sync:
                     state.checkout_pending = PendingCheckout(
                         ours.tree if ours is not None else None, theirs.tree)
             else:
-                assert ours is not None and head is not None
-                conflicts = self._merge(learned, theirs, ours, head, prev.master)
+                assert head is not None
+                ours = ours or self.graph.load_commit(head)
+                conflicts = self._merge(learned, theirs, ours, head, base)
         versions.adopt_config()
         for c in conflicts:
             self.ctx.reporter.note(f"conflict: {c.path} changed on both sides; the other version is {c.copy}")
@@ -215,7 +228,33 @@ class Sync:
             crash_point("merge:sealed")
         result = self.checkout.run_pending()
         result.conflicts[:0] = [c.copy for c in conflicts]
+        result.fork = fork
         return result
+
+    def _check_descent(self, learned: Version, prev: Version) -> tuple[str | None, str]:
+        """Check that ``learned``'s master descends from ``prev``'s (the last version
+        this client had), or is a merge that contains it. Every honest version
+        does (docs/protocol.md, "Linear history"); one that does not means two
+        clients were each told a different version ``prev.number`` or later was
+        decided -- a backend lost or hid a log entry, which crash mode does not
+        tolerate. Returns the base to merge local commits from (prev's master, or
+        where the two histories meet) and, for a fork, the one-line warning."""
+        if prev.master is None or learned.master is None or learned.master == prev.master:
+            return prev.master, ""
+        ancestry = self.graph.ancestry(learned.master, prev.master)
+        if ancestry.contains is False:
+            return ancestry.base, (
+                f"history forked: version {learned.number} does not descend from the version "
+                f"{prev.number} this client had, so a backend lost or hid a log entry (crash "
+                f"mode does not tolerate that); this client's files are kept, merged on top "
+                f"of version {learned.number} (a push publishes them); run `metasync fsck`, "
+                "and use `init --bft` (4+ backends) to tolerate a backend that lies")
+        if ancestry.contains is None:
+            self.ctx.reporter.note(
+                f"note: that version {learned.number} descends from version {prev.number} "
+                f"was not checked (more than {ANCESTRY_LIMIT} commits apart, or part of its "
+                "history unreadable); `metasync log` shows its history")
+        return prev.master, ""
 
     def _merge(self, learned: Version, theirs: Commit, ours: Commit, head: str,
                base_master: str | None) -> list[MergeConflict]:
@@ -227,12 +266,13 @@ class Sync:
         assert learned.master is not None
         theirs_id = learned.master
         graph = self.graph
-        base_commit = graph.load_commit(base_master) if base_master else None
+        # tree_at: a fork's base is an older commit, whose indexes may not be known.
+        base_flat = graph.tree_at(base_master) if base_master else {}
         ours_flat = graph.flatten(ours.tree)
         writer = self.outbox.writer()
         self._repack_collected(ours_flat, writer)
         merged, conflicts = merge_trees(
-            graph.flatten(base_commit.tree if base_commit else None),
+            base_flat,
             Side(ours_flat, ours.device, commit_stamp(ours.time_ns)),
             Side(graph.flatten(theirs.tree), theirs.device, commit_stamp(theirs.time_ns)),
         )
