@@ -197,11 +197,12 @@ def open_context(root: Path, reporter: Reporter | None = None,
 KEY_FILE = "key"
 
 
-def refresh_key(meta: Path, local: LocalKey, backends: Iterable[Backend], epoch: int) -> LocalKey:
+def refresh_key(meta: Path, local: LocalKey, backends: Iterable[Backend],
+                epoch: int | None) -> LocalKey:
     """This client's keys once the repository moved on to key epoch ``epoch`` (a
-    ``key rotate``): its slot's envelope re-opened with the slot's private key, read
-    from the first backend that holds it, and saved to ``.metasync/key``
-    (atomically). :class:`KeyRevoked` (one line) if the slot is gone or no longer
+    ``key rotate``; ``None``: whatever its slot holds now): its slot's envelope
+    re-opened with the slot's private key, read from the first backend whose copy
+    holds that epoch, and saved to ``.metasync/key`` (atomically). :class:`KeyRevoked` (one line) if the slot is gone or no longer
     opens: this device's key was removed, and so is its access to new keys."""
     if local.slot is None or local.private is None:
         raise KeyRevoked(
@@ -225,7 +226,7 @@ def refresh_key(meta: Path, local: LocalKey, backends: Iterable[Backend], epoch:
             ring = open_envelope(slot, local.private)
         except NotTrusted:
             continue
-        if epoch not in ring.data_keys or ring.id_key != local.ring.id_key:
+        if (epoch is not None and epoch not in ring.data_keys) or ring.id_key != local.ring.id_key:
             continue
         fresh = LocalKey(ring, local.slot, local.private)
         save_key(meta, fresh)

@@ -76,7 +76,7 @@ def _unb64(text: object, length: int | None = None) -> bytes:
 
 
 def _canonical(value: object) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
 def is_slot_id(text: str) -> bool:
@@ -231,7 +231,7 @@ def _document(slot: Slot, *, envelope: dict[str, object] | None = None) -> dict[
 
 
 def _dump(doc: dict[str, object]) -> bytes:
-    return json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False).encode() + b"\n"
+    return json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n"
 
 
 def make_slot(ring: Keyring, passphrase: str, *, slot: str, label: str, created: str,

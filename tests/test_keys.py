@@ -385,3 +385,33 @@ def test_damaged_slot_file_is_format_error(damage: object) -> None:
     assert callable(damage)
     with pytest.raises(FormatError):
         parse_slot(damage(data), "00000000000000cc")
+
+
+def test_a_client_follows_a_new_key_epoch_and_a_removed_one_cannot(tmp_path: Path) -> None:
+    """After a rotation (a new keyring sealed to the remaining slots, then a
+    configuration naming key epoch 1), a client of a remaining slot picks the new
+    keyring up when it opens the repository; the device of a removed slot fails in
+    one line naming the fix."""
+    from metasync import Repository
+
+    folder, dirs = _init(tmp_path, "a", n=2)
+    run_cli("key", "add", "--label", "bob", cwd=folder, passphrase=None,
+            env_extra={"METASYNC_NEW_PASSPHRASE": OTHER})
+    run_cli("clone", f"dir:{dirs[0]}", str(tmp_path / "bob"), passphrase=OTHER)
+    run_cli("clone", f"dir:{dirs[1]}", str(tmp_path / "alice2"))
+    run_cli("key", "remove", _slot_of(tmp_path / "bob"), cwd=folder, passphrase=None)
+
+    alice = _local(folder)
+    ring = Keyring(alice.ring.id_key, {**alice.ring.data_keys, 1: bytes(range(32))}, 1)
+    backends = {str(i): open_backend(f"dir:{d}", "metasync") for i, d in enumerate(dirs)}
+    assert not reseal(backends, ring).line()
+    with Repository.open(folder) as r:
+        r._reconfig.change_config(lambda c: replace(c, key_epoch=1))
+
+    for name in ("alice2", "bob"):
+        run_cli("pull", cwd=tmp_path / name, passphrase=None)
+    run_cli("status", cwd=tmp_path / "alice2", passphrase=None)
+    assert _local(tmp_path / "alice2").ring == ring
+    proc = run_cli("status", cwd=tmp_path / "bob", passphrase=None, check=False)
+    _one_line_failure(proc, "this device's key was removed", "clone again")
+    assert 1 not in _local(tmp_path / "bob").ring.data_keys

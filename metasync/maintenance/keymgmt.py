@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from metasync.backends import Backend
-from metasync.context import KEY_FILE, RepoContext, device_name, save_key
+from metasync.context import KEY_FILE, RepoContext, device_name, refresh_key, save_key
 from metasync.errors import FormatError, MetasyncError, NotTrusted, ObjectNotFound, UsageError
 from metasync.keys import Keyring
 from metasync.keyslots import (
@@ -176,20 +176,24 @@ class KeySlots:
         self.ctx = ctx
         self.versions = versions
 
-    def _local(self) -> LocalKey:
+    def _open(self) -> tuple[LocalKey, dict[str, Backend]]:
+        """This client's keys -- brought up to the latest configuration's key epoch
+        first, so a new slot never gets an older keyring -- and the backends of the
+        latest configuration."""
         path = self.ctx.meta / KEY_FILE
         if not path.exists():
             raise UsageError("this repository is not encrypted: it has no keys")
-        return LocalKey.from_bytes(path.read_bytes())
-
-    def _backends(self) -> dict[str, Backend]:
-        latest = self.versions.learn_latest()
-        return self.ctx.pool.open(self.versions.load_config(latest.config))
+        local = LocalKey.from_bytes(path.read_bytes())
+        config = self.versions.load_config(self.versions.learn_latest().config)
+        backends = self.ctx.pool.open(config)
+        if config.key_epoch not in local.ring.data_keys:
+            local = refresh_key(self.ctx.meta, local, backends.values(), config.key_epoch)
+        return local, backends
 
     def list(self) -> list[SlotInfo]:
         """Every passphrase that opens the repository, this client's marked."""
-        local = self._local()
-        slots, held, legacy = read_slots(self._backends())
+        local, backends = self._open()
+        slots, held, legacy = read_slots(backends)
         out = [SlotInfo(s.slot, s.label, s.created, s.slot == local.slot, s.mac_ok(local.ring),
                         held[s.slot]) for s in slots.values() if s.live]
         if legacy:
@@ -200,7 +204,7 @@ class KeySlots:
     def add(self, passphrase: str, label: str | None = None) -> KeyReport:
         """A new slot for ``passphrase`` (labelled ``label``, default this device's
         name), written to every backend."""
-        local = self._local()
+        local, backends = self._open()
         slot_id = new_slot_id()
         try:
             data, _private = make_slot(local.ring, passphrase, slot=slot_id,
@@ -208,7 +212,6 @@ class KeySlots:
                                        created=today())
         except ValueError as exc:
             raise UsageError(f"bad --label: {exc}") from None
-        backends = self._backends()
         self._authenticate_descriptors(backends, local.ring)
         return KeyReport(slot_id, _put_everywhere(backends, slot_key(slot_id), data))
 
@@ -227,8 +230,7 @@ class KeySlots:
     def remove(self, slot_id: str, force: bool = False) -> KeyReport:
         """Remove slot ``slot_id`` from every backend (a tombstone replaces it). Refused
         for the last passphrase, and for this client's own unless ``force``."""
-        local = self._local()
-        backends = self._backends()
+        local, backends = self._open()
         slots, _held, legacy = read_slots(backends)
         live = [i for i, s in slots.items() if s.live] + ([LEGACY_SLOT] if legacy else [])
         if slot_id not in live:
@@ -258,8 +260,7 @@ class KeySlots:
         """Rewrap this client's slot under ``passphrase`` (the same slot and key pair)
         on every backend, so the old passphrase opens nothing; a legacy key is
         converted (see the module docstring)."""
-        local = self._local()
-        backends = self._backends()
+        local, backends = self._open()
         if local.slot is None or local.private is None:
             return self._convert(local, backends, passphrase)
         slots, _held, _legacy = read_slots(backends)
