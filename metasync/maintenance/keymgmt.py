@@ -86,6 +86,9 @@ class ResealReport:
     refused: list[str] = field(default_factory=list)
     #: ``backend name: reason`` for each backend a slot could not be written to.
     unreachable: list[str] = field(default_factory=list)
+    #: A legacy key file (``keys/master``) is still there: its passphrase opens the
+    #: keys of epoch 0 only, and whoever has it keeps them until it is removed.
+    legacy: bool = False
 
     def line(self) -> str:
         """One line for the user about what could not be done ("" if nothing)."""
@@ -93,6 +96,9 @@ class ResealReport:
         if self.refused:
             parts.append(f"key slots {', '.join(self.refused)} are not vouched for by this "
                          "repository's key and got no new keys (remove them: metasync key remove)")
+        if self.legacy:
+            parts.append("the key file of older metasync (keys/master) still opens the old keys: "
+                         "remove it (metasync key remove master) once every device has a slot")
         if self.unreachable:
             parts.append(f"could not write to {'; '.join(self.unreachable)} (run it again when "
                          "they can be reached)")
@@ -149,8 +155,8 @@ def reseal(backends: Mapping[str, Backend], ring: Keyring) -> ResealReport:
     under: rotate, reseal, and only then retire the old epoch), rewriting each
     slot's file on every backend (one atomic ``put`` per backend). Tombstones are
     copied to the backends that still hold the live slot."""
-    slots, _held, _legacy = read_slots(backends)
-    report = ResealReport()
+    slots, _held, legacy = read_slots(backends)
+    report = ResealReport(legacy=legacy)
     for slot_id, slot in sorted(slots.items()):
         if not slot.live:
             data = slot.raw
