@@ -66,6 +66,8 @@ from metasync.state import LocalState
 from metasync.worktree import META_DIR
 
 DEFAULT_PARTITIONS = 16384
+#: The most key slots a clone tries (one scrypt each).
+MAX_SLOTS = 64
 PassphraseSource = Callable[[], str]
 
 
@@ -345,6 +347,10 @@ def unlock_keys(backends: list[Backend], desc: dict[str, object],
         raise NotTrusted(f"the descriptor on {uri} is not authenticated (the backend changed "
                          "it); clone from another backend")
     candidates = [s for i, s in sorted(slots.items()) if i not in removed]
+    if len(candidates) > MAX_SLOTS:
+        # Each try costs a scrypt: a backend must not make a clone burn unbounded time.
+        raise NotTrusted(f"{uri} holds {len(candidates)} key slots (more than {MAX_SLOTS}); "
+                         "clone from another backend")
     if candidates:
         local = _open_slots(candidates, ask(passphrase))
     else:

@@ -45,7 +45,7 @@ from metasync.layout import (
     parse_slot_key,
     slot_key,
 )
-from metasync.lifecycle import today
+from metasync.lifecycle import MAX_SLOTS, today
 from metasync.versions import Versions
 
 #: The name ``key list`` and ``key remove`` give a legacy key file.
@@ -211,6 +211,10 @@ class KeySlots:
         """A new slot for ``passphrase`` (labelled ``label``, default this device's
         name), written to every backend."""
         local, backends = self._open()
+        slots, _held, _legacy = read_slots(backends)
+        if sum(1 for s in slots.values() if s.live) >= MAX_SLOTS:
+            raise UsageError(f"a repository has at most {MAX_SLOTS} key slots (a clone tries each); "
+                             "remove unused ones first (metasync key list)")
         slot_id = new_slot_id()
         try:
             data, _private = make_slot(local.ring, passphrase, slot=slot_id,
