@@ -25,6 +25,7 @@ from metasync.cli_common import (
     _say,
 )
 from metasync.cli_daemon import auth, daemon
+from metasync.cli_keys import key
 from metasync.errors import MetasyncError, UsageError
 from metasync.repository import DEFAULT_NAMESPACE, Repository
 
@@ -99,6 +100,8 @@ def init(directory: str, backends: tuple[str, ...], replicas: int | None, namesp
         layout = f"{r} replica(s)" + (f", erasure {erasure} from 1 MiB" if scheme else "")
         _say(f"Initialized metasync repository in {repo.root} on {len(backends)} backend(s), "
              f"{layout}, {'encrypted' if not no_encrypt else 'NOT encrypted'}")
+        if repo.fingerprint:
+            _say(f"Fingerprint: {repo.fingerprint} (clone elsewhere with --fingerprint to pin it)")
         if not bft:
             _say("note: crash mode: a backend that loses or hides log entries can fork "
                  "history; use --bft (4+ backends) to tolerate one that lies")
@@ -108,15 +111,24 @@ def init(directory: str, backends: tuple[str, ...], replicas: int | None, namesp
 @click.argument("uri")
 @click.argument("directory", required=False)
 @click.option("--namespace", default=DEFAULT_NAMESPACE, show_default=True)
+@click.option("--fingerprint", default=None, metavar="F",
+              help="Refuse the clone unless the repository's fingerprint is F (as init printed it).")
+@click.option("--no-encrypt", is_flag=True,
+              help="Accept an unencrypted repository (refused otherwise: a backend can make an "
+                   "encrypted repository look unencrypted).")
 @passphrase_file_option
-def clone(uri: str, directory: str | None, namespace: str, passphrase_file: str | None) -> None:
+def clone(uri: str, directory: str | None, namespace: str, fingerprint: str | None,
+          no_encrypt: bool, passphrase_file: str | None) -> None:
     """Rebuild a repository from any one of its backends (URI) into DIRECTORY."""
     target = directory or namespace
     repo = Repository.clone(uri, target, namespace=namespace,
                             passphrase=_passphrase_source(passphrase_file, confirm=False),
-                            reporter=_reporter())
+                            reporter=_reporter(), allow_unencrypted=no_encrypt,
+                            fingerprint=fingerprint)
     with repo:
         _say(f"Cloned version {repo.prev.number} into {repo.root}")
+        _say(f"Fingerprint: {repo.fingerprint}" if repo.fingerprint
+             else "The repository is NOT encrypted")
 
 
 @cli.command()
@@ -475,6 +487,7 @@ def share(email: str) -> None:
 
 cli.add_command(auth)
 cli.add_command(daemon)
+cli.add_command(key)
 
 
 def main() -> None:

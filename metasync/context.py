@@ -18,13 +18,23 @@ import secrets
 import shutil
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from metasync.backends import Backend, open_backend, public_uri
 from metasync.codec import Codec
-from metasync.errors import FolderBusy, FormatError
-from metasync.keys import MasterKey
+from metasync.errors import (
+    BackendUnavailable,
+    FolderBusy,
+    FormatError,
+    KeyRevoked,
+    MetasyncError,
+    NotTrusted,
+    ObjectNotFound,
+)
+from metasync.keyslots import LocalKey, open_envelope, parse_slot
+from metasync.layout import slot_key
 from metasync.localdb import LocalDB
 from metasync.objects import FORMAT_VERSION, Config, Version
 from metasync.progress import NullReporter, Reporter
@@ -153,15 +163,22 @@ def open_context(root: Path, reporter: Reporter | None = None,
                     f"{meta} has format {fmt}; this metasync reads {FORMAT_VERSION}; upgrade metasync"
                 )
             config = state.config
-            key_path = meta / "key"
-            key = MasterKey.from_hex(key_path.read_text()) if key_path.exists() else None
-            if (config.encryption != "none") != (key is not None):
+            key_path = meta / KEY_FILE
+            local = LocalKey.from_bytes(key_path.read_bytes()) if key_path.exists() else None
+            if (config.encryption != "none") != (local is not None):
                 raise FormatError(f"{key_path} is missing; clone the repository again")
         except BaseException:
             db.close()
             raise
-        codec = Codec(key)
         pool = BackendPool(config.namespace, state)
+        try:
+            if local is not None and config.key_epoch not in local.ring.data_keys:
+                local = refresh_key(meta, local, pool.open(config).values(), config.key_epoch)
+        except BaseException:
+            pool.close()
+            db.close()
+            raise
+        codec = Codec(local.ring if local is not None else None)
         store = RemoteStore(config, codec, pool.open(config))
         (meta / OUTBOX_DIR).mkdir(exist_ok=True)
         store.local = meta / OUTBOX_DIR
@@ -176,8 +193,63 @@ def open_context(root: Path, reporter: Reporter | None = None,
         raise
 
 
+#: This client's key in ``.metasync`` (0600): a :class:`~metasync.keyslots.LocalKey`.
+KEY_FILE = "key"
+
+
+def refresh_key(meta: Path, local: LocalKey, backends: Iterable[Backend],
+                epoch: int | None) -> LocalKey:
+    """This client's keys once the repository moved on to key epoch ``epoch`` (a
+    ``key rotate``; ``None``: whatever its slot holds now): its slot's envelope
+    re-opened with the slot's private key, read from the first backend whose copy
+    holds that epoch, and saved to ``.metasync/key`` (atomically). :class:`KeyRevoked` (one line) if the slot is gone or no longer
+    opens: this device's key was removed, and so is its access to new keys."""
+    if local.slot is None or local.private is None:
+        raise KeyRevoked(
+            "the repository's keys were rotated and this folder holds a key from before key "
+            "slots; clone again with a passphrase that is still valid")
+    removed = "this device's key was removed from the repository (key slot " + local.slot + \
+        "); clone again with a passphrase that is still valid"
+    answered = False
+    for backend in backends:
+        try:
+            slot = parse_slot(backend.get(slot_key(local.slot)), local.slot)
+        except ObjectNotFound:
+            answered = True
+            continue
+        except MetasyncError:
+            continue
+        answered = True
+        if not slot.live:
+            raise KeyRevoked(removed)
+        try:
+            ring = open_envelope(slot, local.private)
+        except NotTrusted:
+            continue
+        if (epoch is not None and epoch not in ring.data_keys) or ring.id_key != local.ring.id_key:
+            continue
+        fresh = LocalKey(ring, local.slot, local.private)
+        save_key(meta, fresh)
+        return fresh
+    if not answered:
+        raise BackendUnavailable(f"no backend could be read for this device's new keys (key "
+                                 f"epoch {epoch}); retry when one is reachable")
+    raise KeyRevoked(removed)
+
+
+def save_key(meta: Path, local: LocalKey) -> None:
+    """Replace ``.metasync/key`` with ``local``, atomically (0600 throughout)."""
+    tmp = meta / f"{KEY_FILE}.new-{secrets.token_hex(4)}"
+    try:
+        write_private(tmp, local.to_bytes())
+        os.replace(tmp, meta / KEY_FILE)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def create_local(
-    root: Path, config: Config, config_id: str, key: MasterKey | None,
+    root: Path, config: Config, config_id: str, key: LocalKey | None,
     uri_overrides: dict[str, str],
 ) -> None:
     """Create ``root/.metasync`` for a repository at version 0 of ``config``: built
@@ -187,7 +259,7 @@ def create_local(
     staging.mkdir(mode=0o700)
     try:
         if key is not None:
-            write_private(staging / "key", key.to_hex().encode())
+            write_private(staging / KEY_FILE, key.to_bytes())
         db = LocalDB(staging / "state.db")
         state = LocalState(db)
         with state.transaction():

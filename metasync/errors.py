@@ -31,6 +31,17 @@ class WrongPassphrase(MetasyncError):
     """The passphrase does not unwrap the repository key."""
 
 
+class NotTrusted(MetasyncError):
+    """What a backend returned is not vouched for by the repository's key or by what
+    the user pinned (an unauthenticated descriptor, another repository's key file, a
+    fingerprint that differs, an unencrypted repository not asked for): refused."""
+
+
+class KeyRevoked(NotTrusted):
+    """This client's key slot was removed from the repository, so it cannot open the
+    keys of a rotation made since: clone again with a passphrase still valid."""
+
+
 class FormatError(MetasyncError):
     """Data on a backend is not in a format this version understands."""
 

@@ -1,15 +1,29 @@
-"""The repository key and its passphrase-wrapped key file.
+"""The repository's keys, and the passphrase-wrapped files that hold them.
 
-A random 32-byte master secret is generated at init. Two keys are derived from
-it with HKDF-SHA256: ``id_key`` (keyed object ids) and ``enc_key`` (AES-256-GCM).
-The secret leaves the client only inside the key file, wrapped by a key that
-scrypt derives from the passphrase, so changing the passphrase rewrites one
-small file and never re-encrypts data.
+A repository's keys are a :class:`Keyring`: the id key (keyed object ids, never
+rotated) and the data keys by epoch (AES-256-GCM). A repository made by older
+metasync has a random 32-byte master secret from which ``id_key`` and ``enc_key``
+(epoch 0) are derived with HKDF-SHA256 (:class:`MasterKey`); its key file
+(format 1, ``keys/master``, :func:`unwrap`) is still read.
+
+Derived from the id key, so every key holder computes the same and nobody else
+can: the repository id (:func:`repository_id`, bound into every key slot and
+the descriptor), the descriptor's MAC key and the fingerprint a user pins
+(:func:`fingerprint`). Key slots -- one passphrase each -- are in
+:mod:`metasync.keyslots`.
+
+scrypt costs: new files use ``N = SCRYPT_N`` (2**17); files with ``N`` from
+2**15 (what older metasync wrote) up to 2**20 are read. The test suite may lower
+the cost of the files *it* writes through ``METASYNC_INSECURE_TEST_SCRYPT_N``;
+such a file has ``N`` below 2**15 and is refused by every reader that does not
+have that variable set, so a weakened key file can never pass for a real one.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 import os
 from dataclasses import dataclass
@@ -22,12 +36,21 @@ from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from metasync.errors import FormatError, WrongPassphrase
 
+#: The format of the legacy key file ``keys/master`` (read, never written).
 KEYFILE_FORMAT = 1
 _WRAP_AAD = b"metasync keyfile v1"
-#: scrypt cost: 2**15 x 8 x 128 bytes = 32 MiB and ~0.1 s per unwrap.
-SCRYPT_N = 2**15
+#: scrypt cost of new key files: 2**17 x 8 x 128 bytes = 128 MiB, ~0.4 s per unwrap.
+SCRYPT_N = 2**17
 SCRYPT_R = 8
 SCRYPT_P = 1
+#: The lowest cost a reader accepts (what metasync wrote before key slots).
+MIN_SCRYPT_N = 2**15
+#: The highest: bounds the memory and time a hostile key file can make us spend.
+MAX_SCRYPT_N = 2**20
+#: Test suites only: a lower N for the files this process writes (see the module
+#: docstring); readers accept N >= 2**10 only while it is set.
+TEST_SCRYPT_ENV = "METASYNC_INSECURE_TEST_SCRYPT_N"
+_TEST_MIN_N = 2**10
 
 
 @dataclass(frozen=True)
@@ -85,19 +108,52 @@ class Keyring:
             raise ValueError("data keys must be 32 bytes")
 
 
-def _kek(passphrase: str, salt: bytes, n: int, r: int, p: int) -> bytes:
+
+
+def scrypt_write_n() -> int:
+    """The scrypt ``N`` for a key file written now: :data:`SCRYPT_N`, or the test
+    suite's lower cost (a power of two from 2**10 below 2**15) if it set one."""
+    raw = os.environ.get(TEST_SCRYPT_ENV, "")
+    if raw.isdigit():
+        n = int(raw)
+        if _TEST_MIN_N <= n < MIN_SCRYPT_N and n & (n - 1) == 0:
+            return n
+    return SCRYPT_N
+
+
+def check_scrypt_params(n: int, r: int, p: int) -> None:
+    """Raise :class:`FormatError` unless a key file's scrypt cost is within what a
+    reader accepts: a power of two from :data:`MIN_SCRYPT_N` (2**10 under the test
+    variable) to :data:`MAX_SCRYPT_N`, ``1 <= r <= 32``, ``1 <= p <= 16``."""
+    low = _TEST_MIN_N if scrypt_write_n() < MIN_SCRYPT_N else MIN_SCRYPT_N
+    if not (low <= n <= MAX_SCRYPT_N and n & (n - 1) == 0 and 1 <= r <= 32 and 1 <= p <= 16):
+        raise FormatError(
+            f"key file has out-of-range scrypt parameters (N={n}, r={r}, p={p}); "
+            "it was not written by metasync"
+        )
+
+
+def kek(passphrase: str, salt: bytes, n: int, r: int, p: int) -> bytes:
+    """The key-encryption key scrypt derives from ``passphrase``."""
     return Scrypt(salt=salt, length=32, n=n, r=r, p=p).derive(passphrase.encode())
 
 
+def wrong_passphrase() -> WrongPassphrase:
+    return WrongPassphrase(
+        "wrong passphrase: it does not unlock this repository's key; check "
+        "METASYNC_PASSPHRASE or --passphrase-file"
+    )
+
+
 def wrap(key: MasterKey, passphrase: str) -> bytes:
-    """The key file: JSON holding the secret encrypted under the passphrase."""
-    salt = os.urandom(16)
-    nonce = os.urandom(12)
-    kek = _kek(passphrase, salt, SCRYPT_N, SCRYPT_R, SCRYPT_P)
-    wrapped = AESGCM(kek).encrypt(nonce, key.secret, _WRAP_AAD)
+    """A legacy (format 1) key file for ``key``: only tests write these now, to
+    check that older repositories still open."""
+    salt, nonce, n = os.urandom(16), os.urandom(12), scrypt_write_n()
+    wrapped = AESGCM(kek(passphrase, salt, n, SCRYPT_R, SCRYPT_P)).encrypt(
+        nonce, key.secret, _WRAP_AAD)
     doc = {
         "format": KEYFILE_FORMAT,
-        "kdf": {"name": "scrypt", "n": SCRYPT_N, "r": SCRYPT_R, "p": SCRYPT_P,
+        "kdf": {"name": "scrypt", "n": n, "r": SCRYPT_R, "p": SCRYPT_P,
                 "salt": base64.b64encode(salt).decode()},
         "cipher": "aes-256-gcm",
         "nonce": base64.b64encode(nonce).decode(),
@@ -107,7 +163,8 @@ def wrap(key: MasterKey, passphrase: str) -> bytes:
 
 
 def unwrap(keyfile: bytes, passphrase: str) -> MasterKey:
-    """Recover the secret; :class:`WrongPassphrase` if the passphrase is wrong."""
+    """The secret of a legacy (format 1) key file; :class:`WrongPassphrase` if the
+    passphrase is wrong, :class:`FormatError` if the file is damaged."""
     try:
         doc = json.loads(keyfile)
         if doc["format"] != KEYFILE_FORMAT:
@@ -119,9 +176,7 @@ def unwrap(keyfile: bytes, passphrase: str) -> MasterKey:
         if kdf["name"] != "scrypt" or doc["cipher"] != "aes-256-gcm":
             raise FormatError("key file uses an unknown KDF or cipher; upgrade metasync")
         n, r, p = int(kdf["n"]), int(kdf["r"]), int(kdf["p"])
-        # Bound the cost a hostile key file can make us pay.
-        if not (2**10 <= n <= 2**20 and n & (n - 1) == 0 and 1 <= r <= 32 and 1 <= p <= 16):
-            raise FormatError("key file has out-of-range scrypt parameters")
+        check_scrypt_params(n, r, p)
         salt = base64.b64decode(kdf["salt"], validate=True)
         nonce = base64.b64decode(doc["nonce"], validate=True)
         wrapped = base64.b64decode(doc["wrapped"], validate=True)
@@ -131,14 +186,44 @@ def unwrap(keyfile: bytes, passphrase: str) -> MasterKey:
         raise
     except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
         raise FormatError("the key file is damaged; clone from another backend") from exc
-    kek = _kek(passphrase, salt, n, r, p)
     try:
-        secret = AESGCM(kek).decrypt(nonce, wrapped, _WRAP_AAD)
+        secret = AESGCM(kek(passphrase, salt, n, r, p)).decrypt(nonce, wrapped, _WRAP_AAD)
     except InvalidTag:
-        raise WrongPassphrase(
-            "wrong passphrase: it does not unlock this repository's key; check "
-            "METASYNC_PASSPHRASE or --passphrase-file"
-        ) from None
+        raise wrong_passphrase() from None
     if len(secret) != 32:
         raise FormatError("the key file holds a key of the wrong size")
     return MasterKey(secret)
+
+
+# --- what the id key vouches for ------------------------------------------------------------
+def _derive(key: bytes, label: bytes, length: int = 32) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=label).derive(key)
+
+
+def repository_id(ring: Keyring) -> str:
+    """The repository's id: 32 hex digits derived from its id key, so it is fixed
+    at init, survives ``recover`` and rotations (the id key never changes), and no
+    one without the key can make another repository's id match it."""
+    return _derive(ring.id_key, b"metasync repository id", 16).hex()
+
+
+def fingerprint(ring: Keyring) -> str:
+    """What ``init`` and ``clone`` print and ``clone --fingerprint`` pins: 80 bits of
+    an HMAC under the id key over the repository id, as ``ab12-cd34-ef56-7890-1a2b``."""
+    tag = hmac.new(_derive(ring.id_key, b"metasync fingerprint"),
+                   repository_id(ring).encode(), hashlib.sha256).hexdigest()[:20]
+    return "-".join(tag[i:i + 4] for i in range(0, 20, 4))
+
+
+def normalize_fingerprint(text: str) -> str:
+    """A fingerprint as the user typed it, in :func:`fingerprint`'s form (case,
+    spaces and dashes do not matter); :class:`ValueError` if it cannot be one."""
+    digits = "".join(ch for ch in text.lower() if ch not in "- :")
+    if len(digits) != 20 or any(ch not in "0123456789abcdef" for ch in digits):
+        raise ValueError(text)
+    return "-".join(digits[i:i + 4] for i in range(0, 20, 4))
+
+
+def descriptor_mac(ring: Keyring, body: bytes) -> str:
+    """The MAC of a descriptor's canonical body, under a key derived from the id key."""
+    return hmac.new(_derive(ring.id_key, b"metasync descriptor"), body, hashlib.sha256).hexdigest()

@@ -12,6 +12,7 @@ backend is free for a new repository.
 
 from __future__ import annotations
 
+import hmac
 import json
 import re
 from typing import Any
@@ -21,15 +22,21 @@ from metasync.backends.base import check_namespace as check_backend_namespace
 from metasync.errors import (
     BackendUnavailable,
     FormatError,
+    MetasyncError,
     NotARepository,
+    NotTrusted,
     ObjectNotFound,
     UsageError,
 )
+from metasync.keys import Keyring, descriptor_mac, repository_id
+from metasync.keyslots import is_slot_id
 from metasync.objects import FORMAT_VERSION, MAX_FRAGMENTS, Config, is_object_id
 
 #: The repository descriptor: plain JSON, the last key written at init (§8.1).
 DESCRIPTOR_KEY = "metasync.json"
-#: The passphrase-wrapped master key (§8.2).
+#: Key files (§8.2): one slot per passphrase, ``keys/<slot id>``.
+KEYS_PREFIX = "keys"
+#: The legacy key file: a master secret under one passphrase (read, never written).
 KEYFILE_KEY = "keys/master"
 #: Configurations, by id (§8.3).
 CONFIG_PREFIX = "config"
@@ -96,6 +103,60 @@ def parse_spill_key(key: str) -> str | None:
     return parts[1]
 
 
+# --- key files -----------------------------------------------------------------------------
+def slot_key(slot_id: str) -> str:
+    """Key of slot ``slot_id``'s file: ``keys/<16 hex digits>``."""
+    if not is_slot_id(slot_id):
+        raise ValueError(f"no slot key for {slot_id!r}")
+    return f"{KEYS_PREFIX}/{slot_id}"
+
+
+def parse_slot_key(key: str) -> str | None:
+    """The slot id of ``keys/<slot id>``, or None for any other name."""
+    parts = key.split("/")
+    if len(parts) == 2 and parts[0] == KEYS_PREFIX and is_slot_id(parts[1]):
+        return parts[1]
+    return None
+
+
+def key_file_keys(backend: Backend) -> list[str]:
+    """The key files ``backend`` lists: every slot file and the legacy key file
+    (only names :func:`slot_key` makes, or :data:`KEYFILE_KEY`)."""
+    return sorted(k for k in backend.list(KEYS_PREFIX)
+                  if k == KEYFILE_KEY or parse_slot_key(k) is not None)
+
+
+def read_slot_files(backend: Backend) -> dict[str, bytes]:
+    """Every slot file on ``backend``, by slot id (unparsed: untrusted bytes)."""
+    out = {}
+    for key in key_file_keys(backend):
+        slot_id = parse_slot_key(key)
+        if slot_id is not None:
+            try:
+                out[slot_id] = backend.get(key)
+            except ObjectNotFound:
+                continue
+    return out
+
+
+def delete_key_files(backend: Backend) -> list[str]:
+    """Delete every key file from ``backend`` (best effort: a backend being removed);
+    return the keys it could not delete."""
+    try:
+        keys = key_file_keys(backend)
+    except MetasyncError:
+        return [KEYS_PREFIX]
+    failed = []
+    for key in keys:
+        try:
+            backend.delete(key)
+        except ObjectNotFound:
+            continue
+        except MetasyncError:
+            failed.append(key)
+    return failed
+
+
 # --- configurations and clients ------------------------------------------------------
 def config_key(config_id: str) -> str:
     return f"{CONFIG_PREFIX}/{config_id}"
@@ -141,15 +202,36 @@ def floor_of_key(key: str, kind: str = "") -> int | None:
 
 
 # --- the descriptor -----------------------------------------------------------------------
-def descriptor(config: Config, config_id: str, backend_id: str) -> bytes:
-    """The bytes of ``metasync.json`` for backend ``backend_id`` (§8.1)."""
-    doc = {
+def _descriptor_body(doc: dict[str, Any]) -> bytes:
+    body = {k: v for k, v in doc.items() if k != "mac"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def descriptor(config: Config, config_id: str, backend_id: str, ring: Keyring | None) -> bytes:
+    """The bytes of ``metasync.json`` for backend ``backend_id`` (§8.1). With the
+    repository's keyring (encrypted repositories) it names the repository id and
+    carries a MAC under the id key over every other field."""
+    doc: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "encryption": config.encryption,
         "config": config_id,
         "backend": backend_id,
     }
+    if ring is not None:
+        doc["repository"] = repository_id(ring)
+        doc["mac"] = descriptor_mac(ring, _descriptor_body(doc))
     return json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n"
+
+
+def check_descriptor(desc: dict[str, Any], ring: Keyring, uri: str) -> None:
+    """Raise :class:`NotTrusted` unless descriptor ``desc`` (from ``uri``) names
+    ``ring``'s repository and its MAC verifies under ``ring``'s id key."""
+    if desc.get("repository") != repository_id(ring) or not hmac.compare_digest(
+            str(desc.get("mac", "")), descriptor_mac(ring, _descriptor_body(desc))):
+        raise NotTrusted(
+            f"the descriptor on {uri} is not authenticated by this repository's key (the "
+            "backend changed it); clone from another backend"
+        )
 
 
 def parse_descriptor(raw: bytes, uri: str) -> dict[str, Any]:
@@ -164,6 +246,10 @@ def parse_descriptor(raw: bytes, uri: str) -> dict[str, Any]:
             and doc["encryption"] in ("none", "aes-256-gcm")
             and is_object_id(doc["config"])
             and isinstance(doc["backend"], str)
+            # Written by this metasync for encrypted repositories, absent from older ones.
+            and set(doc) in ({"format", "encryption", "config", "backend"},
+                             {"format", "encryption", "config", "backend", "repository", "mac"})
+            and all(isinstance(doc.get(k, ""), str) for k in ("repository", "mac"))
         )
     except (ValueError, KeyError, TypeError, RecursionError):
         ok = False

@@ -12,35 +12,52 @@ local ``.metasync`` folder appears whole or not at all (:func:`create_local`).
 
 from __future__ import annotations
 
+import os
 import secrets
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from fractions import Fraction
 from pathlib import Path
 
 from metasync import verification
 from metasync.backends import Backend, normalize_uri, open_backend, public_uri
 from metasync.codec import Codec
-from metasync.context import create_local
+from metasync.context import create_local, device_name
 from metasync.errors import (
     BackendUnavailable,
     FormatError,
+    MetasyncError,
     NotARepository,
+    NotTrusted,
     ObjectNotFound,
     UsageError,
+    WrongPassphrase,
 )
-from metasync.keys import MasterKey, unwrap, wrap
+from metasync.keys import Keyring, fingerprint, normalize_fingerprint, unwrap, wrong_passphrase
+from metasync.keyslots import (
+    LocalKey,
+    Slot,
+    make_slot,
+    new_slot_id,
+    open_envelope,
+    parse_slot,
+    unlock,
+)
 from metasync.layout import (
     DEFAULT_NAMESPACE,
     DESCRIPTOR_KEY,
     KEYFILE_KEY,
     check_backend_free,
+    check_descriptor,
     check_format,
     check_namespace,
     config_key,
     descriptor,
     parse_descriptor,
+    read_slot_files,
+    slot_key,
 )
 from metasync.localdb import LocalDB
 from metasync.mapping import vnode_unit
@@ -49,6 +66,8 @@ from metasync.state import LocalState
 from metasync.worktree import META_DIR
 
 DEFAULT_PARTITIONS = 16384
+#: The most key slots a clone tries (one scrypt each).
+MAX_SLOTS = 64
 PassphraseSource = Callable[[], str]
 
 
@@ -111,8 +130,14 @@ def create(
         raise UsageError("give one positive capacity per backend")
     backends = [open_backend(u, namespace) for u in uris]
     prepare_locations(backends, mkdir)
-    key = MasterKey.generate() if encrypt else None
-    keyfile = wrap(key, ask(passphrase)) if key is not None else None
+    local: LocalKey | None = None
+    keyfile = b""
+    if encrypt:
+        ring = Keyring(id_key=os.urandom(32), data_keys={0: os.urandom(32)}, current=0)
+        slot = new_slot_id()
+        keyfile, private = make_slot(ring, ask(passphrase), slot=slot, label=device_name(),
+                                     created=today())
+        local = LocalKey(ring, slot, private)
     ids = [secrets.token_hex(4) for _ in uris]
     checked = {}
     for backend_id, backend in zip(ids, backends, strict=True):
@@ -135,20 +160,21 @@ def create(
         fault_model="byzantine" if byzantine else "crash",
         erasure=erasure,
     )
-    codec = Codec(key)
+    codec = Codec(local.ring if local else None)
     config_bytes = config.to_bytes()
     config_id = codec.id_of("config", config_bytes)
     stored_config = codec.encode("config", config_id, config_bytes)
     # Write the descriptor last on each backend: its presence marks a complete repository.
     for backend_id, backend in zip(ids, backends, strict=True):
-        if keyfile is not None:
-            backend.put(KEYFILE_KEY, keyfile)
+        if local is not None and local.slot is not None:
+            backend.put(slot_key(local.slot), keyfile)
         backend.put(config_key(config_id), stored_config)
-        backend.put(DESCRIPTOR_KEY, descriptor(config, config_id, backend_id))
+        backend.put(DESCRIPTOR_KEY, descriptor(config, config_id, backend_id,
+                                               local.ring if local else None))
     for backend in backends:
         backend.close()
     secret_uris = {i: u for i, u in zip(ids, uris, strict=True) if public_uri(u) != u}
-    create_local(root, config, config_id, key, secret_uris)
+    create_local(root, config, config_id, local, secret_uris)
     db = LocalDB(root / META_DIR / "state.db")
     try:
         verification.remember(LocalState(db), checked)
@@ -186,6 +212,8 @@ class CloneStart:
     #: The id of the backend the clone was made from.
     entry_id: str
     created: bool
+    #: The repository's fingerprint (None: not encrypted).
+    fingerprint: str | None = None
 
     def undo(self) -> None:
         """Leave no half-cloned folder behind (a failure we can report)."""
@@ -216,12 +244,28 @@ def prepare_clone(
     *,
     namespace: str = DEFAULT_NAMESPACE,
     passphrase: PassphraseSource | None = None,
+    allow_unencrypted: bool = False,
+    pinned: str | None = None,
 ) -> CloneStart:
     """Read the repository at ``uri`` (descriptor, key, first configuration) and
     create ``root/.metasync`` for it. Everything that can fail on bad input is
-    checked before anything is written."""
+    checked before anything is written.
+
+    Nothing the backend says is taken on trust: an unencrypted repository is
+    cloned only with ``allow_unencrypted`` (a backend can rewrite an encrypted
+    repository's descriptor and configuration to "none"); an encrypted one must
+    open with the passphrase through a key file bound to the descriptor's
+    repository id, and the descriptor's MAC must verify under the key
+    (:class:`NotTrusted` otherwise); ``pinned`` (a fingerprint) must be the
+    repository's."""
     root = new_folder(root, "clone")
     check_namespace(namespace)
+    if pinned is not None:
+        try:
+            pinned = normalize_fingerprint(pinned)
+        except ValueError:
+            raise UsageError(f"--fingerprint {pinned!r} is not a fingerprint (20 hex digits, "
+                             "as `metasync init` printed them)") from None
     entry = open_backend(uri, namespace)
     try:
         try:
@@ -233,17 +277,29 @@ def prepare_clone(
         except BackendUnavailable as exc:
             raise NotARepository(f"cannot read {uri}: {exc}") from None
         desc = parse_descriptor(raw_descriptor, uri)
-        key: MasterKey | None = None
-        if desc["encryption"] != "none":
-            try:
-                keyfile = entry.get(KEYFILE_KEY)
-            except ObjectNotFound:
-                raise FormatError(f"{uri} has no key file; clone from another backend") from None
-            key = unwrap(keyfile, ask(passphrase))
-        codec = Codec(key)
+        local: LocalKey | None = None
+        if desc["encryption"] == "none":
+            if not allow_unencrypted:
+                raise NotTrusted(
+                    f"{uri} says the repository is not encrypted, and a backend can make an "
+                    "encrypted one look so; clone with --no-encrypt only if you know it is not"
+                )
+            if pinned is not None:
+                raise UsageError("an unencrypted repository has no fingerprint; drop --fingerprint")
+        else:
+            local = unlock_keys([entry], desc, passphrase, uri)
+            if pinned is not None and fingerprint(local.ring) != pinned:
+                raise NotTrusted(
+                    f"{uri} holds repository {fingerprint(local.ring)}, not the {pinned} given "
+                    "with --fingerprint; check the URI"
+                )
+        codec = Codec(local.ring if local else None)
         config_id = desc["config"]
         config = Config.from_bytes(codec.decode("config", config_id, entry.get(config_key(config_id))))
         check_format(config.format)
+        if config.encryption != desc["encryption"]:
+            raise NotTrusted(f"the descriptor on {uri} does not match the repository's "
+                             "configuration; clone from another backend")
         entry_id = desc["backend"]
         # This client reaches the entry backend by the URI it was given (a mount point
         # may differ between machines; a password stays here).
@@ -251,8 +307,92 @@ def prepare_clone(
     finally:
         entry.close()
     created = not root.exists()
-    create_local(root, config, config_id, key, overrides)
-    return CloneStart(root, entry_id, created)
+    create_local(root, config, config_id, local, overrides)
+    return CloneStart(root, entry_id, created, fingerprint(local.ring) if local else None)
+
+
+def unlock_keys(backends: list[Backend], desc: dict[str, object],
+                passphrase: PassphraseSource | None, uri: str) -> LocalKey:
+    """The keys of the encrypted repository that descriptor ``desc`` (read from
+    ``uri``) describes, from the key files on ``backends``: the first live slot
+    whose passphrase matches, else (older repositories) the legacy key file.
+
+    Only a slot file naming the descriptor's repository is tried (its associated
+    data binds that id, so one edited to name it does not open). With the keys, the
+    descriptor's MAC is checked (:func:`check_descriptor`), so a key file and a
+    descriptor of two repositories -- even with one passphrase -- never combine. A
+    descriptor without a MAC (older metasync) is accepted only where no slot file
+    exists, i.e. for a repository that older metasync made."""
+    repository = desc.get("repository")
+    slots: dict[str, Slot] = {}
+    removed: set[str] = set()
+    foreign = False
+    for backend in backends:
+        try:
+            files = read_slot_files(backend)
+        except MetasyncError:
+            continue
+        for slot_id, raw in files.items():
+            try:
+                slot = parse_slot(raw, slot_id)
+            except FormatError:
+                continue
+            if not slot.live:
+                removed.add(slot_id)
+            elif slot.repository != repository:
+                foreign = True
+            else:
+                slots.setdefault(slot_id, slot)
+    if repository is None and (slots or foreign):
+        raise NotTrusted(f"the descriptor on {uri} is not authenticated (the backend changed "
+                         "it); clone from another backend")
+    candidates = [s for i, s in sorted(slots.items()) if i not in removed]
+    if len(candidates) > MAX_SLOTS:
+        # Each try costs a scrypt: a backend must not make a clone burn unbounded time.
+        raise NotTrusted(f"{uri} holds {len(candidates)} key slots (more than {MAX_SLOTS}); "
+                         "clone from another backend")
+    if candidates:
+        local = _open_slots(candidates, ask(passphrase))
+    else:
+        legacy = _read_first(backends, KEYFILE_KEY)
+        if legacy is None:
+            if foreign:
+                raise NotTrusted(f"the key files on {uri} belong to another repository; "
+                                 "clone from another backend")
+            raise FormatError(f"{uri} has no key file; clone from another backend")
+        local = LocalKey(unwrap(legacy, ask(passphrase)).keyring())
+    if repository is not None:
+        check_descriptor(desc, local.ring, uri)
+    return local
+
+
+def _open_slots(candidates: list[Slot], phrase: str) -> LocalKey:
+    """The keys of the first slot ``phrase`` unlocks (each try costs one scrypt)."""
+    for slot in candidates:
+        try:
+            private = unlock(slot, phrase)
+        except WrongPassphrase:
+            continue
+        ring = open_envelope(slot, private)
+        if not slot.mac_ok(ring):
+            raise NotTrusted(f"key slot {slot.slot} is not vouched for by the repository's key "
+                             "(planted on a backend?); clone from another backend")
+        return LocalKey(ring, slot.slot, private)
+    raise wrong_passphrase()
+
+
+def _read_first(backends: list[Backend], key: str) -> bytes | None:
+    for backend in backends:
+        try:
+            return backend.get(key)
+        except MetasyncError:
+            continue
+    return None
+
+
+def today() -> str:
+    """The date a key slot records (UTC, to the minute), shown by ``key list``."""
+    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def ask(passphrase: PassphraseSource | None) -> str:

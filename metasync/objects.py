@@ -398,10 +398,16 @@ class Config:
     #: erasure-coded fragments, any k of which rebuild them; ``None``: replication.
     erasure: tuple[int, int] | None = None
     erasure_threshold: int = 1 << 20
+    #: The data key epoch new objects are encrypted under (``metasync key rotate``
+    #: moves it on); a client whose keyring lacks it re-opens its key slot. Written
+    #: only when not 0, so configurations of older repositories keep their bytes.
+    key_epoch: int = 0
 
     def to_bytes(self) -> bytes:
+        extra: dict[str, Any] = {"key_epoch": self.key_epoch} if self.key_epoch else {}
         return canonical_json(
             {
+                **extra,
                 "format": self.format,
                 "namespace": self.namespace,
                 "backends": [
@@ -451,7 +457,9 @@ class Config:
         keys = {"format", "namespace", "backends", "replicas", "partitions", "encryption",
                 "acceptors", "vnode_unit", "fault_model", "retention_days", "snapshots", "gc",
                 "erasure"}
-        _want(set(raw) == keys, "malformed config")
+        _want(set(raw) - {"key_epoch"} == keys, "malformed config")
+        key_epoch = _want_int(raw.get("key_epoch", 0), "key epoch")
+        _want(key_epoch == 0 or raw["encryption"] != "none", "a key epoch needs encryption")
         _want(isinstance(raw["backends"], list) and bool(raw["backends"]), "config backends")
         specs = []
         for b in raw["backends"]:
@@ -512,6 +520,7 @@ class Config:
             gc_cutoff_ns=_want_int(gc["cutoff_ns"], "gc cutoff"),
             erasure=erasure,
             erasure_threshold=threshold,
+            key_epoch=key_epoch,
         )
 
 

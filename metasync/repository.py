@@ -51,6 +51,7 @@ if TYPE_CHECKING:
         Reconfiguration,
         ShareResult,
     )
+    from metasync.maintenance.keymgmt import KeySlots
     from metasync.maintenance.recover import RecoverResult
     from metasync.sync import PushResult, Sync
 
@@ -163,15 +164,20 @@ class Repository:
         namespace: str = DEFAULT_NAMESPACE,
         passphrase: PassphraseSource | None = None,
         reporter: Reporter | None = None,
+        allow_unencrypted: bool = False,
+        fingerprint: str | None = None,
     ) -> Repository:
         """Rebuild the folder from any one backend of a repository into ``root``.
+        An unencrypted repository is cloned only with ``allow_unencrypted``;
+        ``fingerprint`` pins the repository (see :func:`metasync.lifecycle.prepare_clone`).
 
         Everything that can fail on bad input (not a repository, wrong passphrase,
         ``root`` not empty) is checked before anything is written; a clone that
         fails later removes what it created."""
         from metasync import lifecycle
 
-        start = lifecycle.prepare_clone(uri, root, namespace=namespace, passphrase=passphrase)
+        start = lifecycle.prepare_clone(uri, root, namespace=namespace, passphrase=passphrase,
+                                        allow_unencrypted=allow_unencrypted, pinned=fingerprint)
         repo = cls(open_context(start.root, reporter))
         try:
             repo.versions.start_from_hint(start.entry_id)
@@ -236,6 +242,20 @@ class Repository:
     def meta(self) -> Path:
         """The ``.metasync`` folder."""
         return self._ctx.meta
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The repository's fingerprint (``clone --fingerprint``); None if unencrypted."""
+        from metasync.keys import fingerprint
+
+        ring = self._ctx.codec.keyring
+        return fingerprint(ring) if ring is not None else None
+
+    def key_slots(self) -> KeySlots:
+        """Key management: the passphrases (slots) that open this repository."""
+        from metasync.maintenance.keymgmt import KeySlots
+
+        return KeySlots(self._ctx, self.versions)
 
     @property
     def config(self) -> Config:

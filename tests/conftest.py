@@ -41,6 +41,10 @@ pytest_plugins: list[str] = [
 os.environ["METASYNC_CONFIG_DIR"] = tempfile.mkdtemp(prefix="metasync-test-config-")
 os.environ["METASYNC_TOKEN_STORE"] = "file"
 
+# Key files the tests write use scrypt N=2**10, not 2**17 (~0.4 s each). A reader
+# accepts such a file only while this is set, so it cannot weaken real key files.
+os.environ.setdefault("METASYNC_INSECURE_TEST_SCRYPT_N", "1024")
+
 # Backoff between retries in tests: short, so fault-injection tests stay quick.
 os.environ.setdefault("METASYNC_RETRY_BASE", "0.02")
 
@@ -97,12 +101,15 @@ METASYNC = str(Path(sys.executable).with_name("metasync"))
 
 
 def run_cli(
-    *args: str, cwd: Path | None = None, passphrase: str | None = PASSPHRASE, check: bool = True
+    *args: str, cwd: Path | None = None, passphrase: str | None = PASSPHRASE, check: bool = True,
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run the installed ``metasync`` console script as a separate process."""
+    """Run the installed ``metasync`` console script as a separate process
+    (``env_extra``: more environment variables, e.g. METASYNC_NEW_PASSPHRASE)."""
     env = {k: v for k, v in os.environ.items() if k != "METASYNC_PASSPHRASE"}
     if passphrase is not None:
         env["METASYNC_PASSPHRASE"] = passphrase
+    env.update(env_extra or {})
     proc = subprocess.run(
         [METASYNC, *args], cwd=cwd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL
     )

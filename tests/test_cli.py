@@ -148,14 +148,15 @@ def test_bad_replicas(tmp_path: Path, backends: list[Path]) -> None:
 
 
 def test_unencrypted_repository(tmp_path: Path, backends: list[Path]) -> None:
-    """--no-encrypt needs no passphrase anywhere and round-trips."""
+    """--no-encrypt needs no passphrase anywhere and round-trips (a clone of an
+    unencrypted repository needs --no-encrypt too)."""
     src = tmp_path / "plain"
     src.mkdir()
     (src / "a.txt").write_text("plain text\n")
     run_cli("init", str(src), "--no-encrypt", "--backend", f"dir:{backends[0]}",
             "--backend", f"dir:{backends[1]}", passphrase=None)
     run_cli("push", cwd=src, passphrase=None)
-    run_cli("clone", f"dir:{backends[1]}", str(tmp_path / "c"), passphrase=None)
+    run_cli("clone", f"dir:{backends[1]}", str(tmp_path / "c"), "--no-encrypt", passphrase=None)
     assert snapshot(tmp_path / "c") == snapshot(src)
 
 

@@ -20,7 +20,7 @@ import pytest
 from conftest import PASSPHRASE, make_tree, run_cli, snapshot
 from metasync import Repository
 from metasync.codec import Codec
-from metasync.keys import MasterKey
+from metasync.keyslots import LocalKey
 
 BIG_MB = 50
 SMALL_FILES = 10_000
@@ -212,7 +212,7 @@ def test_one_byte_edit_uploads_at_most_two_chunks(repo: Pushed) -> None:
         fh.write(bytes([byte[0] ^ 1]))
     with Repository.open(clone) as r:
         result = r.push("one byte")
-        key = MasterKey.from_hex((clone / ".metasync" / "key").read_text())
+        key = LocalKey.from_bytes((clone / ".metasync" / "key").read_bytes()).ring
     assert result.commit is not None
     assert result.commit.new_objects.get("blob", 0) <= 2
     codec = Codec(key)

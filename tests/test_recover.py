@@ -24,8 +24,9 @@ def test_recover_from_the_one_backend_left(tmp_path: Path) -> None:
     (src / "a.txt").write_text("first\n")
     (src / "docs").mkdir()
     (src / "docs" / "report.txt").write_bytes(bytes(range(256)) * 400)
-    run_cli("init", "--replicas", "3", *(f"--backend=dir:{b[n]}" for n in ("b1", "b2", "b3")),
-            cwd=src)
+    out = run_cli("init", "--replicas", "3",
+                  *(f"--backend=dir:{b[n]}" for n in ("b1", "b2", "b3")), cwd=src).stdout
+    fingerprint = out.split("Fingerprint: ")[1].split()[0]
     run_cli("push", cwd=src)
     old = tmp_path / "old"  # another computer, on the old configuration
     run_cli("clone", f"dir:{b['b3']}", str(old))
@@ -57,8 +58,9 @@ def test_recover_from_the_one_backend_left(tmp_path: Path) -> None:
     (rec / "c.txt").write_text("pushed after the recovery\n")
     run_cli(*TIMEOUT, "push", cwd=rec)
     for entry in ("b3", "b4"):
+        # The recovered repository is the same repository: same id, same fingerprint.
         fresh = tmp_path / f"fresh-{entry}"
-        run_cli(*TIMEOUT, "clone", f"dir:{b[entry]}", str(fresh))
+        run_cli(*TIMEOUT, "clone", f"dir:{b[entry]}", str(fresh), "--fingerprint", fingerprint)
         assert snapshot(fresh) == snapshot(rec)
     run_cli(*TIMEOUT, "fsck", cwd=rec)
 

@@ -23,9 +23,10 @@ from metasync.errors import BackendError, MetasyncError, UsageError
 from metasync.layout import (
     DESCRIPTOR_KEY,
     HINT_KEY,
-    KEYFILE_KEY,
     config_key,
+    delete_key_files,
     descriptor,
+    key_file_keys,
 )
 from metasync.lifecycle import prepare_locations
 from metasync.maintenance.rebalance import RebalanceReport, rebalance
@@ -269,20 +270,24 @@ class Reconfiguration:
         versions, state = self.versions, self.ctx.state
         verification.remember(state, {backend_id: verification.verify(backend)})
         if versions.config.encryption != "none":
-            backend.put(KEYFILE_KEY, self._read_anywhere(KEYFILE_KEY))
+            for key, data in self._key_files().items():
+                backend.put(key, data)
         init_config = state.init_config_id
         for config_id in {init_config, versions.config_id}:
             backend.put(config_key(config_id), versions.read_config_bytes(config_id, stored=True))
-        backend.put(DESCRIPTOR_KEY, descriptor(versions.config, init_config, backend_id))
+        backend.put(DESCRIPTOR_KEY, descriptor(versions.config, init_config, backend_id,
+                                               self.ctx.codec.keyring))
 
-    def _read_anywhere(self, key: str) -> bytes:
+    def _key_files(self) -> dict[str, bytes]:
+        """Every key file (slots, tombstones, a legacy key file) of the first backend
+        that lists and returns them all."""
         reasons = []
         for backend in self.versions.backends.values():
             try:
-                return backend.get(key)
+                return {key: backend.get(key) for key in key_file_keys(backend)}
             except MetasyncError as exc:
                 reasons.append(f"{backend.name}: {exc}")
-        raise BackendError(f"no backend returned {key} ({'; '.join(reasons[-3:])})")
+        raise BackendError(f"no backend returned the key files ({'; '.join(reasons[-3:])})")
 
     def remove_backend(self, name: str) -> ConfigChange:
         """Remove a backend (by id or URI): first copy what only it would hold to
@@ -313,7 +318,14 @@ class Reconfiguration:
                 raise UsageError("a --bft repository needs at least 4 backends; add one first")
             return replace(config, backends=rest, acceptors=acceptors)
 
-        return self.reconfigure(make_new, extra={removed.id: gone})
+        change = self.reconfigure(make_new, extra={removed.id: gone})
+        # The key files go too (best effort): a passphrase must not keep opening keys
+        # on a backend the repository no longer uses.
+        left = delete_key_files(gone)
+        if left:
+            self.ctx.reporter.note(f"could not delete the key files from {gone.name}; delete "
+                                   f"{', '.join(left)} there when it can be reached")
+        return change
 
     def resize_backend(self, name: str, capacity: float) -> ConfigChange:
         """Give a backend a new capacity (GB): it then holds that share of the copies."""

@@ -44,22 +44,23 @@ from metasync.errors import (
     UsageError,
 )
 from metasync.graph import ObjectGraph
-from metasync.keys import MasterKey, unwrap
+from metasync.keyslots import LocalKey
 from metasync.layout import (
     CONFIG_PREFIX,
     DESCRIPTOR_KEY,
-    KEYFILE_KEY,
     LOG_PREFIX,
     check_backend_free,
+    check_descriptor,
     check_namespace,
     config_key,
     descriptor,
     instance_of_log,
+    key_file_keys,
     log_key,
     parse_descriptor,
     retired_key,
 )
-from metasync.lifecycle import PassphraseSource, ask, new_folder
+from metasync.lifecycle import PassphraseSource, new_folder, unlock_keys
 from metasync.maintenance.rebalance import RebalanceReport, rebalance
 from metasync.maintenance.reconfig import Reconfiguration, new_backend_spec
 from metasync.objects import BackendSpec, Config, TreeEntry, Version, is_object_id
@@ -90,7 +91,7 @@ class RecoveryPlan:
     candidates: list[Version]
     #: The highest log instance any survivor holds.
     highest_instance: int
-    key: MasterKey | None
+    key: LocalKey | None
 
     def undo(self) -> None:
         """Remove what the recovery created locally (nothing was written to a backend)."""
@@ -154,8 +155,11 @@ def prepare(uris: list[str], root: str | Path, *, namespace: str,
         first = descriptors[backends[0].uri]
         key = None
         if first["encryption"] != "none":
-            key = unwrap(_read_any(backends, KEYFILE_KEY), ask(passphrase))
-        codec = Codec(key)
+            key = unlock_keys(backends, first, passphrase, backends[0].name)
+            for backend in backends:
+                if "repository" in descriptors[backend.uri]:
+                    check_descriptor(descriptors[backend.uri], key.ring, backend.name)
+        codec = Codec(key.ring if key is not None else None)
         configs = _configs(backends, codec, namespace)
         survivors = {descriptors[b.uri]["backend"]: b.uri for b in backends}
         candidates, highest = _candidates(backends, codec)
@@ -173,13 +177,15 @@ def prepare(uris: list[str], root: str | Path, *, namespace: str,
     return RecoveryPlan(root, created, survivors, configs, usable, highest, key)
 
 
-def _read_any(backends: list[Backend], key: str) -> bytes:
+def _key_files(backends: list[Backend]) -> dict[str, bytes]:
+    """Every key file of the first survivor that lists and returns them all."""
     for backend in backends:
         try:
-            return backend.get(key)
+            return {key: backend.get(key) for key in key_file_keys(backend)}
         except MetasyncError:
             continue
-    raise NotARepository(f"none of the backends given holds {key}; is it the right repository?")
+    raise NotARepository("none of the backends given returned the key files; is it the right "
+                         "repository?")
 
 
 def _configs(backends: list[Backend], codec: Codec, namespace: str) -> dict[str, Config]:
@@ -351,7 +357,8 @@ class Recovery:
         self.versions.adopt_config()
         for backend_id, backend in ctx.pool.open(new).items():
             try:
-                backend.put(DESCRIPTOR_KEY, descriptor(new, new_id, backend_id))
+                backend.put(DESCRIPTOR_KEY, descriptor(new, new_id, backend_id,
+                                                       ctx.codec.keyring))
             except MetasyncError:
                 continue
         result.version = chosen
@@ -364,10 +371,11 @@ class Recovery:
         """The namespace and the key file on each added backend (its configuration
         follows, and its descriptor comes last, with everyone's)."""
         survivors = list(self.ctx.pool.open_by_id(self.plan.survivors).values())
+        files = _key_files(survivors) if self.plan.key is not None else {}
         for backend in added.values():
             backend.create()
-            if self.plan.key is not None:
-                backend.put(KEYFILE_KEY, _read_any(survivors, KEYFILE_KEY))
+            for key, data in files.items():
+                backend.put(key, data)
 
     def _retire(self, new_id: str, number: int) -> None:
         """Mark every old configuration retired on every survivor (best effort on

@@ -1,0 +1,417 @@
+"""Issue 16, scenarios 2 and 9: the trust anchor of a clone, and key management.
+
+A backend (here a ``dir:`` folder an attacker edits) must not be able to
+downgrade a clone to no encryption, pass one repository off as another, or
+keep a removed passphrase working; ``metasync key`` adds, lists, removes and
+changes passphrases; new key files cost scrypt N >= 2**17 and older ones open.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from conftest import PASSPHRASE, run_cli, snapshot
+from metasync import keys, keyslots
+from metasync.backends import open_backend
+from metasync.codec import Codec
+from metasync.context import refresh_key
+from metasync.errors import FormatError, KeyRevoked, NotTrusted
+from metasync.keys import Keyring, MasterKey, fingerprint
+from metasync.keyslots import LocalKey, open_envelope, parse_slot
+from metasync.maintenance.keymgmt import reseal
+from metasync.objects import FORMAT_VERSION, Config
+
+OTHER = "another passphrase"
+
+
+def _one_line_failure(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode != 0, proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("metasync: error: ") and "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def _init(tmp_path: Path, name: str, n: int = 2, passphrase: str = PASSPHRASE) -> tuple[Path, list[Path]]:
+    """A repository in ``tmp_path/name`` on ``n`` new dir: backends, with one file pushed."""
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "secret.txt").write_text("the launch codes\n")
+    dirs = [tmp_path / f"{name}-b{i}" for i in range(n)]
+    args = ["init", str(folder)]
+    for d in dirs:
+        d.mkdir()
+        args += ["--backend", f"dir:{d}"]
+    out = run_cli(*args, passphrase=passphrase).stdout
+    assert "Fingerprint: " in out
+    run_cli("push", cwd=folder, passphrase=None)
+    return folder, dirs
+
+
+def _ns(d: Path) -> Path:
+    return d / "metasync"
+
+
+def _key_files(d: Path) -> list[Path]:
+    return sorted((_ns(d) / "keys").glob("*")) if (_ns(d) / "keys").exists() else []
+
+
+def _local(folder: Path) -> LocalKey:
+    return LocalKey.from_bytes((folder / ".metasync" / "key").read_bytes())
+
+
+# --------------------------------------------------------------------------- scenario 2
+def test_clone_downgraded_to_no_encryption_is_refused(tmp_path: Path) -> None:
+    """A backend rewrites its descriptor and configuration to "none" (it needs no key
+    for that). The clone used to ask no passphrase and print nothing unusual; now it
+    is refused in one line unless --no-encrypt says the user expects it."""
+    folder, dirs = _init(tmp_path, "victim")
+    ns = _ns(dirs[0])
+    desc = json.loads((ns / "metasync.json").read_bytes())
+    real = Codec(_local(folder).ring)
+    config_id = desc["config"]
+    config = Config.from_bytes(real.decode("config", config_id, (ns / "config" / config_id).read_bytes()))
+    plain = Codec(None)
+    data = replace(config, encryption="none").to_bytes()
+    forged_id = plain.id_of("config", data)
+    (ns / "config" / forged_id).write_bytes(plain.encode("config", forged_id, data))
+    (ns / "metasync.json").write_text(json.dumps(
+        {"format": FORMAT_VERSION, "encryption": "none", "config": forged_id,
+         "backend": desc["backend"]}))
+    for path in _key_files(dirs[0]):
+        path.unlink()
+
+    proc = run_cli("clone", f"dir:{dirs[0]}", str(tmp_path / "c1"), passphrase=None, check=False)
+    _one_line_failure(proc, "not encrypted", "--no-encrypt")
+    assert not (tmp_path / "c1").exists()
+    proc = run_cli("clone", f"dir:{dirs[0]}", str(tmp_path / "c2"), check=False)
+    _one_line_failure(proc, "not encrypted")
+
+
+def test_fingerprint_pins_the_repository(tmp_path: Path) -> None:
+    """init and clone print the fingerprint; --fingerprint of another repository (same
+    passphrase) is refused; the right one clones."""
+    a, a_dirs = _init(tmp_path, "a")
+    _b, b_dirs = _init(tmp_path, "b")
+    with_fp = run_cli("clone", f"dir:{a_dirs[1]}", str(tmp_path / "a2")).stdout
+    fp_a = fingerprint(_local(a).ring)
+    assert f"Fingerprint: {fp_a}" in with_fp
+
+    proc = run_cli("clone", f"dir:{b_dirs[0]}", str(tmp_path / "x"), "--fingerprint", fp_a,
+                   check=False)
+    _one_line_failure(proc, fp_a, "--fingerprint")
+    assert not (tmp_path / "x").exists()
+    run_cli("clone", f"dir:{a_dirs[0]}", str(tmp_path / "a3"), "--fingerprint", fp_a.upper())
+    assert (tmp_path / "a3" / "secret.txt").read_text() == "the launch codes\n"
+    proc = run_cli("clone", f"dir:{a_dirs[0]}", str(tmp_path / "y"), "--fingerprint", "zz",
+                   check=False)
+    _one_line_failure(proc, "not a fingerprint")
+
+
+def test_key_file_of_another_repository_is_refused(tmp_path: Path) -> None:
+    """Repository B's key file, with the same passphrase, put in place of A's: the
+    clone of A names the cause (the key file is bound to B's id) and writes nothing.
+    An edited copy claiming A's id does not open (its associated data binds B's)."""
+    _a, a_dirs = _init(tmp_path, "a")
+    _b, b_dirs = _init(tmp_path, "b")
+    for path in _key_files(a_dirs[0]):
+        path.unlink()
+    for path in _key_files(b_dirs[0]):
+        shutil.copy(path, _ns(a_dirs[0]) / "keys" / path.name)
+    proc = run_cli("clone", f"dir:{a_dirs[0]}", str(tmp_path / "c"), check=False)
+    _one_line_failure(proc, "another repository")
+    assert not (tmp_path / "c").exists()
+
+    a_id = json.loads((_ns(a_dirs[0]) / "metasync.json").read_bytes())["repository"]
+    for path in _key_files(a_dirs[0]):
+        doc = json.loads(path.read_bytes())
+        doc["repository"] = a_id
+        path.write_text(json.dumps(doc))
+    proc = run_cli("clone", f"dir:{a_dirs[0]}", str(tmp_path / "c"), check=False)
+    _one_line_failure(proc, "wrong passphrase")
+
+
+def test_descriptor_edited_by_a_backend_is_refused(tmp_path: Path) -> None:
+    """The descriptor's fields (here: which backend this is) are authenticated under
+    the repository key; an edit is refused in one line."""
+    _a, dirs = _init(tmp_path, "a")
+    path = _ns(dirs[0]) / "metasync.json"
+    doc = json.loads(path.read_bytes())
+    doc["backend"] = json.loads((_ns(dirs[1]) / "metasync.json").read_bytes())["backend"]
+    path.write_text(json.dumps(doc))
+    proc = run_cli("clone", f"dir:{dirs[0]}", str(tmp_path / "c"), check=False)
+    _one_line_failure(proc, "not authenticated")
+
+
+def test_unencrypted_clone_needs_no_encrypt(tmp_path: Path) -> None:
+    """A real unencrypted repository clones with --no-encrypt, and says so."""
+    src = tmp_path / "plain"
+    src.mkdir()
+    (src / "a.txt").write_text("plain\n")
+    d = tmp_path / "d"
+    d.mkdir()
+    run_cli("init", str(src), "--no-encrypt", "--backend", f"dir:{d}", passphrase=None)
+    run_cli("push", cwd=src, passphrase=None)
+    out = run_cli("clone", f"dir:{d}", str(tmp_path / "c"), "--no-encrypt", passphrase=None).stdout
+    assert "NOT encrypted" in out
+    assert snapshot(tmp_path / "c") == snapshot(src)
+
+
+# --------------------------------------------------------------------------- scenario 9
+def _slot_of(folder: Path) -> str:
+    slot = _local(folder).slot
+    assert slot is not None
+    return slot
+
+
+def test_removed_passphrase_opens_nothing(tmp_path: Path) -> None:
+    """key add gives a second passphrase its own slot; key remove deletes it from every
+    backend: a clone with it then fails on each, the other passphrase still works."""
+    folder, dirs = _init(tmp_path, "a", n=3)
+    out = run_cli("key", "add", "--label", "laptop of bob", cwd=folder, passphrase=None,
+                  env_extra={"METASYNC_NEW_PASSPHRASE": OTHER}).stdout
+    added = out.split()[-1]
+    listing = run_cli("key", "list", "--json", cwd=folder, passphrase=None).stdout
+    slots = {s["slot"]: s for s in json.loads(listing)}
+    assert set(slots) == {_slot_of(folder), added}
+    assert slots[added]["label"] == "laptop of bob" and slots[added]["vouched"]
+    run_cli("clone", f"dir:{dirs[2]}", str(tmp_path / "bob"), passphrase=OTHER)
+
+    proc = run_cli("key", "remove", _slot_of(folder), cwd=folder, passphrase=None, check=False)
+    _one_line_failure(proc, "--force")
+    run_cli("key", "remove", added, cwd=folder, passphrase=None)
+    for i, d in enumerate(dirs):
+        proc = run_cli("clone", f"dir:{d}", str(tmp_path / f"x{i}"), passphrase=OTHER, check=False)
+        _one_line_failure(proc, "wrong passphrase")
+        assert OTHER.encode() not in b"".join(p.read_bytes() for p in _key_files(d))
+    run_cli("clone", f"dir:{dirs[1]}", str(tmp_path / "alice"))
+    proc = run_cli("key", "remove", _slot_of(folder), "--force", cwd=folder, passphrase=None,
+                   check=False)
+    _one_line_failure(proc, "last passphrase")
+
+
+def test_stolen_local_key_of_a_removed_slot_opens_no_later_epoch(tmp_path: Path) -> None:
+    """Bob's device (its .metasync/key) is stolen and his slot removed. A new keyring
+    (epoch 1) sealed to the remaining slots opens for Alice's device, and for the
+    stolen key neither through its own slot (gone: one line) nor through any other."""
+    folder, dirs = _init(tmp_path, "a", n=2)
+    run_cli("key", "add", "--label", "bob", cwd=folder, passphrase=None,
+            env_extra={"METASYNC_NEW_PASSPHRASE": OTHER})
+    run_cli("clone", f"dir:{dirs[0]}", str(tmp_path / "bob"), passphrase=OTHER)
+    stolen = _local(tmp_path / "bob")
+    assert stolen.slot != _slot_of(folder)
+    run_cli("key", "remove", str(stolen.slot), cwd=folder, passphrase=None)
+
+    alice = _local(folder)
+    ring = Keyring(alice.ring.id_key, {**alice.ring.data_keys, 1: bytes(range(32))}, 1)
+    backends = {str(i): open_backend(f"dir:{d}", "metasync") for i, d in enumerate(dirs)}
+    report = reseal(backends, ring)
+    assert [s for s, _ in report.sealed] == [alice.slot] and not report.line()
+
+    fresh = refresh_key(folder / ".metasync", alice, backends.values(), 1)
+    assert fresh.ring == ring and _local(folder).ring == ring
+    with pytest.raises(KeyRevoked, match="this device's key was removed"):
+        refresh_key(tmp_path / "bob" / ".metasync", stolen, backends.values(), 1)
+    assert stolen.private is not None
+    for d in dirs:
+        for path in _key_files(d):
+            slot = parse_slot(path.read_bytes(), path.name)
+            if slot.live:
+                with pytest.raises(NotTrusted):
+                    open_envelope(slot, stolen.private)
+            else:
+                assert slot.slot == stolen.slot and b"wrapped" not in path.read_bytes()
+
+
+def test_reseal_refuses_a_slot_a_backend_planted(tmp_path: Path) -> None:
+    """A slot made under another repository's keys (a backend's own public key) is
+    not sealed to, and the report names it."""
+    folder, dirs = _init(tmp_path, "a", n=1)
+    ring = _local(folder).ring
+    evil = Keyring(bytes(32), {0: bytes(32)}, 0)
+    data, _ = keyslots.make_slot(evil, "x", slot="0123456789abcdef", label="evil", created="now")
+    doc = json.loads(data)
+    doc["repository"] = keys.repository_id(ring)
+    (_ns(dirs[0]) / "keys" / "0123456789abcdef").write_text(json.dumps(doc))
+    report = reseal({"0": open_backend(f"dir:{dirs[0]}", "metasync")}, ring)
+    assert report.refused == ["0123456789abcdef"] and "0123456789abcdef" in report.line()
+    assert [s for s, _ in report.sealed] == [_slot_of(folder)]
+
+
+def test_key_passwd_changes_the_passphrase_everywhere(tmp_path: Path) -> None:
+    """key passwd rewraps this device's slot on every backend: the old passphrase
+    opens nothing, the new one clones, the folder keeps working."""
+    folder, dirs = _init(tmp_path, "a", n=2)
+    slot = _slot_of(folder)
+    run_cli("key", "passwd", cwd=folder, passphrase=None,
+            env_extra={"METASYNC_NEW_PASSPHRASE": OTHER})
+    for i, d in enumerate(dirs):
+        proc = run_cli("clone", f"dir:{d}", str(tmp_path / f"old{i}"), check=False)
+        _one_line_failure(proc, "wrong passphrase")
+    run_cli("clone", f"dir:{dirs[1]}", str(tmp_path / "new"), passphrase=OTHER)
+    assert _slot_of(tmp_path / "new") == slot
+    (folder / "more.txt").write_text("more\n")
+    run_cli("push", cwd=folder, passphrase=None)
+
+
+def test_new_key_files_cost_2_17_and_test_cost_files_are_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the test suite's variable a slot is written with N = 2**17; a key file
+    written under the variable (N = 2**10) is refused by a reader without it, so the
+    variable cannot weaken a real key file."""
+    ring = MasterKey.generate().keyring()
+    cheap, _ = keyslots.make_slot(ring, "p", slot="00000000000000aa", label="t", created="d")
+    assert json.loads(cheap)["kdf"]["n"] == 2**10
+    monkeypatch.delenv(keys.TEST_SCRYPT_ENV)
+    real, private = keyslots.make_slot(ring, "p", slot="00000000000000bb", label="t", created="d")
+    assert json.loads(real)["kdf"]["n"] >= 2**17
+    assert keyslots.unlock(parse_slot(real, "00000000000000bb"), "p") == private
+    with pytest.raises(FormatError, match="scrypt"):
+        parse_slot(cheap, "00000000000000aa")
+
+
+def test_legacy_key_file_at_2_15_still_opens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A format 1 key file (keys/master) with the old cost N = 2**15 opens without the
+    test variable; its holder's keyring is epoch 0 with the keys derived as before."""
+    monkeypatch.delenv(keys.TEST_SCRYPT_ENV)
+    monkeypatch.setattr(keys, "SCRYPT_N", 2**15)
+    master = MasterKey.generate()
+    data = keys.wrap(master, "p")
+    assert json.loads(data)["kdf"]["n"] == 2**15 and json.loads(data)["format"] == 1
+    assert keys.unwrap(data, "p").keyring() == Keyring(master.id_key, {0: master.enc_key}, 0)
+    assert LocalKey.from_bytes(master.to_hex().encode()).ring == master.keyring()
+
+
+def _make_legacy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Path, list[Path]]:
+    """A repository as older metasync wrote it: keys/master (format 1, N = 2**15), a
+    descriptor without MAC, the master secret in hex in .metasync/key."""
+    from metasync import Repository, lifecycle
+
+    master = MasterKey.generate()
+    monkeypatch.setattr(lifecycle, "Keyring", lambda **_: master.keyring())
+    folder = tmp_path / "old"
+    folder.mkdir()
+    (folder / "f.txt").write_text("old data\n")
+    dirs = [tmp_path / "old-b0", tmp_path / "old-b1"]
+    for d in dirs:
+        d.mkdir()
+    with Repository.init(folder, [f"dir:{d}" for d in dirs], passphrase=lambda: PASSPHRASE) as r:
+        r.push("first")
+    monkeypatch.undo()
+    monkeypatch.setattr(keys, "SCRYPT_N", 2**15)
+    monkeypatch.delenv(keys.TEST_SCRYPT_ENV)
+    legacy = keys.wrap(master, PASSPHRASE)
+    monkeypatch.undo()
+    for d in dirs:
+        for path in _key_files(d):
+            path.unlink()
+        (_ns(d) / "keys" / "master").write_bytes(legacy)
+        desc = json.loads((_ns(d) / "metasync.json").read_bytes())
+        del desc["repository"], desc["mac"]
+        (_ns(d) / "metasync.json").write_text(json.dumps(desc))
+    (folder / ".metasync" / "key").write_text(master.to_hex())
+    return folder, dirs
+
+
+def test_legacy_repository_clones_and_passwd_converts_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An older repository clones with its passphrase; key passwd from its folder
+    writes a slot, authenticates the descriptors and deletes keys/master, so the old
+    passphrase opens nothing and the new one clones -- to the same repository."""
+    folder, dirs = _make_legacy(monkeypatch, tmp_path)
+    run_cli("clone", f"dir:{dirs[0]}", str(tmp_path / "c1"))
+    assert (tmp_path / "c1" / "f.txt").read_text() == "old data\n"
+    fp = fingerprint(_local(folder).ring)
+    run_cli("key", "passwd", cwd=folder, passphrase=None,
+            env_extra={"METASYNC_NEW_PASSPHRASE": OTHER})
+    for d in dirs:
+        assert [p.name for p in _key_files(d)] == [_slot_of(folder)]
+        assert "mac" in json.loads((_ns(d) / "metasync.json").read_bytes())
+    proc = run_cli("clone", f"dir:{dirs[1]}", str(tmp_path / "c2"), check=False)
+    _one_line_failure(proc, "wrong passphrase")
+    run_cli("clone", f"dir:{dirs[1]}", str(tmp_path / "c3"), "--fingerprint", fp, passphrase=OTHER)
+    run_cli("pull", cwd=tmp_path / "c1", passphrase=None)
+
+
+def test_backend_remove_deletes_the_key_files(tmp_path: Path) -> None:
+    """backend remove deletes the key files from the removed backend (when reachable)."""
+    folder, dirs = _init(tmp_path, "a", n=3)
+    assert _key_files(dirs[2])
+    run_cli("backend", "remove", f"dir:{dirs[2]}", cwd=folder, passphrase=None)
+    assert _key_files(dirs[2]) == []
+    assert all(_key_files(d) for d in dirs[:2])
+
+
+def _slot_edit(data: bytes, path: tuple[str, ...], value: object) -> bytes:
+    doc = json.loads(data)
+    where = doc
+    for part in path[:-1]:
+        where = where[part]
+    if value is ...:
+        del where[path[-1]]
+    else:
+        where[path[-1]] = value
+    return json.dumps(doc).encode()
+
+
+SLOT_DAMAGE = {
+    "garbage": lambda d: b"\x00garbage",
+    "json list": lambda d: b"[1]",
+    "deeply nested": lambda d: b"[" * 100_000,
+    "other slot id": lambda d: _slot_edit(d, ("slot",), "ffffffffffffffff"),
+    "no envelope": lambda d: _slot_edit(d, ("envelope",), ...),
+    "public short": lambda d: _slot_edit(d, ("public",), "AAAA"),
+    "n huge": lambda d: _slot_edit(d, ("kdf", "n"), 2**21),
+    "n not power of two": lambda d: _slot_edit(d, ("kdf", "n"), 2**15 + 1),
+    "mac epoch string": lambda d: _slot_edit(d, ("mac", "epoch"), "0"),
+    "unknown kdf": lambda d: _slot_edit(d, ("kdf", "name"), "argon2id"),
+    "repository short": lambda d: _slot_edit(d, ("repository",), "ab"),
+}
+
+
+@pytest.mark.parametrize("damage", SLOT_DAMAGE.values(), ids=SLOT_DAMAGE.keys())
+def test_damaged_slot_file_is_format_error(damage: object) -> None:
+    """A damaged slot file raises FormatError, never another exception, before any
+    scrypt call (a hostile backend cannot make a reader burn unbounded time)."""
+    ring = MasterKey.generate().keyring()
+    data, _ = keyslots.make_slot(ring, "p", slot="00000000000000cc", label="t", created="d")
+    assert callable(damage)
+    with pytest.raises(FormatError):
+        parse_slot(damage(data), "00000000000000cc")
+
+
+def test_a_client_follows_a_new_key_epoch_and_a_removed_one_cannot(tmp_path: Path) -> None:
+    """After a rotation (a new keyring sealed to the remaining slots, then a
+    configuration naming key epoch 1), a client of a remaining slot picks the new
+    keyring up when it opens the repository; the device of a removed slot fails in
+    one line naming the fix."""
+    from metasync import Repository
+
+    folder, dirs = _init(tmp_path, "a", n=2)
+    run_cli("key", "add", "--label", "bob", cwd=folder, passphrase=None,
+            env_extra={"METASYNC_NEW_PASSPHRASE": OTHER})
+    run_cli("clone", f"dir:{dirs[0]}", str(tmp_path / "bob"), passphrase=OTHER)
+    run_cli("clone", f"dir:{dirs[1]}", str(tmp_path / "alice2"))
+    run_cli("key", "remove", _slot_of(tmp_path / "bob"), cwd=folder, passphrase=None)
+
+    alice = _local(folder)
+    ring = Keyring(alice.ring.id_key, {**alice.ring.data_keys, 1: bytes(range(32))}, 1)
+    backends = {str(i): open_backend(f"dir:{d}", "metasync") for i, d in enumerate(dirs)}
+    assert not reseal(backends, ring).line()
+    with Repository.open(folder) as r:
+        r._reconfig.change_config(lambda c: replace(c, key_epoch=1))
+
+    for name in ("alice2", "bob"):
+        run_cli("pull", cwd=tmp_path / name, passphrase=None)
+    run_cli("status", cwd=tmp_path / "alice2", passphrase=None)
+    assert _local(tmp_path / "alice2").ring == ring
+    proc = run_cli("status", cwd=tmp_path / "bob", passphrase=None, check=False)
+    _one_line_failure(proc, "this device's key was removed", "clone again")
+    assert 1 not in _local(tmp_path / "bob").ring.data_keys
