@@ -18,13 +18,14 @@ import secrets
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from metasync.backends import Backend, open_backend, public_uri
 from metasync.codec import Codec
 from metasync.errors import FolderBusy, FormatError
-from metasync.keys import MasterKey
+from metasync.keys import Keyring, MasterKey
 from metasync.localdb import LocalDB
 from metasync.objects import FORMAT_VERSION, Config, Version
 from metasync.progress import NullReporter, Reporter
@@ -110,6 +111,31 @@ class RepoContext:
     file_modes: dict[bool, int] = field(default_factory=dict)
     #: The open lock file while this context has the folder (see :func:`lock_folder`).
     lock_fd: int | None = None
+    #: Every data key this client holds (the codec uses those its configuration allows).
+    keyring: Keyring | None = None
+    #: Fetches this client's keyring anew from its key slot (after a key rotation).
+    reload_keyring: Callable[[], Keyring] | None = None
+
+    def use_keys(self, config: Config) -> None:
+        """Encrypt under ``config``'s data key epoch and read under the epochs it
+        allows from now on; fetch the keyring anew first if it lacks that epoch
+        (another client rotated the key)."""
+        if self.keyring is None:
+            return
+        try:
+            ring = self.keyring.narrowed(config.key_epoch, config.key_oldest)
+        except KeyError:
+            if self.reload_keyring is not None:
+                self.keyring = self.reload_keyring()
+            try:
+                ring = self.keyring.narrowed(config.key_epoch, config.key_oldest)
+            except KeyError:
+                raise FormatError(
+                    f"the repository's key was rotated (data key epoch {config.key_epoch}) "
+                    "and this client has not received the new key; clone it again"
+                ) from None
+        if ring != self.codec.keyring:
+            self.codec.use(ring)
 
     @property
     def meta(self) -> Path:
@@ -160,17 +186,21 @@ def open_context(root: Path, reporter: Reporter | None = None,
         except BaseException:
             db.close()
             raise
-        codec = Codec(key)
+        keyring = key.keyring() if key is not None else None
+        codec = Codec(keyring)
         pool = BackendPool(config.namespace, state)
         store = RemoteStore(config, codec, pool.open(config))
         (meta / OUTBOX_DIR).mkdir(exist_ok=True)
         store.local = meta / OUTBOX_DIR
-        return RepoContext(
+        ctx = RepoContext(
             root=root, db=db, state=state, codec=codec, pool=pool, store=store,
             reporter=reporter or NullReporter(), client_id=state.client_id,
             device=state.device, chunker=Chunker(codec.hasher),
             file_modes={False: file_mode(False), True: file_mode(True)}, lock_fd=lock,
+            keyring=keyring,
         )
+        ctx.use_keys(config)
+        return ctx
     except BaseException:
         os.close(lock)
         raise

@@ -398,10 +398,21 @@ class Config:
     #: erasure-coded fragments, any k of which rebuild them; ``None``: replication.
     erasure: tuple[int, int] | None = None
     erasure_threshold: int = 1 << 20
+    #: The data key epoch writers encrypt under (docs/FORMAT.md §16); 0 until the
+    #: first key rotation.
+    key_epoch: int = 0
+    #: Data keys of epochs below this are retired: nothing is stored under them any
+    #: more (log entries aside), and a reader no longer accepts them.
+    key_oldest: int = 0
 
     def to_bytes(self) -> bytes:
+        # "keys" is written only once a rotation happened, so the configurations of
+        # repositories that never rotated keep their bytes (and ids).
+        keys = ({"keys": {"epoch": self.key_epoch, "oldest": self.key_oldest}}
+                if self.key_epoch else {})
         return canonical_json(
             {
+                **keys,
                 "format": self.format,
                 "namespace": self.namespace,
                 "backends": [
@@ -451,7 +462,14 @@ class Config:
         keys = {"format", "namespace", "backends", "replicas", "partitions", "encryption",
                 "acceptors", "vnode_unit", "fault_model", "retention_days", "snapshots", "gc",
                 "erasure"}
-        _want(set(raw) == keys, "malformed config")
+        _want(set(raw) - {"keys"} == keys, "malformed config")
+        key_epoch = key_oldest = 0
+        if "keys" in raw:
+            _want(isinstance(raw["keys"], dict) and set(raw["keys"]) == {"epoch", "oldest"},
+                  "config keys")
+            key_epoch = _want_int(raw["keys"]["epoch"], "key epoch", 1)
+            key_oldest = _want_int(raw["keys"]["oldest"], "oldest key epoch")
+            _want(key_oldest <= key_epoch and raw["encryption"] != "none", "config keys")
         _want(isinstance(raw["backends"], list) and bool(raw["backends"]), "config backends")
         specs = []
         for b in raw["backends"]:
@@ -512,6 +530,8 @@ class Config:
             gc_cutoff_ns=_want_int(gc["cutoff_ns"], "gc cutoff"),
             erasure=erasure,
             erasure_threshold=threshold,
+            key_epoch=key_epoch,
+            key_oldest=key_oldest,
         )
 
 
