@@ -27,7 +27,13 @@ from metasync.translators.encrypt import AesGcmTranslator
 from metasync.translators.integrity import IntegrityTranslator
 
 PACK_MAGIC = b"MSP1"
+#: The trailer magic of a pack whose entries were re-encrypted under a newer data key
+#: (docs/FORMAT.md §6, "Re-keyed packs"): its bytes no longer hash to its id, so its
+#: header is bound to the id and carries a keyed hash of the entries instead.
+REKEYED_PACK_MAGIC = b"MSP2"
 _TRAILER = struct.Struct(">I4s")
+#: The hash kind of a re-keyed pack's entries ("metasync:rekeyed", 16 bytes).
+_BODY_KIND = "rekeyed"
 #: A pack is closed once it holds this many stored bytes.
 PACK_TARGET_SIZE = 16 * 1024 * 1024
 
@@ -38,12 +44,26 @@ class Codec:
     def __init__(self, key: MasterKey | Keyring | None) -> None:
         ring = key.keyring() if isinstance(key, MasterKey) else key
         self.encrypted = ring is not None
-        self.keyring = ring
         self.hasher = ObjectHasher(ring.id_key if ring else None)
+        self.use(ring)
+
+    def use(self, ring: Keyring | None) -> None:
+        """Encrypt under ``ring.current`` and read under its keys from now on (after a
+        key rotation moved the configuration's epoch). The id key never changes."""
+        if (ring is not None) != self.encrypted or (
+                ring is not None and self.hasher.id_of("blob", b"") != ObjectHasher(ring.id_key).id_of("blob", b"")):
+            raise ValueError("a codec's id key never changes")
+        self.keyring = ring
         chain: list[Translator] = [IntegrityTranslator(self.hasher), ZstdTranslator()]
+        self._aes: AesGcmTranslator | None = None
+        #: Data key epochs in the order the AES translator tries them (current first).
+        self._epochs: list[int] = []
         if ring is not None:
-            older = tuple(k for e, k in sorted(ring.data_keys.items(), reverse=True) if e != ring.current)
-            chain.append(AesGcmTranslator(ring.data_keys[ring.current], older))
+            self._epochs = [ring.current, *sorted((e for e in ring.data_keys if e != ring.current),
+                                                  reverse=True)]
+            self._aes = AesGcmTranslator(ring.data_keys[ring.current],
+                                         tuple(ring.data_keys[e] for e in self._epochs[1:]))
+            chain.append(self._aes)
         self.chain = TranslatorChain(chain)
 
     def id_of(self, kind: str, data: bytes | memoryview) -> str:
@@ -58,24 +78,77 @@ class Codec:
         return self.chain.get(stored, Context(kind, object_id))
 
     def check_pack(self, pack_id: str, stored: bytes) -> None:
-        """Raise :class:`CorruptObject` unless ``stored`` hashes to ``pack_id``."""
-        if self.id_of("pack", stored) != pack_id:
-            raise CorruptObject(f"pack {pack_id[:12]}: content does not match its id")
+        """Raise :class:`CorruptObject` unless ``stored`` is the pack ``pack_id``: its
+        bytes hash to the id, or (a re-keyed pack) its header is bound to the id and
+        the keyed hash of its entries matches."""
+        self.pack_entries(pack_id, stored)
 
     def pack_entries(self, pack_id: str, stored: bytes) -> list[PackEntry]:
-        """Read a whole pack's trailer (for fsck and index rebuilding)."""
-        self.check_pack(pack_id, stored)
+        """Check a whole pack (:meth:`check_pack`) and read its trailer (for fsck,
+        index rebuilding and re-keying)."""
         if len(stored) < _TRAILER.size:
             raise CorruptObject(f"pack {pack_id[:12]}: too short")
         header_len, magic = _TRAILER.unpack_from(stored, len(stored) - _TRAILER.size)
-        if magic != PACK_MAGIC or header_len > len(stored) - _TRAILER.size:
+        rekeyed = magic == REKEYED_PACK_MAGIC and self.encrypted
+        if magic != PACK_MAGIC and not rekeyed:
+            raise CorruptObject(f"pack {pack_id[:12]}: bad trailer")
+        if not rekeyed and self.id_of("pack", stored) != pack_id:
+            raise CorruptObject(f"pack {pack_id[:12]}: content does not match its id")
+        if header_len > len(stored) - _TRAILER.size:
             raise CorruptObject(f"pack {pack_id[:12]}: bad trailer")
         start = len(stored) - _TRAILER.size - header_len
-        header = self.decode("packheader", "pack", stored[start : start + header_len])
-        raw = parse_json(header, "pack header")
-        if not isinstance(raw, list):
-            raise CorruptObject(f"pack {pack_id[:12]}: bad header")
-        return [parse_pack_entry(item) for item in raw]
+        encoded = stored[start : start + header_len]
+        if not rekeyed:
+            raw = parse_json(self.decode("packheader", "pack", encoded), "pack header")
+            if not isinstance(raw, list):
+                raise CorruptObject(f"pack {pack_id[:12]}: bad header")
+            return [parse_pack_entry(item) for item in raw]
+        # The header's context names the pack id, so it authenticates this pack alone;
+        # the hash binds every entry byte to it.
+        doc = parse_json(self.decode("packheader", pack_id, encoded), "pack header")
+        if (not isinstance(doc, dict) or set(doc) != {"entries", "body"}
+                or not isinstance(doc["entries"], list)
+                or doc["body"] != self.id_of(_BODY_KIND, stored[:start])):
+            raise CorruptObject(f"pack {pack_id[:12]}: re-keyed entries do not match its header")
+        return [parse_pack_entry(item) for item in doc["entries"]]
+
+    # --- key rotation -------------------------------------------------------------
+    def stale(self, stored: bytes, kind: str, object_id: str) -> bool:
+        """True if ``stored`` (one chain output) is encrypted under an older data key
+        than the current one; :class:`CorruptObject` if no key opens it."""
+        if self._aes is None:
+            return False
+        return self._aes.get_with_epoch(stored, Context(kind, object_id))[1] != 0
+
+    def reencrypt(self, stored: bytes, kind: str, object_id: str) -> bytes:
+        """``stored`` encrypted under the current data key instead: the same
+        compressed plaintext, so the same length (pack offsets stay valid)."""
+        assert self._aes is not None, "only an encrypted repository re-keys"
+        ctx = Context(kind, object_id)
+        return self._aes.put(self._aes.get(stored, ctx), ctx)
+
+    def rekey_pack(self, pack_id: str, stored: bytes) -> bytes | None:
+        """The pack re-encrypted under the current data key (a re-keyed pack, FORMAT.md
+        §6), or None if nothing in it is under an older key. Checks the pack first."""
+        entries = self.pack_entries(pack_id, stored)
+        header_len = _TRAILER.unpack_from(stored, len(stored) - _TRAILER.size)[0]
+        start = len(stored) - _TRAILER.size - header_len
+        rekeyed = stored[-4:] == REKEYED_PACK_MAGIC
+        header_ctx = ("packheader", pack_id if rekeyed else "pack")
+        if self.stale(stored[start : start + header_len], *header_ctx) or any(
+            self.stale(stored[e.offset : e.offset + e.length], e.kind, e.object_id) for e in entries
+        ):
+            parts = [self.reencrypt(stored[e.offset : e.offset + e.length], e.kind, e.object_id)
+                     for e in entries]
+            body = b"".join(parts)
+            if len(body) != start:
+                raise CorruptObject(f"pack {pack_id[:12]}: entries do not fill the pack")
+            header = self.encode("packheader", pack_id, canonical_json({
+                "entries": [[e.object_id, e.kind, e.offset, e.length] for e in entries],
+                "body": self.id_of(_BODY_KIND, body),
+            }))
+            return body + header + _TRAILER.pack(len(header), REKEYED_PACK_MAGIC)
+        return None  # written under the current key already (a plain pack stays plain)
 
 
 @dataclass

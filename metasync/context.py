@@ -18,7 +18,7 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from metasync.errors import (
     NotTrusted,
     ObjectNotFound,
 )
+from metasync.keys import Keyring
 from metasync.keyslots import LocalKey, open_envelope, parse_slot
 from metasync.layout import slot_key
 from metasync.localdb import LocalDB
@@ -120,6 +121,31 @@ class RepoContext:
     file_modes: dict[bool, int] = field(default_factory=dict)
     #: The open lock file while this context has the folder (see :func:`lock_folder`).
     lock_fd: int | None = None
+    #: Every data key this client holds (the codec uses those its configuration allows).
+    keyring: Keyring | None = None
+    #: Fetches this client's keyring anew from its key slot (after a key rotation).
+    reload_keyring: Callable[[], Keyring] | None = None
+
+    def use_keys(self, config: Config) -> None:
+        """Encrypt under ``config``'s data key epoch and read under the epochs it
+        allows from now on; fetch the keyring anew first if it lacks that epoch
+        (another client rotated the key)."""
+        if self.keyring is None:
+            return
+        try:
+            ring = self.keyring.narrowed(config.key_epoch, config.key_oldest)
+        except KeyError:
+            if self.reload_keyring is not None:
+                self.keyring = self.reload_keyring()
+            try:
+                ring = self.keyring.narrowed(config.key_epoch, config.key_oldest)
+            except KeyError:
+                raise FormatError(
+                    f"the repository's key was rotated (data key epoch {config.key_epoch}) "
+                    "and this client has not received the new key; clone it again"
+                ) from None
+        if ring != self.codec.keyring:
+            self.codec.use(ring)
 
     @property
     def meta(self) -> Path:
@@ -182,12 +208,25 @@ def open_context(root: Path, reporter: Reporter | None = None,
         store = RemoteStore(config, codec, pool.open(config))
         (meta / OUTBOX_DIR).mkdir(exist_ok=True)
         store.local = meta / OUTBOX_DIR
-        return RepoContext(
+        ctx = RepoContext(
             root=root, db=db, state=state, codec=codec, pool=pool, store=store,
             reporter=reporter or NullReporter(), client_id=state.client_id,
             device=state.device, chunker=Chunker(codec.hasher),
             file_modes={False: file_mode(False), True: file_mode(True)}, lock_fd=lock,
+            keyring=local.ring if local is not None else None,
         )
+        if local is not None:
+            held = local
+
+            def reload_keyring() -> Keyring:
+                # Another client rotated the key while this one is open.
+                nonlocal held
+                held = refresh_key(meta, held, ctx.pool.open(ctx.store.config).values(), None)
+                return held.ring
+
+            ctx.reload_keyring = reload_keyring
+        ctx.use_keys(config)
+        return ctx
     except BaseException:
         os.close(lock)
         raise

@@ -107,6 +107,20 @@ class Keyring:
         if any(len(k) != 32 for k in self.data_keys.values()):
             raise ValueError("data keys must be 32 bytes")
 
+    def with_new_epoch(self) -> Keyring:
+        """This ring plus a random data key one epoch above the newest, made current."""
+        epoch = max(self.data_keys) + 1
+        return Keyring(self.id_key, {**self.data_keys, epoch: os.urandom(32)}, epoch)
+
+    def narrowed(self, current: int, oldest: int = 0) -> Keyring:
+        """The keys a configuration allows: writing under ``current``, reading under
+        ``current`` and the epochs from ``oldest`` on. :class:`KeyError` if this ring
+        lacks ``current`` (a rotation this client has not received yet)."""
+        if current not in self.data_keys:
+            raise KeyError(current)
+        return Keyring(self.id_key, {e: k for e, k in self.data_keys.items() if e >= oldest
+                                     or e == current}, current)
+
 
 
 

@@ -402,9 +402,14 @@ class Config:
     #: moves it on); a client whose keyring lacks it re-opens its key slot. Written
     #: only when not 0, so configurations of older repositories keep their bytes.
     key_epoch: int = 0
+    #: Data keys of epochs below this are retired by a completed rotation: nothing is
+    #: stored under them any more (log entries aside), and no reader accepts them.
+    key_oldest: int = 0
 
     def to_bytes(self) -> bytes:
         extra: dict[str, Any] = {"key_epoch": self.key_epoch} if self.key_epoch else {}
+        if self.key_oldest:
+            extra["key_oldest"] = self.key_oldest
         return canonical_json(
             {
                 **extra,
@@ -457,9 +462,11 @@ class Config:
         keys = {"format", "namespace", "backends", "replicas", "partitions", "encryption",
                 "acceptors", "vnode_unit", "fault_model", "retention_days", "snapshots", "gc",
                 "erasure"}
-        _want(set(raw) - {"key_epoch"} == keys, "malformed config")
+        _want(set(raw) - {"key_epoch", "key_oldest"} == keys, "malformed config")
         key_epoch = _want_int(raw.get("key_epoch", 0), "key epoch")
+        key_oldest = _want_int(raw.get("key_oldest", 0), "oldest key epoch")
         _want(key_epoch == 0 or raw["encryption"] != "none", "a key epoch needs encryption")
+        _want(key_oldest <= key_epoch, "the oldest key epoch is above the current one")
         _want(isinstance(raw["backends"], list) and bool(raw["backends"]), "config backends")
         specs = []
         for b in raw["backends"]:
@@ -521,6 +528,7 @@ class Config:
             erasure=erasure,
             erasure_threshold=threshold,
             key_epoch=key_epoch,
+            key_oldest=key_oldest,
         )
 
 

@@ -149,6 +149,7 @@ class Versions:
         self.config, self.config_id = config, config_id
         self.backends = self.ctx.pool.open(config)
         self.ctx.store.reconfigure(config, self.backends)
+        self.ctx.use_keys(config)
 
     @contextmanager
     def reading_with(self, config: Config) -> Iterator[None]:
@@ -160,10 +161,12 @@ class Versions:
             return
         old_config, old_backends = store.config, store.backends
         store.reconfigure(config, self.ctx.pool.open(config))
+        self.ctx.use_keys(config)
         try:
             yield
         finally:
             store.reconfigure(old_config, old_backends)
+            self.ctx.use_keys(old_config)
 
     # ---------------------------------------------------------------- learning
     def learn_latest(self) -> Version:
