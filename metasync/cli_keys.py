@@ -101,3 +101,23 @@ def key_passwd(new_passphrase_file: str | None) -> None:
         report = repo.key_slots().passwd(phrase)
     _warn_missed(report.unreachable)
     _say(f"Changed the passphrase of key slot {report.slot}")
+
+
+@key.command("rotate")
+def key_rotate() -> None:
+    """Give the repository a new data key, re-encrypt everything under it and retire
+    the old one (after `key remove`, when a passphrase or a device may have leaked).
+    Safe to interrupt: run it again to finish."""
+    with _open() as repo:
+        report = repo.rotate_keys(progress=_say)
+    if report.notes:
+        click.echo(f"metasync: warning: {report.notes}", err=True)
+    if not report.retired:
+        left = [*report.left[:3], *(f"{b}: {why}" for b, why in report.unreachable.items())]
+        raise UsageError(
+            f"key epoch {report.epoch} is in use but {len(report.left)} stored item(s) are still "
+            f"under an older key ({'; '.join(left[:3])}); run `metasync key rotate` again once "
+            "every backend answers")
+    _say(f"Rotated the repository's key: data key epoch {report.epoch}, {report.rewritten} "
+         f"stored item(s) re-encrypted, older keys retired; sealed to key slots "
+         f"{', '.join(report.slots)}")

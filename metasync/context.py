@@ -132,20 +132,58 @@ class RepoContext:
         (another client rotated the key)."""
         if self.keyring is None:
             return
-        try:
-            ring = self.keyring.narrowed(config.key_epoch, config.key_oldest)
-        except KeyError:
-            if self.reload_keyring is not None:
-                self.keyring = self.reload_keyring()
-            try:
-                ring = self.keyring.narrowed(config.key_epoch, config.key_oldest)
-            except KeyError:
-                raise FormatError(
-                    f"the repository's key was rotated (data key epoch {config.key_epoch}) "
-                    "and this client has not received the new key; clone it again"
-                ) from None
+        held = self._holding(config.key_epoch, newer_will_do=True)
+        # A client that joined after a rotation holds only newer keys: it reads and
+        # writes objects under those (every key holder has them).
+        current = min(e for e in held.data_keys if e >= config.key_epoch)
+        ring = held.narrowed(current, config.key_oldest)
         if ring != self.codec.keyring:
             self.codec.use(ring)
+
+    def keys_moved_on(self) -> bool:
+        """After an item failed to authenticate: fetch the keyring anew from this
+        client's key slot (another client may have rotated the key, and re-encrypted
+        it), keep reading by the same configuration; True if that gave new keys.
+        Raises :class:`KeyRevoked` (one line) if this device's slot was removed."""
+        if self.keyring is None or self.reload_keyring is None:
+            return False
+        before = self.keyring
+        self.keyring = self.reload_keyring()
+        if self.keyring == before:
+            return False
+        current = self.codec.keyring
+        assert current is not None
+        self.codec.use(Keyring(self.keyring.id_key,
+                               {**self.keyring.data_keys, **current.data_keys}, current.current))
+        return True
+
+    def _holding(self, epoch: int, newer_will_do: bool = False) -> Keyring:
+        """This client's keyring, fetched anew from its key slot if it lacks ``epoch``
+        (with ``newer_will_do``: if it holds no key of ``epoch`` or newer)."""
+        assert self.keyring is not None
+
+        def enough(ring: Keyring) -> bool:
+            return epoch in ring.data_keys or (newer_will_do and max(ring.data_keys) > epoch)
+
+        if not enough(self.keyring) and self.reload_keyring is not None:
+            self.keyring = self.reload_keyring()
+        if not enough(self.keyring):
+            raise FormatError(
+                f"the repository's key was rotated (data key epoch {epoch}) and this client "
+                "does not hold that key; clone the repository again")
+        return self.keyring
+
+    def log_codec(self, config: Config) -> Codec:
+        """The codec of the pPaxos records of the instances ``config``'s acceptors run:
+        written under its data key epoch, read under that epoch and newer ones only,
+        so an older key (a revoked one) can forge no entry of an instance run after a
+        rotation began, while the entries of instances before it stay readable to the
+        clients that hold their key."""
+        if self.keyring is None:
+            return self.codec
+        ring = self._holding(config.key_epoch)
+        return Codec(Keyring(ring.id_key, {e: k for e, k in ring.data_keys.items()
+                                           if e >= config.key_epoch}, config.key_epoch))
 
     @property
     def meta(self) -> Path:
@@ -198,7 +236,7 @@ def open_context(root: Path, reporter: Reporter | None = None,
             raise
         pool = BackendPool(config.namespace, state)
         try:
-            if local is not None and config.key_epoch not in local.ring.data_keys:
+            if local is not None and max(local.ring.data_keys) < config.key_epoch:
                 local = refresh_key(meta, local, pool.open(config).values(), config.key_epoch)
         except BaseException:
             pool.close()
@@ -267,7 +305,10 @@ def refresh_key(meta: Path, local: LocalKey, backends: Iterable[Backend],
             continue
         if (epoch is not None and epoch not in ring.data_keys) or ring.id_key != local.ring.id_key:
             continue
-        fresh = LocalKey(ring, local.slot, local.private)
+        # Keep the older data keys this client holds: the pPaxos log entries of
+        # instances before a rotation stay under them (docs/FORMAT.md §16).
+        merged = Keyring(ring.id_key, {**local.ring.data_keys, **ring.data_keys}, ring.current)
+        fresh = LocalKey(merged, local.slot, local.private)
         save_key(meta, fresh)
         return fresh
     if not answered:

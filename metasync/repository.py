@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     )
     from metasync.maintenance.keymgmt import KeySlots
     from metasync.maintenance.recover import RecoverResult
+    from metasync.maintenance.rotation import RotationReport
     from metasync.sync import PushResult, Sync
 
 PassphraseSource = Callable[[], str]
@@ -256,6 +257,19 @@ class Repository:
         from metasync.maintenance.keymgmt import KeySlots
 
         return KeySlots(self._ctx, self.versions)
+
+    def rotate_keys(self, progress: Callable[[str], None] = lambda _: None) -> RotationReport:
+        """``metasync key rotate``: a new data key for everything, the old ones retired
+        (resumes a rotation under way); see :mod:`metasync.maintenance.rotation`."""
+        from metasync.maintenance.keymgmt import RotationSlots
+        from metasync.maintenance.rotation import KeyRotation
+
+        slots = RotationSlots(self._ctx, self.versions)
+        slots.check()
+        report = KeyRotation(self._ctx, self.versions, self._reconfig, slots).run(progress)
+        if slots.last is not None:
+            report.notes = slots.last.line()
+        return report
 
     @property
     def config(self) -> Config:

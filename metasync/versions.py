@@ -80,7 +80,7 @@ class Versions:
             backends = self.ctx.pool.open(config)
             acceptors = {b: backends[b] for b in config.acceptors}
             consensus = Consensus(
-                acceptors, self.ctx.codec, self.ctx.client_id,
+                acceptors, self.ctx.log_codec(config), self.ctx.client_id,
                 quorums=Quorums.bft(len(acceptors)) if config.fault_model == "byzantine"
                 else Quorums.crash(len(acceptors)),
                 timeout=self._timeout or DEFAULT_TIMEOUT,
@@ -112,7 +112,7 @@ class Versions:
             raise CorruptObject(f"configuration {config_id[:12]} is of another namespace")
         return config
 
-    def read_config_bytes(self, config_id: str, stored: bool = False) -> bytes:
+    def read_config_bytes(self, config_id: str, stored: bool = False, retry: bool = True) -> bytes:
         """Configuration ``config_id`` from the first opened backend with a copy that
         decodes under its id: its plaintext, or with ``stored`` the stored bytes of
         that verified copy (to copy to a new backend)."""
@@ -125,6 +125,9 @@ class Versions:
                 reasons.append(f"{backend.name}: {exc}")
                 continue
             return data if stored else plain
+        if retry and self.ctx.keys_moved_on():
+            # A key rotation re-encrypted it under a key this client did not hold yet.
+            return self.read_config_bytes(config_id, stored, retry=False)
         raise ObjectUnavailable(
             f"no backend has configuration {config_id[:12]} ({'; '.join(reasons[-3:])})"
         )

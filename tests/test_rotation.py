@@ -24,7 +24,8 @@ from metasync.backends import Backend, open_backend
 from metasync.codec import Codec
 from metasync.erasure import ErasureScheme
 from metasync.errors import CorruptObject, ObjectUnavailable
-from metasync.keys import Keyring, MasterKey
+from metasync.keys import Keyring
+from metasync.keyslots import LocalKey
 from metasync.layout import LOG_PREFIX, object_key
 from metasync.maintenance.rekey import Rekeyer, RekeyReport
 
@@ -32,7 +33,7 @@ NEW_KEY = bytes(range(100, 132))
 
 
 def old_ring(folder: Path) -> Keyring:
-    return MasterKey.from_hex((folder / ".metasync" / "key").read_text()).keyring()
+    return LocalKey.from_bytes((folder / ".metasync" / "key").read_bytes()).ring
 
 
 def rotated(ring: Keyring, *, keep_old: bool = True) -> Keyring:
@@ -223,3 +224,105 @@ def test_erasure_coded_objects_are_rekeyed_whole(tmp_path: Path,
         else:
             assert len(report.left) == coded and "cannot be re-keyed in place" in report.left[0]
             assert after["coded-old"] == coded, after
+
+
+OTHER = "a second passphrase, for bob"
+
+
+def _items_opened_by(backends: list[Path], ring: Keyring) -> int:
+    """Stored items (logs, descriptors, key files aside) that ``ring`` opens."""
+    opened = 0
+    with ThreadPoolExecutor(1) as pool:
+        checker = Rekeyer(Codec(ring), open_all(backends), None, pool)
+        for backend in open_all(backends).values():
+            for key in backend.list():
+                if key.startswith((LOG_PREFIX + "/", "keys/", "probe/")) or key == "metasync.json":
+                    continue
+                try:
+                    checker._fresh(key, backend.get(key))
+                    opened += 1
+                except CorruptObject:
+                    pass
+    return opened
+
+
+def test_key_rotate_revokes_a_removed_device_and_survives_kill_9(tmp_path: Path) -> None:
+    """Alice's repository has a second passphrase (Bob's device, cloned with it) and
+    a second device of Alice's. Bob's device is lost: `key remove` its slot, then
+    `key rotate`, killed (kill -9) at 20 points spread over the whole rotation and
+    run again each time. After every kill `metasync fsck` passes; once done, the
+    old keyring (Bob's stolen `.metasync/key`) opens no stored item, Bob's device
+    fails in one line, and Alice's other device follows the new key and syncs."""
+    dirs = [tmp_path / f"b{i}" for i in range(3)]
+    for d in dirs:
+        d.mkdir()
+    a, a2, bob = tmp_path / "A", tmp_path / "A2", tmp_path / "bob"
+    a.mkdir()
+    for i in range(30):
+        (a / f"d{i % 3}").mkdir(exist_ok=True)
+        (a / f"d{i % 3}" / f"f{i}.txt").write_bytes(random.Random(i).randbytes(3000))
+    run_cli("init", str(a), *(f"--backend=dir:{d}" for d in dirs))
+    run_cli("push", "-m", "one", cwd=a)
+    run_cli("key", "add", "--label", "bob", cwd=a, passphrase=None,
+            env_extra={"METASYNC_NEW_PASSPHRASE": OTHER})
+    run_cli("clone", f"dir:{dirs[1]}", str(bob), passphrase=OTHER)
+    run_cli("clone", f"dir:{dirs[2]}", str(a2))
+    stolen = LocalKey.from_bytes((bob / ".metasync" / "key").read_bytes())
+    run_cli("key", "remove", str(stolen.slot), cwd=a, passphrase=None)
+    (a / "d0" / "after-removal.txt").write_text("before the rotation\n")
+    run_cli("push", "-m", "two", cwd=a)
+    assert _items_opened_by(dirs, stolen.ring) > 20
+
+    # Where a rotation can die: each write of the re-encryption, and the steps.
+    trace = tmp_path / "trace"
+    env = {"METASYNC_CRASH_AT": "never", "METASYNC_CRASH_TRACE": str(trace)}
+    dry = tmp_path / "dry"
+    import shutil
+
+    shutil.copytree(a, dry / "A", symlinks=True)
+    for d in dirs:
+        shutil.copytree(d, dry / d.name, symlinks=True)
+    # The dry run on a copy (its backends' paths differ: only the counts matter).
+    run_cli("key", "rotate", cwd=a, passphrase=None, env_extra=env, check=False)
+    shutil.rmtree(a)
+    for d in dirs:
+        shutil.rmtree(d)
+        shutil.copytree(dry / d.name, d, symlinks=True)
+    shutil.copytree(dry / "A", a, symlinks=True)
+    names = trace.read_text().split()
+    writes = names.count("rekey:write")
+    assert writes > 20 and {"rotate:started", "rotate:retiring"} <= set(names), names[:5]
+    points = ["rotate:started:1",
+              *(f"rekey:write:{n}" for n in sorted(random.Random(9).sample(range(1, writes), 18))),
+              "rotate:retiring:1"]
+    done = 0
+    for point in points:
+        name, _, count = point.rpartition(":")
+        if name == "rekey:write":
+            count = str(int(count) - done)
+            done = int(point.rpartition(":")[2])
+        proc = run_cli("key", "rotate", cwd=a, passphrase=None, check=False,
+                       env_extra={"METASYNC_CRASH_AT": f"{name}:{count}"})
+        assert proc.returncode == 137, (point, proc.stderr)
+        check = run_cli("fsck", cwd=a, passphrase=None, check=False)
+        assert check.returncode == 0, (point, check.stdout, check.stderr)
+        if name == "rekey:write":
+            done -= 1  # the write the crash came before is done by the next run
+    out = run_cli("key", "rotate", cwd=a, passphrase=None).stdout
+    assert "Rotated the repository's key" in out
+    assert run_cli("fsck", cwd=a, passphrase=None).returncode == 0
+
+    assert _items_opened_by(dirs, stolen.ring) == 0
+    assert _items_opened_by(dirs, old_ring(a)) > 20  # the new keyring opens them all
+    proc = run_cli("pull", cwd=bob, passphrase=None, check=False)
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "removed" in proc.stderr and "Traceback" not in proc.stderr
+    run_cli("pull", cwd=a2, passphrase=None)
+    assert (a2 / "d0" / "after-removal.txt").read_text() == "before the rotation\n"
+    (a2 / "from-a2.txt").write_text("after the rotation\n")
+    run_cli("push", "-m", "three", cwd=a2, passphrase=None)
+    run_cli("pull", cwd=a, passphrase=None)
+    assert (a / "from-a2.txt").read_text() == "after the rotation\n"
+    fresh = tmp_path / "fresh"
+    run_cli("clone", f"dir:{dirs[0]}", str(fresh))
+    assert (fresh / "from-a2.txt").exists()

@@ -297,3 +297,42 @@ class KeySlots:
             except MetasyncError as exc:
                 missed.append(f"{backend.name}: {exc}")
         return KeyReport(slot_id, missed)
+
+
+class RotationSlots:
+    """The key slots as :class:`~metasync.maintenance.rotation.KeyRotation` uses them:
+    every live slot of the latest configuration's backends, and this client's key."""
+
+    def __init__(self, ctx: RepoContext, versions: Versions) -> None:
+        self.ctx = ctx
+        self.versions = versions
+        self.last: ResealReport | None = None
+
+    def _backends(self) -> dict[str, Backend]:
+        config = self.versions.load_config(self.versions.learn_latest().config)
+        return self.ctx.pool.open(config)
+
+    def check(self) -> None:
+        """Refuse a rotation that could not give its key to every passphrase."""
+        _slots, _held, legacy = read_slots(self._backends())
+        if legacy:
+            raise UsageError(
+                "this repository still has the key file of older metasync (keys/master), which "
+                "cannot receive a new key; run `metasync key passwd` first (it converts it)")
+        local = LocalKey.from_bytes((self.ctx.meta / KEY_FILE).read_bytes())
+        if local.slot is None:
+            raise UsageError("this folder holds a key from before key slots; run "
+                             "`metasync key passwd` first, then rotate")
+
+    def publish(self, ring: Keyring) -> list[str]:
+        self.last = report = reseal(self._backends(), ring)
+        return report.unreachable
+
+    def save_local(self, ring: Keyring) -> None:
+        local = LocalKey.from_bytes((self.ctx.meta / KEY_FILE).read_bytes())
+        save_key(self.ctx.meta, LocalKey(ring, local.slot, local.private))
+
+    def slot_labels(self) -> list[str]:
+        slots, _held, _legacy = read_slots(self._backends())
+        return [f"{slot_id} ({slot.label})" for slot_id, slot in sorted(slots.items())
+                if slot.live]

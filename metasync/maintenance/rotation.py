@@ -11,7 +11,9 @@ again (docs/design.md, "Key rotation"; docs/FORMAT.md §16):
    still under an older key, until a pass finds nothing left (or says what it
    could not reach).
 3. **retire**: give every slot the ring without the older keys, then decide a
-   configuration whose ``key_oldest`` is E, after which no reader accepts them.
+   configuration whose ``key_oldest`` is E, after which no reader accepts them
+   for anything but the pPaxos log entries of instances before the rotation
+   (which are never rewritten; clients that held the older keys keep them for those).
 
 A rotation is under way while the configuration's ``key_oldest`` is below its
 ``key_epoch``; ``run`` then resumes at step 2.
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from metasync import faults
 from metasync.context import RepoContext
 from metasync.errors import BackendError, UsageError
 from metasync.keys import Keyring
@@ -61,6 +64,8 @@ class RotationReport:
     left: list[str] = field(default_factory=list)
     unreachable: dict[str, str] = field(default_factory=dict)
     retired: bool = False
+    #: One line about slots that got no new key (planted, legacy, unreachable).
+    notes: str = ""
 
 
 class KeyRotation:
@@ -98,6 +103,7 @@ class KeyRotation:
             change = self.reconfig.change_config(lambda c: replace(c, key_epoch=epoch))
             config = change.new
             report.epoch, report.started = epoch, True
+            faults.crash_point("rotate:started")
         self.ctx.use_keys(config)
         for _ in range(MAX_PASSES):
             backends = self.ctx.pool.open(config)
@@ -114,13 +120,14 @@ class KeyRotation:
         # accepting the old keys, which no slot hands out any more; the next run
         # decides the rest).
         assert self.ctx.keyring is not None
+        faults.crash_point("rotate:retiring")
         final = self.ctx.keyring.narrowed(report.epoch, report.epoch)
         failed = self.slots.publish(final)
         if failed:
             report.left.extend(f"key slot {name}" for name in failed)
             return report
-        self.slots.save_local(final)
-        self.ctx.keyring = final
+        # This client keeps the older keys it holds (like every client that held them):
+        # the log entries of the instances before the rotation stay under them.
         epoch = report.epoch
         change = self.reconfig.change_config(lambda c: replace(c, key_oldest=epoch))
         self.ctx.use_keys(change.new)
