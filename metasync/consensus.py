@@ -112,15 +112,97 @@ def read_hint(codec: Codec, backend: Backend) -> tuple[int, str] | None:
     """``(version, config id)`` of ``backend``'s ``latest`` hint; ``None`` if it is
     missing or unreadable (a hint is only ever a shortcut)."""
     try:
-        raw = json.loads(codec.decode("hint", HINT_KEY, backend.get(HINT_KEY)))
-        number, config_id = raw["version"], raw["config"]
-    except ObjectNotFound:
+        data = backend.get(HINT_KEY)
+    except (ObjectNotFound, CorruptObject):
         return None
+    return _parse_hint(codec, data)
+
+
+def _parse_hint(codec: Codec, data: bytes) -> tuple[int, str] | None:
+    """A stored hint's ``(version, config id)``; ``None`` if it does not decode
+    under the repository's chain (with encryption: authenticate) or is malformed."""
+    try:
+        raw = json.loads(codec.decode("hint", HINT_KEY, data))
+        number, config_id = raw["version"], raw["config"]
     except (CorruptObject, ValueError, KeyError, TypeError, RecursionError):
         return None
     if type(number) is not int or number < 0 or not isinstance(config_id, str):
         return None
     return number, config_id
+
+
+def _acceptor_ids(ids: object) -> tuple[str, ...] | None:
+    if isinstance(ids, list) and ids and all(isinstance(i, str) and i for i in ids):
+        return tuple(ids)
+    return None
+
+
+def parse_floor(codec: Codec, key: str, data: bytes) -> tuple[str, ...]:
+    """The acceptors that floor record ``floor/<below>`` names, once it decodes
+    under the repository's chain with its own key as context (with encryption:
+    authenticated) and says the ``below`` its name says; else
+    :class:`CorruptObject` (a forged, damaged or replayed record, never obeyed)."""
+    below = floor_of_key(key)
+    try:
+        doc = json.loads(codec.decode("floor", key, data))
+    except (ValueError, RecursionError):
+        raise CorruptObject(f"{key} is not a floor record") from None
+    if below is None or not isinstance(doc, dict) or type(doc.get("floor")) is not int:
+        raise CorruptObject(f"{key} is not a floor record")
+    if doc["floor"] != below:
+        raise CorruptObject(f"{key} holds the record of floor {doc['floor']}")
+    ids = _acceptor_ids(doc.get("acceptors"))
+    if ids is None:
+        raise CorruptObject(f"{key} names no acceptors")
+    return ids
+
+
+def parse_mark(codec: Codec, key: str, data: bytes) -> Mark:
+    """The compaction mark stored under ``key`` (``floor/mark-<n>``), checked as
+    :func:`parse_floor` checks a floor; else :class:`CorruptObject`."""
+    try:
+        doc = json.loads(codec.decode("floor", key, data))
+        mark = Mark(doc["mark"], doc["time_ns"], _acceptor_ids(doc["acceptors"]) or ())
+    except (ValueError, KeyError, TypeError, RecursionError):
+        raise CorruptObject(f"{key} is not a compaction mark") from None
+    if (type(mark.number) is not int or type(mark.time_ns) is not int or not mark.acceptors
+            or key != mark_key(mark.number)):
+        raise CorruptObject(f"{key} is not the compaction mark its name says")
+    return mark
+
+
+def untrusted_keys(codec: Codec, backend: Backend) -> dict[str, str]:
+    """Every key under ``floor/`` of ``backend``, and its ``latest`` hint, that
+    readers ignore because it does not authenticate as what its name says: key ->
+    why. (What ``metasync fsck`` lists and ``--repair`` removes; a name under
+    ``floor/`` that metasync never writes is listed too.) Raises what the
+    backend raises."""
+    out: dict[str, str] = {}
+    for key in builtins.list(backend.list(FLOOR_PREFIX)):
+        try:
+            data = backend.get(key)
+            if floor_of_key(key) is not None:
+                parse_floor(codec, key, data)
+            elif floor_of_key(key, "mark-") is not None:
+                parse_mark(codec, key, data)
+            elif key.startswith(retired_key("")) and key != retired_key(""):
+                doc = json.loads(codec.decode("retired", key, data))
+                int(doc["version"]), str(doc["date"])
+            else:
+                out[key] = "not a name metasync writes"
+        except ObjectNotFound:
+            continue  # removed meanwhile (a compaction)
+        except CorruptObject as exc:
+            out[key] = str(exc)
+        except (ValueError, KeyError, TypeError, RecursionError):
+            out[key] = f"{key} is not a recovery mark"
+    try:
+        data = backend.get(HINT_KEY)
+    except ObjectNotFound:
+        return out
+    if _parse_hint(codec, data) is None:
+        out[HINT_KEY] = "the latest-version hint does not decode"
+    return out
 
 
 @dataclass
@@ -155,6 +237,7 @@ class Consensus:
         names: dict[str, str] | None = None,
         config_id: str = "",
         log_grace: float = DEFAULT_LOG_GRACE_S,
+        warn: Callable[[str], None] | None = None,
     ) -> None:
         self.acceptors = acceptors
         #: The configuration whose acceptors these are. Hints name it, so a reader
@@ -184,6 +267,15 @@ class Consensus:
         self._wrote = False
         #: Seconds a compaction waits after a mark (see :meth:`compact_logs`).
         self.log_grace = log_grace
+        #: Told, once per backend and key, of a floor, mark or recovery mark that
+        #: does not authenticate (ignored, never obeyed).
+        self.warn = warn or (lambda message: None)
+        self._reported: set[tuple[str, str]] = set()
+        #: Floor keys whose record was verified, per acceptor. A floor key is written
+        #: once and means the same for good, so once verified its name is enough:
+        #: a round trip's floor read costs a listing, plus a read per new floor key.
+        self._verified_floors: dict[str, set[str]] = {a: set() for a in acceptors}
+        self._lock = threading.Lock()
 
     # --- the API ---------------------------------------------------------------------
     def get_recent(self, known: Version) -> Version:
@@ -217,12 +309,9 @@ class Consensus:
         key = floor_key(floor)
         for backend in self.acceptors.values():
             try:
-                doc = json.loads(self.codec.decode("floor", key, backend.get(key)))
-                ids = doc["acceptors"]
-            except (MetasyncError, ValueError, KeyError, TypeError, RecursionError):
+                return set(parse_floor(self.codec, key, backend.get(key)))
+            except MetasyncError:
                 continue
-            if isinstance(ids, list) and all(isinstance(i, str) for i in ids):
-                return set(ids)
         return None
 
     def propose(self, instance: int, value: Version | None) -> Version | None:
@@ -290,14 +379,11 @@ class Consensus:
             if floor_of_key(key, "mark-") is None:
                 continue
             try:
-                doc = json.loads(self.codec.decode("floor", key, backend.get(key)))
-                ids = doc["acceptors"]
-                mark = Mark(doc["mark"], doc["time_ns"], tuple(ids))
-            except (ObjectNotFound, CorruptObject, ValueError, KeyError, TypeError, RecursionError):
-                continue  # unreadable or forged: as if absent
-            if (type(mark.number) is int and type(mark.time_ns) is int and isinstance(ids, list)
-                    and all(isinstance(i, str) for i in ids) and key == mark_key(mark.number)):
-                out.append(mark)
+                out.append(parse_mark(self.codec, key, backend.get(key)))
+            except ObjectNotFound:
+                continue  # removed meanwhile
+            except CorruptObject as exc:
+                self._report(backend, key, exc)  # forged or damaged: as if absent
         return out
 
     def learn(self, instance: int) -> Version | None:
@@ -451,9 +537,9 @@ class Consensus:
             backend.put(HINT_KEY, encode_hint(self.codec, request.number, self.config_id))
             return True
         if isinstance(request, ReadFloor):
-            return self._floor(backend)
+            return self._floor(request.acceptor)
         if isinstance(request, WriteFloor):
-            if self._floor(backend) < request.below:
+            if self._floor(request.acceptor) < request.below:
                 # Compaction runs on the acceptors that ran the floor's instance.
                 key = floor_key(request.below)
                 backend.put(key, self.codec.encode("floor", key, json.dumps(
@@ -463,26 +549,63 @@ class Consensus:
             return self._drop_logs(backend, request.below)
         raise TypeError(f"unknown request {request!r}")
 
-    def _floor(self, backend: Backend) -> int:
-        """The highest floor named under ``floor/`` (0: never compacted). Names are
-        enough: a floor that is false can only send a reader to an instance whose
-        decision it then confirms on a quorum, or fail (docs/protocol.md).
+    def _floor(self, acceptor: str) -> int:
+        """``acceptor``'s floor: the highest ``floor/<below>`` whose record
+        authenticates as that floor (:func:`parse_floor`; 0: never compacted). A
+        name alone is not enough: one backend could stop every client with an
+        empty ``floor/999999999999`` (a reader must follow a floor to its instance
+        and finds it undecided). A key that does not verify is ignored and reported
+        (once), and read again next time -- a genuine record may replace it. Keys
+        are tried from the highest down, so only floors above the highest verified
+        one cost a read.
 
         The same listing shows whether ``metasync recover`` retired this
         configuration: then (once the mark decodes under the repository key) it
         raises :class:`Retired`, which ends the operation however many other
         acceptors answer."""
+        backend = self.acceptors[acceptor]
         keys = builtins.list(backend.list(FLOOR_PREFIX))
         mark = retired_key(self.config_id)
         if self.config_id and mark in keys:
             self._check_retired(backend, mark)
-        return max((f for f in map(floor_of_key, keys) if f is not None), default=0)
+        verified = self._verified_floors[acceptor]
+        named = sorted(((f, k) for k in keys if (f := floor_of_key(k)) is not None), reverse=True)
+        for number, key in named:
+            with self._lock:
+                if key in verified:
+                    return number
+            try:
+                parse_floor(self.codec, key, backend.get(key))
+            except ObjectNotFound:
+                continue  # removed meanwhile (a later compaction's clean-up)
+            except CorruptObject as exc:
+                self._report(backend, key, exc)
+                continue
+            with self._lock:
+                verified.add(key)
+            return number
+        return 0
+
+    def _report(self, backend: Backend, key: str, why: MetasyncError) -> None:
+        """Tell the user (once per backend and key) of a record that was ignored."""
+        with self._lock:
+            if (backend.name, key) in self._reported:
+                return
+            self._reported.add((backend.name, key))
+        self.warn(f"ignored {key} on {backend.name}: it does not authenticate as a record of "
+                  f"this repository ({why}); a backend may be tampering with it, `metasync fsck "
+                  f"--repair` removes it")
 
     def _check_retired(self, backend: Backend, key: str) -> None:
         try:
-            doc = json.loads(self.codec.decode("retired", key, backend.get(key)))
+            data = backend.get(key)
+        except MetasyncError:
+            return  # gone meanwhile, or unreachable: the next listing tells
+        try:
+            doc = json.loads(self.codec.decode("retired", key, data))
             version, when = int(doc["version"]), str(doc["date"])
-        except (MetasyncError, ValueError, KeyError, TypeError, RecursionError):
+        except (CorruptObject, ValueError, KeyError, TypeError, RecursionError):
+            self._report(backend, key, CorruptObject(f"{key} is not a recovery mark"))
             return  # damaged or forged: as if absent
         raise Retired(
             f"this repository was recovered on {when} from the backends that survived "

@@ -84,7 +84,7 @@ class Versions:
                 quorums=Quorums.bft(len(acceptors)) if config.fault_model == "byzantine"
                 else Quorums.crash(len(acceptors)),
                 timeout=self._timeout or DEFAULT_TIMEOUT,
-                config_id=config_id,
+                config_id=config_id, warn=self.ctx.reporter.note,
             )
             self._consensus[config_id] = consensus
         return consensus
