@@ -205,6 +205,117 @@ def untrusted_keys(codec: Codec, backend: Backend) -> dict[str, str]:
     return out
 
 
+class FloorRecords:
+    """What the acceptors' ``floor/`` keys say, trusting only records that
+    authenticate as what their names say (docs/FORMAT.md §9.1): floors, marks,
+    and the recovery mark of configuration ``config_id``. Anything else is
+    ignored and reported to ``warn`` (once per backend and key). Thread-safe:
+    the driver reads every acceptor's floor at once."""
+
+    def __init__(self, acceptors: dict[str, Backend], codec: Codec, config_id: str,
+                 warn: Callable[[str], None] | None = None) -> None:
+        self.acceptors = acceptors
+        self.codec = codec
+        self.config_id = config_id
+        self.warn = warn or (lambda message: None)
+        self._reported: set[tuple[str, str]] = set()
+        #: Floor keys whose record was verified, per acceptor. A floor key is written
+        #: once and means the same for good, so once verified its name is enough:
+        #: a round trip's floor read costs a listing, plus a read per new floor key.
+        self._verified: dict[str, set[str]] = {a: set() for a in acceptors}
+        self._lock = threading.Lock()
+
+    def floor(self, acceptor: str) -> int:
+        """``acceptor``'s floor: the highest ``floor/<below>`` whose record
+        authenticates as that floor (:func:`parse_floor`; 0: never compacted). A
+        name alone is not enough: one backend could stop every client with an
+        empty ``floor/999999999999`` (a reader must follow a floor to its instance
+        and finds it undecided). A key that does not verify is ignored and reported
+        (once), and read again next time -- a genuine record may replace it. Keys
+        are tried from the highest down, so only floors above the highest verified
+        one cost a read.
+
+        The same listing shows whether ``metasync recover`` retired this
+        configuration: then (once the mark decodes under the repository key) it
+        raises :class:`Retired`, which ends the operation however many other
+        acceptors answer."""
+        backend = self.acceptors[acceptor]
+        keys = builtins.list(backend.list(FLOOR_PREFIX))
+        mark = retired_key(self.config_id)
+        if self.config_id and mark in keys:
+            self._check_retired(backend, mark)
+        verified = self._verified[acceptor]
+        named = sorted(((f, k) for k in keys if (f := floor_of_key(k)) is not None), reverse=True)
+        for number, key in named:
+            with self._lock:
+                if key in verified:
+                    return number
+            try:
+                parse_floor(self.codec, key, backend.get(key))
+            except ObjectNotFound:
+                continue  # removed meanwhile (a later compaction's clean-up)
+            except CorruptObject as exc:
+                self.report(backend, key, exc)
+                continue
+            with self._lock:
+                verified.add(key)
+            return number
+        return 0
+
+    def report(self, backend: Backend, key: str, why: MetasyncError) -> None:
+        """Tell the user (once per backend and key) of a record that was ignored."""
+        with self._lock:
+            if (backend.name, key) in self._reported:
+                return
+            self._reported.add((backend.name, key))
+        self.warn(f"ignored {key} on {backend.name}: it does not authenticate as a record of "
+                  f"this repository ({why}); a backend may be tampering with it, `metasync fsck "
+                  f"--repair` removes it")
+
+    def _check_retired(self, backend: Backend, key: str) -> None:
+        try:
+            data = backend.get(key)
+        except MetasyncError:
+            return  # gone meanwhile, or unreachable: the next listing tells
+        try:
+            doc = json.loads(self.codec.decode("retired", key, data))
+            version, when = int(doc["version"]), str(doc["date"])
+        except (CorruptObject, ValueError, KeyError, TypeError, RecursionError):
+            self.report(backend, key, CorruptObject(f"{key} is not a recovery mark"))
+            return  # damaged or forged: as if absent
+        raise Retired(
+            f"this repository was recovered on {when} from the backends that survived "
+            f"(`metasync recover`, version {version}); this folder still uses the "
+            "configuration that lost them, so it can no longer push or pull: clone the "
+            "repository again into a new folder and copy over your changes, which are "
+            "still here")
+
+    def acceptors_of(self, floor: int) -> set[str] | None:
+        """The acceptor ids a floor record names (those that ran its instance), from
+        the first acceptor that has it readable; None if none has (superseded)."""
+        key = floor_key(floor)
+        for backend in self.acceptors.values():
+            try:
+                return set(parse_floor(self.codec, key, backend.get(key)))
+            except MetasyncError:
+                continue
+        return None
+
+    def marks(self, backend: Backend) -> list[Mark]:
+        """``backend``'s compaction marks that authenticate (:func:`parse_mark`)."""
+        out = []
+        for key in backend.list(FLOOR_PREFIX):
+            if floor_of_key(key, "mark-") is None:
+                continue
+            try:
+                out.append(parse_mark(self.codec, key, backend.get(key)))
+            except ObjectNotFound:
+                continue  # removed meanwhile
+            except CorruptObject as exc:
+                self.report(backend, key, exc)  # forged or damaged: as if absent
+        return out
+
+
 @dataclass
 class _Outcome:
     reply: Reply = None
@@ -267,15 +378,8 @@ class Consensus:
         self._wrote = False
         #: Seconds a compaction waits after a mark (see :meth:`compact_logs`).
         self.log_grace = log_grace
-        #: Told, once per backend and key, of a floor, mark or recovery mark that
-        #: does not authenticate (ignored, never obeyed).
-        self.warn = warn or (lambda message: None)
-        self._reported: set[tuple[str, str]] = set()
-        #: Floor keys whose record was verified, per acceptor. A floor key is written
-        #: once and means the same for good, so once verified its name is enough:
-        #: a round trip's floor read costs a listing, plus a read per new floor key.
-        self._verified_floors: dict[str, set[str]] = {a: set() for a in acceptors}
-        self._lock = threading.Lock()
+        #: The acceptors' floors, marks and recovery marks, trusted once verified.
+        self.floors = FloorRecords(acceptors, codec, config_id, warn)
 
     # --- the API ---------------------------------------------------------------------
     def get_recent(self, known: Version) -> Version:
@@ -286,7 +390,7 @@ class Consensus:
             try:
                 version, reading = self.run(get_recent(self.setup, known, self.rng))
             except Compacted as exc:
-                ran_by = self._floor_acceptors(exc.floor)
+                ran_by = self.floors.acceptors_of(exc.floor)
                 if ran_by is None:
                     continue  # superseded by a newer floor meanwhile: read again
                 if ran_by != set(self.acceptors):
@@ -302,17 +406,6 @@ class Consensus:
             return version
         raise BackendError("the log compaction floor kept moving while reading; retry",
                            transient=True)
-
-    def _floor_acceptors(self, floor: int) -> set[str] | None:
-        """The acceptor ids a floor record names (those that ran its instance), from
-        the first acceptor that has it readable; None if none has (superseded)."""
-        key = floor_key(floor)
-        for backend in self.acceptors.values():
-            try:
-                return set(parse_floor(self.codec, key, backend.get(key)))
-            except MetasyncError:
-                continue
-        return None
 
     def propose(self, instance: int, value: Version | None) -> Version | None:
         """Run ``instance`` to a decision; return the decided value (maybe another's).
@@ -346,7 +439,7 @@ class Consensus:
         marked: set[str] = set()  # acceptors that already hold a mark for ``latest``
         with ThreadPoolExecutor(len(self.acceptors), "metasync-marks") as pool:
             for acceptor, found in zip(self.acceptors,
-                                       pool.map(self._marks, self.acceptors.values()), strict=True):
+                                       pool.map(self.floors.marks, self.acceptors.values()), strict=True):
                 for mark in found:
                     marks[mark] = marks.get(mark, 0) + 1
                     if mark.number == latest.number:
@@ -372,19 +465,6 @@ class Consensus:
             with ThreadPoolExecutor(len(unmarked), "metasync-marks") as pool:
                 builtins.list(pool.map(lambda b: b.put(key, data), unmarked))
         return below, removed
-
-    def _marks(self, backend: Backend) -> list[Mark]:
-        out = []
-        for key in backend.list(FLOOR_PREFIX):
-            if floor_of_key(key, "mark-") is None:
-                continue
-            try:
-                out.append(parse_mark(self.codec, key, backend.get(key)))
-            except ObjectNotFound:
-                continue  # removed meanwhile
-            except CorruptObject as exc:
-                self._report(backend, key, exc)  # forged or damaged: as if absent
-        return out
 
     def learn(self, instance: int) -> Version | None:
         """The value decided in ``instance``, if a quorum's logs show one (``None``
@@ -537,9 +617,9 @@ class Consensus:
             backend.put(HINT_KEY, encode_hint(self.codec, request.number, self.config_id))
             return True
         if isinstance(request, ReadFloor):
-            return self._floor(request.acceptor)
+            return self.floors.floor(request.acceptor)
         if isinstance(request, WriteFloor):
-            if self._floor(request.acceptor) < request.below:
+            if self.floors.floor(request.acceptor) < request.below:
                 # Compaction runs on the acceptors that ran the floor's instance.
                 key = floor_key(request.below)
                 backend.put(key, self.codec.encode("floor", key, json.dumps(
@@ -548,71 +628,6 @@ class Consensus:
         if isinstance(request, DropLogs):
             return self._drop_logs(backend, request.below)
         raise TypeError(f"unknown request {request!r}")
-
-    def _floor(self, acceptor: str) -> int:
-        """``acceptor``'s floor: the highest ``floor/<below>`` whose record
-        authenticates as that floor (:func:`parse_floor`; 0: never compacted). A
-        name alone is not enough: one backend could stop every client with an
-        empty ``floor/999999999999`` (a reader must follow a floor to its instance
-        and finds it undecided). A key that does not verify is ignored and reported
-        (once), and read again next time -- a genuine record may replace it. Keys
-        are tried from the highest down, so only floors above the highest verified
-        one cost a read.
-
-        The same listing shows whether ``metasync recover`` retired this
-        configuration: then (once the mark decodes under the repository key) it
-        raises :class:`Retired`, which ends the operation however many other
-        acceptors answer."""
-        backend = self.acceptors[acceptor]
-        keys = builtins.list(backend.list(FLOOR_PREFIX))
-        mark = retired_key(self.config_id)
-        if self.config_id and mark in keys:
-            self._check_retired(backend, mark)
-        verified = self._verified_floors[acceptor]
-        named = sorted(((f, k) for k in keys if (f := floor_of_key(k)) is not None), reverse=True)
-        for number, key in named:
-            with self._lock:
-                if key in verified:
-                    return number
-            try:
-                parse_floor(self.codec, key, backend.get(key))
-            except ObjectNotFound:
-                continue  # removed meanwhile (a later compaction's clean-up)
-            except CorruptObject as exc:
-                self._report(backend, key, exc)
-                continue
-            with self._lock:
-                verified.add(key)
-            return number
-        return 0
-
-    def _report(self, backend: Backend, key: str, why: MetasyncError) -> None:
-        """Tell the user (once per backend and key) of a record that was ignored."""
-        with self._lock:
-            if (backend.name, key) in self._reported:
-                return
-            self._reported.add((backend.name, key))
-        self.warn(f"ignored {key} on {backend.name}: it does not authenticate as a record of "
-                  f"this repository ({why}); a backend may be tampering with it, `metasync fsck "
-                  f"--repair` removes it")
-
-    def _check_retired(self, backend: Backend, key: str) -> None:
-        try:
-            data = backend.get(key)
-        except MetasyncError:
-            return  # gone meanwhile, or unreachable: the next listing tells
-        try:
-            doc = json.loads(self.codec.decode("retired", key, data))
-            version, when = int(doc["version"]), str(doc["date"])
-        except (CorruptObject, ValueError, KeyError, TypeError, RecursionError):
-            self._report(backend, key, CorruptObject(f"{key} is not a recovery mark"))
-            return  # damaged or forged: as if absent
-        raise Retired(
-            f"this repository was recovered on {when} from the backends that survived "
-            f"(`metasync recover`, version {version}); this folder still uses the "
-            "configuration that lost them, so it can no longer push or pull: clone the "
-            "repository again into a new folder and copy over your changes, which are "
-            "still here")
 
     @staticmethod
     def _drop_logs(backend: Backend, below: int) -> int:

@@ -1240,7 +1240,8 @@ class CompactedAfterRun(Consensus):
 def record_floor(acceptors: Acceptors, below: int) -> None:
     for backend in acceptors.values():
         key = floor_key(below)
-        backend.put(key, CODEC.encode("floor", key, json.dumps({"floor": below}).encode()))
+        backend.put(key, CODEC.encode("floor", key, json.dumps(
+            {"floor": below, "acceptors": sorted(acceptors)}).encode()))
 
 
 @pytest.mark.parametrize("grace", [0.0, 3600.0])
