@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from backends.faulty import ALWAYS, Faults, FaultyBackend
 from conftest import backend_dirs, run_cli, snapshot
 from metasync import Repository, context
 from metasync.backends import Backend
+from metasync.backends.faulty import ALWAYS, Faults, FaultyBackend
 from metasync.errors import BackendUnavailable, MetasyncError
 
 NAMESPACE = "metasync"
