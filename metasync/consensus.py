@@ -610,9 +610,16 @@ class Consensus:
                 return True
             return backend.logs.append_at(log_key(request.instance), request.position, data)
         if isinstance(request, ReadHint):
-            hint = read_hint(self.codec, backend)
+            try:
+                data = backend.get(HINT_KEY)
+            except ObjectNotFound:
+                return None
+            hint = _parse_hint(self.codec, data)
+            if hint is None:  # forged or damaged: ignored (it is only a shortcut), told
+                self.floors.report(backend, HINT_KEY, CorruptObject("the hint does not decode"))
+                return None
             # A hint of another acceptor set cannot be confirmed on this one.
-            return hint[0] if hint is not None and hint[1] == self.config_id else None
+            return hint[0] if hint[1] == self.config_id else None
         if isinstance(request, WriteHint):
             backend.put(HINT_KEY, encode_hint(self.codec, request.number, self.config_id))
             return True

@@ -80,3 +80,36 @@ def test_a_planted_floor_is_ignored_and_reported(
     run_cli("fsck", "--repair", cwd=a)
     assert not planted.exists() and _floors(backends[0]) == genuine
     assert run_cli("fsck", cwd=a).returncode == 0
+
+
+def test_a_forged_latest_hint_is_ignored_reported_and_repaired(tmp_path: Path) -> None:
+    """A ``latest`` hint that does not decode under the repository key: a client
+    behind learns without it, says which backend holds it, fsck lists it and
+    ``--repair`` removes it (the next push writes a genuine one)."""
+    backends = [tmp_path / f"b{i}" for i in range(3)]
+    for b in backends:
+        b.mkdir()
+    a, b = tmp_path / "A", tmp_path / "B"
+    a.mkdir()
+    run_cli("init", str(a), *(f"--backend=dir:{x}" for x in backends))
+    (a / "one.txt").write_text("one\n")
+    run_cli("push", cwd=a)
+    run_cli("clone", f"dir:{backends[1]}", str(b))
+    for i in range(3):
+        (a / f"more{i}.txt").write_text(f"{i}\n")
+        run_cli("push", cwd=a)
+    hint = backends[0] / NAMESPACE / "latest"
+    assert hint.exists()
+    hint.write_bytes(b'{"version": 999999, "config": "forged"}')
+
+    pulled = run_cli("pull", cwd=b, check=False)
+    assert pulled.returncode == 0, pulled.stderr
+    assert snapshot(b) == snapshot(a)
+    assert "latest" in pulled.stderr and str(backends[0]) in pulled.stderr, pulled.stderr
+    checked = run_cli("fsck", cwd=b, check=False)
+    assert checked.returncode != 0 and "latest" in checked.stdout, checked.stdout
+    run_cli("fsck", "--repair", cwd=b)
+    assert not hint.exists()
+    (b / "after.txt").write_text("after\n")
+    run_cli("push", cwd=b)
+    assert hint.exists() and run_cli("fsck", cwd=b).returncode == 0
