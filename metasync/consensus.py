@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from metasync.backends import Backend
 from metasync.codec import Codec
@@ -137,71 +137,89 @@ def _acceptor_ids(ids: object) -> tuple[str, ...] | None:
     return None
 
 
+#: Why a record under ``floor/`` (or a hint) that does not decode is ignored.
+UNDECODABLE = "it does not decode as a record of this repository"
+
+
+def _decoded(codec: Codec, kind: str, key: str, data: bytes) -> Any:
+    """The JSON of the record stored under ``key``, decoded with context ``(kind,
+    key)`` (with encryption: authenticated under the repository key and bound to
+    its name); else :class:`CorruptObject`."""
+    try:
+        return json.loads(codec.decode(kind, key, data))
+    except (CorruptObject, ValueError, RecursionError):
+        raise CorruptObject(UNDECODABLE) from None
+
+
 def parse_floor(codec: Codec, key: str, data: bytes) -> tuple[str, ...]:
     """The acceptors that floor record ``floor/<below>`` names, once it decodes
     under the repository's chain with its own key as context (with encryption:
     authenticated) and says the ``below`` its name says; else
-    :class:`CorruptObject` (a forged, damaged or replayed record, never obeyed)."""
+    :class:`CorruptObject` saying why (a forged, damaged or replayed record, never
+    obeyed)."""
     below = floor_of_key(key)
-    try:
-        doc = json.loads(codec.decode("floor", key, data))
-    except (ValueError, RecursionError):
-        raise CorruptObject(f"{key} is not a floor record") from None
+    doc = _decoded(codec, "floor", key, data)
     if below is None or not isinstance(doc, dict) or type(doc.get("floor")) is not int:
-        raise CorruptObject(f"{key} is not a floor record")
+        raise CorruptObject("it is not a floor record")
     if doc["floor"] != below:
-        raise CorruptObject(f"{key} holds the record of floor {doc['floor']}")
+        raise CorruptObject(f"it holds the record of floor {doc['floor']}")
     ids = _acceptor_ids(doc.get("acceptors"))
     if ids is None:
-        raise CorruptObject(f"{key} names no acceptors")
+        raise CorruptObject("it names no acceptors")
     return ids
 
 
 def parse_mark(codec: Codec, key: str, data: bytes) -> Mark:
     """The compaction mark stored under ``key`` (``floor/mark-<n>``), checked as
     :func:`parse_floor` checks a floor; else :class:`CorruptObject`."""
+    doc = _decoded(codec, "floor", key, data)
     try:
-        doc = json.loads(codec.decode("floor", key, data))
         mark = Mark(doc["mark"], doc["time_ns"], _acceptor_ids(doc["acceptors"]) or ())
-    except (ValueError, KeyError, TypeError, RecursionError):
-        raise CorruptObject(f"{key} is not a compaction mark") from None
+    except (KeyError, TypeError):
+        raise CorruptObject("it is not a compaction mark") from None
     if (type(mark.number) is not int or type(mark.time_ns) is not int or not mark.acceptors
             or key != mark_key(mark.number)):
-        raise CorruptObject(f"{key} is not the compaction mark its name says")
+        raise CorruptObject("it is not the compaction mark its name says")
     return mark
 
 
+def parse_retired(codec: Codec, key: str, data: bytes) -> tuple[int, str]:
+    """``(version, date)`` of the recovery mark stored under ``key``
+    (``floor/retired-<config id>``, docs/FORMAT.md §9.2); else :class:`CorruptObject`."""
+    doc = _decoded(codec, "retired", key, data)
+    try:
+        return int(doc["version"]), str(doc["date"])
+    except (KeyError, TypeError, ValueError):
+        raise CorruptObject("it is not a recovery mark") from None
+
+
 def untrusted_keys(codec: Codec, backend: Backend) -> dict[str, str]:
-    """Every key under ``floor/`` of ``backend``, and its ``latest`` hint, that
-    readers ignore because it does not authenticate as what its name says: key ->
-    why. (What ``metasync fsck`` lists and ``--repair`` removes; a name under
-    ``floor/`` that metasync never writes is listed too.) Raises what the
-    backend raises."""
+    """Every floor, mark and recovery mark of ``backend`` (and its ``latest``
+    hint) that readers ignore because it does not authenticate as what its name
+    says: key -> why. What ``metasync fsck`` lists and ``--repair`` removes.
+    Raises what the backend raises."""
     out: dict[str, str] = {}
     for key in builtins.list(backend.list(FLOOR_PREFIX)):
+        if floor_of_key(key) is not None:
+            parse: Callable[[Codec, str, bytes], object] = parse_floor
+        elif floor_of_key(key, "mark-") is not None:
+            parse = parse_mark
+        elif key.startswith(retired_key("")) and key != retired_key(""):
+            parse = parse_retired
+        else:
+            continue  # no name metasync writes: readers never look at it
         try:
-            data = backend.get(key)
-            if floor_of_key(key) is not None:
-                parse_floor(codec, key, data)
-            elif floor_of_key(key, "mark-") is not None:
-                parse_mark(codec, key, data)
-            elif key.startswith(retired_key("")) and key != retired_key(""):
-                doc = json.loads(codec.decode("retired", key, data))
-                int(doc["version"]), str(doc["date"])
-            else:
-                out[key] = "not a name metasync writes"
+            parse(codec, key, backend.get(key))
         except ObjectNotFound:
             continue  # removed meanwhile (a compaction)
         except CorruptObject as exc:
             out[key] = str(exc)
-        except (ValueError, KeyError, TypeError, RecursionError):
-            out[key] = f"{key} is not a recovery mark"
     try:
         data = backend.get(HINT_KEY)
     except ObjectNotFound:
         return out
     if _parse_hint(codec, data) is None:
-        out[HINT_KEY] = "the latest-version hint does not decode"
+        out[HINT_KEY] = UNDECODABLE
     return out
 
 
@@ -268,9 +286,8 @@ class FloorRecords:
             if (backend.name, key) in self._reported:
                 return
             self._reported.add((backend.name, key))
-        self.warn(f"ignored {key} on {backend.name}: it does not authenticate as a record of "
-                  f"this repository ({why}); a backend may be tampering with it, `metasync fsck "
-                  f"--repair` removes it")
+        self.warn(f"ignored {key} on {backend.name}: {why}, so it is not trusted (the backend "
+                  f"may be tampering with it); `metasync fsck --repair` removes it")
 
     def _check_retired(self, backend: Backend, key: str) -> None:
         try:
@@ -278,10 +295,9 @@ class FloorRecords:
         except MetasyncError:
             return  # gone meanwhile, or unreachable: the next listing tells
         try:
-            doc = json.loads(self.codec.decode("retired", key, data))
-            version, when = int(doc["version"]), str(doc["date"])
-        except (CorruptObject, ValueError, KeyError, TypeError, RecursionError):
-            self.report(backend, key, CorruptObject(f"{key} is not a recovery mark"))
+            version, when = parse_retired(self.codec, key, data)
+        except CorruptObject as exc:
+            self.report(backend, key, exc)
             return  # damaged or forged: as if absent
         raise Retired(
             f"this repository was recovered on {when} from the backends that survived "
@@ -616,7 +632,7 @@ class Consensus:
                 return None
             hint = _parse_hint(self.codec, data)
             if hint is None:  # forged or damaged: ignored (it is only a shortcut), told
-                self.floors.report(backend, HINT_KEY, CorruptObject("the hint does not decode"))
+                self.floors.report(backend, HINT_KEY, CorruptObject(UNDECODABLE))
                 return None
             # A hint of another acceptor set cannot be confirmed on this one.
             return hint[0] if hint[1] == self.config_id else None

@@ -140,7 +140,7 @@ class Fsck:
                 return [FsckProblem(backend_id, "-", "-", f"unreachable: {exc}")]
             problems = []
             for key, why in sorted(found.items()):
-                problem = FsckProblem(backend_id, key.split("/")[0], key, f"forged ({why})")
+                problem = FsckProblem(backend_id, "record", key, f"forged or damaged ({why})")
                 problems.append(problem)
                 if repair:
                     try:
