@@ -231,17 +231,28 @@ class FloorRecords:
     the driver reads every acceptor's floor at once."""
 
     def __init__(self, acceptors: dict[str, Backend], codec: Codec, config_id: str,
-                 warn: Callable[[str], None] | None = None) -> None:
+                 warn: Callable[[str], None] | None = None,
+                 verified: dict[str, list[str]] | None = None) -> None:
         self.acceptors = acceptors
         self.codec = codec
         self.config_id = config_id
         self.warn = warn or (lambda message: None)
         self._reported: set[tuple[str, str]] = set()
-        #: Floor keys whose record was verified, per acceptor. A floor key is written
-        #: once and means the same for good, so once verified its name is enough:
-        #: a round trip's floor read costs a listing, plus a read per new floor key.
-        self._verified: dict[str, set[str]] = {a: set() for a in acceptors}
+        #: Floor keys whose record was verified, per acceptor (seeded from
+        #: ``verified``, what this client verified before). A floor key is written
+        #: once and means the same for good -- its floor was really recorded -- so
+        #: once verified its name is enough: a round trip's floor read costs a
+        #: listing, plus a read per floor key not seen before.
+        self._verified: dict[str, set[str]] = {
+            a: {k for k in (verified or {}).get(a, []) if floor_of_key(k) is not None}
+            for a in acceptors}
         self._lock = threading.Lock()
+
+    def verified(self, keep: int = 4) -> dict[str, list[str]]:
+        """The floor keys verified so far per acceptor, the ``keep`` highest of each
+        (what to remember for the next session)."""
+        with self._lock:
+            return {a: sorted(keys)[-keep:] for a, keys in self._verified.items() if keys}
 
     def floor(self, acceptor: str) -> int:
         """``acceptor``'s floor: the highest ``floor/<below>`` whose record
@@ -365,6 +376,7 @@ class Consensus:
         config_id: str = "",
         log_grace: float = DEFAULT_LOG_GRACE_S,
         warn: Callable[[str], None] | None = None,
+        verified_floors: dict[str, list[str]] | None = None,
     ) -> None:
         self.acceptors = acceptors
         #: The configuration whose acceptors these are. Hints name it, so a reader
@@ -395,7 +407,7 @@ class Consensus:
         #: Seconds a compaction waits after a mark (see :meth:`compact_logs`).
         self.log_grace = log_grace
         #: The acceptors' floors, marks and recovery marks, trusted once verified.
-        self.floors = FloorRecords(acceptors, codec, config_id, warn)
+        self.floors = FloorRecords(acceptors, codec, config_id, warn, verified_floors)
 
     # --- the API ---------------------------------------------------------------------
     def get_recent(self, known: Version) -> Version:

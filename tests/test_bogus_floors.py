@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli, snapshot
+from metasync import Repository, context
+from metasync.backends.faulty import FaultyBackend
 
 NAMESPACE = "metasync"
 BOGUS = "999999999999"
@@ -113,3 +115,27 @@ def test_a_forged_latest_hint_is_ignored_reported_and_repaired(tmp_path: Path) -
     (b / "after.txt").write_text("after\n")
     run_cli("push", cwd=b)
     assert hint.exists() and run_cli("fsck", cwd=b).returncode == 0
+
+
+def test_a_verified_floor_costs_no_read_in_later_commands(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A floor key is written once, so a client that verified its record remembers
+    it: its next commands list ``floor/`` but read no floor record again."""
+    a, _, backends = _compacted_repo(tmp_path)
+    genuine = f"floor/{_floors(backends[0])[0].name}"
+    reads: list[str] = []
+
+    class Counting(FaultyBackend):
+        def get(self, key: str) -> bytes:
+            reads.append(key)
+            return super().get(key)
+
+    real_open = context.open_backend
+    monkeypatch.setattr(context, "open_backend",
+                        lambda uri, namespace: Counting(real_open(uri, namespace)))
+    for push, expected in enumerate((3, 0, 0)):  # one verification per backend, then none
+        reads.clear()
+        (a / "more.txt").write_text(f"push {push}\n")
+        with Repository.open(a) as repo:
+            repo.push()
+        assert reads.count(genuine) == expected, reads
