@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from metasync.backends.faulty import ALWAYS, Faults, FaultyBackend
 from metasync.backends.local import LocalBackend
 from metasync.codec import Codec
-from metasync.consensus import HINT_KEY, Consensus, FloorElsewhere, floor_key, log_key
+from metasync.consensus import HINT_KEY, Consensus, FloorElsewhere, floor_key, log_key, mark_key
 from metasync.errors import BackendError, BackendUnavailable, CorruptObject
 from metasync.keys import MasterKey
 from metasync.objects import Version
@@ -1301,3 +1301,24 @@ def test_floors_count_once_verified_and_a_forged_one_is_ignored_and_reported(
     assert accs["b0"].reads[bogus] >= 2  # never trusted: read again each time
     assert len(notes) == 1, notes
     assert bogus in notes[0] and accs["b0"].name in notes[0], notes
+
+
+def test_a_forged_or_replayed_mark_is_ignored_and_reported(acceptors: Acceptors) -> None:
+    """Compaction trusts only marks that authenticate as what their names say: an
+    old mark's record replayed under another mark's name, or garbage, moves no
+    floor, and each is reported once naming the backend and the key."""
+    notes: list[str] = []
+    c = client(acceptors, log_grace=3600.0, warn=notes.append)
+    for n in range(1, 6):
+        assert c.propose(n, v(n)) == v(n)
+    hour = 3600 * 10**9
+    assert c.compact_logs(v(2), learned_ns=hour, now_ns=hour) == (0, 0)
+    genuine = acceptors["b0"].get(mark_key(2))
+    for backend in acceptors.values():
+        backend.delete(mark_key(2))
+        backend.put(mark_key(4), genuine)  # the record of mark 2, under mark 4's name
+    acceptors["b1"].put(mark_key(3), b"garbage")
+    # Three hours later nothing is old enough: the one real mark is gone.
+    assert c.compact_logs(v(5), learned_ns=3 * hour, now_ns=3 * hour) == (0, 0)
+    assert sorted(n.split(" on ")[0] for n in notes) == sorted(
+        [f"ignored {mark_key(4)}"] * 3 + [f"ignored {mark_key(3)}"]), notes
