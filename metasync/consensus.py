@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from metasync.backends import Backend
 from metasync.codec import Codec
@@ -112,15 +112,235 @@ def read_hint(codec: Codec, backend: Backend) -> tuple[int, str] | None:
     """``(version, config id)`` of ``backend``'s ``latest`` hint; ``None`` if it is
     missing or unreadable (a hint is only ever a shortcut)."""
     try:
-        raw = json.loads(codec.decode("hint", HINT_KEY, backend.get(HINT_KEY)))
-        number, config_id = raw["version"], raw["config"]
-    except ObjectNotFound:
+        data = backend.get(HINT_KEY)
+    except (ObjectNotFound, CorruptObject):
         return None
+    return _parse_hint(codec, data)
+
+
+def _parse_hint(codec: Codec, data: bytes) -> tuple[int, str] | None:
+    """A stored hint's ``(version, config id)``; ``None`` if it does not decode
+    under the repository's chain (with encryption: authenticate) or is malformed."""
+    try:
+        raw = json.loads(codec.decode("hint", HINT_KEY, data))
+        number, config_id = raw["version"], raw["config"]
     except (CorruptObject, ValueError, KeyError, TypeError, RecursionError):
         return None
     if type(number) is not int or number < 0 or not isinstance(config_id, str):
         return None
     return number, config_id
+
+
+def _acceptor_ids(ids: object) -> tuple[str, ...] | None:
+    if isinstance(ids, list) and ids and all(isinstance(i, str) and i for i in ids):
+        return tuple(ids)
+    return None
+
+
+#: Why a record under ``floor/`` (or a hint) that does not decode is ignored.
+UNDECODABLE = "it does not decode as a record of this repository"
+
+
+def _decoded(codec: Codec, kind: str, key: str, data: bytes) -> Any:
+    """The JSON of the record stored under ``key``, decoded with context ``(kind,
+    key)`` (with encryption: authenticated under the repository key and bound to
+    its name); else :class:`CorruptObject`."""
+    try:
+        return json.loads(codec.decode(kind, key, data))
+    except (CorruptObject, ValueError, RecursionError):
+        raise CorruptObject(UNDECODABLE) from None
+
+
+def parse_floor(codec: Codec, key: str, data: bytes) -> tuple[str, ...]:
+    """The acceptors that floor record ``floor/<below>`` names, once it decodes
+    under the repository's chain with its own key as context (with encryption:
+    authenticated) and says the ``below`` its name says; else
+    :class:`CorruptObject` saying why (a forged, damaged or replayed record, never
+    obeyed)."""
+    below = floor_of_key(key)
+    doc = _decoded(codec, "floor", key, data)
+    if below is None or not isinstance(doc, dict) or type(doc.get("floor")) is not int:
+        raise CorruptObject("it is not a floor record")
+    if doc["floor"] != below:
+        raise CorruptObject(f"it holds the record of floor {doc['floor']}")
+    ids = _acceptor_ids(doc.get("acceptors"))
+    if ids is None:
+        raise CorruptObject("it names no acceptors")
+    return ids
+
+
+def parse_mark(codec: Codec, key: str, data: bytes) -> Mark:
+    """The compaction mark stored under ``key`` (``floor/mark-<n>``), checked as
+    :func:`parse_floor` checks a floor; else :class:`CorruptObject`."""
+    doc = _decoded(codec, "floor", key, data)
+    try:
+        mark = Mark(doc["mark"], doc["time_ns"], _acceptor_ids(doc["acceptors"]) or ())
+    except (KeyError, TypeError):
+        raise CorruptObject("it is not a compaction mark") from None
+    if (type(mark.number) is not int or type(mark.time_ns) is not int or not mark.acceptors
+            or key != mark_key(mark.number)):
+        raise CorruptObject("it is not the compaction mark its name says")
+    return mark
+
+
+def parse_retired(codec: Codec, key: str, data: bytes) -> tuple[int, str]:
+    """``(version, date)`` of the recovery mark stored under ``key``
+    (``floor/retired-<config id>``, docs/FORMAT.md §9.2); else :class:`CorruptObject`."""
+    doc = _decoded(codec, "retired", key, data)
+    try:
+        return int(doc["version"]), str(doc["date"])
+    except (KeyError, TypeError, ValueError):
+        raise CorruptObject("it is not a recovery mark") from None
+
+
+def untrusted_keys(codec: Codec, backend: Backend) -> dict[str, str]:
+    """Every floor, mark and recovery mark of ``backend`` (and its ``latest``
+    hint) that readers ignore because it does not authenticate as what its name
+    says: key -> why. What ``metasync fsck`` lists and ``--repair`` removes.
+    Raises what the backend raises."""
+    out: dict[str, str] = {}
+    for key in builtins.list(backend.list(FLOOR_PREFIX)):
+        if floor_of_key(key) is not None:
+            parse: Callable[[Codec, str, bytes], object] = parse_floor
+        elif floor_of_key(key, "mark-") is not None:
+            parse = parse_mark
+        elif key.startswith(retired_key("")) and key != retired_key(""):
+            parse = parse_retired
+        else:
+            continue  # no name metasync writes: readers never look at it
+        try:
+            parse(codec, key, backend.get(key))
+        except ObjectNotFound:
+            continue  # removed meanwhile (a compaction)
+        except CorruptObject as exc:
+            out[key] = str(exc)
+    try:
+        data = backend.get(HINT_KEY)
+    except ObjectNotFound:
+        return out
+    if _parse_hint(codec, data) is None:
+        out[HINT_KEY] = UNDECODABLE
+    return out
+
+
+class FloorRecords:
+    """What the acceptors' ``floor/`` keys say, trusting only records that
+    authenticate as what their names say (docs/FORMAT.md §9.1): floors, marks,
+    and the recovery mark of configuration ``config_id``. Anything else is
+    ignored and reported to ``warn`` (once per backend and key). Thread-safe:
+    the driver reads every acceptor's floor at once."""
+
+    def __init__(self, acceptors: dict[str, Backend], codec: Codec, config_id: str,
+                 warn: Callable[[str], None] | None = None,
+                 verified: dict[str, list[str]] | None = None) -> None:
+        self.acceptors = acceptors
+        self.codec = codec
+        self.config_id = config_id
+        self.warn = warn or (lambda message: None)
+        self._reported: set[tuple[str, str]] = set()
+        #: Floor keys whose record was verified, per acceptor (seeded from
+        #: ``verified``, what this client verified before). A floor key is written
+        #: once and means the same for good -- its floor was really recorded -- so
+        #: once verified its name is enough: a round trip's floor read costs a
+        #: listing, plus a read per floor key not seen before.
+        self._verified: dict[str, set[str]] = {
+            a: {k for k in (verified or {}).get(a, []) if floor_of_key(k) is not None}
+            for a in acceptors}
+        self._lock = threading.Lock()
+
+    def verified(self, keep: int = 4) -> dict[str, list[str]]:
+        """The floor keys verified so far per acceptor, the ``keep`` highest of each
+        (what to remember for the next session)."""
+        with self._lock:
+            return {a: sorted(keys)[-keep:] for a, keys in self._verified.items() if keys}
+
+    def floor(self, acceptor: str) -> int:
+        """``acceptor``'s floor: the highest ``floor/<below>`` whose record
+        authenticates as that floor (:func:`parse_floor`; 0: never compacted). A
+        name alone is not enough: one backend could stop every client with an
+        empty ``floor/999999999999`` (a reader must follow a floor to its instance
+        and finds it undecided). A key that does not verify is ignored and reported
+        (once), and read again next time -- a genuine record may replace it. Keys
+        are tried from the highest down, so only floors above the highest verified
+        one cost a read.
+
+        The same listing shows whether ``metasync recover`` retired this
+        configuration: then (once the mark decodes under the repository key) it
+        raises :class:`Retired`, which ends the operation however many other
+        acceptors answer."""
+        backend = self.acceptors[acceptor]
+        keys = builtins.list(backend.list(FLOOR_PREFIX))
+        mark = retired_key(self.config_id)
+        if self.config_id and mark in keys:
+            self._check_retired(backend, mark)
+        verified = self._verified[acceptor]
+        named = sorted(((f, k) for k in keys if (f := floor_of_key(k)) is not None), reverse=True)
+        for number, key in named:
+            with self._lock:
+                if key in verified:
+                    return number
+            try:
+                parse_floor(self.codec, key, backend.get(key))
+            except ObjectNotFound:
+                continue  # removed meanwhile (a later compaction's clean-up)
+            except CorruptObject as exc:
+                self.report(backend, key, exc)
+                continue
+            with self._lock:
+                verified.add(key)
+            return number
+        return 0
+
+    def report(self, backend: Backend, key: str, why: MetasyncError) -> None:
+        """Tell the user (once per backend and key) of a record that was ignored."""
+        with self._lock:
+            if (backend.name, key) in self._reported:
+                return
+            self._reported.add((backend.name, key))
+        self.warn(f"ignored {key} on {backend.name}: {why}, so it is not trusted (the backend "
+                  f"may be tampering with it); `metasync fsck --repair` removes it")
+
+    def _check_retired(self, backend: Backend, key: str) -> None:
+        try:
+            data = backend.get(key)
+        except MetasyncError:
+            return  # gone meanwhile, or unreachable: the next listing tells
+        try:
+            version, when = parse_retired(self.codec, key, data)
+        except CorruptObject as exc:
+            self.report(backend, key, exc)
+            return  # damaged or forged: as if absent
+        raise Retired(
+            f"this repository was recovered on {when} from the backends that survived "
+            f"(`metasync recover`, version {version}); this folder still uses the "
+            "configuration that lost them, so it can no longer push or pull: clone the "
+            "repository again into a new folder and copy over your changes, which are "
+            "still here")
+
+    def acceptors_of(self, floor: int) -> set[str] | None:
+        """The acceptor ids a floor record names (those that ran its instance), from
+        the first acceptor that has it readable; None if none has (superseded)."""
+        key = floor_key(floor)
+        for backend in self.acceptors.values():
+            try:
+                return set(parse_floor(self.codec, key, backend.get(key)))
+            except MetasyncError:
+                continue
+        return None
+
+    def marks(self, backend: Backend) -> list[Mark]:
+        """``backend``'s compaction marks that authenticate (:func:`parse_mark`)."""
+        out = []
+        for key in backend.list(FLOOR_PREFIX):
+            if floor_of_key(key, "mark-") is None:
+                continue
+            try:
+                out.append(parse_mark(self.codec, key, backend.get(key)))
+            except ObjectNotFound:
+                continue  # removed meanwhile
+            except CorruptObject as exc:
+                self.report(backend, key, exc)  # forged or damaged: as if absent
+        return out
 
 
 @dataclass
@@ -155,6 +375,8 @@ class Consensus:
         names: dict[str, str] | None = None,
         config_id: str = "",
         log_grace: float = DEFAULT_LOG_GRACE_S,
+        warn: Callable[[str], None] | None = None,
+        verified_floors: dict[str, list[str]] | None = None,
     ) -> None:
         self.acceptors = acceptors
         #: The configuration whose acceptors these are. Hints name it, so a reader
@@ -184,6 +406,8 @@ class Consensus:
         self._wrote = False
         #: Seconds a compaction waits after a mark (see :meth:`compact_logs`).
         self.log_grace = log_grace
+        #: The acceptors' floors, marks and recovery marks, trusted once verified.
+        self.floors = FloorRecords(acceptors, codec, config_id, warn, verified_floors)
 
     # --- the API ---------------------------------------------------------------------
     def get_recent(self, known: Version) -> Version:
@@ -194,7 +418,7 @@ class Consensus:
             try:
                 version, reading = self.run(get_recent(self.setup, known, self.rng))
             except Compacted as exc:
-                ran_by = self._floor_acceptors(exc.floor)
+                ran_by = self.floors.acceptors_of(exc.floor)
                 if ran_by is None:
                     continue  # superseded by a newer floor meanwhile: read again
                 if ran_by != set(self.acceptors):
@@ -210,20 +434,6 @@ class Consensus:
             return version
         raise BackendError("the log compaction floor kept moving while reading; retry",
                            transient=True)
-
-    def _floor_acceptors(self, floor: int) -> set[str] | None:
-        """The acceptor ids a floor record names (those that ran its instance), from
-        the first acceptor that has it readable; None if none has (superseded)."""
-        key = floor_key(floor)
-        for backend in self.acceptors.values():
-            try:
-                doc = json.loads(self.codec.decode("floor", key, backend.get(key)))
-                ids = doc["acceptors"]
-            except (MetasyncError, ValueError, KeyError, TypeError, RecursionError):
-                continue
-            if isinstance(ids, list) and all(isinstance(i, str) for i in ids):
-                return set(ids)
-        return None
 
     def propose(self, instance: int, value: Version | None) -> Version | None:
         """Run ``instance`` to a decision; return the decided value (maybe another's).
@@ -257,7 +467,7 @@ class Consensus:
         marked: set[str] = set()  # acceptors that already hold a mark for ``latest``
         with ThreadPoolExecutor(len(self.acceptors), "metasync-marks") as pool:
             for acceptor, found in zip(self.acceptors,
-                                       pool.map(self._marks, self.acceptors.values()), strict=True):
+                                       pool.map(self.floors.marks, self.acceptors.values()), strict=True):
                 for mark in found:
                     marks[mark] = marks.get(mark, 0) + 1
                     if mark.number == latest.number:
@@ -283,22 +493,6 @@ class Consensus:
             with ThreadPoolExecutor(len(unmarked), "metasync-marks") as pool:
                 builtins.list(pool.map(lambda b: b.put(key, data), unmarked))
         return below, removed
-
-    def _marks(self, backend: Backend) -> list[Mark]:
-        out = []
-        for key in backend.list(FLOOR_PREFIX):
-            if floor_of_key(key, "mark-") is None:
-                continue
-            try:
-                doc = json.loads(self.codec.decode("floor", key, backend.get(key)))
-                ids = doc["acceptors"]
-                mark = Mark(doc["mark"], doc["time_ns"], tuple(ids))
-            except (ObjectNotFound, CorruptObject, ValueError, KeyError, TypeError, RecursionError):
-                continue  # unreadable or forged: as if absent
-            if (type(mark.number) is int and type(mark.time_ns) is int and isinstance(ids, list)
-                    and all(isinstance(i, str) for i in ids) and key == mark_key(mark.number)):
-                out.append(mark)
-        return out
 
     def learn(self, instance: int) -> Version | None:
         """The value decided in ``instance``, if a quorum's logs show one (``None``
@@ -444,16 +638,23 @@ class Consensus:
                 return True
             return backend.logs.append_at(log_key(request.instance), request.position, data)
         if isinstance(request, ReadHint):
-            hint = read_hint(self.codec, backend)
+            try:
+                data = backend.get(HINT_KEY)
+            except ObjectNotFound:
+                return None
+            hint = _parse_hint(self.codec, data)
+            if hint is None:  # forged or damaged: ignored (it is only a shortcut), told
+                self.floors.report(backend, HINT_KEY, CorruptObject(UNDECODABLE))
+                return None
             # A hint of another acceptor set cannot be confirmed on this one.
-            return hint[0] if hint is not None and hint[1] == self.config_id else None
+            return hint[0] if hint[1] == self.config_id else None
         if isinstance(request, WriteHint):
             backend.put(HINT_KEY, encode_hint(self.codec, request.number, self.config_id))
             return True
         if isinstance(request, ReadFloor):
-            return self._floor(backend)
+            return self.floors.floor(request.acceptor)
         if isinstance(request, WriteFloor):
-            if self._floor(backend) < request.below:
+            if self.floors.floor(request.acceptor) < request.below:
                 # Compaction runs on the acceptors that ran the floor's instance.
                 key = floor_key(request.below)
                 backend.put(key, self.codec.encode("floor", key, json.dumps(
@@ -462,34 +663,6 @@ class Consensus:
         if isinstance(request, DropLogs):
             return self._drop_logs(backend, request.below)
         raise TypeError(f"unknown request {request!r}")
-
-    def _floor(self, backend: Backend) -> int:
-        """The highest floor named under ``floor/`` (0: never compacted). Names are
-        enough: a floor that is false can only send a reader to an instance whose
-        decision it then confirms on a quorum, or fail (docs/protocol.md).
-
-        The same listing shows whether ``metasync recover`` retired this
-        configuration: then (once the mark decodes under the repository key) it
-        raises :class:`Retired`, which ends the operation however many other
-        acceptors answer."""
-        keys = builtins.list(backend.list(FLOOR_PREFIX))
-        mark = retired_key(self.config_id)
-        if self.config_id and mark in keys:
-            self._check_retired(backend, mark)
-        return max((f for f in map(floor_of_key, keys) if f is not None), default=0)
-
-    def _check_retired(self, backend: Backend, key: str) -> None:
-        try:
-            doc = json.loads(self.codec.decode("retired", key, backend.get(key)))
-            version, when = int(doc["version"]), str(doc["date"])
-        except (MetasyncError, ValueError, KeyError, TypeError, RecursionError):
-            return  # damaged or forged: as if absent
-        raise Retired(
-            f"this repository was recovered on {when} from the backends that survived "
-            f"(`metasync recover`, version {version}); this folder still uses the "
-            "configuration that lost them, so it can no longer push or pull: clone the "
-            "repository again into a new folder and copy over your changes, which are "
-            "still here")
 
     @staticmethod
     def _drop_logs(backend: Backend, below: int) -> int:

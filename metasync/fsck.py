@@ -113,6 +113,7 @@ class Fsck:
                         report.problems.append(problem)
             finally:
                 reporter.finish()
+        self._check_records(backends, report, repair)
         if repair:
             broken: dict[str, set[str]] = {}
             for p in report.problems:
@@ -122,6 +123,37 @@ class Fsck:
             report.repaired += [p for p in report.problems
                                 if p.backend in repaired.get(p.object_id, ())]
         return report
+
+    def _check_records(self, backends: dict[str, Backend], report: FsckReport,
+                       repair: bool) -> None:
+        """Compaction floors, marks, recovery marks and ``latest`` hints that do not
+        authenticate as what their names say (readers ignore them; a backend may be
+        tampering): each is a problem, and ``repair`` deletes it -- no client wrote
+        those bytes under that name."""
+        from metasync.consensus import untrusted_keys
+
+        def check(item: tuple[str, Backend]) -> list[FsckProblem]:
+            backend_id, backend = item
+            try:
+                found = untrusted_keys(self.ctx.codec, backend)
+            except MetasyncError as exc:
+                return [FsckProblem(backend_id, "-", "-", f"unreachable: {exc}")]
+            problems = []
+            for key, why in sorted(found.items()):
+                problem = FsckProblem(backend_id, "record", key, f"forged or damaged ({why})")
+                problems.append(problem)
+                if repair:
+                    try:
+                        backend.delete(key)
+                    except ObjectNotFound:
+                        pass
+                    except MetasyncError:
+                        continue
+                    report.repaired.append(problem)
+            return problems
+
+        for problems in self.ctx.store.executor.map(check, sorted(backends.items())):
+            report.problems += problems
 
     def _check_fragments(
         self, config: Config, backends: dict[str, Backend],

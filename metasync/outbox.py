@@ -304,6 +304,7 @@ class Outbox:
 
         With ``pending`` -- the objects it is about to upload -- this is the push's
         announcement to garbage collection: written to a majority of the backends
+        (in Byzantine mode a Byzantine quorum: :func:`metasync.paxos.announcement_quorum`)
         before the first upload (or the push fails), so a gc that lists an upload
         also reads its announcement and keeps it (docs/design.md, "Garbage
         collection"). Announced objects stay in the state until a push of this
@@ -332,10 +333,14 @@ class Outbox:
 
         failures = [f for f in self.ctx.store.executor.map(one, backends.values()) if f]
         written = len(backends) - len(failures)
-        if pending and written <= len(backends) // 2:
+        from metasync.paxos import announcement_quorum  # small, pure; only pushes need it
+
+        needed = announcement_quorum(
+            len(backends), self.ctx.store.config.fault_model == "byzantine")
+        if pending and written < needed:
             raise BackendUnavailable(
-                f"could not announce the upload on a majority of the backends "
-                f"({written} of {len(backends)}: {failures[0]}); nothing was uploaded; retry"
+                f"could not announce the upload on {needed} of the {len(backends)} backends "
+                f"(written on {written}: {failures[0]}); nothing was uploaded; retry"
             )
 
 

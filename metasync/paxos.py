@@ -185,6 +185,20 @@ class Quorums:
         return self.fast if rnd == FAST_ROUND else self.classic
 
 
+def announcement_quorum(backends: int, byzantine: bool) -> int:
+    """Backends a push's announcement of its uploads must reach before it uploads,
+    and that gc must read before it deletes (docs/FORMAT.md §9.1, "Client state").
+
+    Crash faults: a simple majority; two majorities share a backend, which holds
+    the announcement. Byzantine (``f = (backends - 1) // 3`` may lie, e.g. replay
+    a client's older record): the Byzantine quorum ``(backends + f) // 2 + 1``,
+    so a write set and a read set share at least ``f + 1`` backends, one of them
+    honest (docs/protocol.md, "Garbage collection and Byzantine backends")."""
+    if byzantine and backends >= 4:
+        return Quorums.bft(backends).classic
+    return backends // 2 + 1
+
+
 def decided(states: Iterable[AcceptorState], quorums: Quorums) -> Version | None:
     """The value some round's quorum accepted, if the given states show one."""
     counts: Counter[tuple[Round, Version]] = Counter()

@@ -219,6 +219,10 @@ class LocalState:
     tree_memo: Setting[tuple[str, str] | None] = Setting(
         "tree_memo_v1", default=lambda: None, load=_tree_memo, dump=lambda v: list(v) if v else None)
 
+    #: Backend id -> the compaction floor keys (``floor/<below>``) whose record this
+    #: client verified there: a floor key is written once, so its name is enough
+    #: from then on (``consensus.FloorRecords``; only the newest few are kept).
+    verified_floors: Setting[dict[str, list[str]]] = Setting("verified_floors", default=dict)
     #: Backend id -> this client's last successful check of its primitives.
     primitives_checked: Setting[dict[str, PrimitivesChecked]] = Setting(
         "primitives_checked", default=dict, load=_primitives_checked,

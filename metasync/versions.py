@@ -84,7 +84,8 @@ class Versions:
                 quorums=Quorums.bft(len(acceptors)) if config.fault_model == "byzantine"
                 else Quorums.crash(len(acceptors)),
                 timeout=self._timeout or DEFAULT_TIMEOUT,
-                config_id=config_id,
+                config_id=config_id, warn=self.ctx.reporter.note,
+                verified_floors=self.state.verified_floors,
             )
             self._consensus[config_id] = consensus
         return consensus
@@ -183,7 +184,19 @@ class Versions:
         or deduplicated under what that gc left."""
         latest = self._follow(follow.latest(self.prev, self.config_id))
         self.note_gc_epoch(self.load_config(latest.config).gc_epoch)
+        self._remember_floors()
         return latest
+
+    def _remember_floors(self) -> None:
+        """Keep the compaction floors verified this session for the next ones (each
+        would otherwise cost a read per acceptor per command)."""
+        known = self.state.verified_floors
+        merged = dict(known)
+        for consensus in self._consensus.values():
+            merged.update(consensus.floors.verified())
+        if merged != known:
+            with self.state.transaction():
+                self.state.verified_floors = merged
 
     def note_gc_epoch(self, epoch: int) -> None:
         """A configuration of gc epoch ``epoch`` was learned: if a gc ran since this

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from metasync.backends.faulty import ALWAYS, Faults, FaultyBackend
 from metasync.backends.local import LocalBackend
 from metasync.codec import Codec
-from metasync.consensus import HINT_KEY, Consensus, FloorElsewhere, floor_key, log_key
+from metasync.consensus import HINT_KEY, Consensus, FloorElsewhere, floor_key, log_key, mark_key
 from metasync.errors import BackendError, BackendUnavailable, CorruptObject
 from metasync.keys import MasterKey
 from metasync.objects import Version
@@ -1240,7 +1240,8 @@ class CompactedAfterRun(Consensus):
 def record_floor(acceptors: Acceptors, below: int) -> None:
     for backend in acceptors.values():
         key = floor_key(below)
-        backend.put(key, CODEC.encode("floor", key, json.dumps({"floor": below}).encode()))
+        backend.put(key, CODEC.encode("floor", key, json.dumps(
+            {"floor": below, "acceptors": sorted(acceptors)}).encode()))
 
 
 @pytest.mark.parametrize("grace", [0.0, 3600.0])
@@ -1255,3 +1256,69 @@ def test_a_proposal_that_outlived_half_the_grace_rechecks_the_floor(
         assert c.propose(n, v(n)) == v(n)
     c.after_run = lambda: record_floor(accs, 6)
     assert c.propose(4, v(4)) == (None if grace == 0.0 else v(4))
+
+
+class CountingBackend(FaultyBackend):
+    """A backend that counts the reads of each key (no faults)."""
+
+    def __init__(self, inner: LocalBackend) -> None:
+        super().__init__(inner)
+        self.reads: defaultdict[str, int] = defaultdict(int)
+
+    def get(self, key: str) -> bytes:
+        self.reads[key] += 1
+        return super().get(key)
+
+
+def test_floors_count_once_verified_and_a_forged_one_is_ignored_and_reported(
+        tmp_path: Path) -> None:
+    """A floor counts only once its record authenticates as the floor its name says;
+    a record is read once per acceptor, however many round trips read the floor.
+    ``floor/999999999999`` holding a genuine record of another floor (replayed) is
+    ignored -- the client learns and proposes on -- and reported once, naming the
+    backend and the key (issue 16, scenario 6)."""
+    accs = {a: CountingBackend(b) for a, b in make_acceptors(tmp_path).items()}
+    gc = client(accs, "gc", log_grace=3600.0)  # type: ignore[arg-type]
+    for n in range(1, 6):
+        assert gc.propose(n, v(n)) == v(n)
+    hour = 3600 * 10**9
+    gc.compact_logs(v(4), learned_ns=hour, now_ns=hour)
+    assert gc.compact_logs(v(5), learned_ns=2 * hour, now_ns=2 * hour)[0] == 5
+    genuine = floor_key(5)
+    bogus = floor_key(999_999_999_999)
+    accs["b0"].put(bogus, accs["b0"].get(genuine))
+    for backend in accs.values():
+        backend.reads.clear()
+
+    notes: list[str] = []
+    bob = client(accs, "bob", warn=notes.append)  # type: ignore[arg-type]
+    assert bob.get_recent(V0) == v(5)
+    assert bob.propose(6, v(6, "bob")) == v(6, "bob")
+    assert bob.get_recent(v(6, "bob")) == v(6, "bob")
+    assert bob.round_trips >= 4
+    # One verification per acceptor, plus the jump reading whose acceptors it names.
+    assert [b.reads[genuine] for b in accs.values()] == [2, 1, 1]
+    assert accs["b0"].reads[bogus] >= 2  # never trusted: read again each time
+    assert len(notes) == 1, notes
+    assert bogus in notes[0] and accs["b0"].name in notes[0], notes
+
+
+def test_a_forged_or_replayed_mark_is_ignored_and_reported(acceptors: Acceptors) -> None:
+    """Compaction trusts only marks that authenticate as what their names say: an
+    old mark's record replayed under another mark's name, or garbage, moves no
+    floor, and each is reported once naming the backend and the key."""
+    notes: list[str] = []
+    c = client(acceptors, log_grace=3600.0, warn=notes.append)
+    for n in range(1, 6):
+        assert c.propose(n, v(n)) == v(n)
+    hour = 3600 * 10**9
+    assert c.compact_logs(v(2), learned_ns=hour, now_ns=hour) == (0, 0)
+    genuine = acceptors["b0"].get(mark_key(2))
+    for backend in acceptors.values():
+        backend.delete(mark_key(2))
+        backend.put(mark_key(4), genuine)  # the record of mark 2, under mark 4's name
+    acceptors["b1"].put(mark_key(3), b"garbage")
+    # Three hours later nothing is old enough: the one real mark is gone.
+    assert c.compact_logs(v(5), learned_ns=3 * hour, now_ns=3 * hour) == (0, 0)
+    assert sorted(n.split(" on ")[0] for n in notes) == sorted(
+        [f"ignored {mark_key(4)}"] * 3 + [f"ignored {mark_key(3)}"]), notes

@@ -28,6 +28,7 @@ from metasync.layout import CLIENTS_PREFIX, fragment_key, object_key, spill_key
 from metasync.maintenance.reconfig import Reconfiguration
 from metasync.objects import Commit, PackEntry, Version, is_object_id
 from metasync.outbox import Outbox
+from metasync.paxos import announcement_quorum
 from metasync.replicator import Replicator, take_inventory
 from metasync.versions import Versions
 
@@ -117,7 +118,7 @@ class GarbageCollector:
         backends = ctx.pool.open(config)
         with versions.reading_with(config):
             inventory = take_inventory(backends, ctx.store.executor)
-            states = self.read_client_states(backends)
+            states = self.read_client_states(backends, config.fault_model == "byzantine")
             report.objects = len(inventory.stored_ids())
             history = self.graph.history(latest.master)
             retained = {cid for cid, c in history.items()
@@ -180,10 +181,16 @@ class GarbageCollector:
             reporter.finish()
         return report
 
-    def read_client_states(self, backends: dict[str, Backend]) -> ClientStates:
-        """Read every client's state from every backend. A push announces its uploads
-        on a majority of the backends before making them, so reading a majority is
-        enough to see every announcement made before this read started."""
+    def read_client_states(self, backends: dict[str, Backend], byzantine: bool) -> ClientStates:
+        """Read every client's state from every backend (of a configuration whose
+        fault model is ``byzantine`` or not); the union counts, so a
+        backend serving an older record (or none) hides nothing another one shows.
+        A push announces its uploads on :func:`~metasync.paxos.announcement_quorum`
+        backends before making them, and this needs as many to answer: two
+        majorities share a backend (crash faults); two Byzantine quorums share
+        ``f + 1``, so an honest one that has the announcement (docs/protocol.md,
+        "Garbage collection and Byzantine backends"). So every announcement made
+        before this read started is seen."""
         states = ClientStates()
         codec = self.ctx.codec
 
@@ -222,9 +229,10 @@ class GarbageCollector:
                 pending = doc.get("pending")
                 if isinstance(pending, list):
                     states.pending.update(p for p in pending if is_object_id(p))
-        if answered <= len(backends) // 2:
+        needed = announcement_quorum(len(backends), byzantine)
+        if answered < needed:
             raise BackendUnavailable(
-                f"only {answered} of {len(backends)} backends could be read; gc needs a majority "
+                f"only {answered} of {len(backends)} backends could be read; gc needs {needed} "
                 f"to see every push in progress ({errors[0] if errors else ''}); nothing was deleted"
             )
         return states

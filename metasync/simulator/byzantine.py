@@ -69,7 +69,10 @@ class Liar:
                 return rng.choice(self.hints)
             return acc.hint if rng.random() < 0.5 and acc.hint is not None else False
         if isinstance(req, ReadFloor):
-            # Hide the floor, tell it, or claim a higher one.
+            # Hide the floor, tell it, or claim a higher one. Claiming a floor nobody
+            # recorded is more than production lets a backend do (a floor counts only
+            # once its record authenticates: consensus.FloorRecords), so this also
+            # covers a planted floor/999999999999 (issue 16).
             how = rng.random()
             return 0 if how < 0.3 else acc.floor if how < 0.7 else acc.floor + rng.randint(1, 6)
         assert not isinstance(req, WriteFloor | DropLogs)  # the world's: they change its records

@@ -168,7 +168,7 @@ class Following(World):
 
     def floor_acceptors(self, c: Client, config: str, floor: int) -> set[str] | None:
         """The acceptors floor record ``floor`` names, from the first acceptor of
-        ``config`` that has it and answers (``Consensus._floor_acceptors``)."""
+        ``config`` that has it and answers (``FloorRecords.acceptors_of``)."""
         for name in self.configs[config].acceptors:
             acc = self.acceptors[name]
             if acc.lost or acc.down or (c.index, name) in self.cuts:
