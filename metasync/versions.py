@@ -59,6 +59,9 @@ class Versions:
         #: pPaxos drivers by configuration id, made on first use (status and commit
         #: never need one, and their modules cost start-up time).
         self._consensus: dict[str, Consensus] = {}
+        #: Whether a record that failed to authenticate led to new keys (None: no such
+        #: record yet in this session).
+        self._rotation_checked: str | None = None
 
     @property
     def prev(self) -> Version:
@@ -84,11 +87,32 @@ class Versions:
                 quorums=Quorums.bft(len(acceptors)) if config.fault_model == "byzantine"
                 else Quorums.crash(len(acceptors)),
                 timeout=self._timeout or DEFAULT_TIMEOUT,
-                config_id=config_id, warn=self.ctx.reporter.note,
+                config_id=config_id, warn=self._warn_unless_rotated,
                 verified_floors=self.state.verified_floors,
             )
             self._consensus[config_id] = consensus
         return consensus
+
+    def _warn_unless_rotated(self, message: str) -> None:
+        """Report a pPaxos record that failed to authenticate -- unless it is only
+        under a key this client had not received yet: the first such record in a
+        session fetches the keyring anew (another client rotated the key) and lets
+        the readers use it. If this device's key slot is gone, nothing is reported
+        here: the configuration the client is about to learn fails in one line."""
+        if self._rotation_checked is None:
+            try:
+                moved = self.ctx.keys_moved_on()
+            except MetasyncError:
+                self._rotation_checked = "revoked"
+                return
+            self._rotation_checked = "moved" if moved else "same"
+            if moved:
+                for config_id, consensus in self._consensus.items():
+                    ring = self.ctx.log_codec(self.load_config(config_id)).keyring
+                    consensus.codec.use(ring)
+                return
+        if self._rotation_checked != "revoked":
+            self.ctx.reporter.note(message)
 
     def consensus_errors(self) -> dict[str, str]:
         """Acceptor id -> why it failed, in the last agreement this client ran."""

@@ -46,7 +46,7 @@ def _compacted_repo(tmp_path: Path, *flags: str) -> tuple[Path, Path, list[Path]
     out = run_cli("gc", "--log-grace", "0", cwd=a).stdout
     assert "compacted the logs of versions before" in out, out
     b = tmp_path / "B"
-    run_cli("clone", f"dir:{backends[1]}", str(b))
+    run_cli("clone", f"dir:{backends[1]}", str(b), *(["--no-encrypt"] if "--no-encrypt" in flags else []))
     return a, b, backends
 
 
