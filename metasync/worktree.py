@@ -5,14 +5,20 @@ Scanning never follows symbolic links (a link is recorded as a link) and skips
 FastCDC, so a large file is never held in memory and an edit re-creates only
 the chunks around it. Writing goes to a temporary file beside the target and
 is renamed over it only after the data is flushed, so a reader (or a crash)
-sees the old file or the new one, never a mix.
+sees the old file or the new one, never a mix. Every write, rename and delete in
+the folder goes through :class:`Folders`, which opens each parent folder without
+following a symbolic link, so nothing is ever written through one.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
-from collections.abc import Callable, Iterable
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -144,14 +150,17 @@ class Chunker:
     def __init__(self, hasher: ObjectHasher) -> None:
         self.hasher = hasher
 
-    def hash_file(self, path: Path, expect: ScanEntry, sink: ObjectSink | None) -> HashedFile:
+    def hash_file(self, path: Path | str, expect: ScanEntry, sink: ObjectSink | None,
+                  dir_fd: int | None = None) -> HashedFile:
         """Read ``path`` once, stream its chunks to ``sink`` and return its reference.
+        With ``dir_fd``, ``path`` is a name in that folder, and a link is not followed.
 
         Raises :class:`FileChanged` if the file's size or mtime moved during the read
         (a file still being written must not be committed half-written).
         """
         chunks: list[Chunk] = []
-        with open(path, "rb", buffering=0) as fh:
+        opener = None if dir_fd is None else _opener_at(dir_fd)
+        with open(path, "rb", buffering=0, opener=opener) as fh:
             st = os.fstat(fh.fileno())
             if st.st_size != expect.size or st.st_mtime_ns != expect.mtime_ns:
                 raise FileChanged(str(path))
@@ -191,8 +200,202 @@ class Chunker:
             sink("blob", blob_id, bytes(data))
 
 
-def temp_path_for(target: Path) -> Path:
-    return target.parent / f"{TEMP_PREFIX}{os.urandom(6).hex()}"
+def _opener_at(dir_fd: int) -> Callable[[str, int], int]:
+    """An ``open()`` opener of names in folder ``dir_fd`` that never follows a link."""
+    return lambda name, flags: os.open(name, flags | os.O_NOFOLLOW, dir_fd=dir_fd)
+
+
+def temp_name() -> str:
+    """A fresh name for a temporary file beside the file it will become."""
+    return f"{TEMP_PREFIX}{os.urandom(6).hex()}"
+
+
+#: Opens a folder, failing on a symbolic link (ELOOP) or anything not a folder (ENOTDIR).
+_FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: What opening a path that is not a real folder fails with.
+NOT_A_FOLDER = (errno.ELOOP, errno.ENOTDIR)
+#: Folders a :class:`Folders` keeps open at most (besides those in use): well under
+#: the usual limit of 1024 open files, and more than the folders a checkout of a
+#: source tree writes into at once (it writes folder by folder, in pack order).
+FOLDER_FDS = 512
+
+#: Called with (parent folder's descriptor, name, path) for something that is not a
+#: folder where a folder must be made; it must remove it (rename or unlink) or raise.
+InTheWay = Callable[[int, str, str], None]
+
+
+@dataclass
+class _OpenFolder:
+    fd: int
+    pins: int = 0
+    #: Forgotten (renamed or removed by us) while in use: closed at its last release.
+    gone: bool = False
+
+
+class Folders:
+    """The folders of a tree, opened by relative path without following links.
+
+    Every folder is opened relative to its parent's descriptor with ``O_NOFOLLOW |
+    O_DIRECTORY``, starting at ``root`` (which the user named: a link there is
+    followed), so a symbolic link anywhere on a path -- one that history put in the
+    place of a folder, or one a local process swapped in during a checkout -- is
+    never followed: writes, renames and deletes use ``dir_fd`` relative to the
+    folder that was checked, never a path resolved again. Descriptors are cached
+    (at most :data:`FOLDER_FDS` besides those in use, least recently used go
+    first) and pinned while in use, so worker threads can use them; :meth:`close`
+    closes them all. Thread-safe.
+    """
+
+    def __init__(self, root: Path, capacity: int = FOLDER_FDS) -> None:
+        self.root = root
+        self.capacity = capacity
+        self._lock = threading.RLock()
+        self._cache: OrderedDict[str, _OpenFolder] = OrderedDict()
+        self._by_fd: dict[int, _OpenFolder] = {}
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._root = _OpenFolder(root_fd, pins=1)  # never evicted
+        self._cache[""] = self._root
+        self._by_fd[root_fd] = self._root
+
+    # ------------------------------------------------------------ pinned descriptors
+    def open(self, rel: str) -> int | None:
+        """The folder ``rel`` (``""``: the root), pinned until :meth:`release`; None
+        if some part of the path is missing or is not a real folder (a link, a
+        file): then there is nothing at or under ``rel`` in this tree."""
+        with self._lock:
+            entry = self._walk(rel, None)
+            if entry is None:
+                return None
+            entry.pins += 1
+            self._evict()
+            return entry.fd
+
+    def make(self, rel: str, in_the_way: InTheWay) -> int:
+        """The folder ``rel``, pinned until :meth:`release`, creating missing folders;
+        a link or file in the place of one is handed to ``in_the_way`` (which moves it
+        aside or raises) and a folder made instead."""
+        with self._lock:
+            entry = self._walk(rel, in_the_way)
+            assert entry is not None
+            entry.pins += 1
+            self._evict()
+            return entry.fd
+
+    def release(self, fd: int) -> None:
+        """Unpin a descriptor :meth:`open` or :meth:`make` returned."""
+        with self._lock:
+            entry = self._by_fd[fd]
+            entry.pins -= 1
+            if entry.pins == 0 and entry.gone:
+                del self._by_fd[fd]
+                os.close(fd)
+            self._evict()
+
+    @contextmanager
+    def opened(self, rel: str) -> Iterator[int | None]:
+        """:meth:`open` for a ``with`` block."""
+        fd = self.open(rel)
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                self.release(fd)
+
+    @contextmanager
+    def made(self, rel: str, in_the_way: InTheWay) -> Iterator[int]:
+        """:meth:`make` for a ``with`` block."""
+        fd = self.make(rel, in_the_way)
+        try:
+            yield fd
+        finally:
+            self.release(fd)
+
+    def forget(self, rel: str) -> None:
+        """Drop ``rel`` and everything under it: the caller renamed or removed it."""
+        with self._lock:
+            prefix = rel + "/"
+            for key in [k for k in self._cache if k == rel or k.startswith(prefix)]:
+                entry = self._cache.pop(key)
+                if entry.pins:
+                    entry.gone = True
+                else:
+                    del self._by_fd[entry.fd]
+                    os.close(entry.fd)
+
+    def close(self) -> None:
+        """Close every descriptor (none may be in use any more)."""
+        with self._lock:
+            for entry in self._by_fd.values():
+                os.close(entry.fd)
+            self._by_fd.clear()
+            self._cache.clear()
+
+    def __enter__(self) -> Folders:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ inside the lock
+    def _walk(self, rel: str, in_the_way: InTheWay | None) -> _OpenFolder | None:
+        entry = self._cache.get(rel)
+        if entry is not None:
+            self._cache.move_to_end(rel)
+            return entry
+        parent_rel, _, name = rel.rpartition("/")
+        parent = self._walk(parent_rel, in_the_way)
+        if parent is None:
+            return None
+        parent.pins += 1  # kept open while its child is opened
+        try:
+            fd = self._open_child(parent.fd, name, rel, in_the_way)
+        finally:
+            parent.pins -= 1
+        if fd is None:
+            return None
+        entry = _OpenFolder(fd)
+        self._cache[rel] = entry
+        self._by_fd[fd] = entry
+        return entry
+
+    @staticmethod
+    def _open_child(parent_fd: int, name: str, rel: str, in_the_way: InTheWay | None) -> int | None:
+        try:
+            return os.open(name, _FOLDER_FLAGS, dir_fd=parent_fd)
+        except FileNotFoundError:
+            if in_the_way is None:
+                return None
+        except OSError as exc:
+            if exc.errno not in NOT_A_FOLDER:
+                raise
+            if in_the_way is None:
+                return None
+            in_the_way(parent_fd, name, rel)
+        try:
+            os.mkdir(name, dir_fd=parent_fd)
+        except FileExistsError:
+            pass  # made meanwhile (by another process): opened below, never followed
+        return os.open(name, _FOLDER_FLAGS, dir_fd=parent_fd)
+
+    def _evict(self) -> None:
+        if len(self._cache) <= self.capacity:
+            return
+        for key in list(self._cache):
+            if len(self._cache) <= self.capacity:
+                break
+            entry = self._cache[key]
+            if entry.pins == 0:
+                del self._cache[key]
+                del self._by_fd[entry.fd]
+                os.close(entry.fd)
+
+
+def lstat_at(fd: int, name: str) -> os.stat_result | None:
+    """The entry ``name`` of the folder ``fd`` (a link is not followed); None if absent."""
+    try:
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
 
 
 def remove_stale_temps(root: Path) -> int:
