@@ -408,26 +408,26 @@ class Checkout:
         written_at = time.time_ns()
         folders = self._folders
 
-        def fast(item: WrittenTemp) -> bool:
+        def fast(item: WrittenTemp, fd: int | None) -> bool:
             """Rename into a free or unchanged place; False leaves it to the slow path."""
             (path, _, _), tmp, _ = item
-            parent, _, name = path.rpartition("/")
-            with folders.opened(parent) as fd:
-                if fd is None:
-                    return False
-                existing = lstat_at(fd, name)
-                if existing is not None and (stat.S_ISDIR(existing.st_mode)
-                                             or self._changed_since_scan(path, existing)):
-                    return False
-                os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
-                return True
+            name = path.rpartition("/")[2]
+            if fd is None:
+                return False
+            existing = lstat_at(fd, name)
+            if existing is not None and (stat.S_ISDIR(existing.st_mode)
+                                         or self._changed_since_scan(path, existing)):
+                return False
+            os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            return True
 
         # Serial on purpose: renames into the same folders contend on the folder's
         # lock, and measured slower when spread over threads.
         done = []
-        for item in pending:
-            done.append(fast(item))
-            crash_point("checkout:rename")
+        with folders.cursor() as cursor:
+            for item in pending:
+                done.append(fast(item, cursor.at(item[0][0].rpartition("/")[0])))
+                crash_point("checkout:rename")
         rows: list[IndexRow] = []
         for ((path, entry, _), tmp, st), ok in zip(pending, done, strict=True):
             if not ok:
@@ -463,9 +463,11 @@ class Checkout:
             prefetched = self.graph.read_blobs([chunks[0] for _, _, chunks in job])
         done: list[WrittenTemp] = []
         try:
-            for plan in job:
-                path, entry, chunks = plan
-                with self._folders.made(path.rpartition("/")[0], aside) as fd:
+            with self._folders.cursor(aside) as cursor:
+                for plan in job:
+                    path, entry, chunks = plan
+                    fd = cursor.at(path.rpartition("/")[0])
+                    assert fd is not None  # made, never None
                     done.append((plan, *self.writer.write_temp(fd, entry, chunks, prefetched)))
         except BaseException:
             for (path, _, _), tmp, _ in done:

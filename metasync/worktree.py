@@ -247,9 +247,9 @@ class Folders:
     closes them all. Thread-safe.
     """
 
-    def __init__(self, root: Path, capacity: int = FOLDER_FDS) -> None:
+    def __init__(self, root: Path, capacity: int | None = None) -> None:
         self.root = root
-        self.capacity = capacity
+        self.capacity = FOLDER_FDS if capacity is None else capacity
         self._lock = threading.RLock()
         self._cache: OrderedDict[str, _OpenFolder] = OrderedDict()
         self._by_fd: dict[int, _OpenFolder] = {}
@@ -310,6 +310,15 @@ class Folders:
             yield fd
         finally:
             self.release(fd)
+
+    @contextmanager
+    def cursor(self, in_the_way: InTheWay | None = None) -> Iterator[FolderCursor]:
+        """A :class:`FolderCursor` over these folders for a ``with`` block."""
+        cur = FolderCursor(self, in_the_way)
+        try:
+            yield cur
+        finally:
+            cur.close()
 
     def forget(self, rel: str) -> None:
         """Drop ``rel`` and everything under it: the caller renamed or removed it."""
@@ -389,6 +398,35 @@ class Folders:
                 del self._cache[key]
                 del self._by_fd[entry.fd]
                 os.close(entry.fd)
+
+
+class FolderCursor:
+    """Holds one folder of a :class:`Folders` at a time, for loops over paths that
+    come folder by folder (a pack's files, a batch of renames): the folder is
+    looked up once per run of paths in it, not once per path."""
+
+    def __init__(self, folders: Folders, in_the_way: InTheWay | None) -> None:
+        self.folders = folders
+        self.in_the_way = in_the_way
+        self._rel: str | None = None
+        self._fd: int | None = None
+
+    def at(self, rel: str) -> int | None:
+        """The folder ``rel``: made (with ``in_the_way``) or only opened (None if it is
+        not a real folder), as :meth:`Folders.make` and :meth:`Folders.open`."""
+        if rel != self._rel:
+            self.close()
+            if self.in_the_way is not None:
+                self._fd = self.folders.make(rel, self.in_the_way)
+            else:
+                self._fd = self.folders.open(rel)
+            self._rel = rel
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self.folders.release(self._fd)
+        self._rel, self._fd = None, None
 
 
 def lstat_at(fd: int, name: str) -> os.stat_result | None:

@@ -10,10 +10,13 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import run_cli, snapshot
-from metasync import Repository
+import pytest
+
+from conftest import make_tree, run_cli, snapshot
+from metasync import Repository, worktree
 from metasync.progress import NullReporter
 from metasync.scanner import ScanResult
+from metasync.worktree import Folders
 
 
 def _init(tmp_path: Path, backends: list[Path], passphrase: Callable[[], str],
@@ -187,3 +190,88 @@ def test_conflict_copy_is_not_made_through_a_link(
     assert (b.root / "docs" / "moved-away" / "f.txt").read_text() == "local edit\n"
     links = [c for c in result.conflicts if (b.root / c).is_symlink()]
     assert len(links) == 1 and os.readlink(b.root / links[0]) == str(outside)
+
+
+# ----------------------------------------------------------------------------- Folders
+
+
+def test_folders_never_follow_a_link(tmp_path: Path) -> None:
+    """``open`` gives None for a path through a link or a file; ``make`` hands the
+    link to ``in_the_way`` and makes a real folder; neither touches the target."""
+    outside = _outside(tmp_path)
+    root = tmp_path / "root"
+    (root / "a").mkdir(parents=True)
+    os.symlink(outside, root / "a" / "link")
+    (root / "a" / "file").write_text("x")
+    seen: list[str] = []
+
+    def in_the_way(fd: int, name: str, path: str) -> None:
+        seen.append(path)
+        os.rename(name, name + ".aside", src_dir_fd=fd, dst_dir_fd=fd)
+
+    with Folders(root) as folders:
+        assert folders.open("a/link") is None
+        assert folders.open("a/link/deeper") is None
+        assert folders.open("a/file") is None
+        assert folders.open("missing") is None
+        fd = folders.make("a/link/deeper", in_the_way)
+        os.close(os.open("made", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
+        folders.release(fd)
+    assert seen == ["a/link"]
+    assert (root / "a" / "link").is_dir() and not (root / "a" / "link").is_symlink()
+    assert (root / "a" / "link" / "deeper" / "made").is_file()
+    assert os.readlink(root / "a" / "link.aside") == str(outside)
+    assert sorted(p.name for p in outside.iterdir()) == ["authorized_keys", "f.txt"]
+
+
+def test_folders_cache_is_bounded_and_keeps_pinned_folders(tmp_path: Path) -> None:
+    """At most ``capacity`` folders stay open besides those in use; a folder in use
+    is never closed under its user, and one forgotten while in use is closed at its
+    release."""
+    root = tmp_path / "root"
+    for i in range(6):
+        (root / f"d{i}").mkdir(parents=True)
+    with Folders(root, capacity=3) as folders:
+        held = folders.open("d0")
+        assert held is not None
+        for i in range(1, 6):
+            fd = folders.open(f"d{i}")
+            assert fd is not None
+            folders.release(fd)
+        assert os.fstat(held).st_ino == os.stat(root / "d0").st_ino  # still open, still d0
+        assert len(_open_under(root)) <= 3 + 1  # the cache, and the one in use
+        folders.forget("d0")
+        assert os.fstat(held).st_ino == os.stat(root / "d0").st_ino
+        folders.release(held)
+        assert str(root / "d0") not in _open_under(root)
+
+
+def _open_under(root: Path) -> list[str]:
+    """The folders under ``root`` this process has open (Linux's /proc)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the listing's own descriptor, closed by now
+        if target.startswith(f"{root}/"):
+            out.append(target)
+    return out
+
+
+def test_checkout_with_few_open_folders(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A checkout over more folders than may stay open (folders closed and opened
+    again between writing a temporary file and renaming it) writes the same tree."""
+    monkeypatch.setattr(worktree, "FOLDER_FDS", 2)
+    src = tmp_path / "src"
+    make_tree(src, small_files=150)
+    repo = Repository.init(src, [f"dir:{b}" for b in backends], passphrase=passphrase)
+    repo.push("first")
+    clone = Repository.clone(f"dir:{backends[0]}", tmp_path / "clone", passphrase=passphrase)
+    assert snapshot(clone.root) == snapshot(src)
+    restored = clone.restore("small", "~0", to=tmp_path / "restored")
+    assert len(restored.restored) == 150
+    assert snapshot(tmp_path / "restored") == snapshot(src / "small")
