@@ -438,17 +438,22 @@ def lstat_at(fd: int, name: str) -> os.stat_result | None:
 
 
 def remove_stale_temps(root: Path) -> int:
-    """Delete temporary files a crashed command left behind; return how many."""
+    """Delete temporary files (and links) a crashed command left behind; return how
+    many. Walks by folder descriptors, never through a link."""
     removed = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d != META_DIR]
-        for name in filenames:
-            if name.startswith(TEMP_PREFIX):
-                try:
-                    os.unlink(os.path.join(dirpath, name))
-                    removed += 1
-                except FileNotFoundError:
-                    pass
+    for _, dirnames, filenames, dir_fd in os.fwalk(root):
+        # A temporary link to a folder is listed with the folders (not descended into).
+        stale = [n for n in (*filenames, *dirnames) if n.startswith(TEMP_PREFIX)]
+        dirnames[:] = [d for d in dirnames if d != META_DIR and not d.startswith(TEMP_PREFIX)]
+        for name in stale:
+            st = lstat_at(dir_fd, name)
+            if st is None or stat.S_ISDIR(st.st_mode):
+                continue
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+                removed += 1
+            except FileNotFoundError:
+                pass
     return removed
 
 

@@ -275,3 +275,19 @@ def test_checkout_with_few_open_folders(
     restored = clone.restore("small", "~0", to=tmp_path / "restored")
     assert len(restored.restored) == 150
     assert snapshot(tmp_path / "restored") == snapshot(src / "small")
+
+
+def test_stale_temporary_files_are_removed_without_following_links(tmp_path: Path) -> None:
+    """The clean-up after a crash removes our temporary files and links (a temporary
+    link to a folder too) and never walks through a link into a folder outside."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / f"{worktree.TEMP_PREFIX}victim").write_text("not ours to delete\n")
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    os.symlink(outside, root / "sub" / "link")
+    os.symlink(outside, root / "sub" / f"{worktree.TEMP_PREFIX}dirlink")
+    (root / f"{worktree.TEMP_PREFIX}file").write_text("partial\n")
+    assert worktree.remove_stale_temps(root) == 2
+    assert sorted(os.listdir(root / "sub")) == ["link"]
+    assert (outside / f"{worktree.TEMP_PREFIX}victim").exists()
