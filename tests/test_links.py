@@ -124,6 +124,34 @@ def test_restore_keeps_a_local_parent_link_as_a_conflict_copy(
     assert Path(copy).parent == repo.root / "docs"
 
 
+def test_pull_of_a_folder_that_history_turned_into_a_link_and_back(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
+) -> None:
+    """History makes docs/sub a link to a folder outside, then a folder again with a
+    file in it: the pull replaces the link (unchanged here) by a real folder and
+    writes nothing through it. (This passed before the fix too: it is the switch
+    the issue says pull handles safely, kept safe.)"""
+    outside = _outside(tmp_path)
+    before = snapshot(outside)
+    a = _init(tmp_path, backends, passphrase, {"docs/sub/f.txt": "v1\n"})
+    b = Repository.clone(f"dir:{backends[0]}", tmp_path / "b", passphrase=passphrase)
+    (a.root / "docs" / "sub" / "f.txt").unlink()
+    (a.root / "docs" / "sub").rmdir()
+    os.symlink(outside, a.root / "docs" / "sub")
+    a.push("link")
+    b.pull()
+    assert (b.root / "docs" / "sub").is_symlink()
+    (a.root / "docs" / "sub").unlink()
+    (a.root / "docs" / "sub").mkdir()
+    (a.root / "docs" / "sub" / "authorized_keys").write_text("ATTACKER\n")
+    a.push("folder again")
+    result = b.pull()
+    assert result.conflicts == []
+    assert snapshot(outside) == before
+    assert not (b.root / "docs" / "sub").is_symlink()
+    assert (b.root / "docs" / "sub" / "authorized_keys").read_text() == "ATTACKER\n"
+
+
 class LinkAtDownload(NullReporter):
     """At the moment a pull starts downloading (after it planned and made its
     folders), moves the folder ``sub`` aside and puts a link to ``outside`` in its
