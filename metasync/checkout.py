@@ -7,6 +7,12 @@ folder"). Files are written to temporary files beside their targets by the
 renamed into place; a file that changed since the scan the checkout planned with
 becomes a conflict copy instead of being replaced. A checkout is recorded as
 pending before it starts, so a crash leaves one the next command finishes.
+
+Every write, rename and delete is made relative to its parent folder opened by
+:class:`~metasync.worktree.Folders`, which never follows a symbolic link: a link
+in the place of a folder (put there by history, or by a local change during the
+checkout) is moved aside as a conflict copy and a real folder made, so nothing
+is ever written outside the repository's folder.
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ import stat
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 
 from metasync.context import RepoContext
 from metasync.errors import CorruptObject, ObjectUnavailable
@@ -25,7 +30,15 @@ from metasync.graph import ObjectGraph
 from metasync.localdb import IndexRow
 from metasync.objects import TreeEntry, Version, same_entry
 from metasync.scanner import Scanner
-from metasync.worktree import ScanEntry, conflict_name, remove_stale_temps, temp_path_for
+from metasync.worktree import (
+    Folders,
+    InTheWay,
+    ScanEntry,
+    conflict_name,
+    lstat_at,
+    remove_stale_temps,
+    temp_name,
+)
 
 #: Files written by a checkout are flushed and renamed in batches of this many.
 WRITE_BATCH = 2000
@@ -34,8 +47,9 @@ JOB_FILES = 400
 
 #: A file to write: its path, its tree entry, and its content as (blob id, length).
 WritePlan = tuple[str, TreeEntry, list[tuple[str, int]]]
-#: A written temporary file: its plan, its path, and its stat (None for a link).
-WrittenTemp = tuple[WritePlan, Path, "os.stat_result | None"]
+#: A written temporary file: its plan, its name (in the plan's folder), and its stat
+#: (None for a link).
+WrittenTemp = tuple[WritePlan, str, "os.stat_result | None"]
 
 
 @dataclass
@@ -58,27 +72,29 @@ def now_stamp() -> str:
 
 
 class FileWriter:
-    """Writes files and links of stored content to temporary files beside their
-    targets (the caller renames them into place)."""
+    """Writes files and links of stored content to temporary files in an open
+    folder (the caller renames them into place in the same folder)."""
 
     def __init__(self, ctx: RepoContext, graph: ObjectGraph) -> None:
         self.ctx = ctx
         self.graph = graph
 
     def write_temp(
-        self, target: Path, entry: TreeEntry, chunks: list[tuple[str, int]],
+        self, folder: int, entry: TreeEntry, chunks: list[tuple[str, int]],
         prefetched: dict[str, bytes] | None = None, *, durable: bool = False,
-    ) -> tuple[Path, os.stat_result | None]:
-        """Write one file or link to a temporary name beside ``target``; return the
-        name and, for a file, its final stat (size, mtime and inode survive the
+    ) -> tuple[str, os.stat_result | None]:
+        """Write one file or link to a new temporary name in the folder open as
+        ``folder`` (a descriptor from :class:`~metasync.worktree.Folders`); return
+        the name and, for a file, its final stat (size, mtime and inode survive the
         rename). ``durable`` fsyncs the file (a checkout flushes whole batches
         instead). Every blob's length is checked against the tree."""
-        tmp = temp_path_for(target)
+        tmp = temp_name()
         if entry.type == "link":
-            os.symlink(entry.ref, tmp)
+            os.symlink(entry.ref, tmp, dir_fd=folder)
             return tmp, None
         mode = self.ctx.file_modes[entry.executable]
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     mode, dir_fd=folder)
         try:
             with os.fdopen(fd, "wb") as fh:
                 for group in chunk_groups(chunks):
@@ -94,7 +110,7 @@ class FileWriter:
                     os.fsync(fh.fileno())
                 st = os.fstat(fh.fileno())
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            os.unlink(tmp, dir_fd=folder)
             raise
         return tmp, st
 
@@ -110,6 +126,8 @@ class Checkout:
         self.writer = FileWriter(ctx, graph)
         #: What the scan the current checkout planned with saw, by path.
         self._seen: dict[str, ScanEntry] = {}
+        #: The folders of the current checkout (see :meth:`run`).
+        self._folders: Folders
 
     # ---------------------------------------------------------------- pending checkouts
     def resume(self) -> PullResult | None:
@@ -154,50 +172,67 @@ class Checkout:
         ``moves`` maps new paths to paths whose current content they take (a merge's
         conflict copies of local versions): renamed locally instead of downloaded.
         """
+        with Folders(self.root) as folders:
+            self._folders = folders
+            self._run(base, remote, result, moves)
+
+    def _run(
+        self,
+        base: dict[str, TreeEntry],
+        remote: dict[str, TreeEntry],
+        result: PullResult,
+        moves: dict[str, str],
+    ) -> None:
         scan = self.scanner.scan(None)
         self._seen = scan.seen
         local: dict[str, TreeEntry] = dict(scan.files)
         for d in scan.dirs:
             local[d] = TreeEntry(d.rpartition("/")[2], "dir", "0" * 64)
         stamp = now_stamp()
+        aside = self._in_the_way(stamp, result)
         for copy, source in sorted(moves.items()):
             have = local.get(source)
             if (copy not in local and have is not None and copy in remote
-                    and same_entry(have, remote[copy]) and same_entry(have, base.get(source))):
-                parent = copy.rpartition("/")[0]
-                if parent:
-                    self._ensure_dir(parent, stamp, result)
-                os.rename(self.root / source, self.root / copy)
+                    and same_entry(have, remote[copy]) and same_entry(have, base.get(source))
+                    and self._move(source, copy, aside)):
                 local[copy] = local.pop(source)
                 self._seen.pop(source, None)
         scanned = {e.path: e for e in scan.rows}
         writes, deletes = self._plan(base, remote, local, stamp, result)
         crash_point("checkout:planned")
+        folders = self._folders
         for path in deletes:
-            target_path = self.root / path
-            try:
-                if target_path.is_dir() and not target_path.is_symlink():
+            parent, _, name = path.rpartition("/")
+            with folders.opened(parent) as fd:
+                # No folder there (a link or a file now): nothing of this tree to delete.
+                existing = lstat_at(fd, name) if fd is not None else None
+                if existing is None or stat.S_ISDIR(existing.st_mode):
                     continue
-                if self._changed_since_scan(path):
+                if self._changed_since_scan(path, existing):
                     self.ctx.reporter.note(f"kept {path}: it changed during the pull")
                     continue
-                target_path.unlink()
+                try:
+                    os.unlink(name, dir_fd=fd)
+                except FileNotFoundError:
+                    continue
                 result.deleted += 1
-            except FileNotFoundError:
-                pass
         # Folders deleted remotely go if nothing local remains in them, deepest first.
         for path in sorted((p for p, e in base.items() if e.type == "dir" and p not in remote),
                            key=lambda p: p.count("/"), reverse=True):
-            try:
-                (self.root / path).rmdir()
-            except OSError:
-                pass
+            parent, _, name = path.rpartition("/")
+            with folders.opened(parent) as fd:
+                try:
+                    if fd is not None:
+                        os.rmdir(name, dir_fd=fd)  # a link there fails: rmdir never follows
+                        folders.forget(path)
+                except OSError:
+                    pass
         for path in sorted((p for p, e in remote.items() if e.type == "dir"), key=lambda p: p.count("/")):
             b = base.get(path)
             if b is not None and b.type == "dir" and path not in local:
                 continue  # removed here, untouched remotely: stays removed (files
                 # the remote changed inside bring their folders back as they are written)
-            self._ensure_dir(path, stamp, result)
+            folders.release(folders.make(path, aside))
         rows = self._write_files(writes, stamp, result, scanned)
         db = self.ctx.db
         with db.transaction():
@@ -236,51 +271,62 @@ class Checkout:
             else:
                 if loc is not None and loc.type != "dir":
                     copy = self._conflict_copy(path, stamp)
-                    result.conflicts.append(copy)
-                    self.ctx.reporter.note(f"conflict: your version of {path} is now {copy}")
+                    if copy is not None:
+                        result.conflicts.append(copy)
+                        self.ctx.reporter.note(f"conflict: your version of {path} is now {copy}")
                 writes.append((path, n))
         return writes, deletes
 
-    def _changed_since_scan(self, path: str, st: os.stat_result | None = None) -> bool:
-        """True if ``path`` exists now but differs in size or mtime from the scan the
+    def _changed_since_scan(self, path: str, st: os.stat_result) -> bool:
+        """True if ``path`` (now ``st``) differs in size or mtime from the scan the
         pull planned with (or did not exist then): replacing it could lose an edit."""
-        if st is None:
-            try:
-                st = os.lstat(self.root / path)
-            except FileNotFoundError:
-                return False
         seen = self._seen.get(path)
         return seen is None or seen.size != st.st_size or seen.mtime_ns != st.st_mtime_ns
 
-    def _conflict_copy(self, path: str, stamp: str) -> str:
+    def _move(self, source: str, copy: str, aside: InTheWay) -> bool:
+        """Rename ``source`` to ``copy`` (both in this tree); False if ``source``'s
+        folder is no longer a folder of this tree."""
+        folders = self._folders
+        with folders.opened(source.rpartition("/")[0]) as src:
+            if src is None:
+                return False
+            with folders.made(copy.rpartition("/")[0], aside) as dst:
+                os.rename(source.rpartition("/")[2], copy.rpartition("/")[2],
+                          src_dir_fd=src, dst_dir_fd=dst)
+        return True
+
+    def _conflict_copy(self, path: str, stamp: str) -> str | None:
+        """Rename ``path`` to a free conflict name beside it; None if nothing is there
+        (or its folder is no longer a folder of this tree: a link is not followed)."""
+        with self._folders.opened(path.rpartition("/")[0]) as fd:
+            if fd is None or lstat_at(fd, path.rpartition("/")[2]) is None:
+                return None
+            return self._move_aside(fd, path, stamp)
+
+    def _move_aside(self, fd: int, path: str, stamp: str) -> str:
+        """Rename ``path``, an entry of the open folder ``fd``, to a free conflict name
+        in that folder; return the new path."""
         parent, _, name = path.rpartition("/")
         device = self.ctx.device
         new_name = conflict_name(name, device, stamp)
-        new_path = f"{parent}/{new_name}" if parent else new_name
         n = 2
-        while os.path.lexists(self.root / new_path):
-            alt = conflict_name(name, f"{device} {n}", stamp)
-            new_path = f"{parent}/{alt}" if parent else alt
+        while lstat_at(fd, new_name) is not None:
+            new_name = conflict_name(name, f"{device} {n}", stamp)
             n += 1
-        os.rename(self.root / path, self.root / new_path)
-        return new_path
+        os.rename(name, new_name, src_dir_fd=fd, dst_dir_fd=fd)
+        self._folders.forget(path)  # if it was a folder, its descriptors name the copy now
+        return f"{parent}/{new_name}" if parent else new_name
 
-    def _ensure_dir(self, path: str, stamp: str, result: PullResult) -> None:
-        """Make ``path`` a real folder; a file or link in the way becomes a conflict copy."""
-        current = self.root
-        for part in path.split("/"):
-            current = current / part
-            try:
-                st = os.lstat(current)
-            except FileNotFoundError:
-                current.mkdir()
-                continue
-            if not stat.S_ISDIR(st.st_mode):
-                rel = str(current.relative_to(self.root))
-                copy = self._conflict_copy(rel, stamp)
-                result.conflicts.append(copy)
-                self.ctx.reporter.note(f"conflict: {rel} is in the way of a folder; moved to {copy}")
-                current.mkdir()
+    def _in_the_way(self, stamp: str, result: PullResult) -> InTheWay:
+        """What :class:`Folders` does with a file or link where a folder must be: keep
+        it as a conflict copy (a link is never followed, nor replaced unkept)."""
+
+        def aside(fd: int, name: str, path: str) -> None:
+            copy = self._move_aside(fd, path, stamp)
+            result.conflicts.append(copy)
+            self.ctx.reporter.note(f"conflict: {path} is in the way of a folder; moved to {copy}")
+
+        return aside
 
     # ---------------------------------------------------------------- writing
     def _write_files(
@@ -295,16 +341,18 @@ class Checkout:
         Files whose content is one blob are grouped by the pack holding it, so a pack
         of a thousand small files costs a few range reads, not a thousand.
         """
+        aside = self._in_the_way(stamp, result)
         ensured: set[str] = set()
         by_pack: dict[str, list[tuple[int, WritePlan]]] = {}
         jobs: list[list[WritePlan]] = []
         links: list[WritePlan] = []
         total = 0
         db = self.ctx.db
+        folders = self._folders
         for path, entry in writes:
             parent = path.rpartition("/")[0]
             if parent and parent not in ensured:
-                self._ensure_dir(parent, stamp, result)
+                folders.release(folders.make(parent, aside))
                 while parent and parent not in ensured:
                     ensured.add(parent)
                     parent = parent.rpartition("/")[0]
@@ -333,7 +381,7 @@ class Checkout:
         pending: list[WrittenTemp] = []
         reporter = self.ctx.reporter
         reporter.start("download", total)
-        futures = [self.ctx.store.executor.submit(self._write_job, job) for job in jobs]
+        futures = [self.ctx.store.executor.submit(self._write_job, job, aside) for job in jobs]
         try:
             for fut in futures:
                 pending.extend(fut.result())
@@ -347,40 +395,42 @@ class Checkout:
                 fut.cancel()
                 if not fut.cancelled() and fut.exception() is None:
                     pending.extend(fut.result())
-            for _, tmp, _ in pending:
-                tmp.unlink(missing_ok=True)
+            for (path, _, _), tmp, _ in pending:
+                self._drop_temp(path, tmp)
             raise
         finally:
             reporter.finish()
         return rows
 
-    def _install(self, pending: list[WrittenTemp], stamp: str, result: PullResult) -> list[IndexRow]:
+    def _install(self, pending: list[WrittenTemp], stamp: str,
+                 result: PullResult) -> list[IndexRow]:
         """Flush a batch of written temporary files once, then rename each into place."""
         if not pending:
             return []
         os.sync()  # one flush for the batch instead of an fsync per file
         written_at = time.time_ns()
+        folders = self._folders
 
-        def fast(item: WrittenTemp) -> bool:
+        def fast(item: WrittenTemp, fd: int | None) -> bool:
             """Rename into a free or unchanged place; False leaves it to the slow path."""
             (path, _, _), tmp, _ = item
-            final = os.path.join(self.root, path)
-            try:
-                existing = os.lstat(final)
-            except FileNotFoundError:
-                os.replace(tmp, final)
-                return True
-            if stat.S_ISDIR(existing.st_mode) or self._changed_since_scan(path, existing):
+            name = path.rpartition("/")[2]
+            if fd is None:
                 return False
-            os.replace(tmp, final)
+            existing = lstat_at(fd, name)
+            if existing is not None and (stat.S_ISDIR(existing.st_mode)
+                                         or self._changed_since_scan(path, existing)):
+                return False
+            os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
             return True
 
         # Serial on purpose: renames into the same folders contend on the folder's
         # lock, and measured slower when spread over threads.
         done = []
-        for item in pending:
-            done.append(fast(item))
-            crash_point("checkout:rename")
+        with folders.cursor() as cursor:
+            for item in pending:
+                done.append(fast(item, cursor.at(item[0][0].rpartition("/")[0])))
+                crash_point("checkout:rename")
         rows: list[IndexRow] = []
         for ((path, entry, _), tmp, st), ok in zip(pending, done, strict=True):
             if not ok:
@@ -391,41 +441,51 @@ class Checkout:
                                      entry.executable, st.st_mtime_ns, st.st_ino, written_at))
         return rows
 
-    def _install_slow(self, path: str, tmp: Path, stamp: str, result: PullResult) -> None:
+    def _install_slow(self, path: str, tmp: str, stamp: str, result: PullResult) -> None:
         """Put ``tmp`` at ``path`` where a folder or a changed file is in the way."""
-        final = os.path.join(self.root, path)
-        try:
-            existing: os.stat_result | None = os.lstat(final)
-        except FileNotFoundError:
-            existing = None
-        if existing is not None and stat.S_ISDIR(existing.st_mode):
-            try:
-                os.rmdir(final)
-            except OSError:
-                result.conflicts.append(self._conflict_copy(path, stamp))
-        elif existing is not None and self._changed_since_scan(path, existing):
-            # Edited (or created) while we were downloading: keep it.
-            copy = self._conflict_copy(path, stamp)
-            result.conflicts.append(copy)
-            self.ctx.reporter.note(f"conflict: {path} changed during the pull; kept as {copy}")
-        os.replace(tmp, final)
+        parent, _, name = path.rpartition("/")
+        with self._folders.made(parent, self._in_the_way(stamp, result)) as fd:
+            existing = lstat_at(fd, name)
+            if existing is not None and stat.S_ISDIR(existing.st_mode):
+                try:
+                    os.rmdir(name, dir_fd=fd)
+                    self._folders.forget(path)
+                except OSError:
+                    result.conflicts.append(self._move_aside(fd, path, stamp))
+            elif existing is not None and self._changed_since_scan(path, existing):
+                # Edited (or created) while we were downloading: keep it.
+                copy = self._move_aside(fd, path, stamp)
+                result.conflicts.append(copy)
+                self.ctx.reporter.note(f"conflict: {path} changed during the pull; kept as {copy}")
+            os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
 
-    def _write_job(self, job: list[WritePlan]) -> list[WrittenTemp]:
+    def _write_job(self, job: list[WritePlan], aside: InTheWay) -> list[WrittenTemp]:
         """Write the temporary files of one job (runs in a worker thread)."""
         prefetched: dict[str, bytes] | None = None
         if len(job) > 1 and all(len(chunks) == 1 for _, _, chunks in job):
             prefetched = self.graph.read_blobs([chunks[0] for _, _, chunks in job])
         done: list[WrittenTemp] = []
         try:
-            for plan in job:
-                path, entry, chunks = plan
-                done.append((plan, *self.writer.write_temp(self.root / path, entry, chunks,
-                                                           prefetched)))
+            with self._folders.cursor(aside) as cursor:
+                for plan in job:
+                    path, entry, chunks = plan
+                    fd = cursor.at(path.rpartition("/")[0])
+                    assert fd is not None  # made, never None
+                    done.append((plan, *self.writer.write_temp(fd, entry, chunks, prefetched)))
         except BaseException:
-            for _, tmp, _ in done:
-                tmp.unlink(missing_ok=True)
+            for (path, _, _), tmp, _ in done:
+                self._drop_temp(path, tmp)
             raise
         return done
+
+    def _drop_temp(self, path: str, tmp: str) -> None:
+        """Remove the temporary file ``tmp`` written for ``path``, if it is still there."""
+        with self._folders.opened(path.rpartition("/")[0]) as fd:
+            if fd is not None:
+                try:
+                    os.unlink(tmp, dir_fd=fd)
+                except FileNotFoundError:
+                    pass
 
 
 def chunk_groups(chunks: list[tuple[str, int]], budget: int = 8 * 1024 * 1024) -> list[list[tuple[str, int]]]:

@@ -167,6 +167,16 @@ def recover(directory: str | None, backends: tuple[str, ...], added: tuple[str, 
 
 
 @cli.command()
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--remove", is_flag=True, help="Stop trusting FOLDER.")
+def trust(folder: str, remove: bool) -> None:
+    """Open FOLDER's repository although another user owns its .metasync (as git's
+    safe.directory); per user. METASYNC_SAFE_DIRECTORIES does the same for a session."""
+    path = Repository.trust(folder, not remove)
+    _say(f"{'no longer trusted' if remove else 'trusted'}: {path}")
+
+
+@cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(as_json: bool) -> None:
     """Show changes in the folder that are not committed yet."""

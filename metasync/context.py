@@ -202,15 +202,6 @@ class RepoContext:
             self.lock_fd = None
 
 
-def find_root(path: str | Path) -> Path | None:
-    """The repository folder containing ``path`` (searching upwards, as git does)."""
-    start = Path(path).absolute()
-    for candidate in (start, *start.parents):
-        if (candidate / META_DIR / "state.db").is_file():
-            return candidate
-    return None
-
-
 def open_context(root: Path, reporter: Reporter | None = None,
                  wait: float = 0.0) -> RepoContext:
     """Lock ``root``'s folder (waiting up to ``wait`` seconds while another process

@@ -152,3 +152,8 @@ class Retired(ProtocolError):
     """This client's configuration lost its majority for good and the repository was
     recovered on the backends that survived (``metasync recover``): it must not
     propose there. The message says to clone the repository again."""
+
+
+class UnsafeRepository(MetasyncError):
+    """A ``.metasync`` folder another user owns or can write to: opening it would
+    let that user decide what this user's commands read, push and write."""

@@ -5,7 +5,10 @@
 ``~N``, or by default the newest version where the path differs from the
 folder) and writes it with the checkout's :class:`~metasync.checkout.FileWriter`:
 to a temporary file, flushed, renamed; a file in the way whose content is in no
-version is kept as a conflict copy first.
+version is kept as a conflict copy first. Every parent folder is opened by
+:class:`~metasync.worktree.Folders`, never through a symbolic link: a link where
+a folder was is replaced by the folder if the current version holds that link,
+and kept as a conflict copy if not, so nothing is written outside the folder.
 """
 
 from __future__ import annotations
@@ -23,7 +26,15 @@ from metasync.errors import UsageError
 from metasync.graph import ObjectGraph
 from metasync.objects import Config, TreeEntry
 from metasync.versions import Versions
-from metasync.worktree import META_DIR, FileChanged, ScanEntry, conflict_name
+from metasync.worktree import (
+    META_DIR,
+    FileChanged,
+    Folders,
+    InTheWay,
+    ScanEntry,
+    conflict_name,
+    lstat_at,
+)
 
 
 @dataclass(frozen=True)
@@ -104,15 +115,24 @@ class History:
             commit_id, tree = self._find_version(path, version, latest.master, config)
             commit = self.graph.load_commit(commit_id)
             wanted = {p: e for p, e in tree.items() if p == path or p.startswith(path + "/")}
-            dest_root = Path(to).absolute() if to is not None else self.ctx.root / path
-            head = self.graph.head_commit()
-            current = self.graph.flatten(head.tree) if head is not None else {}
-            result = RestoreResult(commit_id, commit.time_ns, str(dest_root))
+            if to is None:
+                # In place: what the current version holds may be replaced (it survives).
+                head = self.graph.head_commit()
+                current = self.graph.flatten(head.tree) if head is not None else {}
+                root, prefix = self.ctx.root, path
+            else:
+                dest = Path(to).absolute()
+                dest.parent.mkdir(parents=True, exist_ok=True)  # named by the user: followed
+                current, root, prefix = {}, dest.parent, dest.name
+            result = RestoreResult(commit_id, commit.time_ns, str(root / prefix))
             stamp = now_stamp()
-            for p, entry in sorted(wanted.items()):
-                rel = p[len(path):].lstrip("/")
-                dest = dest_root / rel if rel else dest_root
-                self._restore_entry(entry, dest, current.get(p) if to is None else None, stamp, result)
+            with Folders(root) as folders:
+                aside = self._in_the_way(folders, current, stamp, result)
+                for p, entry in sorted(wanted.items()):
+                    rel = p[len(path):].lstrip("/")
+                    dest_rel = f"{prefix}/{rel}" if rel else prefix
+                    self._restore_entry(folders, aside, entry, dest_rel, current.get(dest_rel),
+                                        stamp, result)
         return result
 
     def _find_version(
@@ -157,54 +177,100 @@ class History:
                          "see `metasync log` and use --version")
 
     def _same_as_folder(self, path: str, tree: dict[str, TreeEntry]) -> bool:
-        """True if every file of ``tree`` at or under ``path`` is in the folder as is."""
-        for p, entry in tree.items():
-            if p != path and not p.startswith(path + "/"):
-                continue
-            if not self._matches(self.ctx.root / p, entry):
-                return False
+        """True if every file of ``tree`` at or under ``path`` is in the folder as is
+        (a path through a link is not: links are not followed)."""
+        with Folders(self.ctx.root) as folders:
+            for p, entry in tree.items():
+                if p != path and not p.startswith(path + "/"):
+                    continue
+                parent, _, name = p.rpartition("/")
+                with folders.opened(parent) as fd:
+                    if fd is None or not self._matches(fd, name, entry):
+                        return False
         return True
 
-    def _restore_entry(self, entry: TreeEntry, dest: Path, in_head: TreeEntry | None,
-                       stamp: str, result: RestoreResult) -> None:
+    def _restore_entry(self, folders: Folders, aside: InTheWay, entry: TreeEntry, path: str,
+                       in_head: TreeEntry | None, stamp: str, result: RestoreResult) -> None:
+        """Write ``entry`` at ``path`` (relative to ``folders``' root)."""
         if entry.type == "dir":
-            dest.mkdir(parents=True, exist_ok=True)
+            folders.release(folders.make(path, aside))
             return
-        if os.path.lexists(dest):
-            if self._matches(dest, entry):
-                return  # already as it was
-            if in_head is None or not self._matches(dest, in_head):
-                # Its content is in no version: keep it under a conflict name.
-                copy = dest.with_name(conflict_name(dest.name, self.ctx.device, stamp))
-                os.rename(dest, copy)
-                result.conflicts.append(str(copy))
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        chunks = [] if entry.type == "link" else self.graph.file_chunks(entry)
-        tmp, _ = self.writer.write_temp(dest, entry, chunks, durable=True)
-        try:
-            os.replace(tmp, dest)
-        except BaseException:
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
-            raise
-        result.restored.append(str(dest))
+        parent, _, name = path.rpartition("/")
+        with folders.made(parent, aside) as fd:
+            existing = lstat_at(fd, name)
+            if existing is not None:
+                if self._matches(fd, name, entry, existing):
+                    return  # already as it was
+                if in_head is None or not self._matches(fd, name, in_head, existing):
+                    # Its content is in no version: keep it under a conflict name.
+                    result.conflicts.append(str(folders.root / self._move_aside(
+                        folders, fd, path, stamp)))
+                elif stat.S_ISDIR(existing.st_mode):
+                    # The current version's folder where the file goes: removed if
+                    # empty, else kept aside (a file cannot replace a folder).
+                    try:
+                        os.rmdir(name, dir_fd=fd)
+                        folders.forget(path)
+                    except OSError:
+                        result.conflicts.append(str(folders.root / self._move_aside(
+                            folders, fd, path, stamp)))
+            chunks = [] if entry.type == "link" else self.graph.file_chunks(entry)
+            tmp, _ = self.writer.write_temp(fd, entry, chunks, durable=True)
+            try:
+                os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            except BaseException:
+                if lstat_at(fd, tmp) is not None:
+                    os.unlink(tmp, dir_fd=fd)
+                raise
+        result.restored.append(str(folders.root / path))
 
-    def _matches(self, path: Path, entry: TreeEntry) -> bool:
-        """True if the file, link or folder at ``path`` is exactly ``entry``."""
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return False
+    def _in_the_way(self, folders: Folders, current: dict[str, TreeEntry], stamp: str,
+                    result: RestoreResult) -> InTheWay:
+        """What :class:`Folders` does with a file or link where a folder must be: one
+        the current version holds is replaced (it survives in history); anything
+        else is kept as a conflict copy. Never followed."""
+
+        def aside(fd: int, name: str, path: str) -> None:
+            in_head = current.get(path)
+            if in_head is not None and self._matches(fd, name, in_head):
+                os.unlink(name, dir_fd=fd)
+                return
+            result.conflicts.append(str(folders.root / self._move_aside(folders, fd, path, stamp)))
+
+        return aside
+
+    def _move_aside(self, folders: Folders, fd: int, path: str, stamp: str) -> str:
+        """Rename ``path``, an entry of the open folder ``fd``, to a free conflict name
+        in that folder; return the new path."""
+        parent, _, name = path.rpartition("/")
+        device = self.ctx.device
+        new_name = conflict_name(name, device, stamp)
+        n = 2
+        while lstat_at(fd, new_name) is not None:
+            new_name = conflict_name(name, f"{device} {n}", stamp)
+            n += 1
+        os.rename(name, new_name, src_dir_fd=fd, dst_dir_fd=fd)
+        folders.forget(path)
+        return f"{parent}/{new_name}" if parent else new_name
+
+    def _matches(self, fd: int, name: str, entry: TreeEntry,
+                 st: os.stat_result | None = None) -> bool:
+        """True if the file, link or folder ``name`` in the open folder ``fd`` (whose
+        stat is ``st``, if the caller has it) is exactly ``entry``."""
+        if st is None:
+            st = lstat_at(fd, name)
+            if st is None:
+                return False
         if entry.type == "dir":
             return stat.S_ISDIR(st.st_mode)
         if entry.type == "link":
-            return stat.S_ISLNK(st.st_mode) and os.readlink(path) == entry.ref
+            return stat.S_ISLNK(st.st_mode) and os.readlink(name, dir_fd=fd) == entry.ref
         if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
             return False
-        scanned = ScanEntry(str(path), "file", st.st_size, st.st_mtime_ns, st.st_ino,
+        scanned = ScanEntry(name, "file", st.st_size, st.st_mtime_ns, st.st_ino,
                             bool(st.st_mode & stat.S_IXUSR))
         try:
-            hashed = self.ctx.chunker.hash_file(path, scanned, None)
+            hashed = self.ctx.chunker.hash_file(name, scanned, None, dir_fd=fd)
         except (OSError, FileChanged):
             return False
         return hashed.ref == entry.ref

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from metasync.backends import Backend
 from metasync.checkout import Checkout, PullResult
 from metasync.committer import Change, CommitResult, Committer, Status
-from metasync.context import RepoContext, find_root, open_context
+from metasync.context import RepoContext, open_context
 from metasync.errors import NotARepository, UsageError
 from metasync.graph import ObjectGraph
 from metasync.layout import DEFAULT_NAMESPACE
@@ -35,6 +35,7 @@ from metasync.scanner import Scanner
 from metasync.store import RemoteStore
 from metasync.timeouts import wait_bound
 from metasync.versions import Versions
+from metasync.worktree import find_root, set_trusted
 
 # The parts `status` and `commit` never use load on first use (start-up time):
 # sync, history, fsck, lifecycle and maintenance.
@@ -145,7 +146,9 @@ class Repository:
              wait: float | None = None) -> Repository:
         """Open the repository containing ``path`` (searching upwards, as git does).
         While another process (the daemon's sync step, another command) has the
-        folder, wait up to ``wait`` seconds (default: the ``--timeout``, 30 s)."""
+        folder, wait up to ``wait`` seconds (default: the ``--timeout``, 30 s).
+        A ``.metasync`` another user owns or can write to is refused
+        (:class:`~metasync.errors.UnsafeRepository`) unless trusted (:meth:`trust`)."""
         root = find_root(path)
         if root is None:
             raise NotARepository(
@@ -155,6 +158,14 @@ class Repository:
         if wait is None:
             wait = wait_bound()
         return cls(open_context(root, reporter, wait))
+
+    @staticmethod
+    def trust(folder: str | Path, trusted: bool = True) -> Path:
+        """Open ``folder``'s repository from now on although another user owns its
+        ``.metasync`` (like git's ``safe.directory``; per user, in
+        ``<config dir>/trusted-folders``), or with ``trusted=False`` stop. Returns
+        the folder's absolute path."""
+        return set_trusted(folder, trusted)
 
     @classmethod
     def clone(

@@ -5,20 +5,27 @@ Scanning never follows symbolic links (a link is recorded as a link) and skips
 FastCDC, so a large file is never held in memory and an edit re-creates only
 the chunks around it. Writing goes to a temporary file beside the target and
 is renamed over it only after the data is flushed, so a reader (or a crash)
-sees the old file or the new one, never a mix.
+sees the old file or the new one, never a mix. Every write, rename and delete in
+the folder goes through :class:`Folders`, which opens each parent folder without
+following a symbolic link, so nothing is ever written through one.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
-from collections.abc import Callable, Iterable
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from pyfastcdc import FastCDC
 
+from metasync.errors import UnsafeRepository, UsageError
 from metasync.objects import Chunk, FileObject, ObjectHasher
 
 META_DIR = ".metasync"
@@ -144,14 +151,17 @@ class Chunker:
     def __init__(self, hasher: ObjectHasher) -> None:
         self.hasher = hasher
 
-    def hash_file(self, path: Path, expect: ScanEntry, sink: ObjectSink | None) -> HashedFile:
+    def hash_file(self, path: Path | str, expect: ScanEntry, sink: ObjectSink | None,
+                  dir_fd: int | None = None) -> HashedFile:
         """Read ``path`` once, stream its chunks to ``sink`` and return its reference.
+        With ``dir_fd``, ``path`` is a name in that folder, and a link is not followed.
 
         Raises :class:`FileChanged` if the file's size or mtime moved during the read
         (a file still being written must not be committed half-written).
         """
         chunks: list[Chunk] = []
-        with open(path, "rb", buffering=0) as fh:
+        opener = None if dir_fd is None else _opener_at(dir_fd)
+        with open(path, "rb", buffering=0, opener=opener) as fh:
             st = os.fstat(fh.fileno())
             if st.st_size != expect.size or st.st_mtime_ns != expect.mtime_ns:
                 raise FileChanged(str(path))
@@ -191,22 +201,259 @@ class Chunker:
             sink("blob", blob_id, bytes(data))
 
 
-def temp_path_for(target: Path) -> Path:
-    return target.parent / f"{TEMP_PREFIX}{os.urandom(6).hex()}"
+def _opener_at(dir_fd: int) -> Callable[[str, int], int]:
+    """An ``open()`` opener of names in folder ``dir_fd`` that never follows a link."""
+    return lambda name, flags: os.open(name, flags | os.O_NOFOLLOW, dir_fd=dir_fd)
+
+
+def temp_name() -> str:
+    """A fresh name for a temporary file beside the file it will become."""
+    return f"{TEMP_PREFIX}{os.urandom(6).hex()}"
+
+
+#: Opens a folder, failing on a symbolic link (ELOOP) or anything not a folder (ENOTDIR).
+_FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: What opening a path that is not a real folder fails with.
+NOT_A_FOLDER = (errno.ELOOP, errno.ENOTDIR)
+#: Folders a :class:`Folders` keeps open at most (besides those in use): well under
+#: the usual limit of 1024 open files, and more than the folders a checkout of a
+#: source tree writes into at once (it writes folder by folder, in pack order).
+FOLDER_FDS = 512
+
+#: Called with (parent folder's descriptor, name, path) for something that is not a
+#: folder where a folder must be made; it must remove it (rename or unlink) or raise.
+InTheWay = Callable[[int, str, str], None]
+
+
+@dataclass
+class _OpenFolder:
+    fd: int
+    pins: int = 0
+    #: Forgotten (renamed or removed by us) while in use: closed at its last release.
+    gone: bool = False
+
+
+class Folders:
+    """The folders of a tree, opened by relative path without following links.
+
+    Every folder is opened relative to its parent's descriptor with ``O_NOFOLLOW |
+    O_DIRECTORY``, starting at ``root`` (which the user named: a link there is
+    followed), so a symbolic link anywhere on a path -- one that history put in the
+    place of a folder, or one a local process swapped in during a checkout -- is
+    never followed: writes, renames and deletes use ``dir_fd`` relative to the
+    folder that was checked, never a path resolved again. Descriptors are cached
+    (at most :data:`FOLDER_FDS` besides those in use, least recently used go
+    first) and pinned while in use, so worker threads can use them; :meth:`close`
+    closes them all. Thread-safe.
+    """
+
+    def __init__(self, root: Path, capacity: int | None = None) -> None:
+        self.root = root
+        self.capacity = FOLDER_FDS if capacity is None else capacity
+        self._lock = threading.RLock()
+        self._cache: OrderedDict[str, _OpenFolder] = OrderedDict()
+        self._by_fd: dict[int, _OpenFolder] = {}
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._root = _OpenFolder(root_fd, pins=1)  # never evicted
+        self._cache[""] = self._root
+        self._by_fd[root_fd] = self._root
+
+    # ------------------------------------------------------------ pinned descriptors
+    def open(self, rel: str) -> int | None:
+        """The folder ``rel`` (``""``: the root), pinned until :meth:`release`; None
+        if some part of the path is missing or is not a real folder (a link, a
+        file): then there is nothing at or under ``rel`` in this tree."""
+        with self._lock:
+            entry = self._walk(rel, None)
+            if entry is None:
+                return None
+            entry.pins += 1
+            self._evict()
+            return entry.fd
+
+    def make(self, rel: str, in_the_way: InTheWay) -> int:
+        """The folder ``rel``, pinned until :meth:`release`, creating missing folders;
+        a link or file in the place of one is handed to ``in_the_way`` (which moves it
+        aside or raises) and a folder made instead."""
+        with self._lock:
+            entry = self._walk(rel, in_the_way)
+            assert entry is not None
+            entry.pins += 1
+            self._evict()
+            return entry.fd
+
+    def release(self, fd: int) -> None:
+        """Unpin a descriptor :meth:`open` or :meth:`make` returned."""
+        with self._lock:
+            entry = self._by_fd[fd]
+            entry.pins -= 1
+            if entry.pins == 0 and entry.gone:
+                del self._by_fd[fd]
+                os.close(fd)
+            self._evict()
+
+    @contextmanager
+    def opened(self, rel: str) -> Iterator[int | None]:
+        """:meth:`open` for a ``with`` block."""
+        fd = self.open(rel)
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                self.release(fd)
+
+    @contextmanager
+    def made(self, rel: str, in_the_way: InTheWay) -> Iterator[int]:
+        """:meth:`make` for a ``with`` block."""
+        fd = self.make(rel, in_the_way)
+        try:
+            yield fd
+        finally:
+            self.release(fd)
+
+    @contextmanager
+    def cursor(self, in_the_way: InTheWay | None = None) -> Iterator[FolderCursor]:
+        """A :class:`FolderCursor` over these folders for a ``with`` block."""
+        cur = FolderCursor(self, in_the_way)
+        try:
+            yield cur
+        finally:
+            cur.close()
+
+    def forget(self, rel: str) -> None:
+        """Drop ``rel`` and everything under it: the caller renamed or removed it."""
+        with self._lock:
+            prefix = rel + "/"
+            for key in [k for k in self._cache if k == rel or k.startswith(prefix)]:
+                entry = self._cache.pop(key)
+                if entry.pins:
+                    entry.gone = True
+                else:
+                    del self._by_fd[entry.fd]
+                    os.close(entry.fd)
+
+    def close(self) -> None:
+        """Close every descriptor (none may be in use any more)."""
+        with self._lock:
+            for entry in self._by_fd.values():
+                os.close(entry.fd)
+            self._by_fd.clear()
+            self._cache.clear()
+
+    def __enter__(self) -> Folders:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ inside the lock
+    def _walk(self, rel: str, in_the_way: InTheWay | None) -> _OpenFolder | None:
+        entry = self._cache.get(rel)
+        if entry is not None:
+            self._cache.move_to_end(rel)
+            return entry
+        parent_rel, _, name = rel.rpartition("/")
+        parent = self._walk(parent_rel, in_the_way)
+        if parent is None:
+            return None
+        parent.pins += 1  # kept open while its child is opened
+        try:
+            fd = self._open_child(parent.fd, name, rel, in_the_way)
+        finally:
+            parent.pins -= 1
+        if fd is None:
+            return None
+        entry = _OpenFolder(fd)
+        self._cache[rel] = entry
+        self._by_fd[fd] = entry
+        return entry
+
+    @staticmethod
+    def _open_child(parent_fd: int, name: str, rel: str, in_the_way: InTheWay | None) -> int | None:
+        try:
+            return os.open(name, _FOLDER_FLAGS, dir_fd=parent_fd)
+        except FileNotFoundError:
+            if in_the_way is None:
+                return None
+        except OSError as exc:
+            if exc.errno not in NOT_A_FOLDER:
+                raise
+            if in_the_way is None:
+                return None
+            in_the_way(parent_fd, name, rel)
+        try:
+            os.mkdir(name, dir_fd=parent_fd)
+        except FileExistsError:
+            pass  # made meanwhile (by another process): opened below, never followed
+        return os.open(name, _FOLDER_FLAGS, dir_fd=parent_fd)
+
+    def _evict(self) -> None:
+        if len(self._cache) <= self.capacity:
+            return
+        for key in list(self._cache):
+            if len(self._cache) <= self.capacity:
+                break
+            entry = self._cache[key]
+            if entry.pins == 0:
+                del self._cache[key]
+                del self._by_fd[entry.fd]
+                os.close(entry.fd)
+
+
+class FolderCursor:
+    """Holds one folder of a :class:`Folders` at a time, for loops over paths that
+    come folder by folder (a pack's files, a batch of renames): the folder is
+    looked up once per run of paths in it, not once per path."""
+
+    def __init__(self, folders: Folders, in_the_way: InTheWay | None) -> None:
+        self.folders = folders
+        self.in_the_way = in_the_way
+        self._rel: str | None = None
+        self._fd: int | None = None
+
+    def at(self, rel: str) -> int | None:
+        """The folder ``rel``: made (with ``in_the_way``) or only opened (None if it is
+        not a real folder), as :meth:`Folders.make` and :meth:`Folders.open`."""
+        if rel != self._rel:
+            self.close()
+            if self.in_the_way is not None:
+                self._fd = self.folders.make(rel, self.in_the_way)
+            else:
+                self._fd = self.folders.open(rel)
+            self._rel = rel
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self.folders.release(self._fd)
+        self._rel, self._fd = None, None
+
+
+def lstat_at(fd: int, name: str) -> os.stat_result | None:
+    """The entry ``name`` of the folder ``fd`` (a link is not followed); None if absent."""
+    try:
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
 
 
 def remove_stale_temps(root: Path) -> int:
-    """Delete temporary files a crashed command left behind; return how many."""
+    """Delete temporary files (and links) a crashed command left behind; return how
+    many. Walks by folder descriptors, never through a link."""
     removed = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d != META_DIR]
-        for name in filenames:
-            if name.startswith(TEMP_PREFIX):
-                try:
-                    os.unlink(os.path.join(dirpath, name))
-                    removed += 1
-                except FileNotFoundError:
-                    pass
+    for _, dirnames, filenames, dir_fd in os.fwalk(root):
+        # A temporary link to a folder is listed with the folders (not descended into).
+        stale = [n for n in (*filenames, *dirnames) if n.startswith(TEMP_PREFIX)]
+        dirnames[:] = [d for d in dirnames if d != META_DIR and not d.startswith(TEMP_PREFIX)]
+        for name in stale:
+            st = lstat_at(dir_fd, name)
+            if st is None or stat.S_ISDIR(st.st_mode):
+                continue
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+                removed += 1
+            except FileNotFoundError:
+                pass
     return removed
 
 
@@ -232,6 +479,112 @@ def conflict_name(name: str, device: str, when: str) -> str:
     while len(os.fsencode(stem)) > budget and stem:
         stem = stem[:-1]
     return f"{stem}{suffix}"
+
+
+# ---------------------------------------------------------------- whose .metasync it is
+#: Folders (separated by ``os.pathsep``) whose ``.metasync`` is opened whoever owns
+#: it, for this process; ``*`` trusts every folder (as git's ``safe.directory``).
+SAFE_FOLDERS_ENV = "METASYNC_SAFE_DIRECTORIES"
+#: This user's trusted folders, one absolute path a line, in metasync's configuration
+#: folder (``metasync trust``).
+TRUST_FILE = "trusted-folders"
+#: The files of ``.metasync`` a command reads before anything else: their owner is
+#: checked too (others cannot reach them in a private ``.metasync``, but one made
+#: while the folder was open to them may be theirs).
+_READ_FIRST = ("state.db", "key")
+
+
+def find_root(path: str | Path) -> Path | None:
+    """The repository folder containing ``path`` (searching upwards, as git does);
+    None if there is none. The nearest ``.metasync`` found must pass
+    :func:`check_owner` (else :class:`UnsafeRepository`): a folder another user
+    made in a shared parent is never taken for this user's repository."""
+    start = Path(path).absolute()
+    for candidate in (start, *start.parents):
+        if (candidate / META_DIR / "state.db").is_file():
+            check_owner(candidate)
+            return candidate
+    return None
+
+
+def check_owner(root: Path) -> None:
+    """Raise :class:`UnsafeRepository` (one line naming the fix) unless ``root`` is
+    trusted (:func:`trusted_folders`) or its ``.metasync`` is a real folder that
+    belongs to the user running this process, that no one else can write to, and
+    whose state and key files belong to that user. Root is no exception (as git):
+    a folder another user planted is theirs to control whoever opens it."""
+    problem = _ownership_problem(root)
+    if problem is not None and not _is_trusted(root):
+        raise UnsafeRepository(problem)
+
+
+def _ownership_problem(root: Path) -> str | None:
+    me = os.geteuid()
+    meta = root / META_DIR
+    trust = f"if you trust it, run `metasync trust {root}` (or set {SAFE_FOLDERS_ENV})"
+    st = os.lstat(meta)
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{meta} is a link, not a folder; {trust}"
+    if st.st_uid != me:
+        return f"{meta} is owned by uid {st.st_uid}, not you (uid {me}); {trust}"
+    if st.st_mode & 0o022:
+        return (f"{meta} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}); "
+                f"run `chmod go-w {meta}`, or {trust}")
+    for name in _READ_FIRST:
+        try:
+            fst = os.lstat(meta / name)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(fst.st_mode):
+            return f"{meta / name} is not a regular file; {trust}"
+        if fst.st_uid != me:
+            return f"{meta / name} is owned by uid {fst.st_uid}, not you (uid {me}); {trust}"
+    return None
+
+
+def _is_trusted(root: Path) -> bool:
+    env = os.environ.get(SAFE_FOLDERS_ENV, "")
+    entries = [e for e in env.split(os.pathsep) if e]
+    if "*" in entries:
+        return True
+    real = root.resolve()
+    return any(Path(e).resolve() == real for e in entries) or real in trusted_folders()
+
+
+def trust_file() -> Path:
+    """Where this user's trusted folders are listed."""
+    from metasync.backends.cloud import config_dir  # loaded only when a check fails
+
+    return config_dir() / TRUST_FILE
+
+
+def trusted_folders() -> list[Path]:
+    """The folders this user trusts (``metasync trust``), as listed."""
+    try:
+        text = trust_file().read_text()
+    except FileNotFoundError:
+        return []
+    return [Path(line) for line in text.splitlines() if line.strip()]
+
+
+def set_trusted(folder: str | Path, trusted: bool = True) -> Path:
+    """Add ``folder`` (a repository's folder) to this user's trusted folders, or with
+    ``trusted=False`` remove it; return its absolute path. The list is rewritten
+    atomically, readable by this user only."""
+    path = Path(folder).resolve()
+    if trusted and not (path / META_DIR).is_dir():
+        raise UsageError(f"{path} holds no {META_DIR} folder; give the repository's folder")
+    listed = [p for p in trusted_folders() if p != path] + ([path] if trusted else [])
+    target = trust_file()
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = target.with_name(f".tmp-{os.urandom(6).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.writelines(f"{p}\n" for p in listed)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, target)
+    return path
 
 
 def write_durable(path: Path, data: bytes) -> None:
