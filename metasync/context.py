@@ -37,7 +37,7 @@ from metasync.keys import Keyring
 from metasync.keyslots import LocalKey, open_envelope, parse_slot
 from metasync.layout import slot_key
 from metasync.localdb import LocalDB
-from metasync.objects import FORMAT_VERSION, Config, Version
+from metasync.objects import FORMAT_VERSION, READABLE_FORMATS, Config, Version
 from metasync.progress import NullReporter, Reporter
 from metasync.state import LocalState
 from metasync.store import RemoteStore
@@ -213,7 +213,7 @@ def open_context(root: Path, reporter: Reporter | None = None,
         try:
             state = LocalState(db)
             fmt = state.format
-            if fmt != FORMAT_VERSION:
+            if fmt not in READABLE_FORMATS:
                 raise FormatError(
                     f"{meta} has format {fmt}; this metasync reads {FORMAT_VERSION}; upgrade metasync"
                 )

@@ -30,7 +30,7 @@ from metasync.errors import (
 )
 from metasync.keys import Keyring, descriptor_mac, repository_id
 from metasync.keyslots import is_slot_id
-from metasync.objects import FORMAT_VERSION, MAX_FRAGMENTS, Config, is_object_id
+from metasync.objects import MAX_FRAGMENTS, READABLE_FORMATS, Config, is_object_id
 
 #: The repository descriptor: plain JSON, the last key written at init (§8.1).
 DESCRIPTOR_KEY = "metasync.json"
@@ -212,7 +212,7 @@ def descriptor(config: Config, config_id: str, backend_id: str, ring: Keyring | 
     repository's keyring (encrypted repositories) it names the repository id and
     carries a MAC under the id key over every other field."""
     doc: dict[str, Any] = {
-        "format": FORMAT_VERSION,
+        "format": config.format,
         "encryption": config.encryption,
         "config": config_id,
         "backend": backend_id,
@@ -262,9 +262,10 @@ def parse_descriptor(raw: bytes, uri: str) -> dict[str, Any]:
 
 def check_format(fmt: int) -> None:
     """Raise :class:`FormatError` unless ``fmt`` is the format this metasync reads."""
-    if fmt != FORMAT_VERSION:
+    if fmt not in READABLE_FORMATS:
         raise FormatError(
-            f"repository format {fmt} is not supported (this metasync reads {FORMAT_VERSION}); "
+            f"repository format {fmt} is not supported (this metasync reads "
+            f"{' and '.join(map(str, READABLE_FORMATS))}); "
             "upgrade metasync"
         )
 

@@ -29,7 +29,11 @@ from typing import Any, ClassVar, Literal
 
 from metasync.errors import CorruptObject, FormatError
 
-FORMAT_VERSION = 3
+#: The repository format this metasync writes for new repositories (docs/FORMAT.md).
+FORMAT_VERSION = 4
+#: Every format it reads (and keeps writing, for a repository made in it, until a
+#: change that needs the newer one, such as a key rotation).
+READABLE_FORMATS = (3, 4)
 #: Days a version stays restorable by default (``retention_days``).
 DEFAULT_RETENTION_DAYS = 30
 #: Most erasure-coded fragments per object.
@@ -454,10 +458,10 @@ class Config:
         raw = parse_json(data, "config")
         _want(isinstance(raw, dict), "malformed config")
         fmt = _want_int(raw.get("format"), "config format", 1)
-        if fmt != FORMAT_VERSION:
+        if fmt not in READABLE_FORMATS:
             raise FormatError(
                 f"repository format {fmt} is not supported (this metasync reads "
-                f"{FORMAT_VERSION}); upgrade metasync"
+                f"{' and '.join(map(str, READABLE_FORMATS))}); upgrade metasync"
             )
         keys = {"format", "namespace", "backends", "replicas", "partitions", "encryption",
                 "acceptors", "vnode_unit", "fault_model", "retention_days", "snapshots", "gc",

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PASSPHRASE, run_cli, snapshot
-from metasync import keys, keyslots
+from metasync import Repository, keys, keyslots
 from metasync.backends import open_backend
 from metasync.codec import Codec
 from metasync.context import refresh_key
@@ -290,12 +290,15 @@ def test_legacy_key_file_at_2_15_still_opens(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def _make_legacy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Path, list[Path]]:
-    """A repository as older metasync wrote it: keys/master (format 1, N = 2**15), a
-    descriptor without MAC, the master secret in hex in .metasync/key."""
-    from metasync import Repository, lifecycle
+    """A repository as older metasync wrote it: repository format 3, keys/master (key
+    file format 1, N = 2**15), a descriptor without MAC, the master secret in hex in
+    .metasync/key."""
+    from metasync import Repository, context, lifecycle
 
     master = MasterKey.generate()
     monkeypatch.setattr(lifecycle, "Keyring", lambda **_: master.keyring())
+    monkeypatch.setattr(lifecycle, "FORMAT_VERSION", 3)
+    monkeypatch.setattr(context, "FORMAT_VERSION", 3)
     folder = tmp_path / "old"
     folder.mkdir()
     (folder / "f.txt").write_text("old data\n")
@@ -338,6 +341,18 @@ def test_legacy_repository_clones_and_passwd_converts_it(
     _one_line_failure(proc, "wrong passphrase")
     run_cli("clone", f"dir:{dirs[1]}", str(tmp_path / "c3"), "--fingerprint", fp, passphrase=OTHER)
     run_cli("pull", cwd=tmp_path / "c1", passphrase=None)
+    # A format 3 repository stays format 3 until a key rotation, which needs format 4.
+    assert {json.loads((_ns(d) / "metasync.json").read_bytes())["format"] for d in dirs} == {3}
+    (folder / "g.txt").write_text("pushed by the new code\n")
+    run_cli("push", cwd=folder, passphrase=None)
+    run_cli("pull", cwd=tmp_path / "c3", passphrase=None)
+    assert (tmp_path / "c3" / "g.txt").exists()
+    with Repository.open(folder) as repo:
+        assert repo.versions.load_config(repo.versions.learn_latest().config).format == 3
+        repo.rotate_keys()
+        assert repo.versions.load_config(repo.versions.learn_latest().config).format == 4
+    run_cli("pull", cwd=tmp_path / "c3", passphrase=None)
+    run_cli("fsck", cwd=tmp_path / "c3", passphrase=None)
 
 
 def test_backend_remove_deletes_the_key_files(tmp_path: Path) -> None:

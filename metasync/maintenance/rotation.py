@@ -31,6 +31,7 @@ from metasync.errors import BackendError, UsageError
 from metasync.keys import Keyring
 from metasync.maintenance.reconfig import Reconfiguration
 from metasync.maintenance.rekey import Rekeyer
+from metasync.objects import FORMAT_VERSION
 from metasync.versions import Versions
 
 #: Passes of re-encryption before giving up (each pass only rewrites what a writer
@@ -100,7 +101,10 @@ class KeyRotation:
                     "in the repository -- run `metasync key rotate` again when they answer")
             epoch = ring.current
             progress(f"new data key (epoch {epoch}) given to {len(report.slots)} key slot(s)")
-            change = self.reconfig.change_config(lambda c: replace(c, key_epoch=epoch))
+            # Key epochs and re-keyed packs are format 4: older metasync must refuse
+            # the repository with "upgrade", not misread it.
+            change = self.reconfig.change_config(
+                lambda c: replace(c, key_epoch=epoch, format=max(c.format, FORMAT_VERSION)))
             config = change.new
             report.epoch, report.started = epoch, True
             faults.crash_point("rotate:started")
