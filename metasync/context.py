@@ -22,7 +22,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from metasync.backends import Backend, open_backend, public_uri
+from metasync.backends import (
+    AUTOMATIC_SCHEMES,
+    Backend,
+    open_backend,
+    public_uri,
+    scheme_of,
+    without_local_options,
+)
+from metasync.backends.unconnected import Unconnected
 from metasync.codec import Codec
 from metasync.errors import (
     BackendUnavailable,
@@ -32,12 +40,13 @@ from metasync.errors import (
     MetasyncError,
     NotTrusted,
     ObjectNotFound,
+    UsageError,
 )
 from metasync.keys import Keyring
 from metasync.keyslots import LocalKey, open_envelope, parse_slot
-from metasync.layout import slot_key
+from metasync.layout import DESCRIPTOR_KEY, parse_descriptor, slot_key
 from metasync.localdb import LocalDB
-from metasync.objects import FORMAT_VERSION, READABLE_FORMATS, Config, Version
+from metasync.objects import FORMAT_VERSION, READABLE_FORMATS, BackendSpec, Config, Version
 from metasync.progress import NullReporter, Reporter
 from metasync.state import LocalState
 from metasync.store import RemoteStore
@@ -50,41 +59,118 @@ OUTBOX_DIR = "outbox"
 class BackendPool:
     """Every backend this client has opened, by id: those of the current
     configuration and of others read while following configuration changes.
-    A backend is reached by this client's own URI for it where it has one
-    (a password, or a mount point that differs between machines)."""
 
-    def __init__(self, namespace: str, state: LocalState) -> None:
+    A backend is reached by this client's own URI for it (``uri_overrides``: every
+    backend this client created, cloned from, added or connected, with its
+    passwords and local options). A backend another client added is *not
+    connected* until this client connects it (``metasync backend connect``), with one
+    exception: a kind that reaches nothing but storage on this machine
+    (:data:`~metasync.backends.AUTOMATIC_SCHEMES`, i.e. ``dir:``), opened by its
+    shared URI less any local option, and only if it already holds this
+    repository's descriptor for that backend id -- so a shared setting cannot make
+    this client run a program, read a file, contact a host, or write into (and gc)
+    a folder of its choosing. A backend not connected is an :class:`Unconnected`
+    stand-in, reported once on :attr:`reporter`: every use fails as unavailable,
+    and the rest keeps working."""
+
+    def __init__(self, namespace: str, state: LocalState,
+                 reporter: Reporter | None = None) -> None:
         self.namespace = namespace
         self._state = state
         self._opened: dict[str, Backend] = {}
+        #: Where the one-line "not connected" notes go.
+        self.reporter: Reporter = reporter or NullReporter()
+        #: URIs typed on this machine's command line for backends of the shared
+        #: configuration (``clone --backend``), by their shared form: connected
+        #: (remembered) when a configuration names them.
+        self.typed: dict[str, str] = {}
 
-    def uri_of(self, backend_id: str, public: str) -> str:
-        """The URI this client uses for backend ``backend_id`` (public URI ``public``)."""
-        return self._state.uri_overrides.get(backend_id, public)
+    def uri_of(self, backend_id: str, shared: str) -> str | None:
+        """The URI this client reaches backend ``backend_id`` (shared URI ``shared``)
+        by: its own if it has one, else for an automatic kind the shared URI less
+        its local options (still to be checked: :meth:`open`), else None (not
+        connected)."""
+        own = self._state.uri_overrides.get(backend_id)
+        if own is not None:
+            return own
+        try:
+            automatic = scheme_of(shared) in AUTOMATIC_SCHEMES
+        except UsageError:
+            return None
+        return without_local_options(shared) if automatic else None
+
+    def connected_uri(self, spec: BackendSpec) -> str | None:
+        """The URI to reach ``spec`` by, if this client may (:meth:`uri_of`, with an
+        automatic kind's descriptor checked), else None."""
+        backend = self._opened.get(spec.id)
+        if backend is None:
+            backend = self._opened[spec.id] = self._open_spec(spec)
+        return None if isinstance(backend, Unconnected) else backend.uri
 
     def open(self, config: Config) -> dict[str, Backend]:
-        """The backends of ``config`` by id, opening those not open yet."""
+        """The backends of ``config`` by id, opening those not open yet (a backend
+        this client may not open yet is an :class:`Unconnected` stand-in)."""
         out: dict[str, Backend] = {}
         for spec in config.backends:
             backend = self._opened.get(spec.id)
             if backend is None:
-                backend = open_backend(self.uri_of(spec.id, spec.uri), self.namespace)
-                self._opened[spec.id] = backend
+                backend = self._opened[spec.id] = self._open_spec(spec)
             out[spec.id] = backend
         return out
 
+    def _open_spec(self, spec: BackendSpec) -> Backend:
+        typed = self.typed.get(public_uri(spec.uri))
+        if typed is not None and spec.id not in self._state.uri_overrides:
+            self.remember(spec.id, typed)
+        uri = self.uri_of(spec.id, spec.uri)
+        shown = public_uri(spec.uri)
+        connect = f"run `metasync backend connect {spec.id} [URI]` to use it"
+        if uri is None:
+            return self._unconnected(spec, f"backend {spec.id} ({shown}) was added by another "
+                                           f"client and is not connected here; {connect}")
+        own = spec.id in self._state.uri_overrides
+        try:
+            backend = open_backend(uri, self.namespace)
+        except MetasyncError as exc:
+            if own:
+                raise
+            return self._unconnected(spec, f"backend {spec.id} ({shown}) cannot be opened "
+                                           f"here ({exc}); {connect}")
+        if not own:
+            problem = foreign(backend, spec.id)
+            if problem is not None:
+                backend.close()
+                return self._unconnected(
+                    spec, f"backend {spec.id} ({shown}) {problem} on this machine (another "
+                          f"disk, or not mounted?); run `metasync backend connect {spec.id} "
+                          "URI` with where it is here")
+        return backend
+
+    def _unconnected(self, spec: BackendSpec, reason: str) -> Backend:
+        self.reporter.note(reason)
+        return Unconnected(public_uri(spec.uri), self.namespace, reason)
+
     def open_by_id(self, uris: dict[str, str]) -> dict[str, Backend]:
-        """Open backends given by id and URI (not named by a known configuration)."""
+        """Open backends given by id and this client's URI for them (not named by a
+        known configuration)."""
         for backend_id, uri in uris.items():
             if backend_id not in self._opened:
                 self._opened[backend_id] = open_backend(uri, self.namespace)
         return {b: self._opened[b] for b in uris}
 
     def adopt(self, backend_id: str, backend: Backend, uri: str) -> None:
-        """Take an already opened backend (one being added) under ``backend_id``; a
-        URI with a password is remembered here, never written to a backend."""
+        """Take an already opened backend (one being added or connected) under
+        ``backend_id``; its URI, with passwords and local options, is remembered
+        here as this client's, never written to a backend."""
+        old = self._opened.get(backend_id)
+        if old is not None and old is not backend:
+            old.close()
         self._opened[backend_id] = backend
-        if public_uri(uri) != uri:
+        self.remember(backend_id, uri)
+
+    def remember(self, backend_id: str, uri: str) -> None:
+        """Record ``uri`` as this client's URI for ``backend_id`` (connected)."""
+        if self._state.uri_overrides.get(backend_id) != uri:
             with self._state.transaction():
                 self._state.uri_overrides = {**self._state.uri_overrides, backend_id: uri}
 
@@ -202,6 +288,19 @@ class RepoContext:
             self.lock_fd = None
 
 
+def foreign(backend: Backend, backend_id: str) -> str | None:
+    """None if ``backend`` holds this repository's descriptor for ``backend_id``, else
+    why not ("holds no ...", "holds another ..."). Only the backend id is compared:
+    ids are random, so another repository's (or backend's) folder never matches."""
+    try:
+        doc = parse_descriptor(backend.get(DESCRIPTOR_KEY), backend.name)
+    except MetasyncError as exc:
+        return f"holds no descriptor of this repository ({' '.join(str(exc).split())})"
+    if doc.get("backend") != backend_id:
+        return "holds another repository or backend"
+    return None
+
+
 def open_context(root: Path, reporter: Reporter | None = None,
                  wait: float = 0.0) -> RepoContext:
     """Lock ``root``'s folder (waiting up to ``wait`` seconds while another process
@@ -225,7 +324,7 @@ def open_context(root: Path, reporter: Reporter | None = None,
         except BaseException:
             db.close()
             raise
-        pool = BackendPool(config.namespace, state)
+        pool = BackendPool(config.namespace, state, reporter)
         try:
             if local is not None and max(local.ring.data_keys) < config.key_epoch:
                 local = refresh_key(meta, local, pool.open(config).values(), config.key_epoch)

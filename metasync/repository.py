@@ -20,14 +20,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from metasync.backends import Backend
+from metasync.backends import Backend, public_uri
 from metasync.checkout import Checkout, PullResult
 from metasync.committer import Change, CommitResult, Committer, Status
 from metasync.context import RepoContext, open_context
 from metasync.errors import NotARepository, UsageError
 from metasync.graph import ObjectGraph
 from metasync.layout import DEFAULT_NAMESPACE
-from metasync.objects import Commit, Config, TreeEntry, Version
+from metasync.objects import BackendSpec, Commit, Config, TreeEntry, Version
 from metasync.outbox import Outbox
 from metasync.progress import Reporter
 from metasync.replicator import Replicator
@@ -178,19 +178,26 @@ class Repository:
         reporter: Reporter | None = None,
         allow_unencrypted: bool = False,
         fingerprint: str | None = None,
+        connect: list[str] | None = None,
     ) -> Repository:
         """Rebuild the folder from any one backend of a repository into ``root``.
         An unencrypted repository is cloned only with ``allow_unencrypted``;
         ``fingerprint`` pins the repository (see :func:`metasync.lifecycle.prepare_clone`).
+        ``connect``: URIs of other backends of the repository to use at once (typed
+        here; matched by their shared form), where the configuration's own URIs are
+        not opened without being connected (:class:`metasync.context.BackendPool`).
 
         Everything that can fail on bad input (not a repository, wrong passphrase,
         ``root`` not empty) is checked before anything is written; a clone that
         fails later removes what it created."""
         from metasync import lifecycle
+        from metasync.backends import normalize_uri, typed_uri
 
+        typed = [typed_uri(normalize_uri(u)) for u in connect or ()]
         start = lifecycle.prepare_clone(uri, root, namespace=namespace, passphrase=passphrase,
                                         allow_unencrypted=allow_unencrypted, pinned=fingerprint)
         repo = cls(open_context(start.root, reporter))
+        repo._ctx.pool.typed.update({public_uri(u): u for u in typed})
         try:
             repo.versions.start_from_hint(start.entry_id)
             repo.pull()
@@ -324,6 +331,7 @@ class Repository:
     @reporter.setter
     def reporter(self, reporter: Reporter) -> None:
         self._ctx.reporter = reporter
+        self._ctx.pool.reporter = reporter
         self.replicator.reporter = reporter
 
     @property
@@ -441,6 +449,11 @@ class Repository:
 
     def remove_backend(self, name: str) -> ConfigChange:
         return self._reconfig.remove_backend(name)
+
+    def connect_backend(self, name: str, uri: str | None = None) -> tuple[BackendSpec, str]:
+        """Use backend ``name``, which another client added, from now on (see
+        :meth:`metasync.maintenance.reconfig.Reconfiguration.connect_backend`)."""
+        return self._reconfig.connect_backend(name, uri)
 
     def resize_backend(self, name: str, capacity: float) -> ConfigChange:
         return self._reconfig.resize_backend(name, capacity)
