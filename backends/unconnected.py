@@ -27,9 +27,13 @@ class Unconnected(Backend):
     scheme = "unconnected"
     capabilities = Capabilities(conditional_append=True)
 
-    def __init__(self, uri: str, namespace: str, reason: str) -> None:
+    def __init__(self, uri: str, namespace: str, reason: str, *,
+                 connect_needed: bool = True) -> None:
         super().__init__(uri, namespace)
         self.reason = reason
+        #: False for a backend that only could not be checked (out of reach): no
+        #: ``backend connect`` is needed, the next command checks it again.
+        self.connect_needed = connect_needed
 
     def _refuse(self) -> NoReturn:
         raise BackendUnavailable(self.reason)

@@ -74,7 +74,7 @@ class BackendPool:
     and the rest keeps working."""
 
     def __init__(self, namespace: str, state: LocalState,
-                 reporter: Reporter | None = None) -> None:
+                 reporter: Reporter | None = None, typed: list[str] | None = None) -> None:
         self.namespace = namespace
         self._state = state
         self._opened: dict[str, Backend] = {}
@@ -83,7 +83,7 @@ class BackendPool:
         #: URIs typed on this machine's command line for backends of the shared
         #: configuration (``clone --backend``), by their shared form: connected
         #: (remembered) when a configuration names them.
-        self.typed: dict[str, str] = {}
+        self.typed: dict[str, str] = {public_uri(u): u for u in typed or ()}
 
     def uri_of(self, backend_id: str, shared: str) -> str | None:
         """The URI this client reaches backend ``backend_id`` (shared URI ``shared``)
@@ -105,7 +105,11 @@ class BackendPool:
         backend = self._opened.get(spec.id)
         if backend is None:
             backend = self._opened[spec.id] = self._open_spec(spec)
-        return None if isinstance(backend, Unconnected) else backend.uri
+        if not isinstance(backend, Unconnected):
+            return backend.uri
+        # Out of reach when checked (an unmounted disk): it may be watched, and is
+        # checked again before a command uses it.
+        return None if backend.connect_needed else self.uri_of(spec.id, spec.uri)
 
     def open(self, config: Config) -> dict[str, Backend]:
         """The backends of ``config`` by id, opening those not open yet (a backend
@@ -137,7 +141,14 @@ class BackendPool:
             return self._unconnected(spec, f"backend {spec.id} ({shown}) cannot be opened "
                                            f"here ({exc}); {connect}")
         if not own:
-            problem = foreign(backend, spec.id)
+            try:
+                problem = foreign(backend, spec.id)
+            except MetasyncError as exc:
+                # Out of reach (an unmounted disk): unavailable like any backend, and
+                # checked again by the next command.
+                backend.close()
+                return Unconnected(public_uri(spec.uri), self.namespace, str(exc),
+                                   connect_needed=False)
             if problem is not None:
                 backend.close()
                 return self._unconnected(
@@ -291,20 +302,28 @@ class RepoContext:
 def foreign(backend: Backend, backend_id: str) -> str | None:
     """None if ``backend`` holds this repository's descriptor for ``backend_id``, else
     why not ("holds no ...", "holds another ..."). Only the backend id is compared:
-    ids are random, so another repository's (or backend's) folder never matches."""
+    ids are random, so another repository's (or backend's) folder never matches.
+    A backend that cannot be read raises (:class:`BackendUnavailable`, ...): it is
+    out of reach, which says nothing about what it holds."""
     try:
-        doc = parse_descriptor(backend.get(DESCRIPTOR_KEY), backend.name)
+        raw = backend.get(DESCRIPTOR_KEY)
+    except ObjectNotFound:
+        return "holds no descriptor of this repository"
+    try:
+        doc = parse_descriptor(raw, backend.name)
     except MetasyncError as exc:
-        return f"holds no descriptor of this repository ({' '.join(str(exc).split())})"
+        return f"holds a damaged descriptor ({' '.join(str(exc).split())})"
     if doc.get("backend") != backend_id:
         return "holds another repository or backend"
     return None
 
 
 def open_context(root: Path, reporter: Reporter | None = None,
-                 wait: float = 0.0) -> RepoContext:
+                 wait: float = 0.0, typed: list[str] | None = None) -> RepoContext:
     """Lock ``root``'s folder (waiting up to ``wait`` seconds while another process
-    has it) and open its repository's handles."""
+    has it) and open its repository's handles. ``typed``: URIs of backends of the
+    shared configuration given on this machine's command line (see
+    :class:`BackendPool`)."""
     meta = root / META_DIR
     lock = lock_folder(meta, wait, reporter)
     try:
@@ -324,7 +343,7 @@ def open_context(root: Path, reporter: Reporter | None = None,
         except BaseException:
             db.close()
             raise
-        pool = BackendPool(config.namespace, state, reporter)
+        pool = BackendPool(config.namespace, state, reporter, typed)
         try:
             if local is not None and max(local.ring.data_keys) < config.key_epoch:
                 local = refresh_key(meta, local, pool.open(config).values(), config.key_epoch)

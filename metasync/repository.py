@@ -20,7 +20,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from metasync.backends import Backend, public_uri
+from metasync.backends import Backend
 from metasync.checkout import Checkout, PullResult
 from metasync.committer import Change, CommitResult, Committer, Status
 from metasync.context import RepoContext, open_context
@@ -196,8 +196,7 @@ class Repository:
         typed = [typed_uri(normalize_uri(u)) for u in connect or ()]
         start = lifecycle.prepare_clone(uri, root, namespace=namespace, passphrase=passphrase,
                                         allow_unencrypted=allow_unencrypted, pinned=fingerprint)
-        repo = cls(open_context(start.root, reporter))
-        repo._ctx.pool.typed.update({public_uri(u): u for u in typed})
+        repo = cls(open_context(start.root, reporter, typed=typed))
         try:
             repo.versions.start_from_hint(start.entry_id)
             repo.pull()
