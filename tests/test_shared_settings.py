@@ -234,3 +234,81 @@ def test_environment_credentials_go_to_no_foreign_host(
     assert typed.returncode != 0 and "Traceback" not in typed.stderr
     assert "plain_http=1" in typed.stderr.strip().splitlines()[-1]
     assert all(secret not in c for c in trap.credentials) and not trap.credentials
+
+
+def test_every_local_option_is_an_option_of_its_backend() -> None:
+    """The local option lists name real options (a typo would share the option)."""
+    from metasync.backends import LOCAL_OPTIONS, cloud, rclone, s3, sftp
+
+    known = {"rclone": set(rclone._OPTIONS), "sftp": set(sftp._OPTIONS),
+             "s3": set(s3._OPTIONS), "webdav": {"transfers", "timeout", "ca", "logs", "plain_http"}}
+    known["webdavs"] = known["webdav"]
+    for provider in ("dropbox", "box", "onedrive", "gdrive"):
+        known[provider] = set(cloud.CLOUD_URI_OPTIONS)
+    for scheme, local in LOCAL_OPTIONS.items():
+        assert local <= known[scheme], scheme
+
+
+@pytest.mark.parametrize(("uri", "shared"), [
+    ("rclone::local:/x?binary=./payload", "rclone::local:/x"),
+    ("rclone:r:a?b?config=/c&transfers=3&binary=x", "rclone:r:a?b?transfers=3"),
+    ("sftp://u:pw@h:2/p?identity=%2Fk&logs=registers&known_hosts=/kh", "sftp://u@h:2/p?logs=registers"),
+    ("webdavs://u:pw@h/p?ca=/ca.pem&plain_http=1&transfers=2", "webdavs://u@h/p?transfers=2"),
+    ("s3://b/p?endpoint=http://h:1&profile=work", "s3://b/p?endpoint=http://h:1"),
+    ("dropbox:/f?account=work&api=http://evil&ca=/x&timeout=5", "dropbox:/f?timeout=5"),
+    ("dir:/a?b", "dir:/a?b"),
+])
+def test_public_uri_drops_passwords_and_local_options(uri: str, shared: str) -> None:
+    from metasync.backends import public_uri
+
+    assert public_uri(uri) == shared
+
+
+def _config_doc(root: Path) -> str:
+    import sqlite3
+
+    conn = sqlite3.connect(root / ".metasync" / "state.db")
+    try:
+        return str(conn.execute(
+            "SELECT value FROM settings WHERE key = 'config_doc'").fetchone()[0])
+    finally:
+        conn.close()
+
+
+def test_local_options_stay_local_and_connect_brings_them(tmp_path: Path) -> None:
+    """Point 1 (a) and (c): ``backend add`` of an rclone URI with ``config=`` and
+    ``binary=`` shares neither (this client keeps them); another client reports the
+    backend as not connected, with its id, until ``backend connect ID URI`` gives
+    its own; then it uses it (real rclone) and reports nothing."""
+    b = backend_dirs(tmp_path, "b1", "b2")
+    store = tmp_path / "rstore"
+    store.mkdir()
+    a, other = tmp_path / "a", tmp_path / "other"
+    a.mkdir()
+    (a / "f.txt").write_text("one\n")
+    run_cli("init", str(a), "--backend", f"dir:{b['b1']}", "--backend", f"dir:{b['b2']}")
+    run_cli("push", cwd=a)
+    run_cli("clone", f"dir:{b['b1']}", str(other))
+    conf = tmp_path / "rclone.conf"
+    conf.write_text("[here]\ntype = local\n")
+    uri = f"rclone:here:{store}?config={conf}&binary={RCLONE}"
+    run_cli("backend", "add", uri, cwd=a)
+    listing = json.loads(run_cli("backend", "list", "--json", cwd=a).stdout)
+    added = next(x for x in listing["backends"] if x["uri"].startswith("rclone:"))
+    assert added["uri"] == f"rclone:here:{store}"
+    for doc in (_config_doc(a), _config_doc(other)):
+        assert str(conf) not in doc and RCLONE not in doc
+
+    pulled = run_cli("pull", cwd=other)
+    assert f"metasync backend connect {added['id']}" in pulled.stderr
+    # Without a URI: the shared one has no config=, so rclone does not know 'here:'.
+    assert run_cli("backend", "connect", added["id"], cwd=other, check=False).returncode != 0
+    wrong = run_cli("backend", "connect", added["id"], f"dir:{b['b2']}", cwd=other, check=False)
+    assert wrong.returncode != 0 and "another repository or backend" in wrong.stderr
+    done = run_cli("backend", "connect", added["id"], uri, cwd=other)
+    assert f"connected backend {added['id']}" in done.stdout and str(conf) not in done.stdout
+    (other / "g.txt").write_text("two\n")
+    pushed = run_cli("push", cwd=other)
+    assert "not connected" not in pushed.stderr
+    run_cli("pull", cwd=a)
+    assert (a / "g.txt").read_text() == "two\n"
