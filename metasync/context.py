@@ -102,9 +102,7 @@ class BackendPool:
     def connected_uri(self, spec: BackendSpec) -> str | None:
         """The URI to reach ``spec`` by, if this client may (:meth:`uri_of`, with an
         automatic kind's descriptor checked), else None."""
-        backend = self._opened.get(spec.id)
-        if backend is None:
-            backend = self._opened[spec.id] = self._open_spec(spec)
+        backend = self._get(spec)
         if not isinstance(backend, Unconnected):
             return backend.uri
         # Out of reach when checked (an unmounted disk): it may be watched, and is
@@ -114,13 +112,14 @@ class BackendPool:
     def open(self, config: Config) -> dict[str, Backend]:
         """The backends of ``config`` by id, opening those not open yet (a backend
         this client may not open yet is an :class:`Unconnected` stand-in)."""
-        out: dict[str, Backend] = {}
-        for spec in config.backends:
-            backend = self._opened.get(spec.id)
-            if backend is None:
-                backend = self._opened[spec.id] = self._open_spec(spec)
-            out[spec.id] = backend
-        return out
+        return {spec.id: self._get(spec) for spec in config.backends}
+
+    def _get(self, spec: BackendSpec) -> Backend:
+        """``spec``'s backend, opened (or its stand-in made) on first use."""
+        backend = self._opened.get(spec.id)
+        if backend is None:
+            backend = self._opened[spec.id] = self._open_spec(spec)
+        return backend
 
     def _open_spec(self, spec: BackendSpec) -> Backend:
         typed = self.typed.get(public_uri(spec.uri))
