@@ -301,6 +301,9 @@ def test_local_options_stay_local_and_connect_brings_them(tmp_path: Path) -> Non
 
     pulled = run_cli("pull", cwd=other)
     assert f"metasync backend connect {added['id']}" in pulled.stderr
+    # The rest keeps working: a push goes to the backends this client has.
+    (other / "h.txt").write_text("before connecting\n")
+    run_cli("push", cwd=other)
     # Without a URI: the shared one has no config=, so rclone does not know 'here:'.
     assert run_cli("backend", "connect", added["id"], cwd=other, check=False).returncode != 0
     wrong = run_cli("backend", "connect", added["id"], f"dir:{b['b2']}", cwd=other, check=False)
@@ -312,3 +315,5 @@ def test_local_options_stay_local_and_connect_brings_them(tmp_path: Path) -> Non
     assert "not connected" not in pushed.stderr
     run_cli("pull", cwd=a)
     assert (a / "g.txt").read_text() == "two\n"
+    assert (a / "h.txt").read_text() == "before connecting\n"
+    assert run_cli("fsck", cwd=other, check=False).returncode == 0
