@@ -25,9 +25,11 @@ from pathlib import Path
 from metasync.backends import (
     AUTOMATIC_SCHEMES,
     Backend,
+    normalize_uri,
     open_backend,
     public_uri,
     scheme_of,
+    typed_uri,
     without_local_options,
 )
 from metasync.backends.unconnected import Unconnected
@@ -83,7 +85,10 @@ class BackendPool:
         #: URIs typed on this machine's command line for backends of the shared
         #: configuration (``clone --backend``), by their shared form: connected
         #: (remembered) when a configuration names them.
-        self.typed: dict[str, str] = {public_uri(u): u for u in typed or ()}
+        self.typed: dict[str, str] = {}
+        for given in typed or ():
+            uri = typed_uri(normalize_uri(given))
+            self.typed[public_uri(uri)] = uri
 
     def uri_of(self, backend_id: str, shared: str) -> str | None:
         """The URI this client reaches backend ``backend_id`` (shared URI ``shared``)
@@ -208,7 +213,6 @@ class RepoContext:
     codec: Codec
     pool: BackendPool
     store: RemoteStore
-    reporter: Reporter
     client_id: str
     device: str
     chunker: Chunker
@@ -221,6 +225,15 @@ class RepoContext:
     keyring: Keyring | None = None
     #: Fetches this client's keyring anew from its key slot (after a key rotation).
     reload_keyring: Callable[[], Keyring] | None = None
+
+    @property
+    def reporter(self) -> Reporter:
+        """Where progress and notes go: the pool's reporter (its "not connected" notes)."""
+        return self.pool.reporter
+
+    @reporter.setter
+    def reporter(self, reporter: Reporter) -> None:
+        self.pool.reporter = reporter
 
     def use_keys(self, config: Config) -> None:
         """Encrypt under ``config``'s data key epoch and read under the epochs it
@@ -320,9 +333,9 @@ def foreign(backend: Backend, backend_id: str) -> str | None:
 def open_context(root: Path, reporter: Reporter | None = None,
                  wait: float = 0.0, typed: list[str] | None = None) -> RepoContext:
     """Lock ``root``'s folder (waiting up to ``wait`` seconds while another process
-    has it) and open its repository's handles. ``typed``: URIs of backends of the
-    shared configuration given on this machine's command line (see
-    :class:`BackendPool`)."""
+    has it) and open its repository's handles. ``typed``: URIs of other backends of
+    the shared configuration given on this machine's command line (``clone
+    --backend``), connected when a configuration names them (see :class:`BackendPool`)."""
     meta = root / META_DIR
     lock = lock_folder(meta, wait, reporter)
     try:
@@ -356,7 +369,7 @@ def open_context(root: Path, reporter: Reporter | None = None,
         store.local = meta / OUTBOX_DIR
         ctx = RepoContext(
             root=root, db=db, state=state, codec=codec, pool=pool, store=store,
-            reporter=reporter or NullReporter(), client_id=state.client_id,
+            client_id=state.client_id,
             device=state.device, chunker=Chunker(codec.hasher),
             file_modes={False: file_mode(False), True: file_mode(True)}, lock_fd=lock,
             keyring=local.ring if local is not None else None,

@@ -177,26 +177,20 @@ class Repository:
         passphrase: PassphraseSource | None = None,
         reporter: Reporter | None = None,
         allow_unencrypted: bool = False,
-        fingerprint: str | None = None,
-        connect: list[str] | None = None,
+        fingerprint: str | None = None, connect: list[str] | None = None,
     ) -> Repository:
-        """Rebuild the folder from any one backend of a repository into ``root``.
-        An unencrypted repository is cloned only with ``allow_unencrypted``;
-        ``fingerprint`` pins the repository (see :func:`metasync.lifecycle.prepare_clone`).
-        ``connect``: URIs of other backends of the repository to use at once (typed
-        here; matched by their shared form), where the configuration's own URIs are
-        not opened without being connected (:class:`metasync.context.BackendPool`).
+        """Rebuild the folder from any one backend of a repository into ``root``: an
+        unencrypted one only with ``allow_unencrypted``; ``fingerprint`` pins it (see
+        :func:`metasync.lifecycle.prepare_clone`); ``connect``: see :func:`open_context`.
 
         Everything that can fail on bad input (not a repository, wrong passphrase,
         ``root`` not empty) is checked before anything is written; a clone that
         fails later removes what it created."""
         from metasync import lifecycle
-        from metasync.backends import normalize_uri, typed_uri
 
-        typed = [typed_uri(normalize_uri(u)) for u in connect or ()]
         start = lifecycle.prepare_clone(uri, root, namespace=namespace, passphrase=passphrase,
                                         allow_unencrypted=allow_unencrypted, pinned=fingerprint)
-        repo = cls(open_context(start.root, reporter, typed=typed))
+        repo = cls(open_context(start.root, reporter, typed=connect))
         try:
             repo.versions.start_from_hint(start.entry_id)
             repo.pull()
@@ -330,7 +324,6 @@ class Repository:
     @reporter.setter
     def reporter(self, reporter: Reporter) -> None:
         self._ctx.reporter = reporter
-        self._ctx.pool.reporter = reporter
         self.replicator.reporter = reporter
 
     @property
@@ -450,8 +443,6 @@ class Repository:
         return self._reconfig.remove_backend(name)
 
     def connect_backend(self, name: str, uri: str | None = None) -> tuple[BackendSpec, str]:
-        """Use backend ``name``, which another client added, from now on (see
-        :meth:`metasync.maintenance.reconfig.Reconfiguration.connect_backend`)."""
         return self._reconfig.connect_backend(name, uri)
 
     def resize_backend(self, name: str, capacity: float) -> ConfigChange:
