@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import importlib
 
-from metasync.backends.base import Backend, Capabilities, check_key, check_prefix, public_uri
+from metasync.backends.base import Backend, Capabilities, check_key, check_prefix
+from metasync.backends.uris import (
+    AUTOMATIC_SCHEMES,
+    LOCAL_OPTIONS,
+    local_options,
+    public_uri,
+    scheme_of,
+    typed_uri,
+    without_local_options,
+)
 from metasync.errors import UsageError
 
 _REGISTRY: dict[str, type[Backend]] = {}
@@ -18,18 +27,6 @@ def register(cls: type[Backend]) -> type[Backend]:
     """Class decorator: make ``cls`` handle URIs of ``cls.scheme``."""
     _REGISTRY[cls.scheme] = cls
     return cls
-
-
-def scheme_of(uri: str) -> str:
-    """The URI's scheme; a bare absolute path is ``dir``."""
-    if uri.startswith("/"):
-        return "dir"
-    scheme, sep, _ = uri.partition(":")
-    if not sep or not scheme:
-        raise UsageError(
-            f"not a backend URI: {uri!r}; use dir:/absolute/path (or a bare absolute path)"
-        )
-    return scheme
 
 
 def normalize_uri(uri: str) -> str:
@@ -77,13 +74,18 @@ def open_backend(uri: str, namespace: str) -> Backend:
 
 
 __all__ = [
+    "AUTOMATIC_SCHEMES",
+    "LOCAL_OPTIONS",
     "Backend",
     "Capabilities",
     "check_key",
     "check_prefix",
+    "local_options",
     "normalize_uri",
     "open_backend",
     "public_uri",
     "register",
     "scheme_of",
+    "typed_uri",
+    "without_local_options",
 ]

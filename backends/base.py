@@ -35,6 +35,7 @@ from metasync.backends.keys import check_prefix as check_prefix
 from metasync.backends.keys import is_key_part as is_key_part
 from metasync.backends.logs import LogStore, log_store_for
 from metasync.backends.retry import TransientError
+from metasync.backends.uris import public_uri as public_uri
 from metasync.errors import BackendError, ObjectNotFound
 
 #: Guards the one-time creation of each backend's log store (creation does no I/O).
@@ -61,19 +62,6 @@ def read_full(stream: BinaryIO, size: int) -> bytes:
         parts.append(piece)
         left -= len(piece)
     return b"".join(parts)
-
-
-def public_uri(uri: str) -> str:
-    """``uri`` without the password of its ``user:password@`` part (if any), for
-    messages and for the repository configuration every backend stores."""
-    scheme, sep, rest = uri.partition("://")
-    if not sep:
-        return uri
-    authority, slash, path = rest.partition("/")
-    userinfo, at, host = authority.rpartition("@")
-    if not at or ":" not in userinfo:
-        return uri
-    return f"{scheme}://{userinfo.split(':', 1)[0]}@{host}{slash}{path}"
 
 
 class Backend(ABC):

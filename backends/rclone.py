@@ -9,7 +9,10 @@ not contain ``?``.
 Transport: one ``rclone rcd`` process per (binary, config) pair and Python process,
 shared by every instance (reference counted, stopped when the last instance closes
 and at interpreter exit). It listens on ``127.0.0.1`` on a random port with random
-``--rc-user``/``--rc-pass`` credentials. Metadata calls are JSON rc calls
+remote-control credentials, handed over in rclone's environment
+(``RCLONE_RC_USER``/``RCLONE_RC_PASS``), never on its command line: any local user
+can read ``/proc/PID/cmdline``, only this user ``/proc/PID/environ``, and rclone's
+remote control can dump every remote's credentials. Metadata calls are JSON rc calls
 (``operations/list``, ``stat``, ``deletefile``, ``mkdir``, ``movefile``); uploads
 stream a multipart POST to ``operations/uploadfile``; range reads use ``--rc-serve``
 (HTTP GET with ``Range``).
@@ -243,7 +246,9 @@ class _Launcher:
         self._jobs: queue.Queue[tuple[Any, concurrent.futures.Future[Any]]] = queue.Queue()
         self._thread: threading.Thread | None = None
 
-    def popen(self, args: builtins.list[str], log: BinaryIO) -> subprocess.Popen[bytes]:
+    def popen(
+        self, args: builtins.list[str], log: BinaryIO, env: dict[str, str]
+    ) -> subprocess.Popen[bytes]:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
@@ -251,19 +256,20 @@ class _Launcher:
                 )
                 self._thread.start()
         future: concurrent.futures.Future[subprocess.Popen[bytes]] = concurrent.futures.Future()
-        self._jobs.put(((args, log), future))
+        self._jobs.put(((args, log, env), future))
         return future.result()
 
     def _run(self) -> None:
         linux = sys.platform.startswith("linux")
         while True:
-            (args, log), future = self._jobs.get()
+            (args, log, env), future = self._jobs.get()
             try:
                 proc = subprocess.Popen(
                     args,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=log,
+                    env=env,
                     preexec_fn=_die_with_parent if linux else None,
                 )
             except BaseException as exc:  # handed to the caller
@@ -328,10 +334,6 @@ class _Daemon:
             "rcd",
             "--rc-addr",
             "127.0.0.1:0",
-            "--rc-user",
-            user,
-            "--rc-pass",
-            password,
             "--rc-serve",
             # Fail fast: metasync retries with its own backoff (backends/retry.py), so
             # rclone's own retries would only multiply the attempts and the waits. A
@@ -351,7 +353,10 @@ class _Daemon:
         if self.config is not None:
             args += ["--config", self.config]
         try:
-            proc = _LAUNCHER.popen(args, log)
+            # The credentials go in the environment (readable by this user only), never
+            # in argv (readable by every local user in /proc/PID/cmdline).
+            env = {**os.environ, "RCLONE_RC_USER": user, "RCLONE_RC_PASS": password}
+            proc = _LAUNCHER.popen(args, log, env)
         except OSError as exc:
             log.close()
             raise BackendError(f"cannot run rclone binary {binary}: {exc}; {INSTALL_HINT}") from exc

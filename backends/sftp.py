@@ -8,8 +8,10 @@ agent and ``~/.ssh/id_*``), ``known_hosts`` (default ``~/.ssh/known_hosts``),
 ``timeout`` (seconds one request may take, default 60) and ``logs`` (``creates``,
 the default, or ``registers`` for a server whose rename replaces an existing file:
 logs then need only ``put``, see :class:`~metasync.backends.logs.RegisterLogs`). A
-password may be given as ``USER:PASSWORD@`` or in ``METASYNC_SFTP_PASSWORD``; it
-never appears in messages. The path is percent-decoded (``%20``, UTF-8 as ``%C3%BC`` or raw).
+password may be given as ``USER:PASSWORD@``, or in ``METASYNC_SFTP_PASSWORD`` for a
+URI typed on this machine's command line (:func:`~metasync.backends.uris.typed_uri`);
+it never appears in messages. ``identity`` and ``known_hosts`` are local options:
+never shared (:mod:`metasync.backends.uris`). The path is percent-decoded (``%20``, UTF-8 as ``%C3%BC`` or raw).
 
 Host keys are checked strictly against ``known_hosts``: an unknown or changed key
 is an error naming the host and the fix, never accepted silently.
@@ -431,9 +433,12 @@ class SftpBackend(Backend):
         self.host: str = parts.hostname
         self.port: int = port or 22
         self.user: str = urllib.parse.unquote(parts.username or "") or getpass.getuser()
+        # Only the URI's own password: METASYNC_SFTP_PASSWORD is added to a URI typed
+        # on this machine (backends.uris.typed_uri), never to one from the shared
+        # configuration, so it goes to no host another client named.
         self._password: str | None = (
             urllib.parse.unquote(parts.password) if parts.password is not None else None
-        ) or os.environ.get("METASYNC_SFTP_PASSWORD")
+        ) or None
         #: How logs are kept: ``creates`` (the link-based rename) or ``registers`` (for a
         #: server whose rename replaces an existing file; every client uses the same URI).
         self.logs_mode = single.get("logs", "creates")

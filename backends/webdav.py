@@ -31,9 +31,13 @@ Requests (one HTTP/1.1 keep-alive connection pool per backend instance, httpx):
 
 URI options (query string): ``transfers=N`` (default 4) bounds concurrent requests
 per instance; ``timeout=S`` (default 60) is the connect/read/write timeout in
-seconds; ``ca=/path/ca.pem`` trusts that CA for ``webdavs:``. Credentials come from
-the URI or from ``METASYNC_WEBDAV_USER`` / ``METASYNC_WEBDAV_PASSWORD``; the password
-is never part of :attr:`WebdavBackend.name` or any message.
+seconds; ``ca=/path/ca.pem`` trusts that CA for ``webdavs:``; ``plain_http=1`` lets
+a URI typed on this machine take environment credentials over plain HTTP. ``ca`` and
+``plain_http`` are local options (never shared, :mod:`metasync.backends.uris`).
+Credentials come from the URI only: ``METASYNC_WEBDAV_USER`` /
+``METASYNC_WEBDAV_PASSWORD`` are added to a URI typed on this machine's command line
+(:func:`~metasync.backends.uris.typed_uri`), never to one from the shared
+configuration. The password is never part of :attr:`WebdavBackend.name` or any message.
 """
 
 from __future__ import annotations
@@ -41,7 +45,6 @@ from __future__ import annotations
 import builtins
 import hashlib
 import io
-import os
 import random
 import re
 import secrets
@@ -240,11 +243,11 @@ class WebdavBackend(Backend):
             )
         check_namespace(namespace)
         options = dict(parse_qsl(parts.query, keep_blank_values=True))
-        unknown = set(options) - {"transfers", "timeout", "ca", "logs"}
+        unknown = set(options) - {"transfers", "timeout", "ca", "logs", "plain_http"}
         if unknown:
             raise UsageError(
                 f"unknown option(s) {', '.join(sorted(unknown))} in {self.name}; "
-                "known: transfers, timeout, ca, logs"
+                "known: transfers, timeout, ca, logs, plain_http"
             )
         #: How logs are kept (every client of a repository uses the same URI, so the same).
         self.logs_mode = options.get("logs", "locks")
@@ -259,14 +262,11 @@ class WebdavBackend(Backend):
             raise UsageError(f"transfers= and timeout= must be positive in {self.name}")
         #: Maximum concurrent requests of this instance.
         self.transfers = transfers
-        user = unquote(parts.username) if parts.username else os.environ.get(
-            "METASYNC_WEBDAV_USER"
-        )
-        password = (
-            unquote(parts.password)
-            if parts.password is not None
-            else os.environ.get("METASYNC_WEBDAV_PASSWORD")
-        )
+        # Only the URI's own credentials: environment passwords are added to a URI
+        # typed on this machine (backends.uris.typed_uri), never to one this backend
+        # is opened with from the shared configuration.
+        user = unquote(parts.username) if parts.username else None
+        password = unquote(parts.password) if parts.password is not None else None
         self._has_user = user is not None
         port = f":{parts.port}" if parts.port else ""
         host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"

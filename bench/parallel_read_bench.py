@@ -60,7 +60,8 @@ def run(work: Path, backends: int, replicas: int, rate: float, size_mb: int) -> 
         repo.push("bench")
     before = {u: throttle.links[u.split(":", 2)[2]].bytes for u in uris}
     start = time.monotonic()
-    with Repository.clone(uris[0], work / "clone", passphrase=lambda: PASSPHRASE):
+    with Repository.clone(uris[0], work / "clone", passphrase=lambda: PASSPHRASE,
+                          connect=uris[1:]):
         pass
     seconds = time.monotonic() - start
     read = [throttle.links[u.split(":", 2)[2]].bytes - before[u] for u in uris]

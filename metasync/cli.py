@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 
+from metasync.backends import public_uri
 from metasync.cli_common import (
     STATE,
     _fail,
@@ -116,15 +117,18 @@ def init(directory: str, backends: tuple[str, ...], replicas: int | None, namesp
 @click.option("--no-encrypt", is_flag=True,
               help="Accept an unencrypted repository (refused otherwise: a backend can make an "
                    "encrypted repository look unencrypted).")
+@click.option("--backend", "others", multiple=True, metavar="URI",
+              help="Another backend of the repository to use at once, as this machine "
+                   "reaches it (repeatable); others are used once connected.")
 @passphrase_file_option
 def clone(uri: str, directory: str | None, namespace: str, fingerprint: str | None,
-          no_encrypt: bool, passphrase_file: str | None) -> None:
+          no_encrypt: bool, others: tuple[str, ...], passphrase_file: str | None) -> None:
     """Rebuild a repository from any one of its backends (URI) into DIRECTORY."""
     target = directory or namespace
     repo = Repository.clone(uri, target, namespace=namespace,
                             passphrase=_passphrase_source(passphrase_file, confirm=False),
                             reporter=_reporter(), allow_unencrypted=no_encrypt,
-                            fingerprint=fingerprint)
+                            fingerprint=fingerprint, connect=list(others))
     with repo:
         _say(f"Cloned version {repo.prev.number} into {repo.root}")
         _say(f"Fingerprint: {repo.fingerprint}" if repo.fingerprint
@@ -346,6 +350,18 @@ def backend_remove(name: str) -> None:
         change = repo.remove_backend(name)
         removed = next(b for b in change.old.backends if b.id not in change.new.backend_ids)
     _report_change(f"removed backend {removed.id} ({removed.uri})", change)
+
+
+@backend.command("connect")
+@click.argument("name")
+@click.argument("uri", required=False)
+def backend_connect(name: str, uri: str | None) -> None:
+    """Use backend NAME (its id), which another client added, from now on: by URI as
+    this machine reaches it (with its own options and credentials), or by the
+    shared URI (without local options or environment passwords)."""
+    with _open() as repo:
+        spec, own = repo.connect_backend(name, uri)
+    _say(f"connected backend {spec.id} ({public_uri(own)})")
 
 
 @backend.command("resize")

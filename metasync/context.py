@@ -22,7 +22,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from metasync.backends import Backend, open_backend, public_uri
+from metasync.backends import (
+    AUTOMATIC_SCHEMES,
+    Backend,
+    normalize_uri,
+    open_backend,
+    public_uri,
+    scheme_of,
+    typed_uri,
+    without_local_options,
+)
+from metasync.backends.unconnected import Unconnected
 from metasync.codec import Codec
 from metasync.errors import (
     BackendUnavailable,
@@ -32,12 +42,13 @@ from metasync.errors import (
     MetasyncError,
     NotTrusted,
     ObjectNotFound,
+    UsageError,
 )
 from metasync.keys import Keyring
 from metasync.keyslots import LocalKey, open_envelope, parse_slot
-from metasync.layout import slot_key
+from metasync.layout import DESCRIPTOR_KEY, parse_descriptor, slot_key
 from metasync.localdb import LocalDB
-from metasync.objects import FORMAT_VERSION, READABLE_FORMATS, Config, Version
+from metasync.objects import FORMAT_VERSION, READABLE_FORMATS, BackendSpec, Config, Version
 from metasync.progress import NullReporter, Reporter
 from metasync.state import LocalState
 from metasync.store import RemoteStore
@@ -50,41 +61,131 @@ OUTBOX_DIR = "outbox"
 class BackendPool:
     """Every backend this client has opened, by id: those of the current
     configuration and of others read while following configuration changes.
-    A backend is reached by this client's own URI for it where it has one
-    (a password, or a mount point that differs between machines)."""
 
-    def __init__(self, namespace: str, state: LocalState) -> None:
+    A backend is reached by this client's own URI for it (``uri_overrides``: every
+    backend this client created, cloned from, added or connected, with its
+    passwords and local options). A backend another client added is *not
+    connected* until this client connects it (``metasync backend connect``), with one
+    exception: a kind that reaches nothing but storage on this machine
+    (:data:`~metasync.backends.AUTOMATIC_SCHEMES`, i.e. ``dir:``), opened by its
+    shared URI less any local option, and only if it already holds this
+    repository's descriptor for that backend id -- so a shared setting cannot make
+    this client run a program, read a file, contact a host, or write into (and gc)
+    a folder of its choosing. A backend not connected is an :class:`Unconnected`
+    stand-in, reported once on :attr:`reporter`: every use fails as unavailable,
+    and the rest keeps working."""
+
+    def __init__(self, namespace: str, state: LocalState,
+                 reporter: Reporter | None = None, typed: list[str] | None = None) -> None:
         self.namespace = namespace
         self._state = state
         self._opened: dict[str, Backend] = {}
+        #: Where the one-line "not connected" notes go.
+        self.reporter: Reporter = reporter or NullReporter()
+        #: URIs typed on this machine's command line for backends of the shared
+        #: configuration (``clone --backend``), by their shared form: connected
+        #: (remembered) when a configuration names them.
+        self.typed: dict[str, str] = {}
+        for given in typed or ():
+            uri = typed_uri(normalize_uri(given))
+            self.typed[public_uri(uri)] = uri
 
-    def uri_of(self, backend_id: str, public: str) -> str:
-        """The URI this client uses for backend ``backend_id`` (public URI ``public``)."""
-        return self._state.uri_overrides.get(backend_id, public)
+    def uri_of(self, backend_id: str, shared: str) -> str | None:
+        """The URI this client reaches backend ``backend_id`` (shared URI ``shared``)
+        by: its own if it has one, else for an automatic kind the shared URI less
+        its local options (still to be checked: :meth:`open`), else None (not
+        connected)."""
+        own = self._state.uri_overrides.get(backend_id)
+        if own is not None:
+            return own
+        try:
+            automatic = scheme_of(shared) in AUTOMATIC_SCHEMES
+        except UsageError:
+            return None
+        return without_local_options(shared) if automatic else None
+
+    def connected_uri(self, spec: BackendSpec) -> str | None:
+        """The URI to reach ``spec`` by, if this client may (:meth:`uri_of`, with an
+        automatic kind's descriptor checked), else None."""
+        backend = self._get(spec)
+        if not isinstance(backend, Unconnected):
+            return backend.uri
+        # Out of reach when checked (an unmounted disk): it may be watched, and is
+        # checked again before a command uses it.
+        return None if backend.connect_needed else self.uri_of(spec.id, spec.uri)
 
     def open(self, config: Config) -> dict[str, Backend]:
-        """The backends of ``config`` by id, opening those not open yet."""
-        out: dict[str, Backend] = {}
-        for spec in config.backends:
-            backend = self._opened.get(spec.id)
-            if backend is None:
-                backend = open_backend(self.uri_of(spec.id, spec.uri), self.namespace)
-                self._opened[spec.id] = backend
-            out[spec.id] = backend
-        return out
+        """The backends of ``config`` by id, opening those not open yet (a backend
+        this client may not open yet is an :class:`Unconnected` stand-in)."""
+        return {spec.id: self._get(spec) for spec in config.backends}
+
+    def _get(self, spec: BackendSpec) -> Backend:
+        """``spec``'s backend, opened (or its stand-in made) on first use."""
+        backend = self._opened.get(spec.id)
+        if backend is None:
+            backend = self._opened[spec.id] = self._open_spec(spec)
+        return backend
+
+    def _open_spec(self, spec: BackendSpec) -> Backend:
+        typed = self.typed.get(public_uri(spec.uri))
+        if typed is not None and spec.id not in self._state.uri_overrides:
+            self.remember(spec.id, typed)
+        uri = self.uri_of(spec.id, spec.uri)
+        shown = public_uri(spec.uri)
+        connect = f"run `metasync backend connect {spec.id} [URI]` to use it"
+        if uri is None:
+            return self._unconnected(spec, f"backend {spec.id} ({shown}) was added by another "
+                                           f"client and is not connected here; {connect}")
+        own = spec.id in self._state.uri_overrides
+        try:
+            backend = open_backend(uri, self.namespace)
+        except MetasyncError as exc:
+            if own:
+                raise
+            return self._unconnected(spec, f"backend {spec.id} ({shown}) cannot be opened "
+                                           f"here ({exc}); {connect}")
+        if not own:
+            try:
+                problem = foreign(backend, spec.id)
+            except MetasyncError as exc:
+                # Out of reach (an unmounted disk): unavailable like any backend, and
+                # checked again by the next command.
+                backend.close()
+                return Unconnected(public_uri(spec.uri), self.namespace, str(exc),
+                                   connect_needed=False)
+            if problem is not None:
+                backend.close()
+                return self._unconnected(
+                    spec, f"backend {spec.id} ({shown}) {problem} on this machine (another "
+                          f"disk, or not mounted?); run `metasync backend connect {spec.id} "
+                          "URI` with where it is here")
+        return backend
+
+    def _unconnected(self, spec: BackendSpec, reason: str) -> Backend:
+        self.reporter.note(reason)
+        return Unconnected(public_uri(spec.uri), self.namespace, reason)
 
     def open_by_id(self, uris: dict[str, str]) -> dict[str, Backend]:
-        """Open backends given by id and URI (not named by a known configuration)."""
+        """Open backends given by id and this client's URI for them (not named by a
+        known configuration)."""
         for backend_id, uri in uris.items():
             if backend_id not in self._opened:
                 self._opened[backend_id] = open_backend(uri, self.namespace)
         return {b: self._opened[b] for b in uris}
 
     def adopt(self, backend_id: str, backend: Backend, uri: str) -> None:
-        """Take an already opened backend (one being added) under ``backend_id``; a
-        URI with a password is remembered here, never written to a backend."""
+        """Take an already opened backend (one being added or connected) under
+        ``backend_id``; its URI, with passwords and local options, is remembered
+        here as this client's, never written to a backend."""
+        old = self._opened.get(backend_id)
+        if old is not None and old is not backend:
+            old.close()
         self._opened[backend_id] = backend
-        if public_uri(uri) != uri:
+        self.remember(backend_id, uri)
+
+    def remember(self, backend_id: str, uri: str) -> None:
+        """Record ``uri`` as this client's URI for ``backend_id`` (connected)."""
+        if self._state.uri_overrides.get(backend_id) != uri:
             with self._state.transaction():
                 self._state.uri_overrides = {**self._state.uri_overrides, backend_id: uri}
 
@@ -112,7 +213,6 @@ class RepoContext:
     codec: Codec
     pool: BackendPool
     store: RemoteStore
-    reporter: Reporter
     client_id: str
     device: str
     chunker: Chunker
@@ -125,6 +225,15 @@ class RepoContext:
     keyring: Keyring | None = None
     #: Fetches this client's keyring anew from its key slot (after a key rotation).
     reload_keyring: Callable[[], Keyring] | None = None
+
+    @property
+    def reporter(self) -> Reporter:
+        """Where progress and notes go: the pool's reporter (its "not connected" notes)."""
+        return self.pool.reporter
+
+    @reporter.setter
+    def reporter(self, reporter: Reporter) -> None:
+        self.pool.reporter = reporter
 
     def use_keys(self, config: Config) -> None:
         """Encrypt under ``config``'s data key epoch and read under the epochs it
@@ -202,10 +311,31 @@ class RepoContext:
             self.lock_fd = None
 
 
+def foreign(backend: Backend, backend_id: str) -> str | None:
+    """None if ``backend`` holds this repository's descriptor for ``backend_id``, else
+    why not ("holds no ...", "holds another ..."). Only the backend id is compared:
+    ids are random, so another repository's (or backend's) folder never matches.
+    A backend that cannot be read raises (:class:`BackendUnavailable`, ...): it is
+    out of reach, which says nothing about what it holds."""
+    try:
+        raw = backend.get(DESCRIPTOR_KEY)
+    except ObjectNotFound:
+        return "holds no descriptor of this repository"
+    try:
+        doc = parse_descriptor(raw, backend.name)
+    except MetasyncError as exc:
+        return f"holds a damaged descriptor ({' '.join(str(exc).split())})"
+    if doc.get("backend") != backend_id:
+        return "holds another repository or backend"
+    return None
+
+
 def open_context(root: Path, reporter: Reporter | None = None,
-                 wait: float = 0.0) -> RepoContext:
+                 wait: float = 0.0, typed: list[str] | None = None) -> RepoContext:
     """Lock ``root``'s folder (waiting up to ``wait`` seconds while another process
-    has it) and open its repository's handles."""
+    has it) and open its repository's handles. ``typed``: URIs of other backends of
+    the shared configuration given on this machine's command line (``clone
+    --backend``), connected when a configuration names them (see :class:`BackendPool`)."""
     meta = root / META_DIR
     lock = lock_folder(meta, wait, reporter)
     try:
@@ -225,7 +355,7 @@ def open_context(root: Path, reporter: Reporter | None = None,
         except BaseException:
             db.close()
             raise
-        pool = BackendPool(config.namespace, state)
+        pool = BackendPool(config.namespace, state, reporter, typed)
         try:
             if local is not None and max(local.ring.data_keys) < config.key_epoch:
                 local = refresh_key(meta, local, pool.open(config).values(), config.key_epoch)
@@ -239,7 +369,7 @@ def open_context(root: Path, reporter: Reporter | None = None,
         store.local = meta / OUTBOX_DIR
         ctx = RepoContext(
             root=root, db=db, state=state, codec=codec, pool=pool, store=store,
-            reporter=reporter or NullReporter(), client_id=state.client_id,
+            client_id=state.client_id,
             device=state.device, chunker=Chunker(codec.hasher),
             file_modes={False: file_mode(False), True: file_mode(True)}, lock_fd=lock,
             keyring=local.ring if local is not None else None,

@@ -22,7 +22,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from metasync import verification
-from metasync.backends import Backend, normalize_uri, open_backend, public_uri
+from metasync.backends import Backend, normalize_uri, open_backend, public_uri, typed_uri
 from metasync.codec import Codec
 from metasync.context import create_local, device_name
 from metasync.errors import (
@@ -107,7 +107,8 @@ def create(
     check_namespace(namespace)
     if not backend_uris:
         raise UsageError("give at least one backend: --backend dir:/absolute/path")
-    uris = [normalize_uri(u) for u in backend_uris]
+    # Typed here: the environment's credentials go with these URIs (and no others).
+    uris = [typed_uri(normalize_uri(u)) for u in backend_uris]
     if len({public_uri(u) for u in uris}) != len(uris):
         raise UsageError("the same backend is given twice; each --backend must be distinct")
     if not 1 <= replicas <= len(uris):
@@ -148,7 +149,8 @@ def create(
     config = Config(
         format=FORMAT_VERSION,
         namespace=namespace,
-        # Passwords in URIs stay on this client (uri_overrides), never on a backend.
+        # Passwords and local options stay on this client (uri_overrides), never on a
+        # backend (backends.uris).
         backends=tuple(
             BackendSpec(i, public_uri(u), c) for i, u, c in zip(ids, uris, caps, strict=True)
         ),
@@ -173,8 +175,8 @@ def create(
                                                local.ring if local else None))
     for backend in backends:
         backend.close()
-    secret_uris = {i: u for i, u in zip(ids, uris, strict=True) if public_uri(u) != u}
-    create_local(root, config, config_id, local, secret_uris)
+    # This client's own URIs (passwords, local options): it is connected to every backend.
+    create_local(root, config, config_id, local, dict(zip(ids, uris, strict=True)))
     db = LocalDB(root / META_DIR / "state.db")
     try:
         verification.remember(LocalState(db), checked)
@@ -266,7 +268,7 @@ def prepare_clone(
         except ValueError:
             raise UsageError(f"--fingerprint {pinned!r} is not a fingerprint (20 hex digits, "
                              "as `metasync init` printed them)") from None
-    entry = open_backend(uri, namespace)
+    entry = open_backend(typed_uri(normalize_uri(uri)), namespace)
     try:
         try:
             raw_descriptor = entry.get(DESCRIPTOR_KEY)

@@ -27,7 +27,7 @@ from metasync.context import RepoContext, open_context
 from metasync.errors import NotARepository, UsageError
 from metasync.graph import ObjectGraph
 from metasync.layout import DEFAULT_NAMESPACE
-from metasync.objects import Commit, Config, TreeEntry, Version
+from metasync.objects import BackendSpec, Commit, Config, TreeEntry, Version
 from metasync.outbox import Outbox
 from metasync.progress import Reporter
 from metasync.replicator import Replicator
@@ -177,11 +177,11 @@ class Repository:
         passphrase: PassphraseSource | None = None,
         reporter: Reporter | None = None,
         allow_unencrypted: bool = False,
-        fingerprint: str | None = None,
+        fingerprint: str | None = None, connect: list[str] | None = None,
     ) -> Repository:
-        """Rebuild the folder from any one backend of a repository into ``root``.
-        An unencrypted repository is cloned only with ``allow_unencrypted``;
-        ``fingerprint`` pins the repository (see :func:`metasync.lifecycle.prepare_clone`).
+        """Rebuild the folder from any one backend of a repository into ``root``: an
+        unencrypted one only with ``allow_unencrypted``; ``fingerprint`` pins it (see
+        :func:`metasync.lifecycle.prepare_clone`); ``connect``: see :func:`open_context`.
 
         Everything that can fail on bad input (not a repository, wrong passphrase,
         ``root`` not empty) is checked before anything is written; a clone that
@@ -190,7 +190,7 @@ class Repository:
 
         start = lifecycle.prepare_clone(uri, root, namespace=namespace, passphrase=passphrase,
                                         allow_unencrypted=allow_unencrypted, pinned=fingerprint)
-        repo = cls(open_context(start.root, reporter))
+        repo = cls(open_context(start.root, reporter, typed=connect))
         try:
             repo.versions.start_from_hint(start.entry_id)
             repo.pull()
@@ -441,6 +441,9 @@ class Repository:
 
     def remove_backend(self, name: str) -> ConfigChange:
         return self._reconfig.remove_backend(name)
+
+    def connect_backend(self, name: str, uri: str | None = None) -> tuple[BackendSpec, str]:
+        return self._reconfig.connect_backend(name, uri)
 
     def resize_backend(self, name: str, capacity: float) -> ConfigChange:
         return self._reconfig.resize_backend(name, capacity)

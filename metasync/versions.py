@@ -305,6 +305,8 @@ class Versions:
         return list(self.ctx.store.executor.map(hint_of, backends.values()))
 
     def acceptor_uris(self) -> dict[str, str]:
-        """The URI this client uses for each acceptor of its configuration, by id."""
-        return {a: self.ctx.pool.uri_of(a, self.config.backend(a).uri)
+        """The URI this client uses for each acceptor of its configuration, by id;
+        an acceptor this client has not connected is left out."""
+        uris = {a: self.ctx.pool.connected_uri(self.config.backend(a))
                 for a in self.config.acceptors}
+        return {a: uri for a, uri in uris.items() if uri is not None}

@@ -4,6 +4,7 @@ and an rclone sftp remote on a real OpenSSH server, plus URI and error-message t
 from __future__ import annotations
 
 import itertools
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -144,3 +145,45 @@ def test_close_stops_rcd(rclone_env: RcloneEnv) -> None:
     proc = daemon.proc
     backend.close()
     assert proc.poll() is not None
+
+
+def _rclone_processes() -> dict[int, list[bytes]]:
+    """pid -> argv of every rclone process this test process started (its children)."""
+    found: dict[int, list[bytes]] = {}
+    me = os.getpid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        if ppid == me and argv and Path(argv[0].decode(errors="replace")).name == "rclone":
+            found[int(entry.name)] = argv
+    return found
+
+
+def test_rc_credentials_are_not_on_the_command_line(rclone_env: RcloneEnv) -> None:
+    """Any local user can read /proc/PID/cmdline, and rclone's remote control can dump
+    every remote's credentials: the rc user and password must not be in rclone's argv
+    (they go through its environment, readable only by this user). The backend still
+    works with them."""
+    backend = open_backend(rclone_env.uri(f"local:{rclone_env.local_dir}"), _namespace())
+    assert isinstance(backend, RcloneBackend)
+    try:
+        backend.create()
+        backend.put("a/b", b"payload")
+        assert backend.get("a/b") == b"payload"
+        daemon = backend._daemon
+        assert daemon is not None and daemon.proc is not None
+        user, password = daemon.auth
+        processes = _rclone_processes()
+        assert daemon.proc.pid in processes
+        for argv in processes.values():
+            joined = b" ".join(argv)
+            assert password.encode() not in joined and user.encode() not in joined
+            assert b"--rc-pass" not in argv and b"--rc-user" not in argv
+    finally:
+        backend.close()

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from metasync.backends import open_backend
+from metasync.backends import open_backend, typed_uri
 from metasync.backends.conformance import BackendConformance, Location
 from metasync.backends.logs import RegisterLogs
 from metasync.backends.webdav import TEMP_PREFIX, WebdavBackend, WebdavLockLogs, WebdavsBackend
@@ -152,7 +152,8 @@ def test_writes_leave_no_temp_files(dav: WebdavBackend, webdav_server: WebdavSer
 
 def test_uri_forms_and_password_redaction(webdav_server: WebdavServer) -> None:
     """webdavs: selects HTTPS; options are parsed; the password never shows in name;
-    env credentials are used when the URI has none."""
+    env credentials are used only for a typed URI without any (plain HTTP only with
+    plain_http=1), never by the backend itself."""
     b = open_backend("webdavs://u:topsecret@example.invalid:8443/a/b?transfers=2", "ns")
     assert isinstance(b, WebdavsBackend)
     assert b.transfers == 2
@@ -168,8 +169,19 @@ def test_uri_forms_and_password_redaction(webdav_server: WebdavServer) -> None:
     try:
         os.environ["METASYNC_WEBDAV_USER"] = webdav_server.user
         os.environ["METASYNC_WEBDAV_PASSWORD"] = webdav_server.password
+        (webdav_server.root_dir / "store").mkdir(exist_ok=True)
         uri = f"webdav://127.0.0.1:{webdav_server.port}/store"
+        # The backend itself never takes them (a URI from the shared configuration).
         backend = open_backend(uri, _namespace())
+        try:
+            with pytest.raises(BackendError, match="401"):
+                backend.probe()
+        finally:
+            backend.close()
+        # A typed URI does, over plain HTTP only with plain_http=1.
+        with pytest.raises(UsageError, match="plain_http=1"):
+            typed_uri(uri)
+        backend = open_backend(typed_uri(f"{uri}?plain_http=1"), _namespace())
         try:
             backend.probe()
         finally:

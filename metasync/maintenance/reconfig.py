@@ -16,9 +16,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from metasync import verification
-from metasync.backends import Backend, normalize_uri, open_backend, public_uri
+from metasync.backends import (
+    Backend,
+    normalize_uri,
+    open_backend,
+    public_uri,
+    typed_uri,
+    without_local_options,
+)
 from metasync.consensus import encode_hint
-from metasync.context import RepoContext
+from metasync.context import RepoContext, foreign
 from metasync.errors import BackendError, MetasyncError, UsageError
 from metasync.layout import (
     DESCRIPTOR_KEY,
@@ -232,7 +239,7 @@ class Reconfiguration:
         move to it exactly the copies the new placement gives it. A missing location
         folder is created on servers, and for ``dir:`` only with ``mkdir``; a backend
         whose primitives do not hold is refused (:class:`UsageError`)."""
-        uri = normalize_uri(uri)
+        uri = typed_uri(normalize_uri(uri))
         latest = self.versions.learn_latest()
         current = self.versions.load_config(latest.config)
         if public_uri(uri) in {b.uri for b in current.backends}:
@@ -258,6 +265,33 @@ class Reconfiguration:
             except MetasyncError:
                 pass
             raise
+
+    def connect_backend(self, name: str, uri: str | None = None) -> tuple[BackendSpec, str]:
+        """Connect this client to backend ``name`` (id, URI or id prefix) of the
+        shared configuration, which another client added: by ``uri`` (typed on this
+        machine, so with its local options and the environment's credentials), or
+        without one by the shared URI less any local option (and no environment
+        credentials: that host was not given here). The backend must hold this
+        repository's descriptor for that id. Returns the backend's spec and the URI
+        now remembered for it (in local state only)."""
+        config = self.versions.config
+        try:
+            spec = resolve_backend(config, name)
+        except UsageError:
+            config = self.versions.load_config(self.versions.learn_latest().config)
+            spec = resolve_backend(config, name)
+        own = typed_uri(normalize_uri(uri)) if uri is not None else without_local_options(spec.uri)
+        backend = open_backend(own, config.namespace)
+        try:
+            problem = foreign(backend, spec.id)
+        except BaseException:
+            backend.close()
+            raise
+        if problem is not None:
+            backend.close()
+            raise UsageError(f"{public_uri(own)} {problem} for backend {spec.id}; check the URI")
+        self.ctx.pool.adopt(spec.id, backend, own)
+        return spec, own
 
     def _prepare_new_backend(self, backend: Backend, backend_id: str, mkdir: bool) -> None:
         """Make ``backend`` part of the repository before any configuration names it:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from metasync.backends import Backend, normalize_uri, open_backend
+from metasync.backends import Backend, normalize_uri, open_backend, typed_uri
 from metasync.checkout import Checkout
 from metasync.codec import Codec
 from metasync.context import RepoContext, create_local
@@ -138,7 +138,7 @@ def prepare(uris: list[str], root: str | Path, *, namespace: str,
     if not uris:
         raise UsageError("give the backends that survived: --backend URI (one or more)")
     check_namespace(namespace)
-    backends = [open_backend(normalize_uri(u), namespace) for u in uris]
+    backends = [open_backend(typed_uri(normalize_uri(u)), namespace) for u in uris]
     try:
         descriptors = {}
         for backend in backends:
@@ -324,7 +324,7 @@ class Recovery:
         specs = [spec for spec in _all_specs(plan.configs) if spec.id in plan.survivors]
         added: dict[str, Backend] = {}
         for uri in add:
-            uri = normalize_uri(uri)
+            uri = typed_uri(normalize_uri(uri))
             backend = open_backend(uri, old.namespace)
             check_backend_free(backend)
             spec = new_backend_spec(uri, None, replace(old, backends=tuple(specs)))
