@@ -348,6 +348,8 @@ def open_context(root: Path, reporter: Reporter | None = None,
                     f"{meta} has format {fmt}; this metasync reads {FORMAT_VERSION}; upgrade metasync"
                 )
             config = state.config
+            if fmt < FORMAT_VERSION:
+                connect_backends_of_older_client(state, config)
             key_path = meta / KEY_FILE
             local = LocalKey.from_bytes(key_path.read_bytes()) if key_path.exists() else None
             if (config.encryption != "none") != (local is not None):
@@ -393,6 +395,27 @@ def open_context(root: Path, reporter: Reporter | None = None,
 
 #: This client's key in ``.metasync`` (0600): a :class:`~metasync.keyslots.LocalKey`.
 KEY_FILE = "key"
+
+
+def connect_backends_of_older_client(state: LocalState, config: Config) -> None:
+    """A folder made by older metasync (local format 3) used every backend of its
+    configuration as the configuration named it; it now keeps its own URI for each
+    backend it uses (``uri_overrides``). So once, at upgrade, the backends of its
+    current configuration become connected as it reached them -- less any local
+    option (never taken from shared settings), with the environment's credentials as
+    for a URI typed here; one whose credentials would now go over plain HTTP stays
+    not connected (its note names ``backend connect``)."""
+    overrides = dict(state.uri_overrides)
+    for spec in config.backends:
+        if spec.id in overrides:
+            continue
+        try:
+            overrides[spec.id] = typed_uri(without_local_options(spec.uri))
+        except UsageError:
+            continue
+    with state.transaction():
+        state.uri_overrides = overrides
+        state.format = FORMAT_VERSION
 
 
 def refresh_key(meta: Path, local: LocalKey, backends: Iterable[Backend],

@@ -317,3 +317,40 @@ def test_local_options_stay_local_and_connect_brings_them(tmp_path: Path) -> Non
     assert (a / "g.txt").read_text() == "two\n"
     assert (a / "h.txt").read_text() == "before connecting\n"
     assert run_cli("fsck", cwd=other, check=False).returncode == 0
+
+
+def test_a_folder_of_older_metasync_keeps_using_its_backends_after_the_upgrade(
+        tmp_path: Path) -> None:
+    """Older metasync (local format 3) kept a URI of its own only for backends with a
+    password, and used every other one as the configuration named it. After the
+    upgrade its folder still uses them all, once, as it reached them: an rclone
+    remote defined in rclone's environment is not 'not connected'."""
+    from metasync.localdb import LocalDB
+    from metasync.state import LocalState
+
+    b = backend_dirs(tmp_path, "b1")
+    store = tmp_path / "rstore"
+    store.mkdir()
+    env = {"RCLONE_CONFIG_ENVREMOTE_TYPE": "local"}
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "f.txt").write_text("one\n")
+    run_cli("init", str(a), "--backend", f"dir:{b['b1']}", "--backend",
+            f"rclone:envremote:{store}", env_extra=env)
+    db = LocalDB(a / ".metasync" / "state.db")
+    try:
+        state = LocalState(db)
+        with state.transaction():  # as older metasync left it
+            state.uri_overrides = {}
+            state.format = 3
+    finally:
+        db.close()
+    pushed = run_cli("push", cwd=a, env_extra=env)
+    assert "not connected" not in pushed.stderr, pushed.stderr
+    assert any(store.rglob("objects/*/*")), "nothing was pushed to the rclone backend"
+    db = LocalDB(a / ".metasync" / "state.db")
+    try:
+        state = LocalState(db)
+        assert state.format == 4 and len(state.uri_overrides) == 2
+    finally:
+        db.close()
