@@ -34,7 +34,6 @@ from metasync.worktree import (
     Folders,
     InTheWay,
     ScanEntry,
-    conflict_name,
     lstat_at,
     remove_stale_temps,
     temp_name,
@@ -304,18 +303,7 @@ class Checkout:
             return self._move_aside(fd, path, stamp)
 
     def _move_aside(self, fd: int, path: str, stamp: str) -> str:
-        """Rename ``path``, an entry of the open folder ``fd``, to a free conflict name
-        in that folder; return the new path."""
-        parent, _, name = path.rpartition("/")
-        device = self.ctx.device
-        new_name = conflict_name(name, device, stamp)
-        n = 2
-        while lstat_at(fd, new_name) is not None:
-            new_name = conflict_name(name, f"{device} {n}", stamp)
-            n += 1
-        os.rename(name, new_name, src_dir_fd=fd, dst_dir_fd=fd)
-        self._folders.forget(path)  # if it was a folder, its descriptors name the copy now
-        return f"{parent}/{new_name}" if parent else new_name
+        return self._folders.move_aside(fd, path, self.ctx.device, stamp)
 
     def _in_the_way(self, stamp: str, result: PullResult) -> InTheWay:
         """What :class:`Folders` does with a file or link where a folder must be: keep

@@ -32,7 +32,6 @@ from metasync.worktree import (
     Folders,
     InTheWay,
     ScanEntry,
-    conflict_name,
     lstat_at,
 )
 
@@ -240,18 +239,7 @@ class History:
         return aside
 
     def _move_aside(self, folders: Folders, fd: int, path: str, stamp: str) -> str:
-        """Rename ``path``, an entry of the open folder ``fd``, to a free conflict name
-        in that folder; return the new path."""
-        parent, _, name = path.rpartition("/")
-        device = self.ctx.device
-        new_name = conflict_name(name, device, stamp)
-        n = 2
-        while lstat_at(fd, new_name) is not None:
-            new_name = conflict_name(name, f"{device} {n}", stamp)
-            n += 1
-        os.rename(name, new_name, src_dir_fd=fd, dst_dir_fd=fd)
-        folders.forget(path)
-        return f"{parent}/{new_name}" if parent else new_name
+        return folders.move_aside(fd, path, self.ctx.device, stamp)
 
     def _matches(self, fd: int, name: str, entry: TreeEntry,
                  st: os.stat_result | None = None) -> bool:

@@ -332,6 +332,19 @@ class Folders:
                     del self._by_fd[entry.fd]
                     os.close(entry.fd)
 
+    def move_aside(self, fd: int, path: str, device: str, stamp: str) -> str:
+        """Rename ``path``, an entry of the open folder ``fd``, to a free conflict name
+        in that folder (:func:`conflict_name`); return the new path."""
+        parent, _, name = path.rpartition("/")
+        new_name = conflict_name(name, device, stamp)
+        n = 2
+        while lstat_at(fd, new_name) is not None:
+            new_name = conflict_name(name, f"{device} {n}", stamp)
+            n += 1
+        os.rename(name, new_name, src_dir_fd=fd, dst_dir_fd=fd)
+        self.forget(path)  # if it was a folder, its descriptors name the copy now
+        return f"{parent}/{new_name}" if parent else new_name
+
     def close(self) -> None:
         """Close every descriptor (none may be in use any more)."""
         with self._lock:

@@ -118,6 +118,18 @@ def run_cli(
     return proc
 
 
+def one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """Assert that ``proc`` failed cleanly: non-zero exit, exactly one line on stderr,
+    ``metasync: error: ...`` with every needle in it, no traceback; return the line."""
+    assert proc.returncode != 0, proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("metasync: error: ") and "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
 def backend_dirs(tmp_path: Path, *names: str) -> dict[str, Path]:
     """Empty folders ``tmp_path/<name>`` for ``dir:`` backends, by name."""
     out = {}

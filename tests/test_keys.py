@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PASSPHRASE, run_cli, snapshot
+from conftest import PASSPHRASE, one_line_error, run_cli, snapshot
 from metasync import Repository, keys, keyslots
 from metasync.backends import open_backend
 from metasync.codec import Codec
@@ -31,12 +31,7 @@ OTHER = "another passphrase"
 
 
 def _one_line_failure(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
-    assert proc.returncode != 0, proc.stdout
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("metasync: error: ") and "Traceback" not in proc.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+    one_line_error(proc, *needles)
 
 
 def _init(tmp_path: Path, name: str, n: int = 2, passphrase: str = PASSPHRASE) -> tuple[Path, list[Path]]:

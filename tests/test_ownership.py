@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import one_line_error, run_cli
 from metasync import Repository
 from metasync.errors import UnsafeRepository
 
@@ -54,14 +54,9 @@ def _refused(proc: object, *needles: str) -> str:
     import subprocess
 
     assert isinstance(proc, subprocess.CompletedProcess)
-    assert proc.returncode != 0, proc.stdout
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("metasync: error: ") and "Traceback" not in proc.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+    line = one_line_error(proc, *needles)
     assert "secret.txt" not in proc.stdout
-    return lines[0]
+    return line
 
 
 def test_status_in_a_subfolder_of_a_foreign_repository_is_refused(tmp_path: Path) -> None:

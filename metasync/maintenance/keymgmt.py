@@ -149,6 +149,19 @@ def _put_everywhere(backends: Mapping[str, Backend], key: str, data: bytes) -> l
     return missed
 
 
+def _delete_everywhere(backends: Mapping[str, Backend], key: str) -> list[str]:
+    """Delete ``key`` on every backend (gone already is fine); the backends missed."""
+    missed = []
+    for backend in backends.values():
+        try:
+            backend.delete(key)
+        except ObjectNotFound:
+            continue
+        except MetasyncError as exc:
+            missed.append(f"{backend.name}: {exc}")
+    return missed
+
+
 def reseal(backends: Mapping[str, Backend], ring: Keyring) -> ResealReport:
     """Seal ``ring`` to every live slot on ``backends`` whose MAC verifies under
     ``ring`` (which therefore must still hold the data key the slots' MACs are
@@ -253,15 +266,7 @@ class KeySlots:
             raise UsageError("that is this device's own key slot; give --force to remove it "
                              "(this folder keeps working until the keys are rotated)")
         if slot_id == LEGACY_SLOT:
-            missed = []
-            for backend in backends.values():
-                try:
-                    backend.delete(KEYFILE_KEY)
-                except ObjectNotFound:
-                    continue
-                except MetasyncError as exc:
-                    missed.append(f"{backend.name}: {exc}")
-            return KeyReport(slot_id, missed)
+            return KeyReport(slot_id, _delete_everywhere(backends, KEYFILE_KEY))
         assert is_slot_id(slot_id)
         data = tombstone(local.ring, slot_id, today())
         return KeyReport(slot_id, _put_everywhere(backends, slot_key(slot_id), data))
@@ -289,14 +294,7 @@ class KeySlots:
         self._authenticate_descriptors(backends, local.ring)
         missed = _put_everywhere(backends, slot_key(slot_id), data)
         save_key(self.ctx.meta, LocalKey(local.ring, slot_id, private))
-        for backend in backends.values():
-            try:
-                backend.delete(KEYFILE_KEY)
-            except ObjectNotFound:
-                continue
-            except MetasyncError as exc:
-                missed.append(f"{backend.name}: {exc}")
-        return KeyReport(slot_id, missed)
+        return KeyReport(slot_id, missed + _delete_everywhere(backends, KEYFILE_KEY))
 
 
 class RotationSlots:
