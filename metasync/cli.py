@@ -143,9 +143,11 @@ def clone(uri: str, directory: str | None, namespace: str, fingerprint: str | No
               help="A new, empty backend to add to the recovered repository (repeatable).")
 @click.option("--namespace", default=DEFAULT_NAMESPACE, show_default=True)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--no-encrypt", is_flag=True,
+              help="The repository is not encrypted (refused otherwise: a backend can say so).")
 @passphrase_file_option
 def recover(directory: str | None, backends: tuple[str, ...], added: tuple[str, ...],
-            namespace: str, yes: bool, passphrase_file: str | None) -> None:
+            namespace: str, yes: bool, no_encrypt: bool, passphrase_file: str | None) -> None:
     """Rebuild a repository whose majority of backends is gone for good from the
     backends that survived, into DIRECTORY (see docs/design.md, "Recovery")."""
 
@@ -161,7 +163,7 @@ def recover(directory: str | None, backends: tuple[str, ...], added: tuple[str, 
     repo, result = Repository.recover(
         list(backends), directory or namespace, add=list(added), namespace=namespace,
         passphrase=_passphrase_source(passphrase_file, confirm=False), confirm=confirm,
-        reporter=_reporter())
+        reporter=_reporter(), allow_unencrypted=no_encrypt)
     with repo:
         assert result.version is not None
         _say(f"Recovered version {result.restored.number} into {repo.root}: the repository "

@@ -176,15 +176,12 @@ def daemon_stop() -> None:
 def daemon_status(as_json: bool) -> None:
     """Show the daemon's state, last sync, pending changes, conflicts, backends."""
     from metasync.daemon import read_status
+    from metasync.worktree import find_root
 
-    root = Path.cwd()
-    for candidate in (root, *root.parents):
-        if (candidate / ".metasync").is_dir():
-            root = candidate
-            break
-    else:
-        raise UsageError(f"{root} is not inside a metasync repository")
-    doc = read_status(root)
+    found = find_root(Path.cwd())  # the ownership check of every command
+    if found is None:
+        raise UsageError(f"{Path.cwd()} is not inside a metasync repository")
+    doc = read_status(found)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
         return

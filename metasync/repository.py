@@ -211,6 +211,7 @@ class Repository:
         passphrase: PassphraseSource | None = None,
         confirm: Callable[[str], bool],
         reporter: Reporter | None = None,
+        allow_unencrypted: bool = False,
     ) -> tuple[Repository, RecoverResult]:
         """Rebuild a repository whose majority of backends is gone for good from the
         backends ``uris`` that survived, into ``root`` (see
@@ -221,7 +222,8 @@ class Repository:
         failure before it removes what was created locally."""
         from metasync.maintenance import recover as recovery
 
-        plan = recovery.prepare(uris, root, namespace=namespace, passphrase=passphrase)
+        plan = recovery.prepare(uris, root, namespace=namespace, passphrase=passphrase,
+                                allow_unencrypted=allow_unencrypted)
         repo = cls(open_context(plan.root, reporter))
         try:
             work = recovery.Recovery(repo._ctx, repo.versions, repo.graph, repo.checkout,

@@ -78,3 +78,37 @@ def test_recover_from_the_one_backend_left(tmp_path: Path) -> None:
     fresh = tmp_path / "after"
     run_cli(*TIMEOUT, "clone", f"dir:{b['b3']}", str(fresh))
     assert snapshot(fresh) == snapshot(rec), "the refused client changed nothing"
+
+
+def test_recover_refuses_a_survivor_that_says_unencrypted(tmp_path: Path) -> None:
+    """As a clone does: a survivor whose descriptor says the repository is not
+    encrypted (a backend can rewrite it so) is refused in one line unless
+    --no-encrypt is given; a repository that really is unencrypted recovers with it."""
+    import json
+
+    from conftest import one_line_error
+
+    for encrypted in (True, False):
+        b = {n: tmp_path / f"{n}-{encrypted}" for n in ("b1", "b2", "b3")}
+        for d in b.values():
+            d.mkdir()
+        src = tmp_path / f"src-{encrypted}"
+        src.mkdir()
+        (src / "a.txt").write_text("data\n")
+        run_cli("init", "--replicas", "3", *([] if encrypted else ["--no-encrypt"]),
+                *(f"--backend=dir:{d}" for d in b.values()), cwd=src)
+        run_cli("push", cwd=src)
+        desc = b["b3"] / "metasync" / "metasync.json"
+        if encrypted:  # the survivor lies
+            doc = json.loads(desc.read_text())
+            doc["encryption"] = "none"
+            desc.write_text(json.dumps(doc))
+        rec = tmp_path / f"rec-{encrypted}"
+        proc = run_cli(*TIMEOUT, "recover", "--backend", f"dir:{b['b3']}", "--yes", str(rec),
+                       check=False)
+        one_line_error(proc, "not encrypted", "--no-encrypt")
+        assert not rec.exists()
+        if not encrypted:
+            run_cli(*TIMEOUT, "recover", "--backend", f"dir:{b['b3']}", "--yes", "--no-encrypt",
+                    str(rec))
+            assert (rec / "a.txt").read_text() == "data\n"

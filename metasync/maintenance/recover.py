@@ -39,6 +39,7 @@ from metasync.errors import (
     CorruptObject,
     MetasyncError,
     NotARepository,
+    NotTrusted,
     ObjectNotFound,
     ObjectUnavailable,
     UsageError,
@@ -130,10 +131,12 @@ class RecoverResult:
 
 
 def prepare(uris: list[str], root: str | Path, *, namespace: str,
-            passphrase: PassphraseSource | None) -> RecoveryPlan:
+            passphrase: PassphraseSource | None, allow_unencrypted: bool = False) -> RecoveryPlan:
     """Read the survivors and create ``root/.metasync`` (nothing goes to a backend).
     Fails with one line if ``root`` is not empty, no survivor holds the repository,
-    or the passphrase is wrong."""
+    the passphrase is wrong, or the survivors say the repository is not encrypted and
+    ``allow_unencrypted`` is not given (a backend can rewrite its descriptor so, as
+    for a clone)."""
     root = new_folder(root, "recover")
     if not uris:
         raise UsageError("give the backends that survived: --backend URI (one or more)")
@@ -154,6 +157,11 @@ def prepare(uris: list[str], root: str | Path, *, namespace: str,
                                  f"{', '.join(missing)}; give only backends of the repository")
         first = descriptors[backends[0].uri]
         key = None
+        if first["encryption"] == "none" and not allow_unencrypted:
+            raise NotTrusted(
+                f"{backends[0].name} says the repository is not encrypted, and a backend can "
+                "make an encrypted one look so; recover with --no-encrypt only if you know it "
+                "is not")
         if first["encryption"] != "none":
             key = unlock_keys(backends, first, passphrase, backends[0].name)
             for backend in backends:
