@@ -133,6 +133,10 @@ _TRANSIENT = (
     "service unavailable",
     "gateway timeout",
     "try again",
+    # Two writers creating the same folder at once over an SFTP remote: OpenSSH
+    # answers the loser's mkdir with a bare SSH_FX_FAILURE, and rclone gives up the
+    # upload; the folder exists when it is tried again.
+    "mkparentdir failed",
     "temporarily",
 )
 
