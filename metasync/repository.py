@@ -272,17 +272,10 @@ class Repository:
         return KeySlots(self._ctx, self.versions)
 
     def rotate_keys(self, progress: Callable[[str], None] = lambda _: None) -> RotationReport:
-        """``metasync key rotate``: a new data key for everything, the old ones retired
-        (resumes a rotation under way); see :mod:`metasync.maintenance.rotation`."""
-        from metasync.maintenance.keymgmt import RotationSlots
-        from metasync.maintenance.rotation import KeyRotation
+        """``metasync key rotate`` (:func:`metasync.maintenance.rotation.rotate`)."""
+        from metasync.maintenance.rotation import rotate
 
-        slots = RotationSlots(self._ctx, self.versions)
-        slots.check()
-        report = KeyRotation(self._ctx, self.versions, self._reconfig, slots).run(progress)
-        if slots.last is not None:
-            report.notes = slots.last.line()
-        return report
+        return rotate(self._ctx, self.versions, self._reconfig, progress)
 
     @property
     def config(self) -> Config:

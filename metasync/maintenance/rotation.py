@@ -137,3 +137,18 @@ class KeyRotation:
         self.ctx.use_keys(change.new)
         report.retired = True
         return report
+
+
+def rotate(ctx: RepoContext, versions: Versions, reconfig: Reconfiguration,
+           progress: Callable[[str], None] = lambda _: None) -> RotationReport:
+    """``metasync key rotate``: a new data key for everything, the old ones retired
+    (resumes a rotation under way), over this repository's key slots; refused in one
+    line where a passphrase could not receive the new key (a legacy key file)."""
+    from metasync.maintenance.keymgmt import RotationSlots
+
+    slots = RotationSlots(ctx, versions)
+    slots.check()
+    report = KeyRotation(ctx, versions, reconfig, slots).run(progress)
+    if slots.last is not None:
+        report.notes = slots.last.line()
+    return report
