@@ -44,14 +44,15 @@ class Codec:
     def __init__(self, key: MasterKey | Keyring | None) -> None:
         ring = key.keyring() if isinstance(key, MasterKey) else key
         self.encrypted = ring is not None
-        self.hasher = ObjectHasher(ring.id_key if ring else None)
+        self._id_key = ring.id_key if ring else None
+        self.hasher = ObjectHasher(self._id_key)
         self.use(ring)
 
     def use(self, ring: Keyring | None) -> None:
         """Encrypt under ``ring.current`` and read under its keys from now on (after a
         key rotation moved the configuration's epoch). The id key never changes."""
         if (ring is not None) != self.encrypted or (
-                ring is not None and self.hasher.id_of("blob", b"") != ObjectHasher(ring.id_key).id_of("blob", b"")):
+                ring is not None and ring.id_key != self._id_key):
             raise ValueError("a codec's id key never changes")
         self.keyring = ring
         chain: list[Translator] = [IntegrityTranslator(self.hasher), ZstdTranslator()]

@@ -201,6 +201,24 @@ def floor_of_key(key: str, kind: str = "") -> int | None:
     return int(name) if len(name) == 12 and name.isdigit() else None
 
 
+def record_context(key: str) -> tuple[str, str] | None:
+    """The chain context ``(kind, id)`` (§4) of the record stored at ``key`` if it is
+    one that is not an object -- a configuration, the hint, a client state, a spill
+    record, a floor, mark or recovery mark -- else None (objects, the descriptor, key
+    files, logs, scratch keys)."""
+    head = key.split("/", 1)[0]
+    if key == HINT_KEY:
+        return "hint", HINT_KEY
+    if head == CONFIG_PREFIX:
+        config_id = key[len(CONFIG_PREFIX) + 1:]
+        return ("config", config_id) if is_object_id(config_id) else None
+    if head in (CLIENTS_PREFIX, SPILLS_PREFIX):
+        return ("client" if head == CLIENTS_PREFIX else "spill"), key
+    if head == FLOOR_PREFIX:
+        return ("retired" if key.startswith(f"{FLOOR_PREFIX}/retired-") else "floor"), key
+    return None
+
+
 # --- the descriptor -----------------------------------------------------------------------
 def _descriptor_body(doc: dict[str, Any]) -> bytes:
     body = {k: v for k, v in doc.items() if k != "mac"}

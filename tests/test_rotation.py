@@ -14,6 +14,7 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from metasync.erasure import ErasureScheme
 from metasync.errors import CorruptObject, ObjectUnavailable
 from metasync.keys import Keyring
 from metasync.keyslots import LocalKey
-from metasync.layout import LOG_PREFIX, object_key
+from metasync.layout import LOG_PREFIX, object_key, parse_fragment_key
 from metasync.maintenance.rekey import Rekeyer, RekeyReport
 
 NEW_KEY = bytes(range(100, 132))
@@ -51,6 +52,27 @@ def rekey(backends: list[Path], ring: Keyring, scheme: ErasureScheme | None) -> 
         return Rekeyer(Codec(ring), open_all(backends), scheme, pool).run()
 
 
+def stored_items(backends: list[Path]) -> Iterator[tuple[str, bytes]]:
+    """Every stored item a key opens, as ``(key, stored bytes)``: pPaxos logs (never
+    rewritten), descriptors, key files, scratch keys and fragments (see
+    :func:`coded_objects`) aside."""
+    for backend in open_all(backends).values():
+        for key in backend.list():
+            if key.startswith((LOG_PREFIX + "/", "keys/", "probe/")) or key == "metasync.json" \
+                    or parse_fragment_key(key) is not None:
+                continue
+            yield key, backend.get(key)
+
+
+def opens(checker: Rekeyer, key: str, stored: bytes) -> bool:
+    """Whether the checker's keyring opens the item ``stored`` at ``key``."""
+    try:
+        checker._fresh(key, stored)
+        return True
+    except CorruptObject:
+        return False
+
+
 def openers(backends: list[Path], ring: Keyring, scheme: ErasureScheme | None) -> dict[str, int]:
     """How many stored items (logs excepted) each key of ``ring`` alone opens:
     ``{"old": n, "new": m, "neither": k}``; every item is checked whole."""
@@ -61,21 +83,9 @@ def openers(backends: list[Path], ring: Keyring, scheme: ErasureScheme | None) -
     with ThreadPoolExecutor(1) as pool:
         checkers = {name: Rekeyer(Codec(r), open_all(backends), scheme, pool)
                     for name, r in (("old", only_old), ("new", only_new))}
-        for backend in open_all(backends).values():
-            for key in backend.list():
-                if key.startswith(LOG_PREFIX + "/") or key in ("metasync.json",) \
-                        or key.startswith(("keys/", "probe/")) or ".f" in key.rsplit("/", 1)[-1]:
-                    continue
-                stored = backend.get(key)
-                for name, checker in checkers.items():
-                    try:
-                        checker._fresh(key, stored)
-                        counts[name] += 1
-                        break
-                    except CorruptObject:
-                        continue
-                else:
-                    counts["neither"] += 1
+        for key, stored in stored_items(backends):
+            name = next((n for n, c in checkers.items() if opens(c, key, stored)), "neither")
+            counts[name] += 1
         if scheme is not None:
             for name, checker in checkers.items():
                 # An erasure-coded object, rebuilt from its fragments, counts once.
@@ -90,8 +100,6 @@ def openers(backends: list[Path], ring: Keyring, scheme: ErasureScheme | None) -
 
 
 def coded_objects(backends: list[Path]) -> dict[str, dict[int, list[str]]]:
-    from metasync.layout import parse_fragment_key
-
     found: dict[str, dict[int, list[str]]] = {}
     for backend_id, backend in open_all(backends).items():
         for key in backend.list("objects"):
@@ -231,19 +239,9 @@ OTHER = "a second passphrase, for bob"
 
 def _items_opened_by(backends: list[Path], ring: Keyring) -> int:
     """Stored items (logs, descriptors, key files aside) that ``ring`` opens."""
-    opened = 0
     with ThreadPoolExecutor(1) as pool:
         checker = Rekeyer(Codec(ring), open_all(backends), None, pool)
-        for backend in open_all(backends).values():
-            for key in backend.list():
-                if key.startswith((LOG_PREFIX + "/", "keys/", "probe/")) or key == "metasync.json":
-                    continue
-                try:
-                    checker._fresh(key, backend.get(key))
-                    opened += 1
-                except CorruptObject:
-                    pass
-    return opened
+        return sum(opens(checker, key, stored) for key, stored in stored_items(backends))
 
 
 def test_key_rotate_revokes_a_removed_device_and_survives_kill_9(tmp_path: Path) -> None:

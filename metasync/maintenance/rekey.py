@@ -36,17 +36,12 @@ from metasync.codec import PACK_MAGIC, REKEYED_PACK_MAGIC, Codec
 from metasync.erasure import ErasureScheme, decode_fragments, encode_fragments
 from metasync.errors import BackendError, CorruptObject, MetasyncError, ObjectUnavailable
 from metasync.layout import (
-    CLIENTS_PREFIX,
-    CONFIG_PREFIX,
-    FLOOR_PREFIX,
-    HINT_KEY,
-    SPILLS_PREFIX,
     fragment_key,
     object_key,
     parse_fragment_key,
     parse_object_key,
+    record_context,
 )
-from metasync.objects import is_object_id
 
 #: Kinds a standalone object under ``objects/`` may have (packs are told by their trailer).
 _STANDALONE_KINDS = ("commit", "index")
@@ -69,22 +64,6 @@ class RekeyReport:
     def complete(self) -> bool:
         """True once nothing reachable holds an older key and every backend answered."""
         return not self.left and not self.unreachable
-
-
-def _context_of(key: str) -> tuple[str, str] | None:
-    """The chain context ``(kind, id)`` of a record that is not an object, or None
-    for keys that are not chain output (descriptor, key files, logs, scratch keys)."""
-    head = key.split("/", 1)[0]
-    if key == HINT_KEY:
-        return "hint", HINT_KEY
-    if head == CONFIG_PREFIX:
-        config_id = key[len(CONFIG_PREFIX) + 1:]
-        return ("config", config_id) if is_object_id(config_id) else None
-    if head in (CLIENTS_PREFIX, SPILLS_PREFIX):
-        return ("client" if head == CLIENTS_PREFIX else "spill"), key
-    if head == FLOOR_PREFIX:
-        return ("retired" if key.startswith(f"{FLOOR_PREFIX}/retired-") else "floor"), key
-    return None
 
 
 class Rekeyer:
@@ -116,7 +95,7 @@ class Rekeyer:
                 fragment = parse_fragment_key(key)
                 if fragment is not None:
                     coded.setdefault(fragment[0], {}).setdefault(fragment[1], []).append(backend_id)
-                elif parse_object_key(key) is not None or _context_of(key) is not None:
+                elif parse_object_key(key) is not None or record_context(key) is not None:
                     work.append((backend_id, key))
         for outcome in self.executor.map(lambda item: self._rekey_one(*item), work):
             report.scanned += 1
@@ -142,9 +121,8 @@ class Rekeyer:
     def _fresh(self, key: str, stored: bytes) -> bytes | None:
         """``stored`` (the item at ``key``) under the current key, or None if it is
         under it already. Raises :class:`CorruptObject` if no key of the ring opens it."""
-        if parse_object_key(key) is not None:
-            object_id = parse_object_key(key)
-            assert object_id is not None
+        object_id = parse_object_key(key)
+        if object_id is not None:
             if stored[-4:] in (PACK_MAGIC, REKEYED_PACK_MAGIC):
                 try:
                     return self.codec.rekey_pack(object_id, stored)
@@ -157,7 +135,7 @@ class Rekeyer:
                     continue
                 return self.codec.reencrypt(stored, kind, object_id) if stale else None
             raise CorruptObject(f"object {object_id[:12]}: no key of the ring opens it")
-        context = _context_of(key)
+        context = record_context(key)
         assert context is not None
         return self.codec.reencrypt(stored, *context) if self.codec.stale(stored, *context) else None
 
@@ -171,7 +149,7 @@ class Rekeyer:
                 return False
             # Narrow the race with the owner of a mutable record (a client state, the
             # hint): rewrite only what is still there.
-            if _context_of(key) is not None and backend.get(key) != stored:
+            if record_context(key) is not None and backend.get(key) != stored:
                 return False
             faults.crash_point("rekey:write")
             backend.put(key, fresh)

@@ -118,7 +118,7 @@ class KeyRotation:
             progress(f"re-encrypted {rekey.rewritten} stored item(s)")
             if rekey.complete or rekey.rewritten == 0:
                 break
-        if not (not report.left and not report.unreachable):
+        if report.left or report.unreachable:
             return report
         # Retire: the slots first (a crash after it leaves the configuration still
         # accepting the old keys, which no slot hands out any more; the next run
