@@ -29,7 +29,8 @@ from metasync.faults import crash_point
 from metasync.graph import ObjectGraph
 from metasync.localdb import IndexRow
 from metasync.objects import TreeEntry, Version, same_entry
-from metasync.scanner import Scanner
+from metasync.scanner import Scanner, ScanResult
+from metasync.state import LocalState
 from metasync.worktree import (
     Folders,
     InTheWay,
@@ -39,6 +40,9 @@ from metasync.worktree import (
     temp_name,
 )
 
+#: The ref a file that cannot be read stands for in the local side of a checkout:
+#: no object has it, so it equals no version of the file.
+UNREAD_REF = "unreadable"
 #: Files written by a checkout are flushed and renamed in batches of this many.
 WRITE_BATCH = 2000
 #: Small files of one pack written by one worker task.
@@ -96,14 +100,21 @@ class FileWriter:
                      mode, dir_fd=folder)
         try:
             with os.fdopen(fd, "wb") as fh:
+                holes = False
                 for group in chunk_groups(chunks):
                     data = prefetched if prefetched is not None else self.graph.read_blobs(group)
                     for blob_id, length in group:
                         piece = data[blob_id]
                         if len(piece) != length:
                             raise CorruptObject(f"blob {blob_id[:12]} has the wrong length")
-                        fh.write(piece)
+                        if all_zero(piece):
+                            fh.seek(length, os.SEEK_CUR)  # a hole: a sparse file stays sparse
+                            holes = True
+                        else:
+                            fh.write(piece)
                         self.ctx.reporter.advance(length)
+                if holes:
+                    fh.truncate()  # the size, if the file ends in a hole
                 fh.flush()
                 if durable:
                     os.fsync(fh.fileno())
@@ -127,16 +138,36 @@ class Checkout:
         self._seen: dict[str, ScanEntry] = {}
         #: The folders of the current checkout (see :meth:`run`).
         self._folders: Folders
+        #: Folders the scan the current checkout planned with could not read.
+        self._sealed = SealedFolders(set())
 
     # ---------------------------------------------------------------- pending checkouts
     def resume(self) -> PullResult | None:
-        """Finish a checkout a crash interrupted; ``None`` if none was pending."""
+        """Finish a checkout a crash interrupted, and apply the changes held back in
+        folders that could not be read (if they can be now); ``None`` if nothing
+        was pending."""
         # A damaged record reads as None: as if none were pending (the next checkout
         # scans the folder anyway, and overwrites it).
-        if self.ctx.state.checkout_pending is None:
-            return None
-        remove_stale_temps(self.root)
-        return self.run_pending()
+        result = None
+        if self.ctx.state.checkout_pending is not None:
+            remove_stale_temps(self.root)
+            result = self.run_pending()
+        if self.ctx.state.waiting_folders:
+            result = self._apply_waiting()
+        return result
+
+    def _apply_waiting(self) -> PullResult:
+        """Check out the held-back folders (:attr:`LocalState.waiting_folders`) from
+        the tree each was last checked out from to the head's: three ways, as any
+        checkout, so an edit made in them meanwhile is kept. A folder still
+        unreadable stays held back."""
+        state = self.ctx.state
+        waiting = state.waiting_folders
+        result = PullResult(state.prev)
+        top = state.head or state.prev.master
+        self.run(*waiting_trees(self.graph, waiting, top), result, {})
+        state.waiting_folders = {f: t for f, t in waiting.items() if f in self._sealed.held}
+        return result
 
     def run_pending(self) -> PullResult:
         """Change the folder from tree ``from`` to tree ``to`` of the pending checkout."""
@@ -184,9 +215,8 @@ class Checkout:
     ) -> None:
         scan = self.scanner.scan(None)
         self._seen = scan.seen
-        local: dict[str, TreeEntry] = dict(scan.files)
-        for d in scan.dirs:
-            local[d] = TreeEntry(d.rpartition("/")[2], "dir", "0" * 64)
+        local = local_side(scan)
+        self._sealed = SealedFolders({u.path for u in scan.problems.unreadable if u.folder})
         stamp = now_stamp()
         aside = self._in_the_way(stamp, result)
         for copy, source in sorted(moves.items()):
@@ -216,7 +246,8 @@ class Checkout:
                     continue
                 result.deleted += 1
         # Folders deleted remotely go if nothing local remains in them, deepest first.
-        for path in sorted((p for p, e in base.items() if e.type == "dir" and p not in remote),
+        for path in sorted((p for p, e in base.items() if e.type == "dir" and p not in remote
+                            and not self._sealed.holding(p)),
                            key=lambda p: p.count("/"), reverse=True):
             parent, _, name = path.rpartition("/")
             with folders.opened(parent) as fd:
@@ -226,7 +257,8 @@ class Checkout:
                         folders.forget(path)
                 except OSError:
                     pass
-        for path in sorted((p for p, e in remote.items() if e.type == "dir"), key=lambda p: p.count("/")):
+        for path in sorted((p for p, e in remote.items() if e.type == "dir" and not self._sealed.holding(p)),
+                           key=lambda p: p.count("/")):
             b = base.get(path)
             if b is not None and b.type == "dir" and path not in local:
                 continue  # removed here, untouched remotely: stays removed (files
@@ -235,6 +267,7 @@ class Checkout:
         rows = self._write_files(writes, stamp, result, scanned)
         db = self.ctx.db
         with db.transaction():
+            self._sealed.hold_back(self.ctx.state, base)
             db.delete_index(deletes)
             db.upsert_index(rows)
             db.upsert_index(r for r in scan.rows if r.path not in {w[0] for w in writes})
@@ -247,8 +280,18 @@ class Checkout:
         the way of a remote change become conflict copies now."""
         writes: list[tuple[str, TreeEntry]] = []
         deletes: list[str] = []
+        held = self._sealed.held
         for path in sorted(set(base) | set(remote)):
             b, n, loc = base.get(path), remote.get(path), local.get(path)
+            sealed = self._sealed.holding(path)
+            if sealed is not None:
+                # A folder this process cannot list or enter: what is in it is unknown
+                # (and cannot be written); its remote changes wait until it can.
+                if not same_entry(n, b) and sealed not in held:
+                    held.add(sealed)
+                    self.ctx.reporter.note(f"not updated: cannot read {sealed}/; the changes "
+                                           "to it are applied once it can be read")
+                continue
             if n is not None and n.type == "dir":
                 # Folders are created later. A file that master replaced by a folder
                 # goes if unchanged here; if changed, creating the folder keeps it as
@@ -474,6 +517,75 @@ class Checkout:
                     os.unlink(tmp, dir_fd=fd)
                 except FileNotFoundError:
                     pass
+
+
+def local_side(scan: ScanResult) -> dict[str, TreeEntry]:
+    """The folder as a checkout's local side: its files, links and folders, and
+    each file that cannot be read as a version no tree has (its content is
+    unknown: taken as changed here, a remote change never replaces it unkept)."""
+    local: dict[str, TreeEntry] = dict(scan.files)
+    for d in scan.dirs:
+        local[d] = TreeEntry(d.rpartition("/")[2], "dir", "0" * 64)
+    for u in scan.problems.unreadable:
+        if not u.folder:
+            local[u.path] = TreeEntry(u.path.rpartition("/")[2], "file", UNREAD_REF)
+    return local
+
+
+def waiting_trees(graph: ObjectGraph, waiting: dict[str, str], top: str | None,
+                  ) -> tuple[dict[str, TreeEntry], dict[str, TreeEntry]]:
+    """The base and remote sides of the checkout of held-back folders (``waiting``:
+    folder -> the tree it still holds) to their content in commit ``top``."""
+    now = graph.tree_at(top) if top else {}
+    base: dict[str, TreeEntry] = {}
+    remote: dict[str, TreeEntry] = {}
+    for folder, tree_id in waiting.items():
+        inside = folder + "/"
+        if tree_id:
+            base[folder] = TreeEntry(folder.rpartition("/")[2], "dir", tree_id)
+            base.update((inside + p, e) for p, e in graph.flatten(tree_id).items())
+        remote.update((p, e) for p, e in now.items() if p == folder or p.startswith(inside))
+    return base, remote
+
+
+class SealedFolders:
+    """The folders a checkout's scan could not read (list or enter): nothing can be
+    known of, or written into, what they hold, so the checkout leaves them alone
+    and records those whose changes it held back (``held``) for
+    :meth:`Checkout.resume` to apply once they can be read."""
+
+    def __init__(self, folders: set[str]) -> None:
+        self.folders = folders
+        self.held: set[str] = set()
+
+    def holding(self, path: str) -> str | None:
+        """The folder of these that is ``path`` or holds it; None if none does."""
+        if not self.folders:
+            return None
+        while path:
+            if path in self.folders:
+                return path
+            path = path.rpartition("/")[0]
+        return None
+
+    def hold_back(self, state: LocalState, base: dict[str, TreeEntry]) -> None:
+        """Record the held-back folders in ``state.waiting_folders`` with the tree
+        each still holds (the first record of a folder stays: it is what the
+        folder holds)."""
+        if not self.held:
+            return
+        waiting = dict(state.waiting_folders)
+        for folder in self.held:
+            b = base.get(folder)
+            waiting.setdefault(folder, b.ref if b is not None and b.type == "dir" else "")
+        state.waiting_folders = waiting
+
+
+def all_zero(data: bytes) -> bool:
+    """True if ``data`` (not empty) is all zero bytes. Almost every chunk with
+    content fails on its first or last byte, so the full comparison (a calloc and a
+    memcmp) runs only for chunks that are mostly zeros."""
+    return bool(data) and not data[0] and not data[-1] and data == bytes(len(data))
 
 
 def chunk_groups(chunks: list[tuple[str, int]], budget: int = 8 * 1024 * 1024) -> list[list[tuple[str, int]]]:

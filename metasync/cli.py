@@ -182,6 +182,10 @@ def trust(folder: str, remove: bool) -> None:
     _say(f"{'no longer trusted' if remove else 'trusted'}: {path}")
 
 
+#: Exit status of a push that pushed but could not read some paths (restic's 3).
+PARTIAL_EXIT = 3
+
+
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(as_json: bool) -> None:
@@ -192,12 +196,16 @@ def status(as_json: bool) -> None:
         click.echo(json.dumps(st.to_json(), indent=2))
         return
     _say(f"On version {st.version}" + (" (local commits not pushed)" if st.unpushed else ""))
-    if not st.changes:
+    if not st.changes and not st.problems.unreadable:
         _say("Nothing to commit, folder clean")
     symbols = {"added": "A", "modified": "M", "deleted": "D"}
     for c in st.changes:
         suffix = "/" if c.type == "dir" else ""
         _say(f"  {symbols[c.kind]} {c.path}{suffix}")
+    for u in st.problems.unreadable:
+        _say(f"  cannot read: {u.display()} ({u.reason})")
+    for u in st.problems.special:
+        _say(f"  skipped: {u.display()} ({u.reason})")
 
 
 @cli.command()
@@ -219,6 +227,11 @@ def push(message: str) -> None:
     with _open() as repo:
         result = repo.push(message)
     _warn_fork(result.fork)
+    for u in result.problems.special:
+        _say(f"skipped: {u.display()} ({u.reason})")
+    for u in result.problems.unreadable:
+        click.echo(f"warning: cannot read {u.display()}: {u.reason}; not synced "
+                   "(what was committed of it stays)", err=True)
     for copy in result.conflicts:
         _say(f"conflict: kept the other version as {copy}")
     if result.up_to_date:
@@ -241,6 +254,12 @@ def push(message: str) -> None:
     elif result.missing_copies:
         click.echo(f"warning: {result.missing_copies} object copies are not on their "
                    "backends yet (one is unreachable); the next push retries them", err=True)
+    if result.problems.unreadable:
+        # As restic backup: the rest was pushed, but the folder is not all synced.
+        click.echo(f"warning: {len(result.problems.unreadable)} path(s) could not be read "
+                   "and are not synced; give them read permission or add them to "
+                   ".metasyncignore", err=True)
+        sys.exit(PARTIAL_EXIT)
 
 
 @cli.command()

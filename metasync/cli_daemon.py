@@ -196,6 +196,10 @@ def daemon_status(as_json: bool) -> None:
         click.echo(f"  {name}")
     for backend, health in sorted(doc.get("backends", {}).items()):
         click.echo(f"backend:      {backend}: {health}")
+    for line in doc.get("unreadable", []):
+        click.echo(f"cannot read: {line}")
+    for line in doc.get("skipped", []):
+        click.echo(f"skipped:     {line}")
 
 
 @daemon.command("resume")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from metasync.checkout import Checkout
@@ -18,9 +18,10 @@ from metasync.context import RepoContext
 from metasync.faults import crash_point
 from metasync.graph import ObjectGraph
 from metasync.localdb import IndexRow
-from metasync.objects import Commit, Tree, same_entry
+from metasync.objects import Commit, Tree, TreeEntry, same_entry
 from metasync.outbox import ObjectWriter, Outbox
-from metasync.scanner import Scanner, tree_fingerprint
+from metasync.scanner import Scanner, ScanResult, tree_fingerprint
+from metasync.worktree import ScanProblems, Unsynced
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,13 @@ class Status:
     head: str | None
     unpushed: bool
     files_hashed: int
+    #: Paths not synced: unreadable ones and special files (see :class:`ScanProblems`).
+    problems: ScanProblems = field(default_factory=ScanProblems)
 
     @property
     def clean(self) -> bool:
-        return not self.changes and not self.unpushed
+        """Nothing to commit or push, and nothing that cannot be read."""
+        return not self.changes and not self.unpushed and not self.problems.unreadable
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -51,7 +55,13 @@ class Status:
             "unpushed": self.unpushed,
             "clean": self.clean,
             "changes": [{"path": c.path, "change": c.kind, "type": c.type} for c in self.changes],
+            "unreadable": [_unsynced_json(u) for u in self.problems.unreadable],
+            "skipped": [{"path": u.path, "reason": u.reason} for u in self.problems.special],
         }
+
+
+def _unsynced_json(u: Unsynced) -> dict[str, str]:
+    return {"path": u.path, "reason": u.reason, "type": "dir" if u.folder else "file"}
 
 
 @dataclass
@@ -74,6 +84,10 @@ class Committer:
         self.scanner = scanner
         self.outbox = outbox
         self.checkout = checkout
+        #: What the last scan of :meth:`status` or :meth:`commit` did not sync
+        #: (unreadable paths, special files): a push reports it even when there
+        #: was nothing to commit.
+        self.unsynced = ScanProblems()
 
     # ---------------------------------------------------------------- status
     def status(self) -> Status:
@@ -87,6 +101,7 @@ class Committer:
             with db.transaction():
                 db.upsert_index(scan.rows)
         head = self.graph.head_commit()
+        self.keep_unread(scan, head)
         changes: list[Change] = []
         fingerprint = tree_fingerprint(scan.files, scan.dirs)
         if head is None or self.state.tree_memo != (fingerprint, head.tree):
@@ -105,7 +120,54 @@ class Committer:
             head=head_id,
             unpushed=head_id is not None and head_id != prev.master,
             files_hashed=scan.files_hashed,
+            problems=scan.problems,
         )
+
+    def keep_unread(self, scan: ScanResult, head: Commit | None) -> None:
+        """Put back into ``scan`` the committed version of every path it could not
+        read -- a file that kept changing or that cannot be read keeps its content,
+        a folder that cannot be listed keeps its whole subtree -- so that what was
+        not read is never taken for deleted. The base is ``head``, else the master
+        this folder was last brought to. A path never committed stays out."""
+        self.unsynced = scan.problems
+        scan.problems.unreadable.sort(key=lambda u: u.path)
+        scan.problems.special.sort(key=lambda u: u.path)
+        unread = [(p, False) for p in scan.skipped]
+        unread += [(u.path, u.folder) for u in scan.problems.unreadable]
+        if not unread:
+            return
+        base = head
+        if base is None and self.state.prev.master is not None:
+            base = self.graph.load_commit(self.state.prev.master)
+            self.graph.load_indexes(base)
+        if base is None:
+            return
+        for path, _ in unread:
+            entry = self._committed_entry(base.tree, path)
+            if entry is None:
+                continue
+            if entry.type != "dir":
+                scan.files[path] = entry
+                continue
+            scan.dirs.add(path)
+            for sub, e in self.graph.flatten(entry.ref).items():
+                if e.type == "dir":
+                    scan.dirs.add(f"{path}/{sub}")
+                else:
+                    scan.files[f"{path}/{sub}"] = e
+
+    def _committed_entry(self, tree_id: str, path: str) -> TreeEntry | None:
+        """The entry at ``path`` of the committed tree ``tree_id``, or None."""
+        entry: TreeEntry | None = None
+        for name in path.split("/"):
+            if entry is not None:
+                if entry.type != "dir":
+                    return None
+                tree_id = entry.ref
+            entry = Tree.from_bytes(self.graph.fetch_packed([tree_id])[tree_id]).by_name().get(name)
+            if entry is None:
+                return None
+        return entry
 
     def _diff_trees(
         self,
@@ -154,6 +216,7 @@ class Committer:
         scan = self.scanner.scan(writer.sink, flush_index=True, keep_seen=False)
         for path in scan.skipped:
             self.ctx.reporter.note(f"skipped {path}: it changed while being read; it is committed next time")
+        self.keep_unread(scan, self.graph.head_commit())
         fingerprint = tree_fingerprint(scan.files, scan.dirs)
         empty = not scan.files and not scan.dirs
         db = self.ctx.db

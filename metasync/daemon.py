@@ -37,7 +37,7 @@ from metasync.errors import BackendError, FolderBusy, MetasyncError, UsageError
 from metasync.faults import pause_point, watch_failure
 from metasync.layout import HINT_KEY
 from metasync.repository import Repository
-from metasync.worktree import IGNORE_FILE, META_DIR, TEMP_PREFIX, IgnoreRules
+from metasync.worktree import IGNORE_FILE, META_DIR, TEMP_PREFIX, IgnoreRules, ScanProblems
 
 STATUS_FILE = "daemon.json"
 LOG_FILE = "daemon.log"
@@ -73,6 +73,10 @@ class DaemonStatus:
     conflicts: list[str] = field(default_factory=list)
     backends: dict[str, str] = field(default_factory=dict)
     watching: str = "events"  # or "scanning" when the OS has no watches left
+    #: Paths the last scan could not read ("PATH (reason)"), and special files it
+    #: skipped ("PATH (a FIFO)"): not synced, the rest is.
+    unreadable: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
     version: int = 0
     updated: float = 0.0
 
@@ -223,6 +227,7 @@ class Daemon:
         allow = self._allow_deletes
         self._allow_deletes = False
         st = repo.status()
+        self._record_unsynced(st.problems)
         tracked = repo.tracked_files()
         deleted = sum(1 for c in st.changes if c.kind == "deleted" and c.type != "dir")
         if not allow and self._too_many(deleted, tracked):
@@ -269,6 +274,14 @@ class Daemon:
         self.status.pending_changes = 0
         self.status.unpushed = False
 
+    def _record_unsynced(self, problems: ScanProblems) -> None:
+        """Show what the scan could not sync in the status; log it when it changes."""
+        unreadable = [f"{u.display()} ({u.reason})" for u in problems.unreadable]
+        if unreadable != self.status.unreadable and unreadable:
+            self.log.warning("cannot read (not synced): %s", ", ".join(unreadable))
+        self.status.unreadable = unreadable
+        self.status.skipped = [f"{u.display()} ({u.reason})" for u in problems.special]
+
     def _finish_rebalance(self, repo: Repository) -> None:
         """Finish the rebalance a configuration change made here left undone (a crash
         right after its decision, or a backend that did not answer): copies left on
@@ -292,6 +305,7 @@ class Daemon:
             with Repository.open(self.root, wait=0) as repo:
                 repo.commit("offline")
                 st = repo.status()
+                self._record_unsynced(st.problems)
                 self.status.pending_changes = len(st.changes)
                 self.status.unpushed = st.unpushed
         except MetasyncError as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import stat
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -22,7 +23,15 @@ from typing import TypeVar
 from metasync.context import RepoContext
 from metasync.localdb import IndexRow
 from metasync.objects import FORMAT_VERSION, Tree, TreeEntry
-from metasync.worktree import FileChanged, IgnoreRules, ObjectSink, ScanEntry, scan
+from metasync.worktree import (
+    FileChanged,
+    IgnoreRules,
+    ObjectSink,
+    ScanEntry,
+    ScanProblems,
+    Unsynced,
+    scan,
+)
 
 #: An index entry is trusted only if the file's mtime is this much older than the
 #: moment it was hashed (a write within the filesystem's timestamp granularity
@@ -51,6 +60,10 @@ class ScanResult:
     rows: list[IndexRow]
     #: Paths skipped because they changed while being read.
     skipped: list[str]
+    #: Paths not synced: unreadable ones (also those found so only when read) and
+    #: special files. A caller keeps the last committed version of every path in
+    #: ``skipped`` and ``problems.unreadable`` (see :meth:`Committer.keep_unread`).
+    problems: ScanProblems = field(default_factory=ScanProblems)
     #: Files whose content was read (the index saved the rest).
     files_hashed: int = 0
     #: Everything seen, by path (empty unless the scan was asked to keep it).
@@ -79,15 +92,15 @@ class Scanner:
         db = self.ctx.db
         root = self.ctx.root
         # Tracked paths are read only if there is an ignore file (load is lazy).
-        entries = scan(root, IgnoreRules.load(root, db.index_paths()))
-        result = ScanResult({}, set(), [], [], seen=entries if keep_seen else {})
+        problems = ScanProblems()
+        entries = scan(root, IgnoreRules.load(root, db.index_paths()), problems)
+        result = ScanResult({}, set(), [], [], problems, seen=entries if keep_seen else {})
         files = result.files
         to_hash: list[ScanEntry] = []
         # Index rows stream from SQLite and are dropped once used (only those of files
         # to read again are kept), so a huge tree never holds the whole index as well
         # as the scan. Names from scandir are safe components by construction (scan
         # skips .metasync), so the untrusted-name check is not needed here.
-        previous: dict[str, IndexRow] = {}
         kinds = {"file": "file", "chunked": "chunked"}  # one str object per kind
         for row in db.iter_index_rows():
             e = entries.get(row.path)
@@ -105,8 +118,6 @@ class Scanner:
                 name = e.path.rpartition("/")[2]
                 kind = kinds.get(row.type, row.type)
                 files[e.path] = TreeEntry(name, kind, row.ref, e.size, e.executable)  # type: ignore[arg-type]
-            else:
-                previous[e.path] = row
         for path, e in entries.items():
             if e.type == "dir":
                 result.dirs.add(path)
@@ -117,11 +128,11 @@ class Scanner:
         del entries  # kept only in result.seen, if at all
         result.files_hashed = len(to_hash)
         if to_hash:
-            self._hash_all(to_hash, sink, previous, result, flush_index)
+            self._hash_all(to_hash, sink, result, flush_index)
         return result
 
     def _hash_all(self, to_hash: list[ScanEntry], sink: ObjectSink | None,
-                  previous: dict[str, IndexRow], result: ScanResult, flush_index: bool) -> None:
+                  result: ScanResult, flush_index: bool) -> None:
         db = self.ctx.db
         reporter = self.ctx.reporter
         hashed_at = time.time_ns()
@@ -133,15 +144,15 @@ class Scanner:
         consume = (queue.popleft() for _ in range(len(queue)))
         files = result.files
         with ThreadPoolExecutor(workers, thread_name_prefix="metasync-hash") as pool:
-            for e, hashed in ordered_map(pool, lambda e: self.hash_one(e, sink), consume,
+            for e, hashed in ordered_map(pool, lambda e: self.read_one(e, sink), consume,
                                          HASH_WINDOW * workers):
                 reporter.advance(e.size)
                 name = e.path.rpartition("/")[2]
                 if hashed is None:
                     result.skipped.append(e.path)
-                    old = previous.get(e.path)
-                    if old is not None:  # keep the last known version of a busy file
-                        files[e.path] = TreeEntry(name, old.type, old.ref, old.size, old.executable)  # type: ignore[arg-type]
+                    continue
+                if isinstance(hashed, str):
+                    result.problems.unreadable.append(Unsynced(e.path, hashed))
                     continue
                 files[e.path] = TreeEntry(name, hashed[0], hashed[1], e.size, e.executable)  # type: ignore[arg-type]
                 result.rows.append(
@@ -155,7 +166,14 @@ class Scanner:
 
     def hash_one(self, e: ScanEntry, sink: ObjectSink | None) -> tuple[str, str] | None:
         """``(type, ref)`` of one file's content (its chunks go to ``sink``), read
-        again if it changed while being read; None if it keeps changing or is gone."""
+        again if it changed while being read; None if it keeps changing, is gone,
+        is no longer a regular file or cannot be read."""
+        got = self.read_one(e, sink)
+        return got if isinstance(got, tuple) else None
+
+    def read_one(self, e: ScanEntry, sink: ObjectSink | None) -> tuple[str, str] | str | None:
+        """As :meth:`hash_one`, but a file that cannot be read gives the reason
+        (``Permission denied``) instead of None."""
         for _ in range(3):
             try:
                 hashed = self.ctx.chunker.hash_file(self.ctx.root / e.path, e, sink)
@@ -165,9 +183,13 @@ class Scanner:
                     st = os.lstat(self.ctx.root / e.path)
                 except FileNotFoundError:
                     return None
+                if not stat.S_ISREG(st.st_mode):
+                    return None  # a folder, a link or a FIFO now: the next scan sees it
                 e = ScanEntry(e.path, e.type, st.st_size, st.st_mtime_ns, st.st_ino, e.executable)
-            except (FileNotFoundError, PermissionError, IsADirectoryError):
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
                 return None
+            except OSError as exc:  # EACCES, EIO: the reason is what the user needs
+                return exc.strerror or str(exc)
         return None
 
     def build_trees(

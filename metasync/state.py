@@ -168,6 +168,12 @@ def _dump_pending(value: PendingCheckout | None) -> Any:
     return value.to_json() if value is not None else None
 
 
+def _waiting_folders(raw: Any) -> dict[str, str]:
+    if not isinstance(raw, dict):
+        return {}
+    return {k: v for k, v in raw.items() if isinstance(k, str) and k and isinstance(v, str)}
+
+
 def _tree_memo(raw: Any) -> tuple[str, str] | None:
     if isinstance(raw, list) and len(raw) == 2 and all(isinstance(x, str) for x in raw):
         return raw[0], raw[1]
@@ -202,6 +208,11 @@ class LocalState:
     head: Setting[str | None] = Setting("head", default=lambda: None)
     checkout_pending: Setting[PendingCheckout | None] = Setting(
         "checkout_pending", default=lambda: None, load=_pending_checkout, dump=_dump_pending)
+    #: Folders that could not be read when a checkout had changes for them, by path,
+    #: with the tree id each still holds ("" if none): the changes are applied
+    #: once it can be read (``Checkout.resume``).
+    waiting_folders: Setting[dict[str, str]] = Setting(
+        "waiting_folders", default=dict, load=_waiting_folders)
     #: The gc epoch whose collections this client has taken into account.
     gc_epoch: Setting[int] = Setting("gc_epoch", default=lambda: 0, load=int)
     #: A configuration change whose rebalance did not finish (``backend list`` says

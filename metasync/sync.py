@@ -28,7 +28,7 @@ from metasync.replicator import Replicator
 from metasync.scanner import Scanner
 from metasync.state import PendingCheckout
 from metasync.versions import Versions
-from metasync.worktree import ScanEntry, remove_stale_temps
+from metasync.worktree import ScanEntry, ScanProblems, remove_stale_temps
 
 if TYPE_CHECKING:
     from metasync.merge import MergeConflict
@@ -59,6 +59,9 @@ class PushResult:
     #: The warning of a learned version that did not descend from the one this
     #: client had (history forked); the local side was merged on top and pushed.
     fork: str = ""
+    #: What the commit's scan did not sync: paths it could not read (their last
+    #: committed version was kept) and special files.
+    problems: ScanProblems = field(default_factory=ScanProblems)
 
 
 def commit_stamp(time_ns: int) -> str:
@@ -120,7 +123,8 @@ class Sync:
             done = PushResult(prev, result, uploaded.objects, uploaded.bytes,
                               missing_copies=len(self.ctx.db.missing_copies()),
                               conflicts=conflicts, spilled=uploaded.spilled,
-                              short=self.replicator.short_objects(), fork=fork)
+                              short=self.replicator.short_objects(), fork=fork,
+                              problems=self.committer.unsynced)
             if head is None or head == prev.master:
                 done.up_to_date = True
                 return done

@@ -19,7 +19,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -93,17 +93,81 @@ class IgnoreRules:
         return self.spec.match_file(path + "/" if is_dir else path)
 
 
-def scan(root: Path, ignore: IgnoreRules | None = None) -> dict[str, ScanEntry]:
+class Unsynced(NamedTuple):
+    """A path a scan found and does not sync: one it cannot read (``reason`` is
+    the system's, e.g. ``Permission denied``) or one with no content to sync (a
+    FIFO, a socket, a device: ``reason`` says which)."""
+
+    path: str
+    reason: str
+    folder: bool = False
+
+    def display(self) -> str:
+        """The path as the CLI shows it: a folder ends with ``/``."""
+        return self.path + "/" if self.folder else self.path
+
+
+@dataclass
+class ScanProblems:
+    """What a scan found and could not (``unreadable``) or would not (``special``)
+    sync, in the order found."""
+
+    unreadable: list[Unsynced] = field(default_factory=list)
+    special: list[Unsynced] = field(default_factory=list)
+
+
+#: What a special file is called in a report, by file type.
+_SPECIAL_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+class _ReadCheck:
+    """Whether this process may read a file, from the mode bits the scan already has
+    (no system call); a file they deny is asked about once more with ``access``
+    (ACLs and capabilities may still allow it). Root reads everything."""
+
+    def __init__(self) -> None:
+        self.uid = os.geteuid()
+        self.gids = {os.getegid(), *os.getgroups()}
+
+    def denied(self, path: str, st: os.stat_result) -> bool:
+        if self.uid == 0:
+            return False
+        mode = st.st_mode
+        if st.st_uid == self.uid:
+            allowed = mode & stat.S_IRUSR
+        elif st.st_gid in self.gids:
+            allowed = mode & stat.S_IRGRP
+        else:
+            allowed = mode & stat.S_IROTH
+        return not allowed and not os.access(path, os.R_OK, effective_ids=True)
+
+
+def scan(root: Path, ignore: IgnoreRules | None = None,
+         problems: ScanProblems | None = None) -> dict[str, ScanEntry]:
     """Every file, folder and link under ``root`` (not following links), except
-    what ``ignore`` excludes."""
+    what ``ignore`` excludes. Folders and files this process may not read, and
+    special files, are left out and listed in ``problems`` (a folder it cannot
+    list or enter is itself in the result, its contents are not)."""
     found: dict[str, ScanEntry] = {}
+    problems = problems if problems is not None else ScanProblems()
+    check = _ReadCheck()
     stack: list[tuple[str, str]] = [(str(root), "")]
     while stack:
         abs_dir, rel_dir = stack.pop()
         try:
             it = os.scandir(abs_dir)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             continue  # vanished while scanning: it is simply not there
+        except OSError as exc:
+            if not rel_dir:
+                raise
+            problems.unreadable.append(Unsynced(rel_dir, exc.strerror or str(exc), True))
+            continue
         with it:
             for de in it:
                 if is_ignored(de.name):
@@ -113,6 +177,17 @@ def scan(root: Path, ignore: IgnoreRules | None = None) -> dict[str, ScanEntry]:
                     st = de.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
+                except PermissionError as exc:
+                    if not rel_dir:
+                        raise
+                    # Listed but not entered (no search permission): nothing in
+                    # it can be read; the folder is what cannot be read.
+                    inside = rel_dir + "/"
+                    for name in [k for k in found if k.startswith(inside)]:
+                        del found[name]
+                    stack = [(a, r) for a, r in stack if not r.startswith(inside)]
+                    problems.unreadable.append(Unsynced(rel_dir, exc.strerror or str(exc), True))
+                    break
                 mode = st.st_mode
                 if ignore is not None and ignore.ignores(rel, stat.S_ISDIR(mode)):
                     continue
@@ -124,10 +199,15 @@ def scan(root: Path, ignore: IgnoreRules | None = None) -> dict[str, ScanEntry]:
                     found[rel] = ScanEntry(rel, "dir", 0, st.st_mtime_ns, st.st_ino, False)
                     stack.append((de.path, rel))
                 elif stat.S_ISREG(mode):
+                    if check.denied(de.path, st):
+                        problems.unreadable.append(Unsynced(rel, os.strerror(errno.EACCES)))
+                        continue
                     found[rel] = ScanEntry(
                         rel, "file", st.st_size, st.st_mtime_ns, st.st_ino, bool(mode & stat.S_IXUSR)
                     )
-                # sockets, fifos and devices are not synchronised.
+                else:  # no content to sync (and opening a FIFO would block)
+                    kind = _SPECIAL_KINDS.get(stat.S_IFMT(mode), "a special file")
+                    problems.special.append(Unsynced(rel, kind))
     return found
 
 
@@ -160,10 +240,11 @@ class Chunker:
         (a file still being written must not be committed half-written).
         """
         chunks: list[Chunk] = []
-        opener = None if dir_fd is None else _opener_at(dir_fd)
+        opener = _open_nonblocking if dir_fd is None else _opener_at(dir_fd)
         with open(path, "rb", buffering=0, opener=opener) as fh:
             st = os.fstat(fh.fileno())
-            if st.st_size != expect.size or st.st_mtime_ns != expect.mtime_ns:
+            if (not stat.S_ISREG(st.st_mode) or st.st_size != expect.size
+                    or st.st_mtime_ns != expect.mtime_ns):
                 raise FileChanged(str(path))
             if st.st_size <= CHUNK_MIN:
                 self._emit(fh.readall(), 0, chunks, sink)
@@ -201,9 +282,17 @@ class Chunker:
             sink("blob", blob_id, bytes(data))
 
 
+def _open_nonblocking(path: str, flags: int) -> int:
+    """An ``open()`` opener that never blocks: a FIFO put where the scan saw a file
+    opens at once (and is refused as no longer a regular file); on a regular file
+    ``O_NONBLOCK`` changes nothing."""
+    return os.open(path, flags | os.O_NONBLOCK)
+
+
 def _opener_at(dir_fd: int) -> Callable[[str, int], int]:
-    """An ``open()`` opener of names in folder ``dir_fd`` that never follows a link."""
-    return lambda name, flags: os.open(name, flags | os.O_NOFOLLOW, dir_fd=dir_fd)
+    """An ``open()`` opener of names in folder ``dir_fd`` that never follows a link
+    (nor blocks, as :func:`_open_nonblocking`)."""
+    return lambda name, flags: os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
 
 
 def temp_name() -> str:
