@@ -33,6 +33,7 @@ from metasync.backends import (
     without_local_options,
 )
 from metasync.backends.unconnected import Unconnected
+from metasync.backends.uris import Location, location_identity
 from metasync.codec import Codec
 from metasync.errors import (
     BackendUnavailable,
@@ -83,12 +84,12 @@ class BackendPool:
         #: Where the one-line "not connected" notes go.
         self.reporter: Reporter = reporter or NullReporter()
         #: URIs typed on this machine's command line for backends of the shared
-        #: configuration (``clone --backend``), by their shared form: connected
+        #: configuration (``clone --backend``), with what each names: connected
         #: (remembered) when a configuration names them.
-        self.typed: dict[str, str] = {}
+        self.typed: list[tuple[Location, str]] = []
         for given in typed or ():
             uri = typed_uri(normalize_uri(given))
-            self.typed[public_uri(uri)] = uri
+            self.typed.append((location_identity(uri), uri))
 
     def uri_of(self, backend_id: str, shared: str) -> str | None:
         """The URI this client reaches backend ``backend_id`` (shared URI ``shared``)
@@ -127,7 +128,7 @@ class BackendPool:
         return backend
 
     def _open_spec(self, spec: BackendSpec) -> Backend:
-        typed = self.typed.get(public_uri(spec.uri))
+        typed = self._typed_for(spec.uri)
         if typed is not None and spec.id not in self._state.uri_overrides:
             self.remember(spec.id, typed)
         uri = self.uri_of(spec.id, spec.uri)
@@ -160,6 +161,17 @@ class BackendPool:
                           f"disk, or not mounted?); run `metasync backend connect {spec.id} "
                           "URI` with where it is here")
         return backend
+
+    def _typed_for(self, shared: str) -> str | None:
+        """The URI typed here (``clone --backend``) that names the same location as
+        the shared URI ``shared``, however either is spelled."""
+        if not self.typed:
+            return None
+        try:
+            where = location_identity(shared)
+        except UsageError:
+            return None
+        return next((uri for loc, uri in self.typed if loc.relation(where) == "same"), None)
 
     def _unconnected(self, spec: BackendSpec, reason: str) -> Backend:
         self.reporter.note(reason)

@@ -189,7 +189,8 @@ class Repository:
         from metasync import lifecycle
 
         start = lifecycle.prepare_clone(uri, root, namespace=namespace, passphrase=passphrase,
-                                        allow_unencrypted=allow_unencrypted, pinned=fingerprint)
+                                        allow_unencrypted=allow_unencrypted, pinned=fingerprint,
+                                        others=connect)
         repo = cls(open_context(start.root, reporter, typed=connect))
         try:
             repo.versions.start_from_hint(start.entry_id)
