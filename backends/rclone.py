@@ -65,6 +65,7 @@ from metasync.backends.base import (
     TEMP_PREFIX,
     Backend,
     Capabilities,
+    TempFile,
     check_key,
     check_namespace,
     check_prefix,
@@ -568,6 +569,7 @@ class RcloneBackend(Backend):
         max_object_size=None,
         case_sensitive=True,  # true of the remotes tested; not of every rclone remote
         long_poll=False,
+        temp_files=True,
     )
 
     def __init__(self, uri: str, namespace: str) -> None:
@@ -1112,6 +1114,62 @@ class RcloneBackend(Backend):
 
         keys: builtins.list[str] = self._retry(f"list {remote}", request)
         return iter(keys)
+
+    def _temp_files(self) -> Iterator[TempFile]:
+        """Every ``.tmp-`` upload under the namespace, from one recursive listing, and
+        every claim ``.tmp-<hex>.<name>`` whose key exists beside it. A claim without
+        its key is left out: it stands for that key (see :meth:`put`), so removing it
+        would remove the object."""
+        params = {
+            "fs": self.location,
+            "remote": self._remote(),
+            "opt": {"recurse": True, "filesOnly": True, "noMimeType": True},
+        }
+
+        def request() -> builtins.list[TempFile]:
+            try:
+                out = self._rc("operations/list", params, "list temporary files")
+            except ObjectNotFound:
+                return []
+            root = self.namespace + "/"
+            files: dict[str, dict[str, Any]] = {}
+            for item in out.get("list") or []:
+                path = str(item.get("Path", ""))
+                if not item.get("IsDir") and path.startswith(root):
+                    files[path[len(root):]] = item
+            found = []
+            for path, item in files.items():
+                folder, _, name = path.rpartition("/")
+                if not name.startswith(TEMP_PREFIX):
+                    continue
+                claimed = _claimed(name)
+                if claimed is not None and _join(folder, claimed) not in files:
+                    continue
+                try:
+                    modified = datetime.fromisoformat(str(item.get("ModTime"))).timestamp()
+                except ValueError:
+                    continue  # no usable time: its age is unknown, so it is left alone
+                found.append(TempFile(path, int(item.get("Size") or 0), modified))
+            return found
+
+        temps: builtins.list[TempFile] = self._retry("list temporary files", request)
+        return iter(temps)
+
+    def _remove_temp(self, path: str) -> bool:
+        parts = path.split("/")
+        if not parts[-1].startswith(TEMP_PREFIX) or any(p in ("", ".", "..") for p in parts):
+            raise InvalidKey(f"not a temporary file: {path!r}")
+
+        def request() -> bool:
+            try:
+                self._rc("operations/deletefile",
+                         {"fs": self.location, "remote": self._remote(path)},
+                         f"delete temporary file {path!r}")
+            except ObjectNotFound:
+                return False
+            return True
+
+        return bool(self._retry(f"delete temporary file {path}", request))
 
     def poll(self, key: str) -> str | None:
         """``ModTime:Size`` of ``key`` (None if absent), plus a content hash where the

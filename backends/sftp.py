@@ -86,6 +86,7 @@ from metasync.backends.base import (
     TEMP_PREFIX,
     Backend,
     Capabilities,
+    TempFile,
     check_key,
     check_namespace,
     check_prefix,
@@ -97,6 +98,7 @@ from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
     BackendError,
     BackendUnavailable,
+    InvalidKey,
     ObjectNotFound,
     UsageError,
 )
@@ -400,6 +402,7 @@ class SftpBackend(Backend):
         max_object_size=None,
         case_sensitive=True,
         long_poll=False,
+        temp_files=True,
     )
 
     def __init__(self, uri: str, namespace: str) -> None:
@@ -1143,6 +1146,50 @@ class SftpBackend(Backend):
             return found
 
         return iter(self._call(f"list {prefix or 'all keys'}", request))
+
+    def _temp_files(self) -> Iterator[TempFile]:
+        """Every ``.tmp-`` file under the namespace folder, one listing per folder."""
+
+        def request(sftp: paramiko.SFTPClient, _: _Session) -> builtins.list[TempFile]:
+            self._require_root(sftp)
+            found: builtins.list[TempFile] = []
+            stack = [(self.root, "")]
+            while stack:
+                folder, rel = stack.pop()
+                try:
+                    entries = sftp.listdir_attr(folder)
+                except FileNotFoundError:
+                    continue  # removed meanwhile
+                for entry in entries:
+                    name = entry.filename
+                    path = f"{rel}/{name}" if rel else name
+                    mode = entry.st_mode or 0
+                    if name.startswith(TEMP_PREFIX):
+                        if stat.S_ISREG(mode):
+                            found.append(TempFile(path, entry.st_size or 0,
+                                                  float(entry.st_mtime or 0)))
+                    elif stat.S_ISDIR(mode) and is_key_part(name):
+                        stack.append((posixpath.join(folder, name), path))
+            return found
+
+        return iter(self._call("list temporary files", request))
+
+    def _remove_temp(self, path: str) -> bool:
+        parts = path.split("/")
+        if not parts[-1].startswith(TEMP_PREFIX) or any(p in ("", ".", "..") for p in parts):
+            raise InvalidKey(f"not a temporary file: {path!r}")
+        full = posixpath.join(self.root, *parts)
+        attempts = _Attempts()
+
+        def request(sftp: paramiko.SFTPClient, _: _Session) -> bool:
+            try:
+                attempts.sent = True
+                sftp.remove(full)
+            except FileNotFoundError:
+                return False
+            return True
+
+        return bool(self._call(f"delete temporary file {path!r}", request, attempts))
 
     def _is_folder(self, sftp: paramiko.SFTPClient, path: str) -> bool:
         try:

@@ -285,6 +285,8 @@ def fsck(quick: bool, repair: bool) -> None:
     with _open() as repo:
         report = repo.fsck(quick=quick, repair=repair)
         names = {p.backend: repo.backend_name(p.backend) for p in report.problems}
+        names.update({b: repo.backend_name(b) for b, _ in report.temp_files.found})
+        names.update({b: repo.backend_name(b) for b in report.temp_files.errors})
     fixed = set(report.repaired)
     for p in report.problems:
         where = names.get(p.backend, p.backend)
@@ -292,6 +294,7 @@ def fsck(quick: bool, repair: bool) -> None:
             _say(f"repaired: {p.problem} {p.kind} {p.object_id} on {where}")
         else:
             click.echo(f"{p.problem}: {p.kind} {p.object_id} on {where}")
+    _report_temp_files(report.temp_files, names)
     how = "found" if quick else "verified"
     if report.ok:
         extra = f", {len(report.repaired)} repaired" if report.repaired else ""
@@ -302,6 +305,23 @@ def fsck(quick: bool, repair: bool) -> None:
     click.echo(f"{left} problem(s) in {report.checked_copies} copies checked; see above{hint}",
                err=True)
     sys.exit(1)
+
+
+def _report_temp_files(sweep: Any, names: dict[str, str]) -> None:
+    """What fsck and gc found of killed uploads' temporary files (see TempSweep)."""
+    if sweep.found:
+        count = len(sweep.found)
+        where = ", ".join(sorted({names.get(b, b) for b, _ in sweep.found}))
+        what = (f"{count} temporary file(s) of interrupted uploads, "
+                f"{_human(sweep.size)}, older than the grace period")
+        if sweep.removed:
+            _say(f"removed {what} (on {where})")
+        else:
+            click.echo(f"{what} on {where}; `metasync fsck --repair` or `metasync gc` "
+                       "removes them")
+    for backend, why in sorted(sweep.errors.items()):
+        click.echo(f"note: could not look for temporary files on {names.get(backend, backend)}: "
+                   f"{why}", err=True)
 
 
 # ============================================================== storage changes
@@ -426,13 +446,17 @@ def config_retention(days: int) -> None:
 @cli.command()
 @click.option("--log-grace", "log_grace_hours", type=click.FloatRange(min=0), default=24.0,
               show_default=True, metavar="HOURS",
-              help="Compact the logs of versions decided at least this long ago. Below the "
-                   "default, a push suspended for over half of it may have to merge again.")
+              help="Compact the logs of versions decided at least this long ago, and delete "
+                   "temporary files of interrupted uploads older than this. Below the default, "
+                   "a push suspended for over half of it may have to merge again (or upload "
+                   "again).")
 def gc(log_grace_hours: float) -> None:
     """Delete objects no kept version, snapshot or push in progress needs, and
     compact the agreement logs of old versions."""
     with _open() as repo:
         report = repo.gc(log_grace_s=log_grace_hours * 3600)
+        names = {b: repo.backend_name(b) for b, _ in report.temp_files.found}
+        names.update({b: repo.backend_name(b) for b in report.temp_files.errors})
     if report.lost_race:
         _say("another client committed meanwhile: nothing was deleted; run `metasync gc` again")
     elif report.version is None:
@@ -450,6 +474,7 @@ def gc(log_grace_hours: float) -> None:
     if report.log_compaction_error:
         click.echo(f"warning: log compaction postponed ({report.log_compaction_error}); "
                    "the next gc tries again", err=True)
+    _report_temp_files(report.temp_files, names)
 
 
 @cli.command()

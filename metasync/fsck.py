@@ -16,6 +16,7 @@ from metasync.context import RepoContext
 from metasync.errors import BackendError, CorruptObject, MetasyncError, ObjectNotFound
 from metasync.graph import ObjectGraph
 from metasync.layout import fragment_key, object_key
+from metasync.maintenance.gc import TempSweep, sweep_temp_files
 from metasync.objects import Config, Version
 from metasync.replicator import Replicator, take_inventory
 from metasync.store import fragment_mapping_of, mapping_of
@@ -40,6 +41,9 @@ class FsckReport:
     problems: list[FsckProblem] = field(default_factory=list)
     #: Copies ``--repair`` re-created from a good copy (each was a problem above).
     repaired: list[FsckProblem] = field(default_factory=list)
+    #: Temporary files of killed uploads older than the grace period (removed with
+    #: ``--repair``). Not problems: no copy is wrong, they only take space.
+    temp_files: TempSweep = field(default_factory=TempSweep)
 
     @property
     def ok(self) -> bool:
@@ -75,6 +79,9 @@ class Fsck:
                 break
         if repair:
             report = self._check(quick=quick, repair=True)
+        report.temp_files = sweep_temp_files(
+            self.ctx, self.ctx.pool.open(versions.load_config(versions.learn_latest().config)),
+            delete=repair)
         return report
 
     def _check(self, *, quick: bool, repair: bool) -> FsckReport:

@@ -29,6 +29,8 @@ class TestRcloneLocal(BackendConformance):
     uses a ``:local:`` connection string instead of a configured remote."""
 
     backend_class = RcloneBackend
+    # rcd removes a partial upload: the put is killed with its upload complete.
+    kill_put_before = "_move"
     # Disk Paxos over rclone rcd costs ~15 rc calls an append: 6 x 8 keeps the
     # 6-way contention at a quarter of the test's time.
     appends_per_worker = 8
@@ -52,6 +54,8 @@ class TestRcloneSftp(BackendConformance):
     """The suite against an rclone sftp remote on the real OpenSSH server."""
 
     backend_class = RcloneBackend
+    # rcd removes a partial upload: the put is killed with its upload complete.
+    kill_put_before = "_move"
     # Disk Paxos over rclone rcd costs ~15 rc calls an append: 6 x 8 keeps the
     # 6-way contention at a quarter of the test's time.
     appends_per_worker = 8
