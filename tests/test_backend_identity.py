@@ -11,6 +11,7 @@ Before the fix ``init`` accepted every spelling below and made a repository whos
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import pytest
 from conftest import backend_dirs, one_line_error, run_cli
 from metasync.backends.uris import location_identity, overlap
 from metasync.errors import UsageError
+from tests.servers.webdav import WebdavServer
 
 
 def _spellings(b: Path, tmp_path: Path) -> list[str]:
@@ -86,6 +88,28 @@ def test_clone_backend_matches_by_identity(tmp_path: Path) -> None:
     proc = run_cli("clone", f"dir:{b['b1']}", str(tmp_path / "c2"), "--backend",
                    f"dir:{b['b1']}/", check=False)
     one_line_error(proc, f"dir:{b['b1']}/", f"dir:{b['b1']}", "same")
+
+
+def test_clone_backend_connects_a_server_spelled_otherwise(
+    tmp_path: Path, webdav_server: WebdavServer
+) -> None:
+    """A WebDAV backend (which a clone uses only once told how to reach it) given to
+    ``clone --backend`` with a trailing slash is the
+    configuration's backend, and is connected. Before: not matched by its spelling,
+    so "not connected here"."""
+    b = backend_dirs(tmp_path, "b1")
+    dav = f"ident-{uuid.uuid4().hex[:8]}/store"
+    src = tmp_path / "src"
+    run_cli("init", str(src), "--backend", f"dir:{b['b1']}", "--backend",
+            webdav_server.uri(dav))
+    (src / "f.txt").write_text("hello\n")
+    run_cli("push", cwd=src)
+    spelled = webdav_server.uri(dav) + "/"
+    clone = tmp_path / "clone"
+    proc = run_cli("clone", f"dir:{b['b1']}", str(clone), "--backend", spelled)
+    assert "not connected" not in proc.stderr, proc.stderr
+    listing = run_cli("backend", "list", cwd=clone)
+    assert "not connected" not in listing.stdout + listing.stderr, listing.stdout
 
 
 @pytest.mark.parametrize(("a", "b"), [
