@@ -191,3 +191,30 @@ def test_rc_credentials_are_not_on_the_command_line(rclone_env: RcloneEnv) -> No
             assert b"--rc-pass" not in argv and b"--rc-user" not in argv
     finally:
         backend.close()
+
+
+def test_a_claim_without_its_key_is_never_swept(rclone_env: RcloneEnv) -> None:
+    """An old claim ``.tmp-<hex>.<name>`` stands for key ``<name>`` while that key is
+    missing (a put killed between its two moves): sweeping it would delete the
+    object, so it is kept; once the key exists the claim is a leftover and goes,
+    with the plain ``.tmp-<hex>`` uploads."""
+    namespace = _namespace()
+    backend = open_backend(rclone_env.uri(f"local:{rclone_env.local_dir}"), namespace)
+    try:
+        backend.create()
+        folder = Path(rclone_env.local_dir) / namespace / "objects"
+        folder.mkdir()
+        standing = folder / ".tmp-0123456789abcdef.alone"
+        leftover = folder / ".tmp-00112233445566ff.kept"
+        upload = folder / ".tmp-fedcba9876543210"
+        for path in (standing, leftover, upload):
+            path.write_bytes(b"object")
+            os.utime(path, (1_000_000_000, 1_000_000_000))
+        backend.put("objects/kept", b"object")
+        assert sorted(backend.list()) == ["objects/alone", "objects/kept"]
+        swept = backend.sweep_temp_files(2_000_000_000, delete=True)
+        assert sorted(t.path for t in swept) == [
+            "objects/.tmp-00112233445566ff.kept", "objects/.tmp-fedcba9876543210"]
+        assert standing.exists() and not leftover.exists() and not upload.exists()
+    finally:
+        backend.close()
