@@ -1220,7 +1220,8 @@ class BackendConformance:
         started = time.time()
         ctx = multiprocessing.get_context("spawn")
         child = ctx.Process(target=_killed_put_worker,
-                            args=(backend_location, "keep/killed", 8 * MiB, 3 * MiB,
+                            # Past 17 MiB an S3 multipart upload has sent two parts.
+                            args=(backend_location, "keep/killed", 24 * MiB, 17 * MiB,
                                   self.kill_put_before))
         child.start()
         child.join(CHILD_TIMEOUT)
@@ -1232,6 +1233,7 @@ class BackendConformance:
         left = backend.sweep_temp_files(later, delete=False)
         assert left, "the killed put left no temporary file to find"
         assert all(t.path.startswith("keep/") and t.size >= 0 for t in left), left
+        assert sorted(backend.list()) == ["keep/x"]
         assert backend.sweep_temp_files(later, delete=False) == left  # nothing removed
         assert sorted(backend.sweep_temp_files(later, delete=True), key=str) == sorted(
             left, key=str)

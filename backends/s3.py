@@ -35,6 +35,7 @@ from metasync.backends.base import (
     Backend,
     Capabilities,
     ObjectReader,
+    TempFile,
     check_key,
     check_namespace,
     check_prefix,
@@ -186,6 +187,8 @@ class S3Backend(Backend):
         max_object_size=MAX_PARTS * CHUNK_SIZE,
         case_sensitive=True,
         long_poll=False,
+        # A put killed mid-upload leaves an unfinished multipart upload (billed).
+        temp_files=True,
     )
 
     def __init__(self, uri: str, namespace: str) -> None:
@@ -602,6 +605,44 @@ class S3Backend(Backend):
         full = self._object(key)
         self._head(key)
         self._call(key, "delete", lambda: self._client.delete_object(Bucket=self.bucket, Key=full))
+
+    def _temp_files(self) -> Iterator[TempFile]:
+        """Every unfinished multipart upload under the namespace, as
+        ``<key>#<upload id>``: its parts' total size, and when its last part was
+        written (when it started, without parts). Invisible to listings, they cost
+        storage until aborted."""
+        found: builtins.list[TempFile] = []
+        marker: dict[str, Any] = {}
+        while True:
+            kwargs = {"Bucket": self.bucket, "Prefix": self.base, **marker}
+            page: dict[str, Any] = self._call(
+                None, "list unfinished uploads",
+                lambda k=kwargs: cast(dict[str, Any], self._client.list_multipart_uploads(**k)))  # type: ignore[misc]
+            for upload in page.get("Uploads") or []:
+                full, upload_id = str(upload["Key"]), str(upload["UploadId"])
+                size, written = 0, upload["Initiated"].timestamp()
+                parts: dict[str, Any] = self._call(
+                    None, "list parts",
+                    lambda f=full, u=upload_id: cast(dict[str, Any], self._client.list_parts(  # type: ignore[misc]
+                        Bucket=self.bucket, Key=f, UploadId=u)))
+                for part in parts.get("Parts") or []:
+                    size += int(part.get("Size", 0))
+                    written = max(written, part["LastModified"].timestamp())
+                found.append(TempFile(f"{full[len(self.base):]}#{upload_id}", size, written))
+            if not page.get("IsTruncated"):
+                return iter(found)
+            marker = {"KeyMarker": page.get("NextKeyMarker", ""),
+                      "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+
+    def _remove_temp(self, path: str) -> bool:
+        key, _, upload_id = path.rpartition("#")
+        full = self.base + key
+        try:
+            self._call(key, "abort unfinished upload of", lambda: self._client.abort_multipart_upload(
+                Bucket=self.bucket, Key=full, UploadId=upload_id))
+        except ObjectNotFound:
+            return False  # NoSuchUpload: finished or aborted meanwhile
+        return True
 
     def list(self, prefix: str = "") -> Iterator[str]:
         """Every key below the folder ``prefix``, one ListObjectsV2 page at a time
