@@ -1182,11 +1182,12 @@ class SftpBackend(Backend):
         attempts = _Attempts()
 
         def request(sftp: paramiko.SFTPClient, _: _Session) -> bool:
+            again = attempts.sent
+            attempts.sent = True
             try:
-                attempts.sent = True
                 sftp.remove(full)
             except FileNotFoundError:
-                return False
+                return again  # gone: by an earlier attempt whose answer was lost?
             return True
 
         return bool(self._call(f"delete temporary file {path!r}", request, attempts))
