@@ -11,7 +11,7 @@ import os
 import sys
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -29,6 +29,9 @@ from metasync.cli_daemon import auth, daemon
 from metasync.cli_keys import key
 from metasync.errors import MetasyncError, UsageError
 from metasync.repository import DEFAULT_NAMESPACE, Repository
+
+if TYPE_CHECKING:  # loaded by gc and fsck only (start-up time)
+    from metasync.maintenance.gc import TempSweep
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -307,7 +310,7 @@ def fsck(quick: bool, repair: bool) -> None:
     sys.exit(1)
 
 
-def _report_temp_files(sweep: Any, names: dict[str, str]) -> None:
+def _report_temp_files(sweep: TempSweep, names: dict[str, str]) -> None:
     """What fsck and gc found of killed uploads' temporary files (see TempSweep)."""
     if sweep.found:
         count = len(sweep.found)

@@ -4,7 +4,9 @@ replicator, from verified good copies.
 
 It checks what gc keeps: every commit of history, and the content of the
 commits gc has not pruned. ``--quick`` checks listings only; the default
-downloads and verifies every copy and fragment.
+downloads and verifies every copy and fragment. Temporary files that killed
+uploads left on backends are reported with their total size (``--repair``
+removes them once older than the grace period).
 """
 
 from __future__ import annotations
@@ -70,7 +72,11 @@ class Fsck:
 
         A gc that another client finishes meanwhile may collect versions this check
         started from: then it starts again from the new latest version (a few times)
-        rather than report their objects as missing."""
+        rather than report their objects as missing.
+
+        It also looks for temporary files of killed uploads older than the grace
+        period (:func:`~metasync.maintenance.gc.sweep_temp_files`), which ``repair``
+        removes; they are reported, not problems."""
         versions = self.versions
         for _ in range(FSCK_ATTEMPTS):
             epoch = versions.load_config(versions.learn_latest().config).gc_epoch
