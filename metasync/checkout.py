@@ -28,6 +28,7 @@ from metasync.errors import CorruptObject, ObjectUnavailable
 from metasync.faults import crash_point
 from metasync.graph import ObjectGraph
 from metasync.localdb import IndexRow
+from metasync.names import display_path
 from metasync.objects import TreeEntry, Version, same_entry
 from metasync.scanner import Scanner
 from metasync.worktree import (
@@ -208,7 +209,7 @@ class Checkout:
                 if existing is None or stat.S_ISDIR(existing.st_mode):
                     continue
                 if self._changed_since_scan(path, existing):
-                    self.ctx.reporter.note(f"kept {path}: it changed during the pull")
+                    self.ctx.reporter.note(f"kept {display_path(path)}: it changed during the pull")
                     continue
                 try:
                     os.unlink(name, dir_fd=fd)
@@ -266,13 +267,14 @@ class Checkout:
                 else:
                     writes.append((path, n))
             elif n is None:
-                self.ctx.reporter.note(f"kept {path}: deleted remotely but changed here")
+                self.ctx.reporter.note(f"kept {display_path(path)}: deleted remotely but changed here")
             else:
                 if loc is not None and loc.type != "dir":
                     copy = self._conflict_copy(path, stamp)
                     if copy is not None:
                         result.conflicts.append(copy)
-                        self.ctx.reporter.note(f"conflict: your version of {path} is now {copy}")
+                        self.ctx.reporter.note(f"conflict: your version of {display_path(path)} is now "
+                                               f"{display_path(copy)}")
                 writes.append((path, n))
         return writes, deletes
 
@@ -312,7 +314,8 @@ class Checkout:
         def aside(fd: int, name: str, path: str) -> None:
             copy = self._move_aside(fd, path, stamp)
             result.conflicts.append(copy)
-            self.ctx.reporter.note(f"conflict: {path} is in the way of a folder; moved to {copy}")
+            self.ctx.reporter.note(f"conflict: {display_path(path)} is in the way of a folder; "
+                                   f"moved to {display_path(copy)}")
 
         return aside
 
@@ -444,7 +447,8 @@ class Checkout:
                 # Edited (or created) while we were downloading: keep it.
                 copy = self._move_aside(fd, path, stamp)
                 result.conflicts.append(copy)
-                self.ctx.reporter.note(f"conflict: {path} changed during the pull; kept as {copy}")
+                self.ctx.reporter.note(f"conflict: {display_path(path)} changed during the pull; "
+                                       f"kept as {display_path(copy)}")
             os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
 
     def _write_job(self, job: list[WritePlan], aside: InTheWay) -> list[WrittenTemp]:
