@@ -11,6 +11,7 @@ the same two backend folders) per example.
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import os
@@ -19,7 +20,8 @@ import signal
 import sqlite3
 import subprocess
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,7 @@ from hypothesis import strategies as st
 from test_daemon_sync import DAEMON_ARGS, _env, _status, wait_until
 
 from conftest import METASYNC, PASSPHRASE, run_cli
+from metasync.daemon import Daemon, Settings
 from metasync.localdb import IndexRow, LocalDB
 from metasync.names import display_path, json_path, parse_display_path
 from metasync.repository import Repository
@@ -173,6 +176,84 @@ def test_the_daemon_syncs_a_name_that_is_not_utf8_and_keeps_running(
     assert status.startswith("state:        idle"), status
     run_cli("clone", uris[0], "--backend", uris[1], str(tmp_path / "g"), cwd=tmp_path)
     assert _tree(tmp_path / "g") == _tree(folder)
+
+
+@pytest.fixture
+def in_process() -> Iterator[None]:
+    """A daemon run in this process sets SIGTERM and SIGINT handlers: put back
+    pytest's afterwards."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def _run_daemon_until(folder: Path, done: Callable[[Daemon], bool]) -> Daemon:
+    """Run a real :class:`Daemon` on ``folder`` in this (the main) thread until
+    ``done(daemon)`` holds (checked from another thread), then stop it."""
+    d = Daemon(folder, Settings(settle=0.1, poll=0.2, rescan=60))
+    met = threading.Event()
+
+    def watch() -> None:
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: done(d), 30, "the daemon reached the state")
+            met.set()
+        d.stop()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        d.run()
+    finally:
+        d.stop()
+        watcher.join()
+    assert met.is_set(), d.status
+    return d
+
+
+def test_an_internal_error_in_a_sync_leaves_the_daemon_running_and_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_process: None) -> None:
+    """A bug in one sync (here the very error point 1 hit, injected once) is the
+    daemon's ``error`` state with the error named; the next sync goes on."""
+    folder, _ = _init(tmp_path)
+    real = Repository.status
+    calls = itertools.count()
+
+    def status_failing_once(self: Repository) -> object:
+        if next(calls) == 0:
+            raise UnicodeEncodeError("utf-8", "caf\udce9", 3, 4, "surrogates not allowed")
+        return real(self)
+
+    monkeypatch.setattr(Repository, "status", status_failing_once)
+    seen: list[dict[str, object]] = []
+
+    def recovered(d: Daemon) -> bool:
+        doc = _status(folder)
+        if doc.get("state") == "error":
+            seen.append(doc)
+        return bool(seen) and doc.get("state") == "idle"
+
+    _run_daemon_until(folder, recovered)
+    reason = str(seen[0]["reason"])
+    assert reason.startswith("internal error: UnicodeEncodeError: 'utf-8' codec can't encode"), reason
+    assert "daemon.log" in reason
+    assert "Traceback" in (folder / ".metasync" / "daemon.log").read_text()
+
+
+def test_a_daemon_that_stops_on_an_error_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_process: None) -> None:
+    """If something outside a sync ends the daemon, `daemon status` shows
+    ``stopped`` with that reason (it was ``stopped`` with an empty one)."""
+    folder, _ = _init(tmp_path)
+
+    def broken(self: Daemon) -> bool:
+        raise ValueError("a broken poll")
+
+    monkeypatch.setattr(Daemon, "_remote_moved", broken)
+    with pytest.raises(ValueError):
+        Daemon(folder, Settings(settle=0.1, poll=0.2)).run()
+    shown = run_cli("daemon", "status", cwd=folder).stdout.splitlines()[0]
+    assert shown == "state:        stopped (stopped on an error: ValueError: a broken poll)", shown
 
 
 # ----------------------------------------------------------------- the pieces
