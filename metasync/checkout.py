@@ -27,11 +27,12 @@ from metasync.context import RepoContext
 from metasync.errors import CorruptObject, ObjectUnavailable
 from metasync.faults import crash_point
 from metasync.graph import ObjectGraph
-from metasync.localdb import IndexRow
+from metasync.localdb import NOT_ON_DISK, IndexRow
 from metasync.names import display_path
 from metasync.objects import TreeEntry, Version, same_entry
 from metasync.scanner import Scanner
 from metasync.worktree import (
+    NAME_REFUSED,
     Folders,
     InTheWay,
     ScanEntry,
@@ -64,6 +65,9 @@ class PullResult:
     #: Set when the version taken does not descend from the one this client had
     #: (history forked): the one-line warning saying so (:mod:`metasync.sync`).
     fork: str = ""
+    #: Paths of the tree this file system refused to create (each said in a note);
+    #: they stay in the repository (see :data:`~metasync.localdb.NOT_ON_DISK`).
+    not_written: list[str] = field(default_factory=list)
 
 
 def now_stamp() -> str:
@@ -128,6 +132,8 @@ class Checkout:
         self._seen: dict[str, ScanEntry] = {}
         #: The folders of the current checkout (see :meth:`run`).
         self._folders: Folders
+        #: Index rows of paths this file system refused in the current checkout.
+        self._refused: dict[str, IndexRow] = {}
 
     # ---------------------------------------------------------------- pending checkouts
     def resume(self) -> PullResult | None:
@@ -172,6 +178,7 @@ class Checkout:
         ``moves`` maps new paths to paths whose current content they take (a merge's
         conflict copies of local versions): renamed locally instead of downloaded.
         """
+        self._refused = {}
         with Folders(self.root) as folders:
             self._folders = folders
             self._run(base, remote, result, moves)
@@ -205,7 +212,7 @@ class Checkout:
             parent, _, name = path.rpartition("/")
             with folders.opened(parent) as fd:
                 # No folder there (a link or a file now): nothing of this tree to delete.
-                existing = lstat_at(fd, name) if fd is not None else None
+                existing = _lstat_name(fd, name) if fd is not None else None
                 if existing is None or stat.S_ISDIR(existing.st_mode):
                     continue
                 if self._changed_since_scan(path, existing):
@@ -232,13 +239,54 @@ class Checkout:
             if b is not None and b.type == "dir" and path not in local:
                 continue  # removed here, untouched remotely: stays removed (files
                 # the remote changed inside bring their folders back as they are written)
-            folders.release(folders.make(path, aside))
+            self._make_folder(path, remote[path], aside, result)
         rows = self._write_files(writes, stamp, result, scanned)
         db = self.ctx.db
         with db.transaction():
             db.delete_index(deletes)
             db.upsert_index(rows)
+            db.upsert_index(self._refused.values())
+            # Folders gone from the tree: only one this file system refused has a row.
+            db.delete_index(p for p, e in base.items()
+                            if e.type == "dir" and p not in remote and p not in self._refused)
             db.upsert_index(r for r in scan.rows if r.path not in {w[0] for w in writes})
+
+    # ---------------------------------------------------------------- refused names
+    def _make_folder(self, path: str, entry: TreeEntry, aside: InTheWay,
+                     result: PullResult) -> bool:
+        """Make the folder ``path`` (and its parents); False if this file system
+        refused its name or a parent's (said once per folder, and remembered)."""
+        if self._refused_parent(path):
+            self._refuse(path, entry, None, result)
+            return False
+        try:
+            self._folders.release(self._folders.make(path, aside))
+        except OSError as exc:
+            if exc.errno not in NAME_REFUSED:
+                raise
+            self._refuse(path, entry, exc, result)
+            return False
+        return True
+
+    def _refused_parent(self, path: str) -> bool:
+        parent = path.rpartition("/")[0]
+        while parent:
+            if parent in self._refused:
+                return True
+            parent = parent.rpartition("/")[0]
+        return False
+
+    def _refuse(self, path: str, entry: TreeEntry, exc: OSError | None,
+                result: PullResult) -> None:
+        """Record that ``path`` cannot exist here: a note naming it (unless it is
+        inside a folder already named), and an index row that keeps it in the tree."""
+        self._refused[path] = IndexRow(path, entry.type, entry.ref, entry.size,
+                                       entry.executable, NOT_ON_DISK, 0, 0)
+        result.not_written.append(path)
+        if exc is not None:
+            self.ctx.reporter.note(
+                f"cannot write {display_path(path)} here: {exc.strerror or exc}; "
+                "it stays in the repository (and on the other clients)")
 
     def _plan(
         self, base: dict[str, TreeEntry], remote: dict[str, TreeEntry],
@@ -300,7 +348,7 @@ class Checkout:
         """Rename ``path`` to a free conflict name beside it; None if nothing is there
         (or its folder is no longer a folder of this tree: a link is not followed)."""
         with self._folders.opened(path.rpartition("/")[0]) as fd:
-            if fd is None or lstat_at(fd, path.rpartition("/")[2]) is None:
+            if fd is None or _lstat_name(fd, path.rpartition("/")[2]) is None:
                 return None
             return self._move_aside(fd, path, stamp)
 
@@ -342,8 +390,17 @@ class Checkout:
         folders = self._folders
         for path, entry in writes:
             parent = path.rpartition("/")[0]
+            if self._refused_parent(path):
+                self._refuse(path, entry, None, result)
+                continue
             if parent and parent not in ensured:
-                folders.release(folders.make(parent, aside))
+                try:
+                    folders.release(folders.make(parent, aside))
+                except OSError as exc:
+                    if exc.errno not in NAME_REFUSED:
+                        raise
+                    self._refuse(path, entry, exc, result)
+                    continue
                 while parent and parent not in ensured:
                     ensured.add(parent)
                     parent = parent.rpartition("/")[0]
@@ -402,30 +459,47 @@ class Checkout:
         written_at = time.time_ns()
         folders = self._folders
 
-        def fast(item: WrittenTemp, fd: int | None) -> bool:
-            """Rename into a free or unchanged place; False leaves it to the slow path."""
-            (path, _, _), tmp, _ = item
+        def fast(item: WrittenTemp, fd: int | None) -> bool | None:
+            """Rename into a free or unchanged place; False leaves it to the slow path,
+            None: this file system refused the name (the temporary file is removed)."""
+            (path, entry, _), tmp, _ = item
             name = path.rpartition("/")[2]
             if fd is None:
                 return False
-            existing = lstat_at(fd, name)
-            if existing is not None and (stat.S_ISDIR(existing.st_mode)
-                                         or self._changed_since_scan(path, existing)):
-                return False
-            os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            try:
+                existing = lstat_at(fd, name)
+                if existing is not None and (stat.S_ISDIR(existing.st_mode)
+                                             or self._changed_since_scan(path, existing)):
+                    return False
+                os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in NAME_REFUSED:
+                    raise
+                os.unlink(tmp, dir_fd=fd)
+                self._refuse(path, entry, exc, result)
+                return None
             return True
 
         # Serial on purpose: renames into the same folders contend on the folder's
         # lock, and measured slower when spread over threads.
-        done = []
+        done: list[bool | None] = []
         with folders.cursor() as cursor:
             for item in pending:
                 done.append(fast(item, cursor.at(item[0][0].rpartition("/")[0])))
                 crash_point("checkout:rename")
         rows: list[IndexRow] = []
         for ((path, entry, _), tmp, st), ok in zip(pending, done, strict=True):
+            if ok is None:
+                continue
             if not ok:
-                self._install_slow(path, tmp, stamp, result)
+                try:
+                    self._install_slow(path, tmp, stamp, result)
+                except OSError as exc:
+                    if exc.errno not in NAME_REFUSED:
+                        raise
+                    self._drop_temp(path, tmp)
+                    self._refuse(path, entry, exc, result)
+                    continue
             result.written += 1
             if st is not None:  # renaming keeps the inode and mtime of the temporary file
                 rows.append(IndexRow(path, entry.type, entry.ref, st.st_size,
@@ -478,6 +552,16 @@ class Checkout:
                     os.unlink(tmp, dir_fd=fd)
                 except FileNotFoundError:
                     pass
+
+
+def _lstat_name(fd: int, name: str) -> os.stat_result | None:
+    """:func:`lstat_at`, where a name this file system refuses is simply absent."""
+    try:
+        return lstat_at(fd, name)
+    except OSError as exc:
+        if exc.errno in NAME_REFUSED:
+            return None
+        raise
 
 
 def chunk_groups(chunks: list[tuple[str, int]], budget: int = 8 * 1024 * 1024) -> list[list[tuple[str, int]]]:

@@ -66,6 +66,13 @@ def path_of(key: str | bytes) -> str:
     return key if isinstance(key, str) else os.fsdecode(key)
 
 
+#: ``mtime_ns`` of an index row for a path of the tree that this machine's file
+#: system refused to create (a name too long here, or not in the encoding it
+#: requires): the scan keeps the row's entry, so the path is neither shown as
+#: deleted nor dropped by the next commit.
+NOT_ON_DISK = -1
+
+
 class IndexRow(NamedTuple):
     """What the working-tree index remembers about one path. (A named tuple: status
     loads one per file, so construction cost matters.)"""
@@ -84,8 +91,11 @@ _make_row = IndexRow._make
 
 
 def _index_row(r: tuple[Any, ...]) -> IndexRow:
-    """An index row from its stored columns (a BLOB path: a name not in UTF-8)."""
-    return _make_row(r) if isinstance(r[0], str) else _make_row((path_of(r[0]), *r[1:]))
+    """An index row from its stored columns (a BLOB path or ref: a name or a link
+    target not in UTF-8)."""
+    if isinstance(r[0], str) and isinstance(r[2], str):
+        return _make_row(r)
+    return _make_row((path_of(r[0]), r[1], path_of(r[2]), *r[3:]))
 
 
 class LocalDB:
@@ -157,7 +167,7 @@ class LocalDB:
         self.conn.executemany(
             "INSERT OR REPLACE INTO worktree VALUES (?,?,?,?,?,?,?,?)",
             (
-                (path_key(r.path), r.type, r.ref, r.size, int(r.executable), r.mtime_ns, r.ino,
+                (path_key(r.path), r.type, path_key(r.ref), r.size, int(r.executable), r.mtime_ns, r.ino,
                  r.hashed_at_ns)
                 for r in rows
             ),

@@ -33,7 +33,9 @@ from conftest import METASYNC, PASSPHRASE, run_cli
 from metasync.daemon import Daemon, Settings
 from metasync.localdb import IndexRow, LocalDB
 from metasync.names import display_path, json_path, parse_display_path
+from metasync.objects import TreeEntry
 from metasync.repository import Repository
+from metasync.scanner import Scanner, ScanResult
 
 LATIN1 = b"caf\xe9.txt"  # a Latin-1 name: not valid UTF-8
 ODD = [LATIN1, b"new\nline", b"back\\slash", b"   ", b"x" * 255, b'quo"te', b"\xff\xfe"]
@@ -140,6 +142,83 @@ def test_restore_brings_back_a_name_that_is_not_utf8(tmp_path: Path) -> None:
         assert fh.read() == b"content 0\n"
 
 
+#: Names a Linux file system refuses (more than 255 bytes) and a macOS client
+#: holds (255 UTF-16 units): 100 CJK characters are 300 bytes of UTF-8.
+LONG_FILE = "名" * 100
+LONG_DIR = "d" * 300
+
+
+def _push_as_a_client_with_longer_names(folder: Path, monkeypatch: pytest.MonkeyPatch,
+                                        suffix: str = "", delete: bool = False) -> None:
+    """Push ``folder`` plus, as a client whose file system allows longer names would,
+    a file ``LONG_FILE + suffix`` and a folder ``LONG_DIR + suffix`` holding
+    ``inner.txt`` (same content as ``short.txt``); with ``delete``, push the
+    deletion of every such name instead. This file system cannot hold them, so the
+    scan is changed: the only way to make such a tree here."""
+    real = Scanner.scan
+
+    def scan(self: Scanner, sink: object, **kw: bool) -> ScanResult:
+        result = real(self, sink, **kw)  # type: ignore[arg-type]
+        if delete:
+            for path in [p for p in [*result.files, *result.dirs] if p.startswith(("名", "ddd"))]:
+                result.files.pop(path, None)
+                result.dirs.discard(path)
+            return result
+        same = result.files["short.txt"]
+        for path in (LONG_FILE + suffix, f"{LONG_DIR}{suffix}/inner.txt"):
+            result.files[path] = TreeEntry(path.rpartition("/")[2], same.type, same.ref, same.size)
+        result.dirs.add(LONG_DIR + suffix)
+        return result
+
+    with monkeypatch.context() as m:
+        m.setattr(Scanner, "scan", scan)
+        with Repository.open(folder) as repo:
+            repo.push()
+
+
+def test_a_name_this_file_system_refuses_is_named_and_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clone or pull names each path it cannot create here, writes the rest,
+    and keeps those paths in the repository: status does not call them deleted
+    and the next push does not delete them."""
+    folder, uris = _init(tmp_path)
+    (folder / "short.txt").write_text("same\n")
+    (folder / "other.txt").write_text("other\n")
+    _push_as_a_client_with_longer_names(folder, monkeypatch)
+
+    clone = run_cli("clone", uris[0], "--backend", uris[1], str(tmp_path / "g"), cwd=tmp_path,
+                    check=False)
+    assert clone.returncode == 0 and "Traceback" not in clone.stderr, clone.stderr
+    refused = [line for line in clone.stderr.splitlines() if line.startswith("cannot write")]
+    assert refused == [
+        f"cannot write {LONG_DIR} here: File name too long; it stays in the repository "
+        "(and on the other clients)",
+        f"cannot write {LONG_FILE} here: File name too long; it stays in the repository "
+        "(and on the other clients)"], clone.stderr
+    g = tmp_path / "g"
+    assert sorted(p.name for p in g.iterdir()) == [".metasync", "other.txt", "short.txt"]
+    assert run_cli("status", cwd=g).stdout.splitlines()[-1] == "Nothing to commit, folder clean"
+
+    (g / "other.txt").write_text("changed here\n")
+    run_cli("push", cwd=g)
+    with Repository.open(g) as repo:
+        tree = repo.tree_at(repo.prev.master)
+    assert {LONG_FILE, LONG_DIR, f"{LONG_DIR}/inner.txt", "other.txt"} <= set(tree)
+
+    # A later version with more such names: a pull names them too, and their
+    # deletion upstream (of names the clone never had) goes through.
+    _push_as_a_client_with_longer_names(folder, monkeypatch, suffix="2")
+    pull = run_cli("pull", cwd=g)
+    assert f"cannot write {LONG_FILE}2 here" in pull.stderr, pull.stderr
+    assert "Traceback" not in pull.stderr
+    _push_as_a_client_with_longer_names(folder, monkeypatch, delete=True)
+    run_cli("pull", cwd=g)
+    with Repository.open(g) as repo:
+        tree = repo.tree_at(repo.prev.master)
+        assert set(tree) == {"other.txt", "short.txt"}
+        assert not repo.status().changes
+
+
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[tuple[Path, list[str], subprocess.Popen[bytes]]]:
     folder, uris = _init(tmp_path)
@@ -158,9 +237,11 @@ def daemon(tmp_path: Path) -> Iterator[tuple[Path, list[str], subprocess.Popen[b
 
 
 def test_the_daemon_syncs_a_name_that_is_not_utf8_and_keeps_running(
-        tmp_path: Path, daemon: tuple[Path, list[str], subprocess.Popen[bytes]]) -> None:
+        tmp_path: Path, daemon: tuple[Path, list[str], subprocess.Popen[bytes]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The daemon died on such a name, and `daemon status` then said ``stopped``
-    with an empty reason. Now it syncs the file and keeps watching."""
+    with an empty reason. Now it syncs the file and keeps watching; a name this
+    file system refuses is named in its log."""
     folder, uris, proc = daemon
     _write(folder, [LATIN1])
 
@@ -176,6 +257,21 @@ def test_the_daemon_syncs_a_name_that_is_not_utf8_and_keeps_running(
     assert status.startswith("state:        idle"), status
     run_cli("clone", uris[0], "--backend", uris[1], str(tmp_path / "g"), cwd=tmp_path)
     assert _tree(tmp_path / "g") == _tree(folder)
+
+    # Another client pushes names this file system refuses: the daemon's log names
+    # each one, it takes the rest of that version, and it goes on.
+    (tmp_path / "g" / "short.txt").write_text("short\n")
+    _push_as_a_client_with_longer_names(tmp_path / "g", monkeypatch)
+
+    def took_it() -> bool:
+        return synced() and (folder / "short.txt").exists() and int(
+            _status(folder).get("version", 0)) >= 2  # type: ignore[call-overload]
+
+    wait_until(took_it, 60, "the daemon took the other client's version")
+    log = (folder / ".metasync" / "daemon.log").read_text()
+    assert f"cannot write {LONG_FILE} here: File name too long" in log, log
+    assert f"cannot write {LONG_DIR} here: File name too long" in log
+    assert "Traceback" not in log
 
 
 @pytest.fixture
