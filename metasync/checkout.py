@@ -30,6 +30,7 @@ from metasync.graph import ObjectGraph
 from metasync.localdb import NOT_ON_DISK, IndexRow
 from metasync.names import display_path
 from metasync.objects import TreeEntry, Version, same_entry
+from metasync.progress import Reporter
 from metasync.scanner import Scanner
 from metasync.worktree import (
     NAME_REFUSED,
@@ -119,6 +120,52 @@ class FileWriter:
         return tmp, st
 
 
+class RefusedNames:
+    """The paths of one checkout that this file system refused to create (a name
+    too long here, or not in the encoding it requires): each is named in a note
+    and gets an index row (:data:`~metasync.localdb.NOT_ON_DISK`) that keeps it in
+    the tree, so it is neither shown as deleted nor dropped by the next commit."""
+
+    def __init__(self, reporter: Reporter) -> None:
+        self.reporter = reporter
+        #: Their index rows, by path.
+        self.rows: dict[str, IndexRow] = {}
+
+    def under(self, path: str) -> bool:
+        """True if a folder above ``path`` was refused (so ``path`` cannot be made)."""
+        parent = path.rpartition("/")[0]
+        while parent:
+            if parent in self.rows:
+                return True
+            parent = parent.rpartition("/")[0]
+        return False
+
+    def add(self, path: str, entry: TreeEntry, exc: OSError | None, result: PullResult) -> None:
+        """Record ``path``, and say so unless it is inside a folder already said."""
+        self.rows[path] = IndexRow(path, entry.type, entry.ref, entry.size, entry.executable,
+                                   NOT_ON_DISK, 0, 0)
+        result.not_written.append(path)
+        if exc is not None:
+            self.reporter.note(f"cannot write {display_path(path)} here: {exc.strerror or exc}; "
+                               "it stays in the repository (and on the other clients)")
+
+    def make_folder(self, folders: Folders, path: str, entry: TreeEntry, aside: InTheWay,
+                    result: PullResult) -> bool:
+        """Make the folder ``path`` (and its parents); False if this file system
+        refused its name or a parent's."""
+        if self.under(path):
+            self.add(path, entry, None, result)
+            return False
+        try:
+            folders.release(folders.make(path, aside))
+        except OSError as exc:
+            if exc.errno not in NAME_REFUSED:
+                raise
+            self.add(path, entry, exc, result)
+            return False
+        return True
+
+
 class Checkout:
     """Changes one repository's folder from tree to tree."""
 
@@ -132,8 +179,8 @@ class Checkout:
         self._seen: dict[str, ScanEntry] = {}
         #: The folders of the current checkout (see :meth:`run`).
         self._folders: Folders
-        #: Index rows of paths this file system refused in the current checkout.
-        self._refused: dict[str, IndexRow] = {}
+        #: The paths this file system refused in the current checkout.
+        self._refused = RefusedNames(ctx.reporter)
 
     # ---------------------------------------------------------------- pending checkouts
     def resume(self) -> PullResult | None:
@@ -178,7 +225,7 @@ class Checkout:
         ``moves`` maps new paths to paths whose current content they take (a merge's
         conflict copies of local versions): renamed locally instead of downloaded.
         """
-        self._refused = {}
+        self._refused = RefusedNames(self.ctx.reporter)
         with Folders(self.root) as folders:
             self._folders = folders
             self._run(base, remote, result, moves)
@@ -239,54 +286,17 @@ class Checkout:
             if b is not None and b.type == "dir" and path not in local:
                 continue  # removed here, untouched remotely: stays removed (files
                 # the remote changed inside bring their folders back as they are written)
-            self._make_folder(path, remote[path], aside, result)
+            self._refused.make_folder(folders, path, remote[path], aside, result)
         rows = self._write_files(writes, stamp, result, scanned)
         db = self.ctx.db
         with db.transaction():
             db.delete_index(deletes)
             db.upsert_index(rows)
-            db.upsert_index(self._refused.values())
+            db.upsert_index(self._refused.rows.values())
             # Folders gone from the tree: only one this file system refused has a row.
             db.delete_index(p for p, e in base.items()
-                            if e.type == "dir" and p not in remote and p not in self._refused)
+                            if e.type == "dir" and p not in remote and p not in self._refused.rows)
             db.upsert_index(r for r in scan.rows if r.path not in {w[0] for w in writes})
-
-    # ---------------------------------------------------------------- refused names
-    def _make_folder(self, path: str, entry: TreeEntry, aside: InTheWay,
-                     result: PullResult) -> bool:
-        """Make the folder ``path`` (and its parents); False if this file system
-        refused its name or a parent's (said once per folder, and remembered)."""
-        if self._refused_parent(path):
-            self._refuse(path, entry, None, result)
-            return False
-        try:
-            self._folders.release(self._folders.make(path, aside))
-        except OSError as exc:
-            if exc.errno not in NAME_REFUSED:
-                raise
-            self._refuse(path, entry, exc, result)
-            return False
-        return True
-
-    def _refused_parent(self, path: str) -> bool:
-        parent = path.rpartition("/")[0]
-        while parent:
-            if parent in self._refused:
-                return True
-            parent = parent.rpartition("/")[0]
-        return False
-
-    def _refuse(self, path: str, entry: TreeEntry, exc: OSError | None,
-                result: PullResult) -> None:
-        """Record that ``path`` cannot exist here: a note naming it (unless it is
-        inside a folder already named), and an index row that keeps it in the tree."""
-        self._refused[path] = IndexRow(path, entry.type, entry.ref, entry.size,
-                                       entry.executable, NOT_ON_DISK, 0, 0)
-        result.not_written.append(path)
-        if exc is not None:
-            self.ctx.reporter.note(
-                f"cannot write {display_path(path)} here: {exc.strerror or exc}; "
-                "it stays in the repository (and on the other clients)")
 
     def _plan(
         self, base: dict[str, TreeEntry], remote: dict[str, TreeEntry],
@@ -390,8 +400,8 @@ class Checkout:
         folders = self._folders
         for path, entry in writes:
             parent = path.rpartition("/")[0]
-            if self._refused_parent(path):
-                self._refuse(path, entry, None, result)
+            if self._refused.under(path):
+                self._refused.add(path, entry, None, result)
                 continue
             if parent and parent not in ensured:
                 try:
@@ -399,7 +409,7 @@ class Checkout:
                 except OSError as exc:
                     if exc.errno not in NAME_REFUSED:
                         raise
-                    self._refuse(path, entry, exc, result)
+                    self._refused.add(path, entry, exc, result)
                     continue
                 while parent and parent not in ensured:
                     ensured.add(parent)
@@ -476,7 +486,7 @@ class Checkout:
                 if exc.errno not in NAME_REFUSED:
                     raise
                 os.unlink(tmp, dir_fd=fd)
-                self._refuse(path, entry, exc, result)
+                self._refused.add(path, entry, exc, result)
                 return None
             return True
 
@@ -498,7 +508,7 @@ class Checkout:
                     if exc.errno not in NAME_REFUSED:
                         raise
                     self._drop_temp(path, tmp)
-                    self._refuse(path, entry, exc, result)
+                    self._refused.add(path, entry, exc, result)
                     continue
             result.written += 1
             if st is not None:  # renaming keeps the inode and mtime of the temporary file
