@@ -482,7 +482,7 @@ def restore(path: str, version: str | None, to: str | None) -> None:
     when = datetime.fromtimestamp(result.time_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
     for copy in result.conflicts:
         _say(f"kept the file that was in the way as {display_path(copy)}")
-    _say(f"restored {len(result.restored)} file(s) to {result.target} from {result.commit_id[:12]} "
+    _say(f"restored {len(result.restored)} file(s) to {display_path(result.target)} from {result.commit_id[:12]} "
          f"({when})")
 
 

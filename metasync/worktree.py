@@ -491,8 +491,8 @@ def conflict_name(name: str, device: str, when: str) -> str:
     applications still open the copy. NAME is shortened if the result would pass
     MAX_NAME_BYTES."""
     stem, dot, ext = name.rpartition(".")
-    if not dot or not stem:
-        stem, ext = name, ""
+    if not dot or not stem or len(os.fsencode(ext)) > MAX_NAME_BYTES // 2:
+        stem, ext = name, ""  # no extension, or one too long to keep whole
     suffix = f" (conflict {device} {when})" + (f".{ext}" if ext else "")
     budget = MAX_NAME_BYTES - len(os.fsencode(suffix))
     while len(os.fsencode(stem)) > budget and stem:

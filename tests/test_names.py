@@ -138,6 +138,7 @@ def test_restore_brings_back_a_name_that_is_not_utf8(tmp_path: Path) -> None:
     proc = subprocess.run([METASYNC.encode(), b"restore", LATIN1], cwd=folder, env=env,
                           capture_output=True, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr
+    assert b'caf\\351.txt" from ' in proc.stdout, proc.stdout
     with open(target, "rb") as fh:
         assert fh.read() == b"content 0\n"
 
