@@ -464,3 +464,12 @@ def test_any_names_round_trip_through_push_and_clone(
         assert _tree(work / "dst") == _tree(src)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_a_note_on_a_terminal_prints_a_name_as_text_not_markup(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """On a terminal notes go through rich: a name like ``[/x]`` raised MarkupError."""
+    from metasync.cli_common import RichReporter
+
+    RichReporter().note(f"conflict: {display_path('[/x] [bold]')} is in the way")
+    assert "conflict: [/x] [bold] is in the way" in capsys.readouterr().err
