@@ -286,6 +286,9 @@ class Checkout:
             if b is not None and b.type == "dir" and path not in local:
                 continue  # removed here, untouched remotely: stays removed (files
                 # the remote changed inside bring their folders back as they are written)
+            if path in local and path not in self._seen:  # refused before: said once
+                self._refused.add(path, remote[path], None, result)
+                continue
             self._refused.make_folder(folders, path, remote[path], aside, result)
         rows = self._write_files(writes, stamp, result, scanned)
         db = self.ctx.db

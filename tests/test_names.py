@@ -211,6 +211,8 @@ def test_a_name_this_file_system_refuses_is_named_and_kept(
     _push_as_a_client_with_longer_names(folder, monkeypatch, suffix="2")
     pull = run_cli("pull", cwd=g)
     assert f"cannot write {LONG_FILE}2 here" in pull.stderr, pull.stderr
+    assert f"cannot write {LONG_DIR}2 here" in pull.stderr
+    assert f"cannot write {LONG_DIR} here" not in pull.stderr  # said once, at the clone
     assert "Traceback" not in pull.stderr
     _push_as_a_client_with_longer_names(folder, monkeypatch, delete=True)
     run_cli("pull", cwd=g)
