@@ -28,6 +28,7 @@ from metasync.cli_common import (
 from metasync.cli_daemon import auth, daemon
 from metasync.cli_keys import key
 from metasync.errors import MetasyncError, UsageError
+from metasync.names import display_path
 from metasync.repository import DEFAULT_NAMESPACE, Repository
 
 if TYPE_CHECKING:  # loaded by gc and fsck only (start-up time)
@@ -200,7 +201,7 @@ def status(as_json: bool) -> None:
     symbols = {"added": "A", "modified": "M", "deleted": "D"}
     for c in st.changes:
         suffix = "/" if c.type == "dir" else ""
-        _say(f"  {symbols[c.kind]} {c.path}{suffix}")
+        _say(f"  {symbols[c.kind]} {display_path(c.path + suffix)}")
 
 
 @cli.command()
@@ -223,7 +224,7 @@ def push(message: str) -> None:
         result = repo.push(message)
     _warn_fork(result.fork)
     for copy in result.conflicts:
-        _say(f"conflict: kept the other version as {copy}")
+        _say(f"conflict: kept the other version as {display_path(copy)}")
     if result.up_to_date:
         _say("Everything up to date")
     elif result.version is not None:
@@ -508,8 +509,8 @@ def restore(path: str, version: str | None, to: str | None) -> None:
         result = repo.restore(rel, version, to)
     when = datetime.fromtimestamp(result.time_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
     for copy in result.conflicts:
-        _say(f"kept the file that was in the way as {copy}")
-    _say(f"restored {len(result.restored)} file(s) to {result.target} from {result.commit_id[:12]} "
+        _say(f"kept the file that was in the way as {display_path(copy)}")
+    _say(f"restored {len(result.restored)} file(s) to {display_path(result.target)} from {result.commit_id[:12]} "
          f"({when})")
 
 

@@ -73,7 +73,8 @@ class RichReporter:
             self._progress = None
 
     def note(self, message: str) -> None:
-        self.console.print(message)
+        # Notes quote file names: a name like "[/x]" is text, not rich markup.
+        self.console.print(message, markup=False, highlight=False)
 
 
 class PlainReporter(NullReporter):

@@ -18,6 +18,7 @@ from metasync.context import RepoContext
 from metasync.faults import crash_point
 from metasync.graph import ObjectGraph
 from metasync.localdb import IndexRow
+from metasync.names import json_path
 from metasync.objects import Commit, Tree, same_entry
 from metasync.outbox import ObjectWriter, Outbox
 from metasync.scanner import Scanner, tree_fingerprint
@@ -50,7 +51,7 @@ class Status:
             "head": self.head,
             "unpushed": self.unpushed,
             "clean": self.clean,
-            "changes": [{"path": c.path, "change": c.kind, "type": c.type} for c in self.changes],
+            "changes": [{**json_path(c.path), "change": c.kind, "type": c.type} for c in self.changes],
         }
 
 

@@ -36,6 +36,8 @@ from metasync.context import PID_FILE, daemon_running
 from metasync.errors import BackendError, FolderBusy, MetasyncError, UsageError
 from metasync.faults import pause_point, watch_failure
 from metasync.layout import HINT_KEY
+from metasync.names import display_path
+from metasync.progress import NullReporter
 from metasync.repository import Repository
 from metasync.worktree import IGNORE_FILE, META_DIR, TEMP_PREFIX, IgnoreRules
 
@@ -81,6 +83,18 @@ class _Paused(Exception):
     """A sync stopped itself to ask the user first."""
 
 
+class _LogNotes(NullReporter):
+    """The daemon's reporter: what a command would print as a note (a path it
+    could not write, a conflict copy) goes to the daemon's log."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        super().__init__()
+        self.log = log
+
+    def note(self, message: str) -> None:
+        self.log.warning("%s", message)
+
+
 class Daemon:
     """Runs until :meth:`stop` (or SIGTERM/SIGINT in :meth:`run`)."""
 
@@ -90,6 +104,7 @@ class Daemon:
         self.settings = settings or Settings()
         self.status = DaemonStatus(pid=os.getpid())
         self.log = logging.getLogger(f"metasync.daemon.{id(self)}")
+        self._notes = _LogNotes(self.log)
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._dirty = True  # the folder may have changed while no daemon ran
@@ -122,6 +137,12 @@ class Daemon:
         try:
             self._open_acceptors()
             self._loop()
+        except Exception as exc:
+            # Whatever stops the daemon is said where `daemon status` looks: a
+            # daemon that stopped must never show an empty reason.
+            self.log.exception("stopped on an error")
+            self.status.reason = f"stopped on an error: {_describe(exc)}"
+            raise
         finally:
             if observer is not None:
                 observer.stop()
@@ -183,7 +204,7 @@ class Daemon:
         self.status.state = "syncing"
         self._write_status()
         try:
-            with Repository.open(self.root, wait=0) as repo:
+            with Repository.open(self.root, self._notes, wait=0) as repo:
                 try:
                     self._sync_repo(repo)
                 finally:
@@ -216,6 +237,12 @@ class Daemon:
                 self._dirty = True
                 self._last_event = time.monotonic()
                 self.status.state = "idle"
+        except Exception as exc:
+            # A bug must not end the watch: say it (with the traceback in the log),
+            # and try again on the next poll, as after any failed sync.
+            self.log.exception("sync failed on an internal error")
+            self._fail(RuntimeError(f"internal error: {_describe(exc)} "
+                                    f"(traceback in {META_DIR}/daemon.log)"))
         self._write_status()
 
     def _sync_repo(self, repo: Repository) -> None:
@@ -247,8 +274,9 @@ class Daemon:
             if result.fork:
                 self.log.warning("%s", result.fork)
             if result.conflicts:
-                self.log.info("conflicts: %s", ", ".join(result.conflicts))
-                self.status.conflicts += result.conflicts
+                shown = [display_path(c) for c in result.conflicts]
+                self.log.info("conflicts: %s", ", ".join(shown))
+                self.status.conflicts += shown
             if not result.up_to_date and result.version is not None:
                 self.log.info("synced version %d", result.version.number)
             if result.short:
@@ -452,6 +480,14 @@ class Daemon:
             os.replace(tmp, path)
         except OSError:
             pass  # the folder is gone: the log says why
+
+
+def _describe(exc: BaseException) -> str:
+    """One line naming ``exc`` (never empty, and printable: a message may quote a
+    file name that is not UTF-8)."""
+    text = str(exc).splitlines()[0] if str(exc).strip() else ""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _file_count(tree: dict[str, Any]) -> int:

@@ -24,6 +24,7 @@ from metasync.checkout import FileWriter, now_stamp
 from metasync.context import RepoContext
 from metasync.errors import UsageError
 from metasync.graph import ObjectGraph
+from metasync.names import display_path
 from metasync.objects import Config, TreeEntry
 from metasync.versions import Versions
 from metasync.worktree import (
@@ -164,7 +165,7 @@ class History:
                                  "collected its files; snapshot versions you want to keep")
             tree = self.graph.tree_at(commit_id)
             if path not in tree:
-                raise UsageError(f"{path} is not in version {commit_id[:12]}")
+                raise UsageError(f"{display_path(path)} is not in version {commit_id[:12]}")
             return commit_id, tree
         for cid in chain:
             if pruned(cid):
@@ -172,7 +173,7 @@ class History:
             tree = self.graph.tree_at(cid)
             if path in tree and not self._same_as_folder(path, tree):
                 return cid, tree
-        raise UsageError(f"no kept version has a {path} that differs from the folder's; "
+        raise UsageError(f"no kept version has a {display_path(path)} that differs from the folder's; "
                          "see `metasync log` and use --version")
 
     def _same_as_folder(self, path: str, tree: dict[str, TreeEntry]) -> bool:

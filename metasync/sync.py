@@ -22,6 +22,7 @@ from metasync.context import RepoContext
 from metasync.errors import BackendError, ObjectUnavailable
 from metasync.faults import crash_point
 from metasync.graph import ANCESTRY_LIMIT, ObjectGraph
+from metasync.names import display_path
 from metasync.objects import Commit, FileObject, TreeEntry, Version
 from metasync.outbox import ObjectWriter, Outbox
 from metasync.replicator import Replicator
@@ -223,7 +224,8 @@ class Sync:
                 conflicts = self._merge(learned, theirs, ours, head, base)
         versions.adopt_config()
         for c in conflicts:
-            self.ctx.reporter.note(f"conflict: {c.path} changed on both sides; the other version is {c.copy}")
+            self.ctx.reporter.note(f"conflict: {display_path(c.path)} changed on both sides; "
+                                   f"the other version is {display_path(c.copy)}")
         if merging:
             crash_point("merge:sealed")
         result = self.checkout.run_pending()
