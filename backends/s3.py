@@ -57,6 +57,7 @@ from metasync.errors import (
     ObjectNotFound,
     UsageError,
 )
+from metasync.timeouts import network_timeout
 
 T = TypeVar("T")
 
@@ -215,6 +216,8 @@ class S3Backend(Backend):
             self.timeout = 0.0
         if not self.timeout > 0:
             raise UsageError(f"timeout must be a number of seconds > 0 in {uri!r}")
+        # --timeout bounds every wait (connect, TLS handshake, read) and the retries.
+        self.timeout = network_timeout(self.timeout)
         #: How logs are kept: ``creates`` (``If-None-Match: *``) or ``registers`` (for a
         #: service that ignores conditional writes; every client uses the same URI).
         self.logs_mode = options.get("logs", "creates")
@@ -224,7 +227,7 @@ class S3Backend(Backend):
         self.endpoint: str | None = options.get("endpoint") or None
         #: Every key of the namespace starts with this (ends in "/").
         self.base = f"{self.prefix}/{namespace}/" if self.prefix else f"{namespace}/"
-        self.policy = RetryPolicy()
+        self.policy = RetryPolicy(budget=self.timeout)
         self._slots = threading.BoundedSemaphore(self.transfers)
         try:
             session = boto3.session.Session(profile_name=options.get("profile") or None)
@@ -305,6 +308,12 @@ class S3Backend(Backend):
             | bexc.ResponseStreamingError
             | OSError,
         ):
+            if isinstance(exc, bexc.ReadTimeoutError | TimeoutError):
+                return TransientError(
+                    f"cannot {what}: no answer from {self.endpoint or 'S3'} within "
+                    f"{self.timeout:g}s (it accepted the connection but did not reply); "
+                    "check the service, or allow longer with --timeout"
+                )
             return TransientError(f"cannot {what}: connection failed ({one_line(exc)})")
         if isinstance(exc, bexc.BotoCoreError):
             return BackendError(f"cannot {what}: {one_line(exc)}")
