@@ -52,6 +52,7 @@ from metasync.backends.retry import (
 )
 from metasync.errors import (
     BackendError,
+    BackendFull,
     BackendUnavailable,
     InvalidKey,
     ObjectNotFound,
@@ -77,6 +78,13 @@ CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 60.0
 
 _OPTIONS = ("endpoint", "region", "profile", "transfers", "timeout", "logs")
+
+# Error codes of a service out of space or over a quota (MinIO, Ceph RGW, Garage,
+# SeaweedFS and others use these; AWS itself has no bucket quota).
+_FULL_CODES = frozenset(
+    {"QuotaExceeded", "XMinioStorageFull", "XMinioAdminBucketQuotaExceeded",
+     "InsufficientStorage", "StorageFull"}
+)
 
 # Error codes a retry may cure: throttling, server trouble, a conditional write
 # racing another one on the same key (409 ConditionalRequestConflict).
@@ -281,6 +289,8 @@ class S3Backend(Backend):
                     "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or profile) and "
                     f"their permissions on {self._location()}"
                 )
+            if code in _FULL_CODES or status == 507:
+                return BackendFull.of(self.name, code or f"HTTP {status}")
             if code in _TRANSIENT_CODES or status == 429 or status >= 500:
                 return TransientError(
                     f"cannot {what}: the service answered {code or status}",

@@ -79,6 +79,7 @@ from metasync.backends.logs import (
 from metasync.backends.retry import RetryPolicy, TransientError, parse_retry_after, retrying
 from metasync.errors import (
     BackendError,
+    BackendFull,
     BackendUnavailable,
     ObjectNotFound,
     PrimitiveMissing,
@@ -357,13 +358,13 @@ class WebdavBackend(Backend):
             return BackendError(
                 f"{what} on {self.name}: 403 forbidden; the user lacks permission there"
             )
-        if status in _RETRY_STATUSES or (status >= 500 and status != 507):
+        if status == 507:
+            return BackendFull.of(self.name, "507 Insufficient Storage")
+        if status in _RETRY_STATUSES or status >= 500:
             return TransientError(
                 f"{what} on {self.name}: HTTP {status} {response.reason_phrase}",
                 retry_after=parse_retry_after(response.headers.get("Retry-After")),
             )
-        if status == 507:
-            return BackendError(f"{what} on {self.name}: the server is out of space (507)")
         return BackendError(f"{what} on {self.name}: unexpected HTTP {status} {response.reason_phrase}")
 
     def _send(

@@ -235,7 +235,13 @@ def push(message: str) -> None:
                    f"({wanted}) of {len(result.short)} object(s): too few backends took "
                    "writes; a later push or the daemon adds the missing copies when they "
                    "answer", err=True)
-    elif result.spilled:
+    for why in result.full.values():
+        # Not "unreachable", and no data at risk: its copies went to other backends.
+        click.echo(f"warning: {why} (its new copies go to other backends until it has "
+                   "room; they move home then)", err=True)
+    if result.short or result.full:
+        return
+    if result.spilled:
         _say(f"note: {result.spilled} copies went to other backends while their holders "
              "did not answer; they move home once those are back (any push or daemon does it)")
     elif result.missing_copies:
@@ -285,13 +291,16 @@ def fsck(quick: bool, repair: bool) -> None:
     with _open() as repo:
         report = repo.fsck(quick=quick, repair=repair)
         names = {p.backend: repo.backend_name(p.backend) for p in report.problems}
+        full = {b for b, why in repo.health().items() if why.startswith("full:")}
     fixed = set(report.repaired)
     for p in report.problems:
         where = names.get(p.backend, p.backend)
         if p in fixed:
             _say(f"repaired: {p.problem} {p.kind} {p.object_id} on {where}")
         else:
-            click.echo(f"{p.problem}: {p.kind} {p.object_id} on {where}")
+            # A full backend's copies wait for room; their spilled copies hold the data.
+            why = " (the backend is full; the copy waits for room)" if p.backend in full else ""
+            click.echo(f"{p.problem}: {p.kind} {p.object_id} on {where}{why}")
     how = "found" if quick else "verified"
     if report.ok:
         extra = f", {len(report.repaired)} repaired" if report.repaired else ""
