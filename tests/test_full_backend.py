@@ -172,3 +172,60 @@ def test_a_webdav_backend_answering_507_is_full(
     run_cli("push", cwd=folder)
     health = json.loads(run_cli("backend", "list", "--json", cwd=folder).stdout)
     assert all(b["health"] == "ok" for b in health["backends"]), health
+
+
+@pytest.mark.parametrize("provider", ["dropbox", "gdrive", "box", "onedrive"])
+def test_a_providers_quota_error_is_backend_full(
+    provider: str, request: pytest.FixtureRequest
+) -> None:
+    """Each provider's own "out of space" answer (Dropbox ``insufficient_space``,
+    Drive ``storageQuotaExceeded``, Box ``storage_limit_exceeded``, OneDrive 507
+    ``quotaLimitReached``), from its emulator, is :class:`BackendFull` naming the
+    backend; before issue 17 each was a plain error (OneDrive's 507 a transient one,
+    retried)."""
+    from metasync.errors import BackendFull
+    from tests.emulators.base import QUOTA
+    from tests.providers_common import emulator_location, specific_backend
+
+    service = request.getfixturevalue(f"{provider}_service")
+    folder = ("" if provider == "gdrive" else "/") + "quota17"
+    with specific_backend(service, emulator_location(service, provider, folder)) as backend:
+        backend.put("objects/ab/first", b"fits")
+        service.emulator.faults.inject(QUOTA, only="upload|content|/up/" if provider != "gdrive"
+                                       else None)
+        with pytest.raises(BackendFull) as info:
+            backend.put("objects/ab/second", b"does not fit")
+        assert "is full" in str(info.value) and provider in str(info.value).lower()
+        assert backend.get("objects/ab/first") == b"fits"
+
+
+def test_the_daemon_status_shows_a_full_backend(
+    tmp_path: Path, small_disk: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon syncs past a full backend (its copies spill) and ``daemon status``
+    names that backend ``full``, the others ``ok``; before issue 17 it showed the
+    full one as unreachable (or ok)."""
+    from tests.test_daemon_safety import Daemons, _status_cli, wait_until
+
+    dirs = backend_dirs(tmp_path, "b1", "b3")
+    full_uri = f"dir:{small_disk}"
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "small.txt").write_text("fits\n")
+    run_cli("init", str(folder), "--backend", f"dir:{dirs['b1']}", "--backend", full_uri,
+            "--backend", f"dir:{dirs['b3']}")
+    run_cli("push", cwd=folder)
+    monkeypatch.setenv("METASYNC_PACK_SIZE", ONE_PACK_PER_FILE["METASYNC_PACK_SIZE"])
+    daemons = Daemons()
+    try:
+        daemons.start(folder)
+        _fill_folder(folder)
+        health = wait_until(
+            lambda: (h := _status_cli(folder)["backends"]).get(full_uri, "").startswith("full")
+            and h, 60, "the daemon's status to show the small backend full")
+        assert health[f"dir:{dirs['b1']}"] == health[f"dir:{dirs['b3']}"] == "ok", health
+        text = run_cli("daemon", "status", cwd=folder).stdout
+        assert f"{full_uri}: full: backend {full_uri} is full" in text, text
+    finally:
+        problems = daemons.stop_all()
+    assert not problems, "\n".join(problems)
