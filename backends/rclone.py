@@ -72,6 +72,7 @@ from metasync.backends.base import (
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
     BackendError,
+    BackendFull,
     BackendUnavailable,
     InvalidKey,
     ObjectNotFound,
@@ -120,6 +121,17 @@ _DENIED = (
     "access denied",
     "couldn't decrypt password",
     "authentication",
+)
+# Out of space or over a quota, locally (ENOSPC, EDQUOT) or at the service: full.
+_FULL = (
+    "no space left on device",
+    "disk quota exceeded",
+    "insufficient storage",
+    "insufficient_space",
+    "quota exceeded",
+    "storagequotaexceeded",
+    "storage_limit_exceeded",
+    "quotalimitreached",
 )
 _TRANSIENT = (
     "connection lost",
@@ -639,6 +651,8 @@ class RcloneBackend(Backend):
             return BackendUnavailable(
                 f"rclone remote {self.name} is unreachable ({text}); is the server up?"
             )
+        if any(s in lower for s in _FULL):
+            return BackendFull.of(self.name, text)
         if any(s in lower for s in _TRANSIENT):
             return TransientError(f"{what} on {self.name} failed: {text}")
         if any(s in lower for s in _DENIED):

@@ -97,6 +97,7 @@ from metasync.backends.capabilities import LOGS_MODES, logs_mode_capabilities
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
     BackendError,
+    BackendFull,
     BackendUnavailable,
     ObjectNotFound,
     UsageError,
@@ -130,6 +131,9 @@ KEEPALIVE = 30
 DEFAULT_TRANSFERS = 4
 DEFAULT_TIMEOUT = 60.0
 _OPTIONS = ("identity", "known_hosts", "transfers", "timeout", "logs")
+#: A write that fails with a bare SSH_FX_FAILURE while the server has less room
+#: than this left is taken for "full" (see :meth:`SftpBackend._failure`).
+LOW_SPACE = 1 << 20
 #: SFTP status texts of OpenSSH for a failed request whose reason is unknown.
 _FAILURE = "Failure"
 
@@ -622,8 +626,24 @@ class SftpBackend(Backend):
                 f"write access to {self.root} on the server"
             )
         if isinstance(exc, OSError):
+            # SFTP v3 has no "no space" status: OpenSSH answers ENOSPC and EDQUOT with
+            # a bare SSH_FX_FAILURE. Ask the server how much room is left.
+            free = self._free_space(session) if str(exc) == _FAILURE else None
+            if free is not None and free < LOW_SPACE:
+                return BackendFull.of(
+                    self.name, f"the server failed to {what} with {free} bytes left there")
             return BackendError(f"{self.name}: cannot {what}: {exc.strerror or exc}")
         return BackendError(f"{self.name}: cannot {what}: {type(exc).__name__}: {exc}")
+
+    def _free_space(self, session: _Session) -> int | None:
+        """Bytes available to this user under the location (OpenSSH's
+        ``statvfs@openssh.com``); None where the server cannot say."""
+        try:
+            _, msg = session.sftp._request(CMD_EXTENDED, "statvfs@openssh.com", self.location)
+            bsize, frsize, _blocks, _bfree, bavail = (msg.get_int64() for _ in range(5))
+        except (OSError, EOFError, paramiko.SSHException, AttributeError, TypeError):
+            return None
+        return int(bavail) * int(frsize or bsize)
 
     def _call(
         self,

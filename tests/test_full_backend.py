@@ -229,3 +229,30 @@ def test_the_daemon_status_shows_a_full_backend(
     finally:
         problems = daemons.stop_all()
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("kind", ["sftp", "rclone"])
+def test_a_full_disk_behind_sftp_or_rclone_is_backend_full(
+    kind: str, small_disk: Path, request: pytest.FixtureRequest
+) -> None:
+    """The small disk served by the test's OpenSSH server (which answers ENOSPC with
+    a bare SSH_FX_FAILURE: the backend asks ``statvfs@openssh.com`` how much room is
+    left), or by an rclone local remote (whose error says "no space left on
+    device"): either way :class:`BackendFull`, and what is there stays readable."""
+    from metasync.backends import open_backend
+    from metasync.errors import BackendFull
+
+    if kind == "sftp":
+        uri = request.getfixturevalue("sshd_server").uri(small_disk)
+    else:
+        uri = request.getfixturevalue("rclone_env").uri(f"local:{small_disk}")
+    backend = open_backend(uri, "ns")
+    try:
+        backend.create()
+        backend.put("small", b"x")
+        with pytest.raises(BackendFull) as info:
+            backend.put("objects/ab/big", os.urandom(2 << 20))
+        assert not info.value.transient and "is full" in str(info.value)
+        assert backend.get("small") == b"x"
+    finally:
+        backend.close()
