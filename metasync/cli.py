@@ -36,8 +36,9 @@ from metasync.repository import DEFAULT_NAMESPACE, Repository
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               metavar="SECONDS",
-              help="Longest wait for backends to agree before failing (default 30; "
-                   "also METASYNC_TIMEOUT).")
+              help="Longest wait for any backend's answer (each connect, read, "
+                   "handshake, and a request's retries) and for backends to agree "
+                   "(default 30; also METASYNC_TIMEOUT).")
 @click.version_option(package_name="metasync")
 def cli(debug: bool, quiet: bool, timeout: float | None) -> None:
     """Keep one folder in sync across several untrusted storage services."""
