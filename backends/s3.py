@@ -53,11 +53,13 @@ from metasync.backends.retry import (
 )
 from metasync.errors import (
     BackendError,
+    BackendFull,
     BackendUnavailable,
     InvalidKey,
     ObjectNotFound,
     UsageError,
 )
+from metasync.timeouts import network_timeout
 
 T = TypeVar("T")
 
@@ -77,6 +79,13 @@ CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 60.0
 
 _OPTIONS = ("endpoint", "region", "profile", "transfers", "timeout", "logs")
+
+# Error codes of a service out of space or over a quota (MinIO, Ceph RGW, Garage,
+# SeaweedFS and others use these; AWS itself has no bucket quota).
+_FULL_CODES = frozenset(
+    {"QuotaExceeded", "XMinioStorageFull", "XMinioAdminBucketQuotaExceeded",
+     "InsufficientStorage", "StorageFull"}
+)
 
 # Error codes a retry may cure: throttling, server trouble, a conditional write
 # racing another one on the same key (409 ConditionalRequestConflict).
@@ -218,6 +227,8 @@ class S3Backend(Backend):
             self.timeout = 0.0
         if not self.timeout > 0:
             raise UsageError(f"timeout must be a number of seconds > 0 in {uri!r}")
+        # --timeout bounds every wait (connect, TLS handshake, read) and the retries.
+        self.timeout = network_timeout(self.timeout)
         #: How logs are kept: ``creates`` (``If-None-Match: *``) or ``registers`` (for a
         #: service that ignores conditional writes; every client uses the same URI).
         self.logs_mode = options.get("logs", "creates")
@@ -227,7 +238,7 @@ class S3Backend(Backend):
         self.endpoint: str | None = options.get("endpoint") or None
         #: Every key of the namespace starts with this (ends in "/").
         self.base = f"{self.prefix}/{namespace}/" if self.prefix else f"{namespace}/"
-        self.policy = RetryPolicy()
+        self.policy = RetryPolicy(budget=self.timeout)
         self._slots = threading.BoundedSemaphore(self.transfers)
         try:
             session = boto3.session.Session(profile_name=options.get("profile") or None)
@@ -281,6 +292,8 @@ class S3Backend(Backend):
                     "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or profile) and "
                     f"their permissions on {self._location()}"
                 )
+            if code in _FULL_CODES or status == 507:
+                return BackendFull.of(self.name, code or f"HTTP {status}")
             if code in _TRANSIENT_CODES or status == 429 or status >= 500:
                 return TransientError(
                     f"cannot {what}: the service answered {code or status}",
@@ -308,6 +321,12 @@ class S3Backend(Backend):
             | bexc.ResponseStreamingError
             | OSError,
         ):
+            if isinstance(exc, bexc.ReadTimeoutError | TimeoutError):
+                return TransientError(
+                    f"cannot {what}: no answer from {self.endpoint or 'S3'} within "
+                    f"{self.timeout:g}s (it accepted the connection but did not reply); "
+                    "check the service, or allow longer with --timeout"
+                )
             return TransientError(f"cannot {what}: connection failed ({one_line(exc)})")
         if isinstance(exc, bexc.BotoCoreError):
             return BackendError(f"cannot {what}: {one_line(exc)}")

@@ -81,12 +81,14 @@ from metasync.backends.logs import (
 from metasync.backends.retry import RetryPolicy, TransientError, parse_retry_after, retrying
 from metasync.errors import (
     BackendError,
+    BackendFull,
     BackendUnavailable,
     InvalidKey,
     ObjectNotFound,
     PrimitiveMissing,
     UsageError,
 )
+from metasync.timeouts import network_timeout
 
 T = TypeVar("T")
 
@@ -286,7 +288,8 @@ class WebdavBackend(Backend):
         )
         self._client = httpx.Client(
             auth=httpx.BasicAuth(user, password or "") if user is not None else None,
-            timeout=httpx.Timeout(timeout),
+            # --timeout bounds each connect, TLS handshake, read and write as well.
+            timeout=httpx.Timeout(network_timeout(timeout)),
             # Nagle's algorithm would hold a PUT's body behind its headers until the
             # server's delayed ACK (tens of ms per request).
             transport=httpx.HTTPTransport(
@@ -297,7 +300,9 @@ class WebdavBackend(Backend):
             follow_redirects=False,
         )
         self._slots = threading.BoundedSemaphore(transfers)
-        self._policy = RetryPolicy()
+        #: Seconds one network wait may last (``timeout=``, at most ``--timeout``).
+        self._timeout = network_timeout(timeout)
+        self._policy = RetryPolicy(budget=self._timeout)
         # Folders known to exist (saves a MKCOL chain before most writes).
         self._folders: set[str] = set()
         self._folders_lock = threading.Lock()
@@ -336,7 +341,11 @@ class WebdavBackend(Backend):
                 "is the server running and the host and port right?"
             )
         if isinstance(exc, httpx.TimeoutException):
-            return TransientError(f"{what} on {self.name} timed out; the server is slow")
+            return TransientError(
+                f"{what} on {self.name}: no answer within {self._timeout:g}s (the server "
+                "accepted the connection but did not reply); check the server, or allow "
+                "longer with --timeout"
+            )
         detail = str(exc) or type(exc).__name__
         return TransientError(f"{what} on {self.name} failed: {detail} (connection dropped)")
 
@@ -353,13 +362,13 @@ class WebdavBackend(Backend):
             return BackendError(
                 f"{what} on {self.name}: 403 forbidden; the user lacks permission there"
             )
-        if status in _RETRY_STATUSES or (status >= 500 and status != 507):
+        if status == 507:
+            return BackendFull.of(self.name, "507 Insufficient Storage")
+        if status in _RETRY_STATUSES or status >= 500:
             return TransientError(
                 f"{what} on {self.name}: HTTP {status} {response.reason_phrase}",
                 retry_after=parse_retry_after(response.headers.get("Retry-After")),
             )
-        if status == 507:
-            return BackendError(f"{what} on {self.name}: the server is out of space (507)")
         return BackendError(f"{what} on {self.name}: unexpected HTTP {status} {response.reason_phrase}")
 
     def _send(

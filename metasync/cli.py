@@ -40,8 +40,9 @@ if TYPE_CHECKING:  # loaded by gc and fsck only (start-up time)
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               metavar="SECONDS",
-              help="Longest wait for backends to agree before failing (default 30; "
-                   "also METASYNC_TIMEOUT).")
+              help="Longest wait for any backend's answer (each connect, read, "
+                   "handshake, and a request's retries) and for backends to agree "
+                   "(default 30; also METASYNC_TIMEOUT).")
 @click.version_option(package_name="metasync")
 def cli(debug: bool, quiet: bool, timeout: float | None) -> None:
     """Keep one folder in sync across several untrusted storage services."""
@@ -239,7 +240,13 @@ def push(message: str) -> None:
                    f"({wanted}) of {len(result.short)} object(s): too few backends took "
                    "writes; a later push or the daemon adds the missing copies when they "
                    "answer", err=True)
-    elif result.spilled:
+    for why in result.full.values():
+        # Not "unreachable", and no data at risk: its copies went to other backends.
+        click.echo(f"warning: {why} (its new copies go to other backends until it has "
+                   "room; they move home then)", err=True)
+    if result.short or result.full:
+        return
+    if result.spilled:
         _say(f"note: {result.spilled} copies went to other backends while their holders "
              "did not answer; they move home once those are back (any push or daemon does it)")
     elif result.missing_copies:
@@ -291,13 +298,16 @@ def fsck(quick: bool, repair: bool) -> None:
         names = {p.backend: repo.backend_name(p.backend) for p in report.problems}
         names.update({b: repo.backend_name(b) for b, _ in report.temp_files.found})
         names.update({b: repo.backend_name(b) for b in report.temp_files.errors})
+        full = {b for b, why in repo.health().items() if why.startswith("full:")}
     fixed = set(report.repaired)
     for p in report.problems:
         where = names.get(p.backend, p.backend)
         if p in fixed:
             _say(f"repaired: {p.problem} {p.kind} {p.object_id} on {where}")
         else:
-            click.echo(f"{p.problem}: {p.kind} {p.object_id} on {where}")
+            # A full backend's copies wait for room; their spilled copies hold the data.
+            why = " (the backend is full; the copy waits for room)" if p.backend in full else ""
+            click.echo(f"{p.problem}: {p.kind} {p.object_id} on {where}{why}")
     _report_temp_files(report.temp_files, names)
     how = "found" if quick else "verified"
     if report.ok:

@@ -238,6 +238,19 @@ class RepoContext:
     #: Fetches this client's keyring anew from its key slot (after a key rotation).
     reload_keyring: Callable[[], Keyring] | None = None
 
+    def note_full_backends(self) -> dict[str, str]:
+        """Remember the backends that refused a copy for want of space in this
+        session, and forget those that were full before but have no copy left that
+        this client could not write there (the copies went in: there is room again).
+        Returns backend id -> why, as ``backend list`` and the daemon show them."""
+        full = {**self.state.full_backends, **self.store.full}
+        waiting = {backend_id for _, backend_id in self.db.missing_copies()}
+        full = {b: why for b, why in full.items() if b in waiting or b in self.store.full}
+        if full != self.state.full_backends:
+            with self.db.transaction():
+                self.state.full_backends = full
+        return full
+
     @property
     def reporter(self) -> Reporter:
         """Where progress and notes go: the pool's reporter (its "not connected" notes)."""

@@ -80,6 +80,19 @@ class PrimitiveMissing(BackendUnavailable):
         self.transient = False
 
 
+class BackendFull(BackendError):
+    """The backend refused a write for want of space: its disk is full (ENOSPC), a
+    quota is used up (EDQUOT, HTTP 507, a provider's quota error). Not transient,
+    and not unreachable: the backend still answers and its copies stay readable; new
+    copies spill to other backends (metasync.replicator) until it has room. Make one
+    with :meth:`of`, so every backend kind words it alike."""
+
+    @classmethod
+    def of(cls, name: str, detail: str) -> BackendFull:
+        """``backend NAME is full (DETAIL); free space or add a backend``."""
+        return cls(f"backend {name} is full ({detail}); free space there or add a backend")
+
+
 class ObjectNotFound(BackendError):
     """The key does not exist on this backend."""
 

@@ -377,9 +377,12 @@ class Repository:
 
     def health(self) -> dict[str, str]:
         """Backend id -> why it failed in this session (unreachable in a transfer,
-        or failing in the last agreement); backends not listed were fine."""
+        or failing in the last agreement) or is full (``full: why``, also from
+        earlier sessions while copies wait for room there); backends not listed
+        were fine."""
         health = {b: f"unreachable: {why}" for b, why in self._ctx.store.down.items()}
         health.update(self.versions.consensus_errors())
+        health.update({b: f"full: {why}" for b, why in self._ctx.note_full_backends().items()})
         return health
 
     def acceptor_uris(self) -> dict[str, str]:

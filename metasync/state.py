@@ -212,6 +212,10 @@ class LocalState:
     #: Objects this client announced to gc (``pending`` in its client state) since
     #: its last decided push.
     announced: Setting[list[str]] = Setting("announced", default=list)
+    #: Backend id -> why it refused a copy for want of space (``BackendFull``); kept
+    #: while this client has copies for it that it could not write
+    #: (:meth:`metasync.context.RepoContext.note_full_backends`).
+    full_backends: Setting[dict[str, str]] = Setting("full_backends", default=dict)
     #: Seconds consensus waits without progress (overridden by ``--timeout``).
     timeout: Setting[Any] = Setting("timeout", default=lambda: None)
     #: The last (scan fingerprint, root tree id) computed: lets ``status`` of an

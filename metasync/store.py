@@ -28,7 +28,13 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from metasync.backends import Backend
 from metasync.codec import Codec
-from metasync.errors import BackendError, CorruptObject, MetasyncError, ObjectUnavailable
+from metasync.errors import (
+    BackendError,
+    BackendFull,
+    CorruptObject,
+    MetasyncError,
+    ObjectUnavailable,
+)
 from metasync.layout import fragment_key, object_key
 from metasync.mapping import StableMapping
 from metasync.objects import Config, PackEntry
@@ -116,8 +122,12 @@ class RemoteStore:
         self.links: dict[str, LinkEstimate] = {}
         self._links_lock = threading.Lock()
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="metasync-io")
-        #: Backends that failed as unreachable in this session, with the reason.
+        #: Backends that failed as unreachable in this session, with the reason; a
+        #: backend that refused a write for want of space is here too (no copy is
+        #: written or spilled there again in this session) and in :attr:`full`.
         self.down: dict[str, str] = {}
+        #: Backends that refused a write in this session because they are full.
+        self.full: dict[str, str] = {}
         self.stats = TransferStats()
         #: A local folder of stored objects not uploaded yet (the outbox), read first.
         self.local: Path | None = None
@@ -266,6 +276,8 @@ class RemoteStore:
         try:
             self._backend(backend_id).put(key or object_key(stored_id), data)
         except MetasyncError as exc:
+            if isinstance(exc, BackendFull):
+                self.full.setdefault(backend_id, str(exc))
             self.down.setdefault(backend_id, str(exc))
             return str(exc)
         self.stats.add_put(len(data) if isinstance(data, bytes) else data.tell() - start)

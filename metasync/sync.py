@@ -52,6 +52,9 @@ class PushResult:
     conflicts: list[str] = field(default_factory=list)
     #: Copies written to another backend because a holder could not take them.
     spilled: int = 0
+    #: Backends that refused copies for want of space (id -> why): their copies
+    #: spilled to others, or wait for room (``BackendFull``).
+    full: dict[str, str] = field(default_factory=dict)
     #: Objects of this client's versions with fewer copies than the configuration
     #: asks for (fewer backends took writes than R, when this push or an earlier
     #: one uploaded them) that the repair before it could not complete: the
@@ -121,7 +124,8 @@ class Sync:
             done = PushResult(prev, result, uploaded.objects, uploaded.bytes,
                               missing_copies=len(self.ctx.db.missing_copies()),
                               conflicts=conflicts, spilled=uploaded.spilled,
-                              short=self.replicator.short_objects(), fork=fork)
+                              short=self.replicator.short_objects(), fork=fork,
+                              full=self.ctx.note_full_backends())
             if head is None or head == prev.master:
                 done.up_to_date = True
                 return done
