@@ -94,7 +94,7 @@ def _settings_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _repo_root() -> Path:
-    with _open() as repo:
+    with _open(read_only=True) as repo:
         return repo.root
 
 

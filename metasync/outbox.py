@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 from metasync.backends import Backend
 from metasync.codec import PACK_TARGET_SIZE, FinishedPack, PackBuilder
 from metasync.context import RepoContext
-from metasync.errors import BackendUnavailable, MetasyncError, UsageError
+from metasync.errors import BackendUnavailable, Interrupted, MetasyncError, UsageError
 from metasync.faults import crash_point
 from metasync.graph import ObjectGraph
 from metasync.layout import client_key
@@ -268,6 +268,12 @@ class Outbox:
                     crash_point("upload")
 
                 self.replicator.upload(items, done)
+        except (Interrupted, KeyboardInterrupt):
+            # Each object recorded as uploaded has its copies; the others stay queued
+            # and nothing refers to them yet (commits go last).
+            raise Interrupted(
+                f"{report.objects} of {len(pending)} objects uploaded; the next push "
+                "continues") from None
         finally:
             reporter.finish()
         return report

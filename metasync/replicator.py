@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
+from concurrent.futures import CancelledError, Future, wait
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from metasync.backends import Backend
 from metasync.codec import Codec
-from metasync.errors import MetasyncError, ObjectNotFound, ObjectUnavailable
+from metasync.errors import Interrupted, MetasyncError, ObjectNotFound, ObjectUnavailable
 from metasync.layout import SPILLS_PREFIX, fragment_key, object_key, parse_spill_key, spill_key
 from metasync.localdb import LocalDB
 from metasync.objects import Config
@@ -51,7 +52,7 @@ from metasync.placement import (
     take_inventory,
     verify_stored,
 )
-from metasync.progress import Reporter
+from metasync.progress import CANCEL, Reporter
 from metasync.store import SMALL_READ, RemoteStore, fragment_mapping_of
 
 __all__ = ["Inventory", "PlaceOutcome", "Replicator", "Uploaded", "take_inventory", "verify_stored"]
@@ -112,6 +113,22 @@ def settle_short(db: LocalDB, store: RemoteStore, stored_id: str,
             db.remove_short(stored_id)
         elif known != copies:
             db.set_short(stored_id, known)
+
+
+def _stop(futures: list[Future[Uploaded]]) -> None:
+    """Stop an upload: transfers not started are dropped, running ones stop at their
+    next piece (:data:`~metasync.progress.CANCEL`); returns once none runs. Copies
+    finished before stay (their object is recorded as uploaded); a stopped copy left
+    only a temporary file, which nothing refers to. A stop this asked for itself (a
+    ``KeyboardInterrupt`` without the CLI's handler) is withdrawn once all stopped."""
+    asked_here = CANCEL.request()
+    for fut in futures:
+        fut.cancel()
+    try:
+        wait(futures)
+    finally:
+        if asked_here:
+            CANCEL.clear()
 
 
 class Replicator:
@@ -176,18 +193,38 @@ class Replicator:
         futures = [store.executor.submit(task, sid, load) for sid, load in items]
         unplaced: list[str] = []
         first_error: BaseException | None = None
-        for fut in futures:
-            try:
-                placed = fut.result()
-            except BaseException as exc:  # keep draining so no task is left running
-                first_error = first_error or exc
-                continue
-            coded = any(index is not None for index in placed.copies.values())
-            needed = store.scheme.k if coded and store.scheme is not None else 1
-            if len(placed.copies) < needed:
-                unplaced.append(placed.stored_id)
-                continue
-            on_done(placed)
+        stopped = False
+        try:
+            i = 0
+            while i < len(futures):
+                try:
+                    placed = futures[i].result()
+                except KeyboardInterrupt:
+                    # Ctrl-C reached this thread: stop every transfer, then record
+                    # what finished (this future included, once it is done).
+                    stopped = True
+                    _stop(futures)
+                    continue
+                except (CancelledError, Interrupted):
+                    stopped = True
+                    i += 1
+                    continue
+                except BaseException as exc:  # keep draining so no task is left running
+                    first_error = first_error or exc
+                    i += 1
+                    continue
+                i += 1
+                coded = any(index is not None for index in placed.copies.values())
+                needed = store.scheme.k if coded and store.scheme is not None else 1
+                if len(placed.copies) < needed:
+                    unplaced.append(placed.stored_id)
+                    continue
+                on_done(placed)
+        except BaseException:
+            _stop(futures)  # interrupted while recording: leave nothing running
+            raise
+        if stopped:
+            raise Interrupted("the upload was stopped")
         if first_error is not None:
             raise first_error
         if unplaced:

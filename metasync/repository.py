@@ -24,7 +24,7 @@ from metasync.backends import Backend
 from metasync.checkout import Checkout, PullResult
 from metasync.committer import Change, CommitResult, Committer, Status
 from metasync.context import RepoContext, open_context
-from metasync.errors import NotARepository, UsageError
+from metasync.errors import Interrupted, NotARepository, UsageError
 from metasync.graph import ObjectGraph
 from metasync.layout import DEFAULT_NAMESPACE
 from metasync.objects import BackendSpec, Commit, Config, TreeEntry, Version
@@ -143,10 +143,12 @@ class Repository:
 
     @classmethod
     def open(cls, path: str | Path = ".", reporter: Reporter | None = None,
-             wait: float | None = None) -> Repository:
+             wait: float | None = None, *, read_only: bool = False) -> Repository:
         """Open the repository containing ``path`` (searching upwards, as git does).
         While another process (the daemon's sync step, another command) has the
-        folder, wait up to ``wait`` seconds (default: the ``--timeout``, 30 s).
+        folder, wait up to ``wait`` seconds (default: the ``--timeout``, 30 s) --
+        or, ``read_only`` (for :meth:`status`, :meth:`log`, :meth:`backend_list`
+        only), open it at once and read what that process committed so far.
         A ``.metasync`` another user owns or can write to is refused
         (:class:`~metasync.errors.UnsafeRepository`) unless trusted (:meth:`trust`)."""
         root = find_root(path)
@@ -157,7 +159,7 @@ class Repository:
             )
         if wait is None:
             wait = wait_bound()
-        return cls(open_context(root, reporter, wait))
+        return cls(open_context(root, reporter, wait, read_only=read_only))
 
     @staticmethod
     def trust(folder: str | Path, trusted: bool = True) -> Path:
@@ -194,6 +196,12 @@ class Repository:
         try:
             repo.versions.start_from_hint(start.entry_id)
             repo.pull()
+        except (Interrupted, KeyboardInterrupt):
+            # Stopped by the user, not failed: keep what was downloaded (a pull
+            # finishes a clone cut short, docs/design.md).
+            repo.close()
+            raise Interrupted(f"the clone stopped; `metasync pull` in {start.root} "
+                              "finishes it") from None
         except BaseException:
             repo.close()
             start.undo()

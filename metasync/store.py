@@ -28,10 +28,17 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from metasync.backends import Backend
 from metasync.codec import Codec
-from metasync.errors import BackendError, CorruptObject, MetasyncError, ObjectUnavailable
+from metasync.errors import (
+    BackendError,
+    CorruptObject,
+    Interrupted,
+    MetasyncError,
+    ObjectUnavailable,
+)
 from metasync.layout import fragment_key, object_key
 from metasync.mapping import StableMapping
 from metasync.objects import Config, PackEntry
+from metasync.progress import CANCEL
 
 if TYPE_CHECKING:
     from metasync.erasure import ErasureScheme, FragmentHeader
@@ -207,7 +214,9 @@ class RemoteStore:
         return found
 
     def close(self) -> None:
-        self.executor.shutdown(wait=True)
+        # Queued requests are dropped, not run: after an interrupt (or an error) the
+        # command is over; running ones finish or stop at their next piece.
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
     # --- placement ----------------------------------------------------------------
     def holders(self, stored_id: str) -> tuple[str, ...]:
@@ -254,6 +263,9 @@ class RemoteStore:
                     link.record(size, elapsed)
 
     def _backend(self, backend_id: str) -> Backend:
+        # Every request of the store starts here: once the user asked to stop, none
+        # is sent (raises Interrupted).
+        CANCEL.check()
         return self.backends[backend_id]
 
     # --- writes -------------------------------------------------------------------
@@ -264,7 +276,11 @@ class RemoteStore:
         ``key`` (default: the object's own key); return None or why it failed."""
         start = 0 if isinstance(data, bytes) else data.tell()
         try:
-            self._backend(backend_id).put(key or object_key(stored_id), data)
+            self._backend(backend_id).put(
+                key or object_key(stored_id),
+                data if isinstance(data, bytes) else CANCEL.guard(data))
+        except Interrupted:
+            raise  # the user's stop, not the backend's failure
         except MetasyncError as exc:
             self.down.setdefault(backend_id, str(exc))
             return str(exc)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from metasync.checkout import Checkout, PullResult
 from metasync.committer import CommitResult, Committer
 from metasync.context import RepoContext
-from metasync.errors import BackendError, ObjectUnavailable
+from metasync.errors import BackendError, Interrupted, ObjectUnavailable
 from metasync.faults import crash_point
 from metasync.graph import ANCESTRY_LIMIT, ObjectGraph
 from metasync.objects import Commit, FileObject, TreeEntry, Version
@@ -162,12 +162,20 @@ class Sync:
         delete of a locally changed file keeps the file.
         """
         remove_stale_temps(self.ctx.root)
-        resumed = self.checkout.resume()
-        latest = self.versions.learn_latest()
-        prev = self.state.prev
-        if latest.number == prev.number and not (self.state.head is None and latest.master):
-            return resumed or PullResult(prev, up_to_date=True)
-        result = self.integrate(latest)
+        try:
+            resumed = self.checkout.resume()
+            latest = self.versions.learn_latest()
+            prev = self.state.prev
+            if latest.number == prev.number and not (self.state.head is None and latest.master):
+                return resumed or PullResult(prev, up_to_date=True)
+            result = self.integrate(latest)
+        except (Interrupted, KeyboardInterrupt):
+            # The new version and the checkout still to do are recorded in one
+            # transaction before the folder changes: the next pull (or any command
+            # that resumes a checkout) finishes what was not written.
+            raise Interrupted(
+                "the pull stopped; files already written are kept and `metasync pull` "
+                "finishes it") from None
         self.outbox.publish_client_state()
         return result
 
