@@ -32,7 +32,7 @@ The rules it keeps:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Future, wait
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -131,6 +131,32 @@ def _stop(futures: list[Future[Uploaded]]) -> None:
             CANCEL.clear()
 
 
+def _results(futures: list[Future[Uploaded]]) -> Iterator[Uploaded | BaseException]:
+    """Each upload's result (or its error), in order, waiting for each; once all are
+    given, :class:`Interrupted` if the upload was stopped. A ``KeyboardInterrupt``
+    in this thread stops every transfer (:func:`_stop`) and the finished ones are
+    still given, so what was kept is recorded."""
+    stopped = False
+    i = 0
+    while i < len(futures):
+        try:
+            result: Uploaded | BaseException = futures[i].result()
+        except KeyboardInterrupt:
+            stopped = True
+            _stop(futures)
+            continue  # this one again: now done or cancelled
+        except (CancelledError, Interrupted):
+            stopped = True
+            i += 1
+            continue
+        except BaseException as exc:  # keep draining so no task is left running
+            result = exc
+        i += 1
+        yield result
+    if stopped:
+        raise Interrupted("the upload was stopped")
+
+
 class Replicator:
     """Writes, repairs and drops copies of stored objects on the store's backends
     (or on the backends a caller names, during a configuration change)."""
@@ -193,27 +219,11 @@ class Replicator:
         futures = [store.executor.submit(task, sid, load) for sid, load in items]
         unplaced: list[str] = []
         first_error: BaseException | None = None
-        stopped = False
         try:
-            i = 0
-            while i < len(futures):
-                try:
-                    placed = futures[i].result()
-                except KeyboardInterrupt:
-                    # Ctrl-C reached this thread: stop every transfer, then record
-                    # what finished (this future included, once it is done).
-                    stopped = True
-                    _stop(futures)
+            for placed in _results(futures):
+                if isinstance(placed, BaseException):
+                    first_error = first_error or placed
                     continue
-                except (CancelledError, Interrupted):
-                    stopped = True
-                    i += 1
-                    continue
-                except BaseException as exc:  # keep draining so no task is left running
-                    first_error = first_error or exc
-                    i += 1
-                    continue
-                i += 1
                 coded = any(index is not None for index in placed.copies.values())
                 needed = store.scheme.k if coded and store.scheme is not None else 1
                 if len(placed.copies) < needed:
@@ -223,8 +233,6 @@ class Replicator:
         except BaseException:
             _stop(futures)  # interrupted while recording: leave nothing running
             raise
-        if stopped:
-            raise Interrupted("the upload was stopped")
         if first_error is not None:
             raise first_error
         if unplaced:

@@ -147,8 +147,7 @@ class Repository:
         """Open the repository containing ``path`` (searching upwards, as git does).
         While another process (the daemon's sync step, another command) has the
         folder, wait up to ``wait`` seconds (default: the ``--timeout``, 30 s) --
-        or, ``read_only`` (for :meth:`status`, :meth:`log`, :meth:`backend_list`
-        only), open it at once and read what that process committed so far.
+        or, ``read_only`` (status, log, backend list), read what it committed so far.
         A ``.metasync`` another user owns or can write to is refused
         (:class:`~metasync.errors.UnsafeRepository`) unless trusted (:meth:`trust`)."""
         root = find_root(path)
@@ -197,11 +196,8 @@ class Repository:
             repo.versions.start_from_hint(start.entry_id)
             repo.pull()
         except (Interrupted, KeyboardInterrupt):
-            # Stopped by the user, not failed: keep what was downloaded (a pull
-            # finishes a clone cut short, docs/design.md).
-            repo.close()
-            raise Interrupted(f"the clone stopped; `metasync pull` in {start.root} "
-                              "finishes it") from None
+            repo.close()  # stopped, not failed: kept, as a pull finishes a clone cut short
+            raise Interrupted(f"the clone stopped; `metasync pull` in {start.root} finishes it") from None
         except BaseException:
             repo.close()
             start.undo()
