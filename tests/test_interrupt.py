@@ -337,3 +337,30 @@ def test_read_only_commands_work_while_a_push_holds_the_folder(setup: Setup) -> 
     setup.valve.rate["up"] = None
     setup.cli("push")
     assert "ok:" in setup.cli("fsck").stdout
+
+
+def test_ctrl_c_stops_a_pull_and_the_next_pull_finishes(setup: Setup) -> None:
+    """A pull interrupted while downloading a new version exits 130 saying the next
+    pull finishes it; that pull does, identical to the original."""
+    setup.fill(1)
+    setup.cli("push")
+    clone = setup.tmp / "clone"
+    setup.cli("clone", setup.uris[0], str(clone), "--backend", setup.uris[1], cwd=setup.tmp)
+    setup.fill(24, seed=2)
+    setup.cli("push")
+    setup.valve.rate["down"] = 1_000_000
+    before = setup.valve.moved["down"]
+    run = setup.start("pull", cwd=clone)
+    try:
+        wait_until(lambda: setup.valve.moved["down"] - before > 2_000_000, "the pull to download")
+        run.interrupt()
+        code, err = run.finish()
+    finally:
+        run.kill()
+    assert code == 130, err
+    assert "Traceback" not in err
+    assert "interrupted: the pull stopped; files already written are kept and `metasync pull` " \
+           "finishes it" in err
+    setup.valve.rate["down"] = None
+    assert "Updated to version 2" in setup.cli("pull", cwd=clone).stdout
+    assert snapshot(clone) == snapshot(setup.work)
