@@ -364,3 +364,30 @@ def test_ctrl_c_stops_a_pull_and_the_next_pull_finishes(setup: Setup) -> None:
     setup.valve.rate["down"] = None
     assert "Updated to version 2" in setup.cli("pull", cwd=clone).stdout
     assert snapshot(clone) == snapshot(setup.work)
+
+
+def test_stopping_the_daemon_stops_its_push(setup: Setup) -> None:
+    """SIGTERM (what `daemon stop` sends) to a daemon in the middle of a slow push
+    stops the push's transfers too, so the daemon exits without uploading the rest;
+    while it held the folder, status and daemon status answered. The next push
+    finishes."""
+    setup.fill(24)
+    setup.valve.rate["up"] = 1_000_000
+    run = setup.start("daemon", "--settle", "0", "--poll", "3600")
+    try:
+        wait_until(setup.uploading, "the daemon to start uploading")
+        status = setup.cli("--timeout", "10", "status", check=False)
+        assert status.returncode == 0, status.stderr
+        state = setup.cli("--timeout", "10", "daemon", "status", check=False)
+        assert state.returncode == 0 and "syncing" in state.stdout, state.stdout + state.stderr
+        run.interrupt(signal.SIGTERM)
+        code, err = run.finish()
+    finally:
+        run.kill()
+    assert code == 0, err
+    assert "Traceback" not in err
+    log = (setup.work / ".metasync" / "daemon.log").read_text()
+    assert "stopped during a sync" in log and "objects uploaded" in log, log
+    setup.valve.rate["up"] = None
+    setup.cli("push")
+    assert "ok:" in setup.cli("fsck").stdout
