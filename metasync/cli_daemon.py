@@ -146,7 +146,8 @@ def daemon_start(settle: float, poll: float, rescan: float, delete_share: float)
 
 @daemon.command("stop")
 def daemon_stop() -> None:
-    """Stop the background daemon after its current step."""
+    """Stop the background daemon (its transfers in progress stop; what was
+    uploaded is kept)."""
     import signal
 
     from metasync.daemon import daemon_running, running_pid
