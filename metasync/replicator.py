@@ -115,12 +115,13 @@ def settle_short(db: LocalDB, store: RemoteStore, stored_id: str,
             db.set_short(stored_id, known)
 
 
-def _stop(futures: list[Future[Uploaded]]) -> None:
+def _stop(futures: list[Future[Uploaded]]) -> bool:
     """Stop an upload: transfers not started are dropped, running ones stop at their
     next piece (:data:`~metasync.progress.CANCEL`); returns once none runs. Copies
     finished before stay (their object is recorded as uploaded); a stopped copy left
     only a temporary file, which nothing refers to. A stop this asked for itself (a
-    ``KeyboardInterrupt`` without the CLI's handler) is withdrawn once all stopped."""
+    ``KeyboardInterrupt`` without the CLI's handler) is withdrawn once all stopped,
+    and True returned."""
     asked_here = CANCEL.request()
     for fut in futures:
         fut.cancel()
@@ -129,32 +130,34 @@ def _stop(futures: list[Future[Uploaded]]) -> None:
     finally:
         if asked_here:
             CANCEL.clear()
+    return asked_here
 
 
 def _results(futures: list[Future[Uploaded]]) -> Iterator[Uploaded | BaseException]:
     """Each upload's result (or its error), in order, waiting for each; once all are
-    given, :class:`Interrupted` if the upload was stopped. A ``KeyboardInterrupt``
-    in this thread stops every transfer (:func:`_stop`) and the finished ones are
-    still given, so what was kept is recorded."""
-    stopped = False
+    given, :class:`Interrupted` if the upload was stopped (the user asked:
+    :data:`~metasync.progress.CANCEL`). A ``KeyboardInterrupt`` in this thread stops
+    every transfer (:func:`_stop`) and the finished ones are still given, so what was
+    kept is recorded; if nobody had asked for the stop, it is raised again at the end."""
+    interrupt: BaseException | None = None
     i = 0
     while i < len(futures):
         try:
             result: Uploaded | BaseException = futures[i].result()
-        except KeyboardInterrupt:
-            stopped = True
-            _stop(futures)
+        except KeyboardInterrupt as exc:
+            asked_here = _stop(futures)
+            interrupt = interrupt or (exc if asked_here else Interrupted("the upload was stopped"))
             continue  # this one again: now done or cancelled
         except (CancelledError, Interrupted):
-            stopped = True
+            interrupt = interrupt or Interrupted("the upload was stopped")
             i += 1
             continue
         except BaseException as exc:  # keep draining so no task is left running
             result = exc
         i += 1
         yield result
-    if stopped:
-        raise Interrupted("the upload was stopped")
+    if interrupt is not None:
+        raise interrupt
 
 
 class Replicator:

@@ -29,7 +29,7 @@ from metasync.graph import ObjectGraph
 from metasync.layout import DEFAULT_NAMESPACE
 from metasync.objects import BackendSpec, Commit, Config, TreeEntry, Version
 from metasync.outbox import Outbox
-from metasync.progress import Reporter
+from metasync.progress import CANCEL, Reporter
 from metasync.replicator import Replicator
 from metasync.scanner import Scanner
 from metasync.store import RemoteStore
@@ -195,11 +195,11 @@ class Repository:
         try:
             repo.versions.start_from_hint(start.entry_id)
             repo.pull()
-        except (Interrupted, KeyboardInterrupt):
-            repo.close()  # stopped, not failed: kept, as a pull finishes a clone cut short
-            raise Interrupted(f"the clone stopped; `metasync pull` in {start.root} finishes it") from None
-        except BaseException:
+        except BaseException as exc:
             repo.close()
+            if isinstance(exc, Interrupted) or (isinstance(exc, KeyboardInterrupt) and CANCEL.requested()):
+                # Stopped by the user, not failed: kept, as a pull finishes a clone cut short.
+                raise Interrupted(f"the clone stopped; `metasync pull` in {start.root} finishes it") from None
             start.undo()
             raise
         return repo

@@ -24,6 +24,7 @@ from metasync.faults import crash_point
 from metasync.graph import ANCESTRY_LIMIT, ObjectGraph
 from metasync.objects import Commit, FileObject, TreeEntry, Version
 from metasync.outbox import ObjectWriter, Outbox
+from metasync.progress import CANCEL
 from metasync.replicator import Replicator
 from metasync.scanner import Scanner
 from metasync.state import PendingCheckout
@@ -98,7 +99,20 @@ class Sync:
         proposed; copies a backend missed earlier are written again from a
         verified copy. The result's ``short`` lists every object still below R
         copies, whichever push of this client uploaded it.
+
+        Stopped by the user (Ctrl-C: :data:`~metasync.progress.CANCEL`), it raises
+        :class:`Interrupted` saying what was kept; the next push continues.
         """
+        try:
+            return self._push(message)
+        except KeyboardInterrupt:
+            if not CANCEL.requested():
+                raise
+            # Outside the upload (which says how much it kept): every step is
+            # crash-safe, so the next push picks up wherever this one stopped.
+            raise Interrupted("the push stopped; `metasync push` continues it") from None
+
+    def _push(self, message: str) -> PushResult:
         self.checkout.resume()
         latest = self.versions.learn_latest()
         crash_point("push:learned")
@@ -169,7 +183,9 @@ class Sync:
             if latest.number == prev.number and not (self.state.head is None and latest.master):
                 return resumed or PullResult(prev, up_to_date=True)
             result = self.integrate(latest)
-        except (Interrupted, KeyboardInterrupt):
+        except (Interrupted, KeyboardInterrupt) as exc:
+            if not CANCEL.requested() and not isinstance(exc, Interrupted):
+                raise
             # The new version and the checkout still to do are recorded in one
             # transaction before the folder changes: the next pull (or any command
             # that resumes a checkout) finishes what was not written.
