@@ -188,7 +188,8 @@ class Replicator:
         user if it is ``short``. The copies of one object are written one after
         another; different objects (and so different backends) in parallel. Raises
         :class:`ObjectUnavailable` if some object reached no backend at all (it is
-        not reported done: it stays queued).
+        not reported done: it stays queued). Stopped (Ctrl-C, see :func:`_results`),
+        it raises once no transfer runs, every finished object reported done.
         """
         store = self.store
 
