@@ -85,6 +85,9 @@ class Committer:
         exclusive = self.ctx.exclusive
         if exclusive:
             self.checkout.resume()
+        elif self.state.checkout_pending is not None:
+            self.ctx.reporter.note("note: another metasync command is updating the folder; "
+                                   "some changes listed may be its own")
         scan = self.scanner.scan(None)
         db = self.ctx.db
         if scan.rows and exclusive:
