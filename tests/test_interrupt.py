@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from metasync import Repository
+from metasync.errors import FolderBusy
 from tests.conftest import METASYNC, PASSPHRASE, run_cli, snapshot
 from tests.servers.sshd import SshServer
 
@@ -391,3 +393,31 @@ def test_stopping_the_daemon_stops_its_push(setup: Setup) -> None:
     setup.valve.rate["up"] = None
     setup.cli("push")
     assert "ok:" in setup.cli("fsck").stdout
+
+
+def test_a_read_only_open_beside_a_writer_reads_what_it_committed(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
+) -> None:
+    """With the folder held by an open repository, ``Repository.open(read_only=True)``
+    opens at once (a plain open would wait and fail), sees the holder's committed
+    state, and its status writes nothing (the index stays as the holder left it)."""
+    work = tmp_path / "a"
+    work.mkdir()
+    (work / "doc.txt").write_text("v1\n")
+    holder = Repository.init(work, [f"dir:{b}" for b in backends], passphrase=passphrase)
+    try:
+        holder.push("first")
+        (work / "new.txt").write_text("new\n")
+        holder.commit("second")
+        db = work / ".metasync" / "state.db"
+        before = db.stat().st_mtime_ns, (work / ".metasync" / "state.db-wal").stat().st_size
+        with pytest.raises(FolderBusy):
+            Repository.open(work, wait=0)
+        with Repository.open(work, read_only=True) as reader:
+            st = reader.status()
+            assert st.version == 1 and st.unpushed and not st.changes
+            assert [e.message for e in reader.log()] == ["second", "first"]
+        after = db.stat().st_mtime_ns, (work / ".metasync" / "state.db-wal").stat().st_size
+        assert after == before
+    finally:
+        holder.close()
