@@ -349,8 +349,9 @@ def open_context(root: Path, reporter: Reporter | None = None,
     ``read_only``: for a command that changes nothing (``status``, ``log``, ``backend
     list``): the lock is taken if free, else the repository is opened without it (at
     once, never waiting) and the context is not :attr:`~RepoContext.exclusive`: it
-    reads what the holder committed to ``state.db`` (SQLite's WAL gives each read a
-    consistent snapshot) and must write nothing but content-addressed caches."""
+    reads what the holder committed to ``state.db`` (in WAL mode each read sees a
+    committed state, never a transaction half done, and never blocks the holder) and
+    must write nothing but content-addressed caches."""
     meta = root / META_DIR
     lock = lock_folder(meta, wait, reporter, read_only=read_only)
     try:
