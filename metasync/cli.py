@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -27,8 +28,9 @@ from metasync.cli_common import (
 )
 from metasync.cli_daemon import auth, daemon
 from metasync.cli_keys import key
-from metasync.errors import MetasyncError, UsageError
+from metasync.errors import Interrupted, MetasyncError, UsageError
 from metasync.names import display_path
+from metasync.progress import CANCEL
 from metasync.repository import DEFAULT_NAMESPACE, Repository
 
 if TYPE_CHECKING:  # loaded by gc and fsck only (start-up time)
@@ -191,7 +193,7 @@ def trust(folder: str, remove: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(as_json: bool) -> None:
     """Show changes in the folder that are not committed yet."""
-    with _open() as repo:
+    with _open(read_only=True) as repo:
         st = repo.status()
     if as_json:
         click.echo(json.dumps(st.to_json(), indent=2))
@@ -278,7 +280,7 @@ def _warn_fork(fork: str) -> None:
 @click.option("-n", "--limit", type=int, default=None, help="Show at most this many commits.")
 def log(as_json: bool, limit: int | None) -> None:
     """Show the history, newest first."""
-    with _open() as repo:
+    with _open(read_only=True) as repo:
         entries = repo.log(limit)
     if as_json:
         click.echo(json.dumps([e.to_json() for e in entries], indent=2))
@@ -414,7 +416,7 @@ def backend_resize(name: str, capacity: float) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def backend_list(as_json: bool) -> None:
     """Each backend: id, URI, capacity, objects and bytes held, health."""
-    with _open() as repo:
+    with _open(read_only=True) as repo:
         listing = repo.backend_list()
     if as_json:
         click.echo(json.dumps(listing.to_json(), indent=2))
@@ -497,7 +499,7 @@ def gc(log_grace_hours: float) -> None:
 def snapshot(name: str | None, delete: bool) -> None:
     """Keep the current master as NAME for ever (gc never collects it); without NAME,
     list the snapshots."""
-    with _open() as repo:
+    with _open(read_only=name is None) as repo:
         if name is None:
             for snap, commit_id in repo.snapshots():
                 click.echo(f"{snap}\t{commit_id}")
@@ -557,14 +559,35 @@ cli.add_command(daemon)
 cli.add_command(key)
 
 
+def _on_signal(signum: int, frame: object) -> None:
+    """Ctrl-C or SIGTERM: the first stops every transfer (each at its next piece) and
+    lets the command say what it kept; a second quits at once, without waiting for a
+    transfer stuck in a backend call (nothing half-written is referenced either way:
+    every write is atomic and a commit is proposed only after its objects)."""
+    if not CANCEL.request():
+        sys.stdout.flush()
+        sys.stderr.write("metasync: interrupted again: stopped at once; the next command "
+                         "continues\n")
+        sys.stderr.flush()
+        os._exit(130)  # no joining of worker threads blocked in a backend call
+    sys.stderr.write("metasync: stopping transfers (press Ctrl-C again to quit at once)\n")
+    sys.stderr.flush()
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     """Console-script entry point."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:
-        _fail("aborted", 130)
+        _fail("interrupted" if CANCEL.requested() else "aborted", 130)
     except click.ClickException as exc:
         exc.show()
+        sys.exit(exc.exit_code)
+    except Interrupted as exc:
+        click.echo(f"metasync: interrupted: {exc}", err=True)
         sys.exit(exc.exit_code)
     except MetasyncError as exc:
         if STATE.debug:

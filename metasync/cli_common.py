@@ -116,8 +116,10 @@ def _passphrase_source(passphrase_file: str | None, confirm: bool) -> Callable[[
     return read
 
 
-def _open() -> Repository:
-    return Repository.open(Path.cwd(), reporter=_reporter())
+def _open(read_only: bool = False) -> Repository:
+    """The repository of the current folder; ``read_only`` for a command that changes
+    nothing: it runs while a push or the daemon holds the folder."""
+    return Repository.open(Path.cwd(), reporter=_reporter(), read_only=read_only)
 
 
 def _human(n: float) -> str:

@@ -81,10 +81,17 @@ class Committer:
         """Changes in the folder against the last commit. A checkout an interrupted
         pull left is finished first (else its unapplied changes would look like the
         user's)."""
-        self.checkout.resume()
+        # Opened read-only while another command has the folder (a push, the
+        # daemon): that command owns the checkout and the index; only read.
+        exclusive = self.ctx.exclusive
+        if exclusive:
+            self.checkout.resume()
+        elif self.state.checkout_pending is not None:
+            self.ctx.reporter.note("note: another metasync command is updating the folder; "
+                                   "some changes listed may be its own")
         scan = self.scanner.scan(None)
         db = self.ctx.db
-        if scan.rows:
+        if scan.rows and exclusive:
             with db.transaction():
                 db.upsert_index(scan.rows)
         head = self.graph.head_commit()
@@ -92,7 +99,7 @@ class Committer:
         fingerprint = tree_fingerprint(scan.files, scan.dirs)
         if head is None or self.state.tree_memo != (fingerprint, head.tree):
             root_id, trees = self.scanner.build_trees(scan.files, scan.dirs)
-            if head is not None and head.tree == root_id:
+            if head is not None and head.tree == root_id and exclusive:
                 self.state.tree_memo = (fingerprint, root_id)
             else:
                 # Descend only into folders whose tree ids differ: an unchanged subtree

@@ -231,7 +231,8 @@ class RepoContext:
     #: File modes for new files, by executable bit. Read once, at open: os.umask can
     #: only be read by setting it, which must not race with worker threads.
     file_modes: dict[bool, int] = field(default_factory=dict)
-    #: The open lock file while this context has the folder (see :func:`lock_folder`).
+    #: The open lock file while this context has the folder (see :func:`lock_folder`);
+    #: None for a read-only open while another command has it (:func:`open_context`).
     lock_fd: int | None = None
     #: Every data key this client holds (the codec uses those its configuration allows).
     keyring: Keyring | None = None
@@ -320,6 +321,13 @@ class RepoContext:
                                            if e >= config.key_epoch}, config.key_epoch))
 
     @property
+    def exclusive(self) -> bool:
+        """True if this context holds the folder lock; False for a read-only open
+        while another command holds it (see :func:`open_context`): then nothing but
+        content-addressed caches may be written, and no checkout resumed."""
+        return self.lock_fd is not None
+
+    @property
     def meta(self) -> Path:
         return self.root / META_DIR
 
@@ -356,13 +364,21 @@ def foreign(backend: Backend, backend_id: str) -> str | None:
 
 
 def open_context(root: Path, reporter: Reporter | None = None,
-                 wait: float = 0.0, typed: list[str] | None = None) -> RepoContext:
+                 wait: float = 0.0, typed: list[str] | None = None,
+                 read_only: bool = False) -> RepoContext:
     """Lock ``root``'s folder (waiting up to ``wait`` seconds while another process
     has it) and open its repository's handles. ``typed``: URIs of other backends of
     the shared configuration given on this machine's command line (``clone
-    --backend``), connected when a configuration names them (see :class:`BackendPool`)."""
+    --backend``), connected when a configuration names them (see :class:`BackendPool`).
+
+    ``read_only``: for a command that changes nothing (``status``, ``log``, ``backend
+    list``): the lock is taken if free, else the repository is opened without it (at
+    once, never waiting) and the context is not :attr:`~RepoContext.exclusive`: it
+    reads what the holder committed to ``state.db`` (in WAL mode each read sees a
+    committed state, never a transaction half done, and never blocks the holder) and
+    must write nothing but content-addressed caches."""
     meta = root / META_DIR
-    lock = lock_folder(meta, wait, reporter)
+    lock = lock_folder(meta, wait, reporter, read_only=read_only)
     try:
         db = LocalDB(meta / "state.db")
         try:
@@ -374,6 +390,9 @@ def open_context(root: Path, reporter: Reporter | None = None,
                 )
             config = state.config
             if fmt < FORMAT_VERSION:
+                if lock is None:  # the holder is an older metasync: no upgrade under it
+                    raise FolderBusy(f"another metasync command is using {root}; wait "
+                                     "for it to finish")
                 connect_backends_of_older_client(state, config)
             key_path = meta / KEY_FILE
             local = LocalKey.from_bytes(key_path.read_bytes()) if key_path.exists() else None
@@ -414,7 +433,8 @@ def open_context(root: Path, reporter: Reporter | None = None,
         ctx.use_keys(config)
         return ctx
     except BaseException:
-        os.close(lock)
+        if lock is not None:
+            os.close(lock)
         raise
 
 
@@ -536,12 +556,14 @@ def device_name() -> str:
     return "".join(ch for ch in name if ch.isalnum() or ch in "-_") or "device"
 
 
-def lock_folder(meta: Path, wait: float = 0.0, reporter: Reporter | None = None) -> int:
+def lock_folder(meta: Path, wait: float = 0.0, reporter: Reporter | None = None,
+                read_only: bool = False) -> int | None:
     """Take the repository's exclusive lock (``.metasync/lock``) for as long as the
     returned descriptor is open: one command (or daemon cycle) at a time, so no two
     writers interleave commits, checkouts or outbox cleanup. If another process
     holds it, wait up to ``wait`` seconds for it (saying so once, on ``reporter``),
-    then fail with one line."""
+    then fail with one line -- or, ``read_only``, return None at once: a reader
+    goes on without it (see :func:`open_context`)."""
     fd = os.open(meta / "lock", os.O_RDWR | os.O_CREAT, 0o600)
     deadline = time.monotonic() + wait
     said = False
@@ -550,7 +572,9 @@ def lock_folder(meta: Path, wait: float = 0.0, reporter: Reporter | None = None)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return fd
         except BlockingIOError:
-            pass
+            if read_only:
+                os.close(fd)
+                return None
         if time.monotonic() >= deadline:
             os.close(fd)
             if not wait:

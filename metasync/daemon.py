@@ -33,11 +33,11 @@ from typing import Any
 
 from metasync.backends import Backend, open_backend, public_uri
 from metasync.context import PID_FILE, daemon_running
-from metasync.errors import BackendError, FolderBusy, MetasyncError, UsageError
+from metasync.errors import BackendError, FolderBusy, Interrupted, MetasyncError, UsageError
 from metasync.faults import pause_point, watch_failure
 from metasync.layout import HINT_KEY
 from metasync.names import display_path
-from metasync.progress import NullReporter
+from metasync.progress import CANCEL, NullReporter
 from metasync.repository import Repository
 from metasync.worktree import IGNORE_FILE, META_DIR, TEMP_PREFIX, IgnoreRules
 
@@ -119,8 +119,10 @@ class Daemon:
         self._rebalance_after = 0.0
 
     # --- lifecycle ---------------------------------------------------------------
-    def stop(self) -> None:
-        """Finish the current step, then leave the loop."""
+    def stop(self, cancel: bool = False) -> None:
+        """Finish the current step (``cancel``: stop its transfers), then leave the loop."""
+        if cancel:
+            CANCEL.request()
         self._stopping.set()
         self._wake.set()
 
@@ -128,7 +130,9 @@ class Daemon:
         """The daemon's main loop; returns an exit status."""
         self._setup_logging()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop())
+            # Stop the transfers of a sync in progress too (each at its next piece):
+            # what was uploaded is kept and the next sync continues.
+            signal.signal(sig, lambda *_: self.stop(cancel=True))
         pid_fd = self._take_pid_file()
         observer = self._watch()
         self._write_status()
@@ -216,6 +220,8 @@ class Daemon:
             self._last_event = time.monotonic()
             self.status.state = "idle"
             return
+        except Interrupted as exc:
+            self.log.info("stopped during a sync: %s", exc)
         except UsageError as exc:
             self._fail(exc)
         except BackendError as exc:

@@ -23,6 +23,13 @@ class FolderBusy(UsageError):
     did not let go within the wait allowed."""
 
 
+class Interrupted(MetasyncError):
+    """The user stopped the command (Ctrl-C, SIGTERM): transfers in flight were
+    cancelled. The message says what was kept and what the next command does."""
+
+    exit_code = 130
+
+
 class NotARepository(MetasyncError):
     """A folder or backend holds no metasync repository."""
 

@@ -24,12 +24,12 @@ from metasync.backends import Backend
 from metasync.checkout import Checkout, PullResult
 from metasync.committer import Change, CommitResult, Committer, Status
 from metasync.context import RepoContext, open_context
-from metasync.errors import NotARepository, UsageError
+from metasync.errors import Interrupted, NotARepository, UsageError
 from metasync.graph import ObjectGraph
 from metasync.layout import DEFAULT_NAMESPACE
 from metasync.objects import BackendSpec, Commit, Config, TreeEntry, Version
 from metasync.outbox import Outbox
-from metasync.progress import Reporter
+from metasync.progress import CANCEL, Reporter
 from metasync.replicator import Replicator
 from metasync.scanner import Scanner
 from metasync.store import RemoteStore
@@ -143,10 +143,11 @@ class Repository:
 
     @classmethod
     def open(cls, path: str | Path = ".", reporter: Reporter | None = None,
-             wait: float | None = None) -> Repository:
+             wait: float | None = None, *, read_only: bool = False) -> Repository:
         """Open the repository containing ``path`` (searching upwards, as git does).
         While another process (the daemon's sync step, another command) has the
-        folder, wait up to ``wait`` seconds (default: the ``--timeout``, 30 s).
+        folder, wait up to ``wait`` seconds (default: the ``--timeout``, 30 s) --
+        or, ``read_only`` (status, log, backend list), read what it committed so far.
         A ``.metasync`` another user owns or can write to is refused
         (:class:`~metasync.errors.UnsafeRepository`) unless trusted (:meth:`trust`)."""
         root = find_root(path)
@@ -157,7 +158,7 @@ class Repository:
             )
         if wait is None:
             wait = wait_bound()
-        return cls(open_context(root, reporter, wait))
+        return cls(open_context(root, reporter, wait, read_only=read_only))
 
     @staticmethod
     def trust(folder: str | Path, trusted: bool = True) -> Path:
@@ -195,8 +196,11 @@ class Repository:
         try:
             repo.versions.start_from_hint(start.entry_id)
             repo.pull()
-        except BaseException:
+        except BaseException as exc:
             repo.close()
+            if isinstance(exc, Interrupted) or (isinstance(exc, KeyboardInterrupt) and CANCEL.requested()):
+                # Stopped by the user, not failed: kept, as a pull finishes a clone cut short.
+                raise Interrupted(f"the clone stopped; `metasync pull` in {start.root} finishes it") from None
             start.undo()
             raise
         return repo

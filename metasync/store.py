@@ -32,12 +32,14 @@ from metasync.errors import (
     BackendError,
     BackendFull,
     CorruptObject,
+    Interrupted,
     MetasyncError,
     ObjectUnavailable,
 )
 from metasync.layout import fragment_key, object_key
 from metasync.mapping import StableMapping
 from metasync.objects import Config, PackEntry
+from metasync.progress import CANCEL
 
 if TYPE_CHECKING:
     from metasync.erasure import ErasureScheme, FragmentHeader
@@ -217,7 +219,9 @@ class RemoteStore:
         return found
 
     def close(self) -> None:
-        self.executor.shutdown(wait=True)
+        # Queued requests are dropped, not run: after an interrupt (or an error) the
+        # command is over; running ones finish or stop at their next piece.
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
     # --- placement ----------------------------------------------------------------
     def holders(self, stored_id: str) -> tuple[str, ...]:
@@ -264,6 +268,9 @@ class RemoteStore:
                     link.record(size, elapsed)
 
     def _backend(self, backend_id: str) -> Backend:
+        # Every request of the store starts here: once the user asked to stop, none
+        # is sent (raises Interrupted).
+        CANCEL.check()
         return self.backends[backend_id]
 
     # --- writes -------------------------------------------------------------------
@@ -274,7 +281,11 @@ class RemoteStore:
         ``key`` (default: the object's own key); return None or why it failed."""
         start = 0 if isinstance(data, bytes) else data.tell()
         try:
-            self._backend(backend_id).put(key or object_key(stored_id), data)
+            self._backend(backend_id).put(
+                key or object_key(stored_id),
+                data if isinstance(data, bytes) else CANCEL.guard(data))
+        except Interrupted:
+            raise  # the user's stop, not the backend's failure
         except MetasyncError as exc:
             if isinstance(exc, BackendFull):
                 self.full.setdefault(backend_id, str(exc))

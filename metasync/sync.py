@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING
 from metasync.checkout import Checkout, PullResult
 from metasync.committer import CommitResult, Committer
 from metasync.context import RepoContext
-from metasync.errors import BackendError, ObjectUnavailable
+from metasync.errors import BackendError, Interrupted, ObjectUnavailable
 from metasync.faults import crash_point
 from metasync.graph import ANCESTRY_LIMIT, ObjectGraph
 from metasync.names import display_path
 from metasync.objects import Commit, FileObject, TreeEntry, Version
 from metasync.outbox import ObjectWriter, Outbox
+from metasync.progress import CANCEL
 from metasync.replicator import Replicator
 from metasync.scanner import Scanner
 from metasync.state import PendingCheckout
@@ -102,7 +103,20 @@ class Sync:
         proposed; copies a backend missed earlier are written again from a
         verified copy. The result's ``short`` lists every object still below R
         copies, whichever push of this client uploaded it.
+
+        Stopped by the user (Ctrl-C: :data:`~metasync.progress.CANCEL`), it raises
+        :class:`Interrupted` saying what was kept; the next push continues.
         """
+        try:
+            return self._push(message)
+        except KeyboardInterrupt:
+            if not CANCEL.requested():
+                raise
+            # Outside the upload (which says how much it kept): every step is
+            # crash-safe, so the next push picks up wherever this one stopped.
+            raise Interrupted("the push stopped; `metasync push` continues it") from None
+
+    def _push(self, message: str) -> PushResult:
         self.checkout.resume()
         latest = self.versions.learn_latest()
         crash_point("push:learned")
@@ -167,12 +181,22 @@ class Sync:
         delete of a locally changed file keeps the file.
         """
         remove_stale_temps(self.ctx.root)
-        resumed = self.checkout.resume()
-        latest = self.versions.learn_latest()
-        prev = self.state.prev
-        if latest.number == prev.number and not (self.state.head is None and latest.master):
-            return resumed or PullResult(prev, up_to_date=True)
-        result = self.integrate(latest)
+        try:
+            resumed = self.checkout.resume()
+            latest = self.versions.learn_latest()
+            prev = self.state.prev
+            if latest.number == prev.number and not (self.state.head is None and latest.master):
+                return resumed or PullResult(prev, up_to_date=True)
+            result = self.integrate(latest)
+        except (Interrupted, KeyboardInterrupt) as exc:
+            if not CANCEL.requested() and not isinstance(exc, Interrupted):
+                raise
+            # The new version and the checkout still to do are recorded in one
+            # transaction before the folder changes: the next pull (or any command
+            # that resumes a checkout) finishes what was not written.
+            raise Interrupted(
+                "the pull stopped; files already written are kept and `metasync pull` "
+                "finishes it") from None
         self.outbox.publish_client_state()
         return result
 
