@@ -29,6 +29,7 @@ from metasync.context import create_local, device_name
 from metasync.errors import (
     BackendUnavailable,
     FormatError,
+    Interrupted,
     MetasyncError,
     NotARepository,
     NotTrusted,
@@ -63,6 +64,7 @@ from metasync.layout import (
 from metasync.localdb import LocalDB
 from metasync.mapping import vnode_unit
 from metasync.objects import FORMAT_VERSION, MAX_FRAGMENTS, BackendSpec, Config
+from metasync.progress import CANCEL
 from metasync.state import LocalState
 from metasync.worktree import META_DIR
 
@@ -217,6 +219,20 @@ class CloneStart:
     created: bool
     #: The repository's fingerprint (None: not encrypted).
     fingerprint: str | None = None
+
+    def finish(self, first_pull: Callable[[], None], close: Callable[[], None]) -> None:
+        """Run the clone's ``first_pull``; if it fails, ``close`` and :meth:`undo`. A
+        clone the user stopped (Ctrl-C) is kept instead, as a pull finishes it."""
+        try:
+            first_pull()
+        except BaseException as exc:
+            close()
+            if isinstance(exc, Interrupted) or (
+                    isinstance(exc, KeyboardInterrupt) and CANCEL.requested()):
+                raise Interrupted(
+                    f"the clone stopped; `metasync pull` in {self.root} finishes it") from None
+            self.undo()
+            raise
 
     def undo(self) -> None:
         """Leave no half-cloned folder behind (a failure we can report)."""

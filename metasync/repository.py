@@ -24,12 +24,12 @@ from metasync.backends import Backend
 from metasync.checkout import Checkout, PullResult
 from metasync.committer import Change, CommitResult, Committer, Status
 from metasync.context import RepoContext, open_context
-from metasync.errors import Interrupted, NotARepository, UsageError
+from metasync.errors import NotARepository, UsageError
 from metasync.graph import ObjectGraph
 from metasync.layout import DEFAULT_NAMESPACE
 from metasync.objects import BackendSpec, Commit, Config, TreeEntry, Version
 from metasync.outbox import Outbox
-from metasync.progress import CANCEL, Reporter
+from metasync.progress import Reporter
 from metasync.replicator import Replicator
 from metasync.scanner import Scanner
 from metasync.store import RemoteStore
@@ -193,16 +193,11 @@ class Repository:
                                         allow_unencrypted=allow_unencrypted, pinned=fingerprint,
                                         others=connect)
         repo = cls(open_context(start.root, reporter, typed=connect))
-        try:
+        def first_pull() -> None:
             repo.versions.start_from_hint(start.entry_id)
             repo.pull()
-        except BaseException as exc:
-            repo.close()
-            if isinstance(exc, Interrupted) or (isinstance(exc, KeyboardInterrupt) and CANCEL.requested()):
-                # Stopped by the user, not failed: kept, as a pull finishes a clone cut short.
-                raise Interrupted(f"the clone stopped; `metasync pull` in {start.root} finishes it") from None
-            start.undo()
-            raise
+
+        start.finish(first_pull, repo.close)
         return repo
 
     @classmethod
