@@ -19,6 +19,8 @@ from metasync.repository import Repository
 class _State:
     debug = False
     quiet = False
+    #: ``--json`` given before the subcommand (each command also takes it after).
+    json = False
 
 
 STATE = _State()
@@ -100,6 +102,9 @@ def _passphrase_source(passphrase_file: str | None, confirm: bool) -> Callable[[
         env = os.environ.get("METASYNC_PASSPHRASE")
         if env:
             return env
+        if env == "" and not passphrase_file:
+            raise UsageError("METASYNC_PASSPHRASE is empty: set it to the passphrase, or unset "
+                             "it (then --passphrase-file or a prompt is used)")
         if passphrase_file:
             try:
                 return Path(passphrase_file).read_text().rstrip("\r\n")
