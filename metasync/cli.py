@@ -390,17 +390,27 @@ def log(as_json: bool, limit: int | None, graph: bool, oneline: bool) -> None:
         _echo_json([e.to_json() for e in entries])
         return
     rows = draw_graph(entries) if graph else [GraphRow(e, "", "") for e in entries]
-    for row in rows:
+    for i, row in enumerate(rows):
         if row.entry is None:
-            click.echo(row.prefix)
+            if not _opens(rows, i) or oneline:
+                click.echo(row.prefix)  # (a merge's opening row is shown by its entry)
             continue
         lines = _log_lines(row.entry, oneline)
         if not graph:
             click.echo("\n".join(lines))
             continue
         click.echo(f"{row.prefix} {lines[0]}")
+        if _opens(rows, i + 1) and not oneline:
+            click.echo(rows[i + 1].prefix)  # right below the merge, as git draws it
+        pad = row.padding or " "
         for line in lines[1:]:
-            click.echo(f"{row.padding} {line}".rstrip() if line else row.padding)
+            click.echo(f"{pad} {line}".rstrip())
+
+
+def _opens(rows: list[Any], i: int) -> bool:
+    """Row ``i`` is the one a merge opens its further parents' columns with."""
+    return (0 < i < len(rows) and rows[i].entry is None and rows[i - 1].entry is not None
+            and "\\" in rows[i].prefix)
 
 
 def _log_lines(e: Any, oneline: bool) -> list[str]:

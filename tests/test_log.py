@@ -82,6 +82,10 @@ def test_log_graph_draws_both_parents_of_a_merge(merged: tuple[Path, Path]) -> N
     middle = lines[2:-2]
     assert sorted(line[:3] for line in middle) == ["* |", "| *"], text
     assert len(shapes) == 6
+    full = run_cli("log", "--graph", cwd=laptop).stdout.splitlines()
+    assert full[0].startswith("*   commit ") and full[1] == "|\\", "\n".join(full)
+    assert full[2].startswith("| | Merge: ")
+    assert "|/" in full and full[-5].startswith("  Device: ")  # the root: no column left
 
 
 def test_log_limit_counts_commits(merged: tuple[Path, Path]) -> None:
