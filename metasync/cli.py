@@ -63,6 +63,11 @@ def _add_global_options(command: click.Command) -> None:
         return
     taken = {opt for p in command.params for opt in p.opts}
     command.params += [o for o in _global_options() if not taken & set(o.opts)]
+    for param in command.params:
+        if "--json" in param.opts:
+            # ``metasync --json CMD`` as ``metasync CMD --json``: read when CMD's
+            # arguments are parsed, after the group's options.
+            param.default = lambda: STATE.json
 
 
 json_option = click.option(
@@ -78,7 +83,7 @@ json_option = click.option(
 def cli(as_json: bool) -> None:
     """Keep one folder in sync across several untrusted storage services.
     Global options may also follow the subcommand (metasync pull -q)."""
-    STATE.json = STATE.json or as_json
+    STATE.json = as_json
 
 
 def _echo_json(doc: Any) -> None:
@@ -171,7 +176,7 @@ def clone(uri: str, directory: str | None, namespace: str, fingerprint: str | No
                             reporter=_reporter(), allow_unencrypted=no_encrypt,
                             fingerprint=fingerprint, connect=list(others))
     with repo:
-        if as_json or STATE.json:
+        if as_json:
             _echo_json({"version": repo.prev.number, "root": str(repo.root),
                         "fingerprint": repo.fingerprint or None,
                         "encrypted": bool(repo.fingerprint)})
@@ -243,7 +248,7 @@ def status(as_json: bool, offline: bool) -> None:
                 standing = repo.history.standing()
             except MetasyncError as exc:
                 unknown = str(exc)
-    if as_json or STATE.json:
+    if as_json:
         doc = st.to_json()
         doc.update({"latest": standing.latest if standing else None,
                     "behind": standing.behind if standing else None,
@@ -317,7 +322,7 @@ def push(message: str, as_json: bool) -> None:
     elif result.missing_copies:
         warnings.append(f"warning: {result.missing_copies} object copies are not on their "
                         "backends yet (one is unreachable); the next push retries them")
-    if as_json or STATE.json:
+    if as_json:
         _echo_json({
             "version": result.version.number if result.version else None,
             "up_to_date": result.up_to_date,
@@ -353,7 +358,7 @@ def pull(as_json: bool) -> None:
     """Bring the latest master into the folder."""
     with _open() as repo:
         result = repo.pull()
-    if as_json or STATE.json:
+    if as_json:
         _echo_json({"version": result.version.number, "up_to_date": result.up_to_date,
                     "written": result.written, "deleted": result.deleted,
                     "conflicts": result.conflicts,
@@ -386,7 +391,7 @@ def log(as_json: bool, limit: int | None, graph: bool, oneline: bool) -> None:
 
     with _open() as repo:
         entries = repo.log(limit)
-    if as_json or STATE.json:
+    if as_json:
         _echo_json([e.to_json() for e in entries])
         return
     rows = draw_graph(entries) if graph else [GraphRow(e, "", "") for e in entries]
@@ -438,7 +443,7 @@ def fsck(quick: bool, repair: bool, as_json: bool) -> None:
         report = repo.fsck(quick=quick, repair=repair)
         names = {p.backend: repo.backend_name(p.backend) for p in report.problems}
     fixed = set(report.repaired)
-    if as_json or STATE.json:
+    if as_json:
         _echo_json({
             "ok": report.ok, "quick": quick, "objects": report.objects,
             "checked_copies": report.checked_copies,
@@ -633,7 +638,8 @@ def snapshot(name: str | None, delete: bool) -> None:
 @cli.command()
 @click.argument("path")
 @click.option("--version", "version", default=None, metavar="V",
-              help="A commit id prefix (metasync log), a snapshot name, or ~N (N versions back).")
+              help="A version number or commit id prefix (as metasync log shows them), a "
+                   "snapshot name, or ~N (N versions back).")
 @click.option("--to", "to", default=None, type=click.Path(), metavar="DEST",
               help="Write it here instead of at PATH.")
 def restore(path: str, version: str | None, to: str | None) -> None:

@@ -105,8 +105,9 @@ def test_json_on_push_pull_fsck_clone(tmp_path: Path, backends: list[Path]) -> N
     doc = json.loads(run_cli("pull", "--json", cwd=clone).stdout)
     assert doc == {"version": 2, "up_to_date": False, "written": 1, "deleted": 0,
                    "conflicts": [], "warnings": []}
-    doc = json.loads(run_cli("push", "--json", cwd=clone).stdout)
+    doc = json.loads(run_cli("--json", "push", cwd=clone).stdout)  # before it too
     assert doc["up_to_date"] is True and doc["version"] == 2
+    assert json.loads(run_cli("--json", "backend", "list", cwd=clone).stdout)["backends"]
     doc = json.loads(run_cli("fsck", "--json", cwd=clone).stdout)
     assert doc["ok"] is True and doc["problems"] == [] and doc["objects"] >= 1
     # Damage one copy: fsck --json lists it and exits 1.
