@@ -18,14 +18,17 @@ import click
 from metasync.backends import public_uri
 from metasync.cli_common import (
     STATE,
+    _echo_json,
     _fail,
     _human,
     _open,
     _passphrase_source,
     _reporter,
     _say,
+    json_option,
 )
 from metasync.cli_daemon import auth, daemon
+from metasync.cli_history import log, say_standing
 from metasync.cli_keys import key
 from metasync.errors import MetasyncError, UsageError
 from metasync.repository import DEFAULT_NAMESPACE, Repository
@@ -70,11 +73,6 @@ def _add_global_options(command: click.Command) -> None:
             param.default = lambda: STATE.json
 
 
-json_option = click.option(
-    "--json", "as_json", is_flag=True,
-    help="Machine-readable output (one JSON document; see docs/cli.md).")
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]},
              params=_global_options())
 @click.option("--json", "as_json", is_flag=True,
@@ -84,10 +82,6 @@ def cli(as_json: bool) -> None:
     """Keep one folder in sync across several untrusted storage services.
     Global options may also follow the subcommand (metasync pull -q)."""
     STATE.json = as_json
-
-
-def _echo_json(doc: Any) -> None:
-    click.echo(json.dumps(doc, indent=2))
 
 
 mkdir_option = click.option(
@@ -259,29 +253,13 @@ def status(as_json: bool, offline: bool) -> None:
     if unknown:
         click.echo(f"note: could not learn the newest version ({unknown})", err=True)
     elif standing is not None:
-        _say_standing(standing)
+        say_standing(standing)
     if not st.changes:
         _say("Nothing to commit, folder clean")
     symbols = {"added": "A", "modified": "M", "deleted": "D"}
     for c in st.changes:
         suffix = "/" if c.type == "dir" else ""
         _say(f"  {symbols[c.kind]} {c.path}{suffix}")
-
-
-def _say_standing(standing: Any) -> None:
-    """One line on where the folder is against master (nothing when level)."""
-    def plural(n: int, what: str) -> str:
-        return f"{n} {what}{'' if n == 1 else 's'}"
-
-    behind, ahead = standing.behind, standing.ahead
-    if behind and ahead:
-        _say(f"Your folder has diverged from master: {plural(ahead, 'local commit')} not "
-             f"pushed, {plural(behind, 'version')} not pulled; run metasync push (it merges)")
-    elif behind:
-        _say(f"Your folder is behind master by {plural(behind, 'version')}; run metasync pull")
-    elif ahead:
-        _say(f"Your folder is ahead of master by {plural(ahead, 'local commit')}; "
-             "run metasync push")
 
 
 @cli.command()
@@ -376,61 +354,6 @@ def _warn_fork(fork: str) -> None:
     """A forked history is said even with ``--quiet``: the user must act on it."""
     if fork:
         click.echo(f"warning: {fork}", err=True)
-
-
-@cli.command()
-@json_option
-@click.option("-n", "--limit", type=int, default=None, help="Show at most this many commits.")
-@click.option("--graph", is_flag=True,
-              help="Draw the lines of descent, both parents of merges (as git log --graph).")
-@click.option("--oneline", is_flag=True, help="One line per commit: short id, version, message.")
-def log(as_json: bool, limit: int | None, graph: bool, oneline: bool) -> None:
-    """Show the history, newest first: every commit (both sides of merges) with the
-    version it became master in, the number `restore --version` takes."""
-    from metasync.history import GraphRow, draw_graph
-
-    with _open() as repo:
-        entries = repo.log(limit)
-    if as_json:
-        _echo_json([e.to_json() for e in entries])
-        return
-    rows = draw_graph(entries) if graph else [GraphRow(e, "", "") for e in entries]
-    for i, row in enumerate(rows):
-        if row.entry is None:
-            if not _opens(rows, i) or oneline:
-                click.echo(row.prefix)  # (a merge's opening row is shown by its entry)
-            continue
-        lines = _log_lines(row.entry, oneline)
-        if not graph:
-            click.echo("\n".join(lines))
-            continue
-        click.echo(f"{row.prefix} {lines[0]}")
-        if _opens(rows, i + 1) and not oneline:
-            click.echo(rows[i + 1].prefix)  # right below the merge, as git draws it
-        pad = row.padding or " "
-        for line in lines[1:]:
-            click.echo(f"{pad} {line}".rstrip())
-
-
-def _opens(rows: list[Any], i: int) -> bool:
-    """Row ``i`` is the one a merge opens its further parents' columns with."""
-    return (0 < i < len(rows) and rows[i].entry is None and rows[i - 1].entry is not None
-            and "\\" in rows[i].prefix)
-
-
-def _log_lines(e: Any, oneline: bool) -> list[str]:
-    """One log entry as lines (git's format, with the version after the id)."""
-    number = f" (version {e.version})" if e.version is not None else ""
-    message = e.message or "(no message)"
-    if oneline:
-        return [f"{e.commit_id[:12]}{number} {message.splitlines()[0] if message else ''}"]
-    when = datetime.fromtimestamp(e.time_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
-    lines = [f"commit {e.commit_id}{number}"]
-    if len(e.parents) > 1:
-        lines.append("Merge: " + " ".join(p[:12] for p in e.parents))
-    lines += [f"Device: {e.device}", f"Date:   {when}", ""]
-    lines += [f"    {line}" for line in message.splitlines()] + [""]
-    return lines
 
 
 @cli.command()
@@ -683,6 +606,7 @@ def share(email: str) -> None:
 
 
 cli.add_command(auth)
+cli.add_command(log)
 cli.add_command(daemon)
 cli.add_command(key)
 _add_global_options(cli)

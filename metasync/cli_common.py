@@ -3,6 +3,7 @@ failures, progress reporters, the passphrase source and opening the repository."
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -132,3 +133,10 @@ def _human(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+json_option = click.option(
+    "--json", "as_json", is_flag=True,
+    help="Machine-readable output (one JSON document; see docs/cli.md).")
+
+
+def _echo_json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=2))
