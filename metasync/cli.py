@@ -19,14 +19,17 @@ import click
 from metasync.backends import public_uri
 from metasync.cli_common import (
     STATE,
+    _echo_json,
     _fail,
     _human,
     _open,
     _passphrase_source,
     _reporter,
     _say,
+    json_option,
 )
 from metasync.cli_daemon import auth, daemon
+from metasync.cli_history import log, say_standing
 from metasync.cli_keys import key
 from metasync.errors import Interrupted, MetasyncError, UsageError
 from metasync.names import display_path
@@ -37,21 +40,55 @@ if TYPE_CHECKING:  # loaded by gc and fsck only (start-up time)
     from metasync.maintenance.gc import TempSweep
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
-@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-              metavar="SECONDS",
-              help="Longest wait for any backend's answer (each connect, read, "
-                   "handshake, and a request's retries) and for backends to agree "
-                   "(default 30; also METASYNC_TIMEOUT).")
+def _set_state(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    """Record a global option wherever it was given (before or after the subcommand)."""
+    if param.name == "timeout":
+        if value is not None:
+            os.environ["METASYNC_TIMEOUT"] = repr(value)
+    elif value:
+        setattr(STATE, str(param.name), True)
+
+
+def _global_options() -> list[click.Option]:
+    """``--debug``, ``-q`` and ``--timeout``: taken by the group and by every command,
+    so ``metasync pull -q`` works as ``metasync -q pull`` does."""
+    return [
+        click.Option(["--debug"], is_flag=True, expose_value=False, callback=_set_state,
+                     help="Show tracebacks on errors."),
+        click.Option(["-q", "--quiet"], is_flag=True, expose_value=False, callback=_set_state,
+                     help="Print nothing but errors."),
+        click.Option(["--timeout"], type=click.FloatRange(min=0, min_open=True), default=None,
+                     metavar="SECONDS", expose_value=False, callback=_set_state,
+                     help="Longest wait for any backend's answer (each connect, read, "
+                          "handshake, and a request's retries) and for backends to agree "
+                          "(default 30; also METASYNC_TIMEOUT)."),
+    ]
+
+
+def _add_global_options(command: click.Command) -> None:
+    """Give every command under ``command`` the global options it lacks."""
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            _add_global_options(sub)
+        return
+    taken = {opt for p in command.params for opt in p.opts}
+    command.params += [o for o in _global_options() if not taken & set(o.opts)]
+    for param in command.params:
+        if "--json" in param.opts:
+            # ``metasync --json CMD`` as ``metasync CMD --json``: read when CMD's
+            # arguments are parsed, after the group's options.
+            param.default = lambda: STATE.json
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]},
+             params=_global_options())
+@click.option("--json", "as_json", is_flag=True,
+              help="Machine-readable output from commands that have it (as their --json).")
 @click.version_option(package_name="metasync")
-def cli(debug: bool, quiet: bool, timeout: float | None) -> None:
-    """Keep one folder in sync across several untrusted storage services."""
-    STATE.debug = debug
-    STATE.quiet = quiet
-    if timeout is not None:
-        os.environ["METASYNC_TIMEOUT"] = repr(timeout)
+def cli(as_json: bool) -> None:
+    """Keep one folder in sync across several untrusted storage services.
+    Global options may also follow the subcommand (metasync pull -q)."""
+    STATE.json = as_json
 
 
 mkdir_option = click.option(
@@ -118,7 +155,8 @@ def init(directory: str, backends: tuple[str, ...], replicas: int | None, namesp
 @cli.command()
 @click.argument("uri")
 @click.argument("directory", required=False)
-@click.option("--namespace", default=DEFAULT_NAMESPACE, show_default=True)
+@click.option("--namespace", default=DEFAULT_NAMESPACE, show_default=True,
+              help="Folder name of the repository on the backend (as given to init).")
 @click.option("--fingerprint", default=None, metavar="F",
               help="Refuse the clone unless the repository's fingerprint is F (as init printed it).")
 @click.option("--no-encrypt", is_flag=True,
@@ -128,8 +166,10 @@ def init(directory: str, backends: tuple[str, ...], replicas: int | None, namesp
               help="Another backend of the repository to use at once, as this machine "
                    "reaches it (repeatable); others are used once connected.")
 @passphrase_file_option
+@json_option
 def clone(uri: str, directory: str | None, namespace: str, fingerprint: str | None,
-          no_encrypt: bool, others: tuple[str, ...], passphrase_file: str | None) -> None:
+          no_encrypt: bool, others: tuple[str, ...], passphrase_file: str | None,
+          as_json: bool) -> None:
     """Rebuild a repository from any one of its backends (URI) into DIRECTORY."""
     target = directory or namespace
     repo = Repository.clone(uri, target, namespace=namespace,
@@ -137,6 +177,11 @@ def clone(uri: str, directory: str | None, namespace: str, fingerprint: str | No
                             reporter=_reporter(), allow_unencrypted=no_encrypt,
                             fingerprint=fingerprint, connect=list(others))
     with repo:
+        if as_json:
+            _echo_json({"version": repo.prev.number, "root": str(repo.root),
+                        "fingerprint": repo.fingerprint or None,
+                        "encrypted": bool(repo.fingerprint)})
+            return
         _say(f"Cloned version {repo.prev.number} into {repo.root}")
         _say(f"Fingerprint: {repo.fingerprint}" if repo.fingerprint
              else "The repository is NOT encrypted")
@@ -190,15 +235,32 @@ def trust(folder: str, remove: bool) -> None:
 
 
 @cli.command()
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def status(as_json: bool) -> None:
-    """Show changes in the folder that are not committed yet."""
+@json_option
+@click.option("--offline", is_flag=True,
+              help="Do not ask the backends for the newest version (no behind/ahead line).")
+def status(as_json: bool, offline: bool) -> None:
+    """Show changes in the folder that are not committed yet, and whether the folder
+    is behind master (versions to pull) or ahead (local commits to push)."""
+    standing, unknown = None, ""
     with _open(read_only=True) as repo:
         st = repo.status()
+        if not offline:
+            try:
+                standing = repo.history.standing()
+            except MetasyncError as exc:
+                unknown = str(exc)
     if as_json:
-        click.echo(json.dumps(st.to_json(), indent=2))
+        doc = st.to_json()
+        doc.update({"latest": standing.latest if standing else None,
+                    "behind": standing.behind if standing else None,
+                    "ahead": standing.ahead if standing else None})
+        _echo_json(doc)
         return
     _say(f"On version {st.version}" + (" (local commits not pushed)" if st.unpushed else ""))
+    if unknown:
+        click.echo(f"note: could not learn the newest version ({unknown})", err=True)
+    elif standing is not None:
+        say_standing(standing)
     if not st.changes:
         _say("Nothing to commit, folder clean")
     symbols = {"added": "A", "modified": "M", "deleted": "D"}
@@ -221,46 +283,77 @@ def commit(message: str) -> None:
 
 @cli.command()
 @click.option("-m", "--message", default="", help="Message for the commit of pending changes.")
-def push(message: str) -> None:
+@json_option
+def push(message: str, as_json: bool) -> None:
     """Commit pending changes and publish them as the new master."""
     with _open() as repo:
         result = repo.push(message)
-    _warn_fork(result.fork)
-    for copy in result.conflicts:
-        _say(f"conflict: kept the other version as {display_path(copy)}")
-    if result.up_to_date:
-        _say("Everything up to date")
-    elif result.version is not None:
-        _say(f"Pushed version {result.version.number}: {result.objects_uploaded} objects, "
-             f"{_human(result.bytes_uploaded)} uploaded")
-    if result.short:
         config = repo.config
+    # Each conflict copy was said as it was made (the reporter's note); not again here.
+    warnings = [f"warning: {result.fork}"] if result.fork else []
+    notes = []
+    if result.short:
         wanted = f"R = {config.replicas}" + (
             f", or {config.erasure[1]} fragments" if config.erasure else "")
         what = f"version {result.version.number}" if result.version else "the upload"
-        click.echo(f"warning: {what} has fewer copies than the configuration asks for "
-                   f"({wanted}) of {len(result.short)} object(s): too few backends took "
-                   "writes; a later push or the daemon adds the missing copies when they "
-                   "answer", err=True)
+        warnings.append(f"warning: {what} has fewer copies than the configuration asks for "
+                        f"({wanted}) of {len(result.short)} object(s): too few backends took "
+                        "writes; a later push or the daemon adds the missing copies when they "
+                        "answer")
     for why in result.full.values():
         # Not "unreachable", and no data at risk: its copies went to other backends.
-        click.echo(f"warning: {why} (its new copies go to other backends until it has "
-                   "room; they move home then)", err=True)
-    if result.short or result.full:
+        warnings.append(f"warning: {why} (its new copies go to other backends until it "
+                        "has room; they move home then)")
+    settled = not (result.short or result.full)  # else: said above, copies wait for room
+    if settled and result.spilled:
+        notes.append(f"note: {result.spilled} copies went to other backends while their "
+                     "holders did not answer; they move home once those are back (any push "
+                     "or daemon does it)")
+    elif settled and result.missing_copies:
+        warnings.append(f"warning: {result.missing_copies} object copies are not on their "
+                        "backends yet (one is unreachable); the next push retries them")
+    if as_json:
+        _echo_json({
+            "version": result.version.number if result.version else None,
+            "up_to_date": result.up_to_date,
+            "commit": result.commit.commit_id if result.commit else None,
+            "objects_uploaded": result.objects_uploaded,
+            "bytes_uploaded": result.bytes_uploaded,
+            "conflicts": result.conflicts,
+            "skipped": result.skipped,
+            "warnings": [w.removeprefix("warning: ") for w in warnings] + notes,
+        })
         return
-    if result.spilled:
-        _say(f"note: {result.spilled} copies went to other backends while their holders "
-             "did not answer; they move home once those are back (any push or daemon does it)")
-    elif result.missing_copies:
-        click.echo(f"warning: {result.missing_copies} object copies are not on their "
-                   "backends yet (one is unreachable); the next push retries them", err=True)
+    if result.fork:
+        click.echo(warnings[0], err=True)  # said even with --quiet: the user must act on it
+    skipped = len(result.skipped)
+    left_out = (f"; {skipped} file{'' if skipped == 1 else 's'} skipped (see above)"
+                if skipped else "")
+    if result.up_to_date and skipped:
+        _say(f"Nothing new to push{left_out}")
+    elif result.up_to_date:
+        _say("Everything up to date")
+    elif result.version is not None:
+        _say(f"Pushed version {result.version.number}: {result.objects_uploaded} objects, "
+             f"{_human(result.bytes_uploaded)} uploaded{left_out}")
+    for line in warnings[1 if result.fork else 0:]:
+        click.echo(line, err=True)
+    for line in notes:
+        _say(line)
 
 
 @cli.command()
-def pull() -> None:
+@json_option
+def pull(as_json: bool) -> None:
     """Bring the latest master into the folder."""
     with _open() as repo:
         result = repo.pull()
+    if as_json:
+        _echo_json({"version": result.version.number, "up_to_date": result.up_to_date,
+                    "written": result.written, "deleted": result.deleted,
+                    "conflicts": result.conflicts,
+                    "warnings": [result.fork] if result.fork else []})
+        return
     _warn_fork(result.fork)
     if result.up_to_date:
         _say("Already up to date")
@@ -276,24 +369,10 @@ def _warn_fork(fork: str) -> None:
 
 
 @cli.command()
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("-n", "--limit", type=int, default=None, help="Show at most this many commits.")
-def log(as_json: bool, limit: int | None) -> None:
-    """Show the history, newest first."""
-    with _open(read_only=True) as repo:
-        entries = repo.log(limit)
-    if as_json:
-        click.echo(json.dumps([e.to_json() for e in entries], indent=2))
-        return
-    for e in entries:
-        when = datetime.fromtimestamp(e.time_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
-        click.echo(f"commit {e.commit_id}\nDevice: {e.device}\nDate:   {when}\n\n    {e.message or '(no message)'}\n")
-
-
-@cli.command()
 @click.option("--quick", is_flag=True, help="Only check that every copy is there (no download).")
 @click.option("--repair", is_flag=True, help="Re-create missing or corrupt copies from good ones.")
-def fsck(quick: bool, repair: bool) -> None:
+@json_option
+def fsck(quick: bool, repair: bool, as_json: bool) -> None:
     """Verify every copy of every object reachable from master on every backend."""
     with _open() as repo:
         report = repo.fsck(quick=quick, repair=repair)
@@ -302,6 +381,21 @@ def fsck(quick: bool, repair: bool) -> None:
         names.update({b: repo.backend_name(b) for b in report.temp_files.errors})
         full = {b for b, why in repo.health().items() if why.startswith("full:")}
     fixed = set(report.repaired)
+    if as_json:
+        _echo_json({
+            "ok": report.ok, "quick": quick, "objects": report.objects,
+            "checked_copies": report.checked_copies,
+            "problems": [{"problem": p.problem, "kind": p.kind, "object": p.object_id,
+                          "backend": p.backend, "backend_name": names.get(p.backend, p.backend),
+                          "backend_full": p.backend in full,
+                          "repaired": p in fixed} for p in report.problems],
+            "temp_files": {"count": len(report.temp_files.found),
+                           "bytes": report.temp_files.size,
+                           "removed": report.temp_files.removed},
+        })
+        if not report.ok:
+            sys.exit(1)
+        return
     for p in report.problems:
         where = names.get(p.backend, p.backend)
         if p in fixed:
@@ -511,7 +605,8 @@ def snapshot(name: str | None, delete: bool) -> None:
 @cli.command()
 @click.argument("path")
 @click.option("--version", "version", default=None, metavar="V",
-              help="A commit id prefix (metasync log), a snapshot name, or ~N (N versions back).")
+              help="A version number or commit id prefix (as metasync log shows them), a "
+                   "snapshot name, or ~N (N versions back).")
 @click.option("--to", "to", default=None, type=click.Path(), metavar="DEST",
               help="Write it here instead of at PATH.")
 def restore(path: str, version: str | None, to: str | None) -> None:
@@ -555,8 +650,10 @@ def share(email: str) -> None:
 
 
 cli.add_command(auth)
+cli.add_command(log)
 cli.add_command(daemon)
 cli.add_command(key)
+_add_global_options(cli)
 
 
 def _on_signal(signum: int, frame: object) -> None:
@@ -600,6 +697,11 @@ def main() -> None:
             raise
         where = f" ({exc.filename})" if exc.filename else ""
         _fail(f"{exc.strerror or exc}{where}; run with --debug for details")
+    except Exception as exc:  # a bug: one line naming it; the traceback with --debug
+        if STATE.debug:
+            raise
+        _fail(f"unexpected {type(exc).__name__}: {exc}; rerun with --debug for the "
+              "traceback and report it", 1)
     sys.exit(0)
 
 

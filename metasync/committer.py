@@ -148,8 +148,10 @@ class Committer:
                     self._diff_trees(None, n.ref, new_trees, path, out)
 
     # ---------------------------------------------------------------- commit
-    def commit(self, message: str = "") -> CommitResult | None:
+    def commit(self, message: str = "", skipped: list[str] | None = None) -> CommitResult | None:
         """Record the folder as a new local commit; ``None`` if nothing changed.
+        Paths the scan had to leave out (each noted to the reporter) are appended
+        to ``skipped`` when given.
 
         New objects are packed, encrypted and written to the outbox (flushed to
         disk) before the commit that refers to them is recorded.
@@ -160,6 +162,8 @@ class Committer:
         # A checkout scans again before it compares anything with a scan, so a commit
         # need not keep this one (on a huge tree it is a third of the memory).
         scan = self.scanner.scan(writer.sink, flush_index=True, keep_seen=False)
+        if skipped is not None:
+            skipped += scan.skipped
         for path in scan.skipped:
             self.ctx.reporter.note(f"skipped {path}: it changed while being read; it is committed next time")
         fingerprint = tree_fingerprint(scan.files, scan.dirs)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from metasync.backends import Backend, open_backend, public_uri
+from metasync.committer import Change
 from metasync.context import PID_FILE, daemon_running
 from metasync.errors import BackendError, FolderBusy, Interrupted, MetasyncError, UsageError
 from metasync.faults import pause_point, watch_failure
@@ -48,6 +49,23 @@ RESUME_FILE = "daemon.resume"
 GUARD_MIN_FILES = 10
 #: Seconds before an unfinished rebalance of a configuration change is tried again.
 REBALANCE_RETRY = 3600.0
+#: Paths a daemon commit's message names; more are counted ("and 4 more").
+MESSAGE_PATHS = 5
+
+
+def change_message(changes: list[Change], device: str) -> str:
+    """The message of a commit the daemon makes: how many paths changed on which
+    device, naming the first few (``3 files changed on laptop: a.txt, b.txt,
+    c.txt``); empty without changes. Folders count only when no file changed."""
+    paths = [c.path for c in changes if c.type != "dir"]
+    what = "file"
+    if not paths:
+        paths, what = [c.path + "/" for c in changes], "folder"
+    if not paths:
+        return ""
+    named = ", ".join(paths[:MESSAGE_PATHS])
+    more = f" and {len(paths) - MESSAGE_PATHS} more" if len(paths) > MESSAGE_PATHS else ""
+    return f"{len(paths)} {what}{'s' if len(paths) != 1 else ''} changed on {device}: {named}{more}"
 
 
 @dataclass
@@ -276,7 +294,8 @@ class Daemon:
         # for them too, even with nothing new.
         missed = bool(repo.missing_copies())
         if st.changes or st.unpushed or latest.number > repo.prev.number or missed:
-            result = repo.push()
+            message = change_message(st.changes, repo.device)
+            result = repo.push(message)
             if result.fork:
                 self.log.warning("%s", result.fork)
             if result.conflicts:
@@ -284,7 +303,8 @@ class Daemon:
                 self.log.info("conflicts: %s", ", ".join(shown))
                 self.status.conflicts += shown
             if not result.up_to_date and result.version is not None:
-                self.log.info("synced version %d", result.version.number)
+                self.log.info("synced version %d: %s", result.version.number,
+                              message or "changes from other clients")
             if result.short:
                 self.log.warning(
                     "version %d has fewer copies than the configuration asks for of %d "
@@ -324,7 +344,9 @@ class Daemon:
         """Backends unreachable: keep local changes as a local commit, pushed later."""
         try:
             with Repository.open(self.root, wait=0) as repo:
-                repo.commit("offline")
+                message = change_message(repo.status().changes, repo.device)
+                if repo.commit(f"{message} (offline)" if message else "offline") is not None:
+                    self.log.info("committed locally while offline: %s", message)
                 st = repo.status()
                 self.status.pending_changes = len(st.changes)
                 self.status.unpushed = st.unpushed

@@ -47,6 +47,7 @@ CREATE TABLE IF NOT EXISTS outbox (stored_id TEXT PRIMARY KEY, kind TEXT NOT NUL
 CREATE TABLE IF NOT EXISTS missing_copies (
     stored_id TEXT NOT NULL, backend_id TEXT NOT NULL, PRIMARY KEY (stored_id, backend_id));
 CREATE TABLE IF NOT EXISTS short_objects (stored_id TEXT PRIMARY KEY, copies TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS versions_seen (number INTEGER PRIMARY KEY, master TEXT);
 """
 
 
@@ -253,6 +254,24 @@ class LocalDB:
         rows = self.conn.execute("SELECT index_id FROM indexes WHERE state != 'local'").fetchall()
         self.conn.executemany("DELETE FROM indexes WHERE index_id=?",
                               ((r[0],) for r in rows if r[0] not in keep))
+
+    # --- versions this client had as its base ----------------------------------------
+    def note_version(self, number: int, master: str | None) -> None:
+        """Remember that version ``number`` has master ``master`` (a decided version
+        this client made its base): what ``log`` numbers commits by."""
+        self.conn.execute("INSERT OR REPLACE INTO versions_seen VALUES (?, ?)", (number, master))
+
+    def version_master(self, number: int) -> tuple[bool, str | None]:
+        """``(known, master)`` of version ``number`` as :meth:`note_version` recorded it."""
+        row = self.conn.execute("SELECT master FROM versions_seen WHERE number=?",
+                                (number,)).fetchone()
+        return (row is not None, row[0] if row else None)
+
+    def master_numbers(self) -> dict[str, int]:
+        """Commit id -> the first version number it was master in, as far as known."""
+        rows = self.conn.execute("SELECT master, MIN(number) FROM versions_seen "
+                                 "WHERE master IS NOT NULL GROUP BY master")
+        return {r[0]: r[1] for r in rows}
 
     # --- outbox ---------------------------------------------------------------------
     def add_outbox(self, stored_id: str, kind: str) -> None:

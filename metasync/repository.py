@@ -144,12 +144,15 @@ class Repository:
     @classmethod
     def open(cls, path: str | Path = ".", reporter: Reporter | None = None,
              wait: float | None = None, *, read_only: bool = False) -> Repository:
-        """Open the repository containing ``path`` (searching upwards, as git does).
-        While another process (the daemon's sync step, another command) has the
-        folder, wait up to ``wait`` seconds (default: the ``--timeout``, 30 s) --
+        """Open the repository containing ``path`` (``~`` expanded; it must exist),
+        searching upwards as git does. While another process (the daemon, another
+        command) has the folder, wait up to ``wait`` s (default: ``--timeout``, 30) --
         or, ``read_only`` (status, log, backend list), read what it committed so far.
         A ``.metasync`` another user owns or can write to is refused
         (:class:`~metasync.errors.UnsafeRepository`) unless trusted (:meth:`trust`)."""
+        path = Path(path).expanduser()
+        if not path.exists():
+            raise UsageError(f"{path.absolute()} does not exist; give a repository's folder")
         root = find_root(path)
         if root is None:
             raise NotARepository(

@@ -61,6 +61,15 @@ class Setting(Generic[T]):
         state.db.set(self.key, self._dump(value))
 
 
+class _Base(Setting[Version]):
+    """``prev``: every version made the base is also remembered by number (the
+    ``versions_seen`` table), so ``log`` can number the commits that were master."""
+
+    def __set__(self, state: LocalState, value: Version) -> None:
+        super().__set__(state, value)
+        state.db.note_version(value.number, value.master)
+
+
 @dataclass(frozen=True)
 class PendingCheckout:
     """A change of the folder from tree ``from_tree`` to ``to_tree`` that has been
@@ -197,7 +206,7 @@ class LocalState:
     #: point may differ between machines).
     uri_overrides: Setting[dict[str, str]] = Setting("uri_overrides", default=dict)
     #: The last decided version this client synchronised with (paper 3.1).
-    prev: Setting[Version] = Setting("prev", load=Version.from_json, dump=Version.to_json)
+    prev: Setting[Version] = _Base("prev", load=Version.from_json, dump=Version.to_json)
     #: This client's latest local commit (None before the first).
     head: Setting[str | None] = Setting("head", default=lambda: None)
     checkout_pending: Setting[PendingCheckout | None] = Setting(

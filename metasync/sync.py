@@ -64,6 +64,8 @@ class PushResult:
     #: The warning of a learned version that did not descend from the one this
     #: client had (history forked); the local side was merged on top and pushed.
     fork: str = ""
+    #: Paths this push's commit left out (it could not read them); said on stderr.
+    skipped: list[str] = field(default_factory=list)
 
 
 def commit_stamp(time_ns: int) -> str:
@@ -124,7 +126,8 @@ class Sync:
         if latest.config != self.versions.config_id:
             # Place this push's objects by the new configuration's mapping.
             fork = self.integrate(latest).fork
-        result = self.committer.commit(message)
+        skipped: list[str] = []
+        result = self.committer.commit(message, skipped)
         uploaded = self.outbox.flush()
         self.replicator.repair_missing()
         conflicts: list[str] = []
@@ -139,7 +142,7 @@ class Sync:
                               missing_copies=len(self.ctx.db.missing_copies()),
                               conflicts=conflicts, spilled=uploaded.spilled,
                               short=self.replicator.short_objects(), fork=fork,
-                              full=self.ctx.note_full_backends())
+                              full=self.ctx.note_full_backends(), skipped=skipped)
             if head is None or head == prev.master:
                 done.up_to_date = True
                 return done

@@ -269,7 +269,8 @@ def test_two_backends_away_commits_locally_then_syncs(
         listed = wait_until(lambda: (p := run_cli("log", "--json", cwd=a, check=False)).returncode
                             == 0 and p, 30, "`metasync log` to get the folder between retries")
         log = json.loads(listed.stdout)
-        assert any(e.get("message") == "offline" for e in log), log
+        assert any(e.get("message", "").endswith("changed on " + e["device"]
+                                                  + ": offline.txt (offline)") for e in log), log
         assert not (b / "offline.txt").exists()
     finally:
         for here, there in moved:
