@@ -155,13 +155,10 @@ class Repository:
             raise UsageError(f"{path.absolute()} does not exist; give a repository's folder")
         root = find_root(path)
         if root is None:
-            raise NotARepository(
-                f"{Path(path).absolute()} is not inside a metasync repository; run "
-                "`metasync init` or `metasync clone`"
-            )
-        if wait is None:
-            wait = wait_bound()
-        return cls(open_context(root, reporter, wait, read_only=read_only))
+            raise NotARepository(f"{path.absolute()} is not inside a metasync repository; "
+                                 "run `metasync init` or `metasync clone`")
+        return cls(open_context(root, reporter, wait_bound() if wait is None else wait,
+                                read_only=read_only))
 
     @staticmethod
     def trust(folder: str | Path, trusted: bool = True) -> Path:
