@@ -23,6 +23,7 @@ import io
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 # Capabilities and the key rules live in modules of their own (the log constructions
@@ -62,6 +63,18 @@ def read_full(stream: BinaryIO, size: int) -> bytes:
         parts.append(piece)
         left -= len(piece)
     return b"".join(parts)
+
+
+@dataclass(frozen=True)
+class TempFile:
+    """A temporary upload file in a backend's namespace (see
+    :meth:`Backend.sweep_temp_files`)."""
+
+    #: Where it is, relative to the namespace folder (``/``-separated).
+    path: str
+    size: int
+    #: When it was last written, in seconds since the epoch by the service's clock.
+    modified: float
 
 
 class Backend(ABC):
@@ -179,6 +192,35 @@ class Backend(ABC):
         folder (an invitation they accept on the service); return one line saying what
         was done. Idempotent. Only where ``capabilities.sharing``."""
         raise NotImplementedError(f"{type(self).__name__} cannot share folders")
+
+    # --- leftovers of killed writers ---------------------------------------------------
+    def sweep_temp_files(self, older_than: float, *, delete: bool) -> builtins.list[TempFile]:
+        """The temporary upload files (``.tmp-*``) in the namespace last written before
+        ``older_than`` (seconds since the epoch): what a writer killed mid-upload left.
+        With ``delete`` each is removed, and one already gone (another sweep) is not
+        returned. A younger one may belong to an upload in progress (its writes keep
+        it young) and is never touched; the caller picks ``older_than`` with a grace
+        period that covers clock differences and stalls. Only where
+        ``capabilities.temp_files``; otherwise there is nothing to find (``[]``)."""
+        if not self.capabilities.temp_files:
+            return []
+        found = []
+        for temp in self._temp_files():
+            if temp.modified >= older_than:
+                continue
+            if delete and not self._remove_temp(temp.path):
+                continue
+            found.append(temp)
+        return found
+
+    def _temp_files(self) -> Iterator[TempFile]:
+        """Every temporary upload file in the namespace (``capabilities.temp_files``)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no temporary files")
+
+    def _remove_temp(self, path: str) -> bool:
+        """Remove the temporary file at ``path`` (as :meth:`_temp_files` named it);
+        False if it was already gone."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no temporary files")
 
     # --- logs (Table 2b) -----------------------------------------------------------------
     def specific_logs(self) -> LogStore | None:

@@ -95,6 +95,7 @@ from metasync.backends.uploads import PendingUpload, UploadJournal
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
+    BackendFull,
     BackendUnavailable,
     ObjectNotFound,
     UsageError,
@@ -361,7 +362,7 @@ class BoxBackend(CloudAccess, Backend):
                 return TransientError(f"cannot {what}: Box answered {summary}",
                                       retry_after=retry_after)
             if status == 403 and code == "storage_limit_exceeded":
-                return BackendError(f"cannot {what}: the Box account is full")
+                return BackendFull.of(self.name, "the Box account's storage limit is reached")
             if status == 403 and code == "file_size_limit_exceeded":
                 return BackendError(
                     f"cannot {what}: larger than the Box account accepts (free accounts: 250 MB)")

@@ -36,6 +36,11 @@ class Capabilities:
     #: ``logs.delete_log`` removes a whole log, so pPaxos log compaction frees its
     #: space (a backend without it keeps its logs; compaction still records the floor).
     log_deletion: bool = True
+    #: A writer killed mid-upload leaves a partial upload behind -- a temporary
+    #: ``.tmp-*`` file in the namespace, or (``s3:``) an unfinished multipart upload --
+    #: and ``sweep_temp_files`` finds and removes them (a backend without it keeps no
+    #: partial upload that costs space).
+    temp_files: bool = False
 
 
 #: The values of the ``logs=`` option of a backend whose logs are exclusive creates

@@ -82,6 +82,7 @@ from metasync.backends.retry import (
     translated,
 )
 from metasync.errors import AuthorizationRequired, BackendError, UsageError
+from metasync.timeouts import network_timeout
 
 T = TypeVar("T")
 
@@ -553,11 +554,14 @@ class CloudAccess:
             raise UsageError(f"bad transfers= or timeout= in {uri!r}") from exc
         if self.transfers < 1 or not self.timeout > 0:
             raise UsageError(f"transfers= and timeout= must be positive in {uri!r}")
+        # --timeout bounds each wait of the provider's SDK (connect, TLS, read) and
+        # the retries of a request.
+        self.timeout = network_timeout(self.timeout)
         where = endpoint(provider, options)
         self._base_url = where.base_url
         self._ca_file = where.ca_file
         self.tokens = TokenSource(provider, self.account, refresher(where.base_url, where.ca_file))
-        self.policy = RetryPolicy()
+        self.policy = RetryPolicy(budget=self.timeout)
         self._slots = threading.BoundedSemaphore(self.transfers)
 
     @property
@@ -792,7 +796,9 @@ def oauth2_refresh(
         form["client_secret"] = grant.app_secret
     verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
     try:
-        response = httpx.post(token_url, data=form, timeout=timeout, verify=verify)
+        response = httpx.post(
+            token_url, data=form, timeout=network_timeout(timeout), verify=verify
+        )
     except httpx.HTTPError as exc:
         raise TransientError(
             f"cannot refresh the {grant.provider} sign-in: {exc or type(exc).__name__}"

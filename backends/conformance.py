@@ -55,8 +55,10 @@ from __future__ import annotations
 import hashlib
 import io
 import multiprocessing
+import os
 import random
 import resource
+import signal
 import sys
 import threading
 import time
@@ -510,6 +512,47 @@ def _large_object_worker(
         backend.close()
 
 
+class KillingStream(PatternStream):
+    """A seekable :class:`PatternStream` that ends its own process like ``kill -9``
+    once ``kill_at`` bytes were read: a writer killed mid-upload, at a point that
+    does not depend on timing."""
+
+    def __init__(self, size: int, seed: int, kill_at: int) -> None:
+        super().__init__(size, seed)
+        self.kill_at = kill_at
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = base + offset
+        self.sha256 = hashlib.sha256()
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        if self.pos >= self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().readinto(buffer)
+
+
+def _killed_put_worker(location: Location, key: str, size: int, kill_at: int,
+                       kill_before: str | None) -> None:
+    """Put ``size`` bytes at ``key`` and die (SIGKILL) once ``kill_at`` were read, or
+    with ``kill_before`` on entering that method of the backend (all bytes sent)."""
+    backend = open_backend(*location)
+    if kill_before is not None:
+        def die(*_: object, **__: object) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        setattr(type(backend), kill_before, die)
+        kill_at = size + 1
+    backend.put(key, cast(BinaryIO, io.BufferedReader(KillingStream(size, 9, kill_at), MiB)))
+
+
 # --- the suite ---------------------------------------------------------------------------
 
 
@@ -527,6 +570,10 @@ class BackendConformance:
     #: The backend's store lives in this process (``memory:``), out of reach of other
     #: processes: the multi-client tests run their clients as threads.
     clients_are_threads: bool = False
+    #: Where a put is killed in the temporary-file test: None, mid-upload; else the
+    #: name of the backend method that publishes a completed upload, for a service
+    #: that discards a partial upload (rclone's ``_move``): the put dies on entering it.
+    kill_put_before: str | None = None
 
     def clients(
         self,
@@ -1158,3 +1205,38 @@ class BackendConformance:
                 backend.get("p")
         finally:
             backend.close()
+
+    # --- leftovers of killed writers ---------------------------------------------------
+    @needs_capability("temp_files")
+    @pytest.mark.needs_separate_process
+    def test_temp_files_of_a_killed_put_are_swept(
+        self, backend: Backend, backend_location: Location
+    ) -> None:
+        """A put killed mid-upload (SIGKILL; or before it publishes the upload:
+        ``kill_put_before``) leaves a temporary file, never listed as a key. ``sweep_temp_files`` with a cutoff before it was written leaves it alone
+        (it could be an upload in progress); with a later cutoff it reports its size
+        and, with ``delete``, removes it; keys stay."""
+        backend.put("keep/x", b"kept")
+        started = time.time()
+        ctx = multiprocessing.get_context("spawn")
+        child = ctx.Process(target=_killed_put_worker,
+                            # Past 17 MiB an S3 multipart upload has sent two parts.
+                            args=(backend_location, "keep/killed", 24 * MiB, 17 * MiB,
+                                  self.kill_put_before))
+        child.start()
+        child.join(CHILD_TIMEOUT)
+        assert child.exitcode == -signal.SIGKILL, child.exitcode
+        assert sorted(backend.list()) == ["keep/x"]
+        # Clocks: the service's may differ a little from this one; an hour is plenty.
+        assert backend.sweep_temp_files(started - 3600, delete=True) == []
+        later = time.time() + 3600
+        left = backend.sweep_temp_files(later, delete=False)
+        assert left, "the killed put left no temporary file to find"
+        assert all(t.path.startswith("keep/") and t.size >= 0 for t in left), left
+        assert sorted(backend.list()) == ["keep/x"]
+        assert backend.sweep_temp_files(later, delete=False) == left  # nothing removed
+        assert sorted(backend.sweep_temp_files(later, delete=True), key=str) == sorted(
+            left, key=str)
+        assert backend.sweep_temp_files(later, delete=False) == []
+        assert backend.get("keep/x") == b"kept"
+        assert sorted(backend.list()) == ["keep/x"]

@@ -70,6 +70,7 @@ from metasync.backends.uploads import NO_JOURNAL, PendingUpload, UploadJournal
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
+    BackendFull,
     BackendUnavailable,
     ObjectNotFound,
     UsageError,
@@ -277,7 +278,7 @@ class DropboxBackend(CloudAccess, Backend):
             if "content_hash_mismatch" in tags:
                 return TransientError(f"cannot {what}: the data was damaged in transit")
             if "insufficient_space" in tags:
-                return BackendError(f"cannot {what}: the Dropbox account is full")
+                return BackendFull.of(self.name, "the Dropbox account is out of space")
             if "no_write_permission" in tags or "no_permission" in tags:
                 return BackendError(f"cannot {what}: no permission to write there")
             return BackendError(f"cannot {what}: {summary}")

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO, Literal, TypeVar
 
-from metasync.backends.base import Backend
+from metasync.backends.base import Backend, TempFile
 from metasync.backends.logs import LogStore
 from metasync.errors import BackendError
 
@@ -307,6 +307,10 @@ class FaultyBackend(Backend):
 
     def close(self) -> None:
         self.inner.close()
+
+    def sweep_temp_files(self, older_than: float, *, delete: bool) -> list[TempFile]:
+        return self._run("sweep_temp_files", "",
+                         lambda: self.inner.sweep_temp_files(older_than, delete=delete))
 
     # --- objects -------------------------------------------------------------------------
     def put(self, key: str, data: bytes | BinaryIO) -> None:

@@ -92,6 +92,7 @@ from metasync.backends.retry import TransientError
 from metasync.backends.uploads import PendingUpload, UploadJournal
 from metasync.errors import (
     BackendError,
+    BackendFull,
     BackendUnavailable,
     FormatError,
     ObjectNotFound,
@@ -469,7 +470,7 @@ class GDriveBackend(CloudAccess, Backend):
                     "this copy is postponed until Drive accepts uploads again"
                 )
             if status == 403 and {"storageQuotaExceeded", "quotaExceeded"} & set(reasons):
-                return BackendError(f"cannot {what}: the Google Drive storage quota is full")
+                return BackendFull.of(self.name, "the Google Drive storage quota is used up")
             if status == 403:
                 return BackendError(f"cannot {what}: Google Drive refused it ({summary})")
             if status in (408, 425) or status >= 500:

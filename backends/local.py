@@ -34,6 +34,7 @@ from metasync.backends.base import (
     TEMP_PREFIX,
     Backend,
     Capabilities,
+    TempFile,
     check_key,
     check_namespace,
     check_prefix,
@@ -42,6 +43,7 @@ from metasync.backends.base import (
 from metasync.backends.logs import LogStore, entry_name, entry_position
 from metasync.errors import (
     BackendError,
+    BackendFull,
     BackendUnavailable,
     InvalidKey,
     ObjectNotFound,
@@ -59,6 +61,8 @@ def _errnos(*names: str) -> frozenset[int]:
 # The filesystem itself is gone (dead network mount, FUSE daemon exited).
 _UNREACHABLE = _errnos("ENOTCONN", "ESTALE", "ENODEV", "ENXIO", "EHOSTDOWN", "EHOSTUNREACH")
 # A retry may well succeed.
+#: Out of space or over a quota: :class:`BackendFull`.
+_FULL = _errnos("ENOSPC", "EDQUOT")
 _TRANSIENT = _errnos("EAGAIN", "EBUSY", "EINTR", "ETIMEDOUT", "EIO")
 # link() is not supported by this filesystem (FAT, exFAT, some FUSE/SMB mounts).
 _NO_HARDLINKS = _errnos("EPERM", "ENOTSUP", "EOPNOTSUPP", "ENOSYS", "EXDEV")
@@ -137,6 +141,7 @@ class LocalBackend(Backend):
         max_object_size=None,
         case_sensitive=True,
         long_poll=False,
+        temp_files=True,
     )
 
     def __init__(self, uri: str, namespace: str) -> None:
@@ -200,6 +205,8 @@ class LocalBackend(Backend):
         """
         if exc.errno in _UNREACHABLE or not os.path.isdir(self.root):
             return self._unavailable(exc)
+        if exc.errno in _FULL:
+            return BackendFull.of(self.name, exc.strerror or str(exc))
         if not_found and isinstance(
             exc, FileNotFoundError | NotADirectoryError | IsADirectoryError
         ):
@@ -465,6 +472,42 @@ class LocalBackend(Backend):
             _fsync_dir(os.path.dirname(path))
         except OSError as exc:
             raise self._error(exc, key, "delete", not_found=True) from exc
+
+    def _temp_files(self) -> Iterator[TempFile]:
+        """Every ``.tmp-`` file under the namespace folder (symlinks not followed)."""
+        self._require_root()
+        found = []
+        try:
+            for folder, dirs, files in os.walk(self.root):
+                dirs[:] = [d for d in dirs if not d.startswith(TEMP_PREFIX)]
+                for name in files:
+                    if not name.startswith(TEMP_PREFIX):
+                        continue
+                    path = os.path.join(folder, name)
+                    try:
+                        st = os.lstat(path)
+                    except FileNotFoundError:
+                        continue  # its writer published or removed it meanwhile
+                    if stat.S_ISREG(st.st_mode):
+                        rel = os.path.relpath(path, self.root).replace(os.sep, "/")
+                        found.append(TempFile(rel, st.st_size, st.st_mtime))
+        except OSError as exc:
+            raise self._error(exc, "", "list temporary files", not_found=False) from exc
+        return iter(found)
+
+    def _remove_temp(self, path: str) -> bool:
+        parts = path.split("/")
+        if not parts[-1].startswith(TEMP_PREFIX) or any(p in ("", ".", "..") for p in parts):
+            raise InvalidKey(f"not a temporary file: {path!r}")
+        full = os.path.join(self.root, *parts)
+        try:
+            os.unlink(full)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise self._error(exc, path, "delete temporary file", not_found=False) from exc
+        _fsync_dir(os.path.dirname(full))
+        return True
 
     def list(self, prefix: str = "") -> Iterator[str]:
         """Yield every key under the folder ``prefix`` (``""``: all keys), recursively.

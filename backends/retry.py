@@ -12,6 +12,12 @@ Jitter"): attempt *n* waits a uniformly random time in ``[0, min(cap, base·2ⁿ
 so clients that failed together do not retry together. A service's own
 ``Retry-After`` is honoured when the backend passes it on (``retry_after``).
 
+A request's retries also stop once its policy's ``budget`` (the backend's network
+timeout, never more than ``--timeout``: :func:`metasync.timeouts.network_timeout`)
+has passed since its first attempt, and a backoff that would end past it is not
+waited: a server that accepts connections and then says nothing costs one timeout,
+not one per attempt.
+
 Tuning, for tests and slow links: ``METASYNC_RETRY_ATTEMPTS`` (default 5) and
 ``METASYNC_RETRY_BASE`` (seconds, default 0.2).
 """
@@ -31,6 +37,7 @@ from metasync.errors import BackendError
 from metasync.errors import (
     TransientError as TransientError,  # re-exported: backends raise it from here
 )
+from metasync.timeouts import given_timeout
 
 log = logging.getLogger("metasync.backends")
 
@@ -76,6 +83,9 @@ class RetryPolicy:
     #: Longest ``Retry-After`` honoured; a longer one fails the request (the caller
     #: records the copy as missing and the daemon or ``fsck --repair`` completes it).
     max_retry_after: float = 120.0
+    #: Seconds after a request's first attempt began past which it is not retried
+    #: (None: only ``attempts`` bounds it). Default: the ``--timeout``, if given.
+    budget: float | None = field(default_factory=given_timeout)
     #: Counts retries made, for tests and progress output (shared by all threads).
     retries: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -151,6 +161,7 @@ def retrying(
     that in ``on_retry`` or after the call (see ``put_if_absent`` in the backends).
     """
     attempt = 0
+    started = time.monotonic()
     while True:
         try:
             return request()
@@ -161,6 +172,8 @@ def retrying(
             if retry_after is not None and retry_after > policy.max_retry_after:
                 raise
             wait = policy.delay(attempt, retry_after)
+            if policy.budget is not None and time.monotonic() - started + wait >= policy.budget:
+                raise  # the next attempt would begin past the time allowed
             (log.info if wait >= LONG_WAIT else log.debug)(
                 "%s failed (%s); retry %d of %d in %.1fs",
                 what,

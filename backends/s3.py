@@ -35,6 +35,7 @@ from metasync.backends.base import (
     Backend,
     Capabilities,
     ObjectReader,
+    TempFile,
     check_key,
     check_namespace,
     check_prefix,
@@ -52,11 +53,13 @@ from metasync.backends.retry import (
 )
 from metasync.errors import (
     BackendError,
+    BackendFull,
     BackendUnavailable,
     InvalidKey,
     ObjectNotFound,
     UsageError,
 )
+from metasync.timeouts import network_timeout
 
 T = TypeVar("T")
 
@@ -76,6 +79,13 @@ CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 60.0
 
 _OPTIONS = ("endpoint", "region", "profile", "transfers", "timeout", "logs")
+
+# Error codes of a service out of space or over a quota (MinIO, Ceph RGW, Garage,
+# SeaweedFS and others use these; AWS itself has no bucket quota).
+_FULL_CODES = frozenset(
+    {"QuotaExceeded", "XMinioStorageFull", "XMinioAdminBucketQuotaExceeded",
+     "InsufficientStorage", "StorageFull"}
+)
 
 # Error codes a retry may cure: throttling, server trouble, a conditional write
 # racing another one on the same key (409 ConditionalRequestConflict).
@@ -186,6 +196,8 @@ class S3Backend(Backend):
         max_object_size=MAX_PARTS * CHUNK_SIZE,
         case_sensitive=True,
         long_poll=False,
+        # A put killed mid-upload leaves an unfinished multipart upload (billed).
+        temp_files=True,
     )
 
     def __init__(self, uri: str, namespace: str) -> None:
@@ -215,6 +227,8 @@ class S3Backend(Backend):
             self.timeout = 0.0
         if not self.timeout > 0:
             raise UsageError(f"timeout must be a number of seconds > 0 in {uri!r}")
+        # --timeout bounds every wait (connect, TLS handshake, read) and the retries.
+        self.timeout = network_timeout(self.timeout)
         #: How logs are kept: ``creates`` (``If-None-Match: *``) or ``registers`` (for a
         #: service that ignores conditional writes; every client uses the same URI).
         self.logs_mode = options.get("logs", "creates")
@@ -224,7 +238,7 @@ class S3Backend(Backend):
         self.endpoint: str | None = options.get("endpoint") or None
         #: Every key of the namespace starts with this (ends in "/").
         self.base = f"{self.prefix}/{namespace}/" if self.prefix else f"{namespace}/"
-        self.policy = RetryPolicy()
+        self.policy = RetryPolicy(budget=self.timeout)
         self._slots = threading.BoundedSemaphore(self.transfers)
         try:
             session = boto3.session.Session(profile_name=options.get("profile") or None)
@@ -278,6 +292,8 @@ class S3Backend(Backend):
                     "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or profile) and "
                     f"their permissions on {self._location()}"
                 )
+            if code in _FULL_CODES or status == 507:
+                return BackendFull.of(self.name, code or f"HTTP {status}")
             if code in _TRANSIENT_CODES or status == 429 or status >= 500:
                 return TransientError(
                     f"cannot {what}: the service answered {code or status}",
@@ -305,6 +321,12 @@ class S3Backend(Backend):
             | bexc.ResponseStreamingError
             | OSError,
         ):
+            if isinstance(exc, bexc.ReadTimeoutError | TimeoutError):
+                return TransientError(
+                    f"cannot {what}: no answer from {self.endpoint or 'S3'} within "
+                    f"{self.timeout:g}s (it accepted the connection but did not reply); "
+                    "check the service, or allow longer with --timeout"
+                )
             return TransientError(f"cannot {what}: connection failed ({one_line(exc)})")
         if isinstance(exc, bexc.BotoCoreError):
             return BackendError(f"cannot {what}: {one_line(exc)}")
@@ -602,6 +624,44 @@ class S3Backend(Backend):
         full = self._object(key)
         self._head(key)
         self._call(key, "delete", lambda: self._client.delete_object(Bucket=self.bucket, Key=full))
+
+    def _temp_files(self) -> Iterator[TempFile]:
+        """Every unfinished multipart upload under the namespace, as
+        ``<key>#<upload id>``: its parts' total size, and when its last part was
+        written (when it started, without parts). Invisible to listings, they cost
+        storage until aborted."""
+        found: builtins.list[TempFile] = []
+        marker: dict[str, Any] = {}
+        while True:
+            kwargs = {"Bucket": self.bucket, "Prefix": self.base, **marker}
+            page: dict[str, Any] = self._call(
+                None, "list unfinished uploads",
+                lambda k=kwargs: cast(dict[str, Any], self._client.list_multipart_uploads(**k)))  # type: ignore[misc]
+            for upload in page.get("Uploads") or []:
+                full, upload_id = str(upload["Key"]), str(upload["UploadId"])
+                size, written = 0, upload["Initiated"].timestamp()
+                parts: dict[str, Any] = self._call(
+                    None, "list parts",
+                    lambda f=full, u=upload_id: cast(dict[str, Any], self._client.list_parts(  # type: ignore[misc]
+                        Bucket=self.bucket, Key=f, UploadId=u)))
+                for part in parts.get("Parts") or []:
+                    size += int(part.get("Size", 0))
+                    written = max(written, part["LastModified"].timestamp())
+                found.append(TempFile(f"{full[len(self.base):]}#{upload_id}", size, written))
+            if not page.get("IsTruncated"):
+                return iter(found)
+            marker = {"KeyMarker": page.get("NextKeyMarker", ""),
+                      "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+
+    def _remove_temp(self, path: str) -> bool:
+        key, _, upload_id = path.rpartition("#")
+        full = self.base + key
+        try:
+            self._call(key, "abort unfinished upload of", lambda: self._client.abort_multipart_upload(
+                Bucket=self.bucket, Key=full, UploadId=upload_id))
+        except ObjectNotFound:
+            return False  # NoSuchUpload: finished or aborted meanwhile
+        return True
 
     def list(self, prefix: str = "") -> Iterator[str]:
         """Every key below the folder ``prefix``, one ListObjectsV2 page at a time

@@ -50,6 +50,7 @@ import contextlib
 import getpass
 import hashlib
 import io
+import logging
 import os
 import posixpath
 import secrets
@@ -86,6 +87,7 @@ from metasync.backends.base import (
     TEMP_PREFIX,
     Backend,
     Capabilities,
+    TempFile,
     check_key,
     check_namespace,
     check_prefix,
@@ -96,12 +98,22 @@ from metasync.backends.capabilities import LOGS_MODES, logs_mode_capabilities
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
     BackendError,
+    BackendFull,
     BackendUnavailable,
+    InvalidKey,
     ObjectNotFound,
     UsageError,
 )
+from metasync.timeouts import network_timeout
 
 T = TypeVar("T")
+
+# paramiko logs every failed handshake with a full traceback at ERROR level, and
+# with no handler configured Python prints those on stderr. The failure reaches the
+# user as this backend's one-line error instead, so paramiko's records below
+# CRITICAL are dropped, and the rest go only where the application sends logs.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
+logging.getLogger("paramiko").setLevel(logging.CRITICAL)
 
 #: Bytes per SFTP read or write request (paramiko's and most servers' safe maximum).
 REQUEST_SIZE = 32768
@@ -121,8 +133,17 @@ KEEPALIVE = 30
 DEFAULT_TRANSFERS = 4
 DEFAULT_TIMEOUT = 60.0
 _OPTIONS = ("identity", "known_hosts", "transfers", "timeout", "logs")
+#: A write that fails with a bare SSH_FX_FAILURE while the server has less room
+#: than this left is taken for "full" (see :meth:`SftpBackend._failure`).
+LOW_SPACE = 1 << 20
 #: SFTP status texts of OpenSSH for a failed request whose reason is unknown.
 _FAILURE = "Failure"
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc`` as ``Type: message`` on one line (paramiko's texts may hold newlines)."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _fingerprint(key: paramiko.PKey) -> str:
@@ -400,6 +421,7 @@ class SftpBackend(Backend):
         max_object_size=None,
         case_sensitive=True,
         long_poll=False,
+        temp_files=True,
     )
 
     def __init__(self, uri: str, namespace: str) -> None:
@@ -451,13 +473,19 @@ class SftpBackend(Backend):
             single.get("known_hosts") or "~/.ssh/known_hosts"
         )
         self.transfers: int = self._positive(single, "transfers", DEFAULT_TRANSFERS, shown)
-        self.timeout: float = float(self._positive(single, "timeout", DEFAULT_TIMEOUT, shown))
+        #: Seconds one request may take (``timeout=``, never more than ``--timeout``).
+        self.timeout: float = network_timeout(
+            float(self._positive(single, "timeout", DEFAULT_TIMEOUT, shown))
+        )
+        #: Seconds the TCP connect and each step of the SSH handshake (banner, key
+        #: exchange, sign-in, opening the SFTP channel) may take.
+        self.connect_timeout: float = min(CONNECT_TIMEOUT, self.timeout)
         #: The folder named in the URI; it must exist before :meth:`create` (``init`` makes
         #: it with :meth:`create_location`).
         self.location: str = posixpath.normpath(path)
         #: The namespace folder holding every key.
         self.root: str = posixpath.join(self.location, namespace)
-        self._policy = RetryPolicy()
+        self._policy = RetryPolicy(budget=self.timeout)
         self._pool = _Pool(self._connect, self.transfers)
         #: Folders known to exist (so each is made, or checked, once per instance).
         self._folders: set[str] = set()
@@ -489,14 +517,14 @@ class SftpBackend(Backend):
         host key, authentication: BackendError)."""
         where = f"{self.host}:{self.port}"
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=CONNECT_TIMEOUT)
+            sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
         except socket.gaierror as exc:
             raise BackendUnavailable(
                 f"{self.name}: cannot resolve host {self.host!r} ({exc.strerror}); check the host name"
             ) from exc
         except TimeoutError as exc:
             raise BackendUnavailable(
-                f"{self.name}: no answer from {where} within {CONNECT_TIMEOUT:.0f}s; "
+                f"{self.name}: no answer from {where} within {self.connect_timeout:g}s; "
                 "is the host up and the port right?"
             ) from exc
         except OSError as exc:
@@ -543,10 +571,10 @@ class SftpBackend(Backend):
                 allow_agent=self.identity is None,
                 look_for_keys=self.identity is None,
                 sock=sock,
-                timeout=CONNECT_TIMEOUT,
-                banner_timeout=CONNECT_TIMEOUT,
-                auth_timeout=CONNECT_TIMEOUT,
-                channel_timeout=CONNECT_TIMEOUT,
+                timeout=self.connect_timeout,
+                banner_timeout=self.connect_timeout,
+                auth_timeout=self.connect_timeout,
+                channel_timeout=self.connect_timeout,
             )
         except _HostKeyError as exc:
             raise BackendError(
@@ -576,10 +604,12 @@ class SftpBackend(Backend):
                 "or fix identity= / the user name"
             ) from exc
         except (paramiko.SSHException, EOFError, OSError) as exc:
-            # Dropped or reset during the handshake: a retry on a new connection may work.
+            # Dropped, reset or silent during the handshake: a retry on a new
+            # connection may work (the retry loop stops within the timeout).
             raise TransientError(
-                f"{self.name}: SSH connection to {self.host}:{self.port} failed "
-                f"({type(exc).__name__}: {exc}); retrying"
+                f"{self.name}: the SSH handshake with {self.host}:{self.port} failed or got "
+                f"no answer within {self.connect_timeout:g}s ({_one_line(exc)}); check that "
+                "an SSH server answers there, or allow longer with --timeout"
             ) from exc
 
     def _failure(self, exc: BaseException, session: _Session, what: str) -> BackendError:
@@ -590,7 +620,8 @@ class SftpBackend(Backend):
             exc, EOFError | paramiko.SSHException | TimeoutError | ConnectionError
         ):
             return TransientError(
-                f"{self.name}: connection lost during {what} ({type(exc).__name__}: {exc}); retrying"
+                f"{self.name}: connection lost or silent during {what} ({_one_line(exc)}); "
+                "check the server, or allow longer with --timeout"
             )
         if isinstance(exc, PermissionError):
             return BackendError(
@@ -598,8 +629,24 @@ class SftpBackend(Backend):
                 f"write access to {self.root} on the server"
             )
         if isinstance(exc, OSError):
+            # SFTP v3 has no "no space" status: OpenSSH answers ENOSPC and EDQUOT with
+            # a bare SSH_FX_FAILURE. Ask the server how much room is left.
+            free = self._free_space(session) if str(exc) == _FAILURE else None
+            if free is not None and free < LOW_SPACE:
+                return BackendFull.of(
+                    self.name, f"the server failed to {what} with {free} bytes left there")
             return BackendError(f"{self.name}: cannot {what}: {exc.strerror or exc}")
         return BackendError(f"{self.name}: cannot {what}: {type(exc).__name__}: {exc}")
+
+    def _free_space(self, session: _Session) -> int | None:
+        """Bytes available to this user under the location (OpenSSH's
+        ``statvfs@openssh.com``); None where the server cannot say."""
+        try:
+            _, msg = session.sftp._request(CMD_EXTENDED, "statvfs@openssh.com", self.location)
+            bsize, frsize, _blocks, _bfree, bavail = (msg.get_int64() for _ in range(5))
+        except (OSError, EOFError, paramiko.SSHException, AttributeError, TypeError):
+            return None
+        return int(bavail) * int(frsize or bsize)
 
     def _call(
         self,
@@ -1143,6 +1190,51 @@ class SftpBackend(Backend):
             return found
 
         return iter(self._call(f"list {prefix or 'all keys'}", request))
+
+    def _temp_files(self) -> Iterator[TempFile]:
+        """Every ``.tmp-`` file under the namespace folder, one listing per folder."""
+
+        def request(sftp: paramiko.SFTPClient, _: _Session) -> builtins.list[TempFile]:
+            self._require_root(sftp)
+            found: builtins.list[TempFile] = []
+            stack = [(self.root, "")]
+            while stack:
+                folder, rel = stack.pop()
+                try:
+                    entries = sftp.listdir_attr(folder)
+                except FileNotFoundError:
+                    continue  # removed meanwhile
+                for entry in entries:
+                    name = entry.filename
+                    path = f"{rel}/{name}" if rel else name
+                    mode = entry.st_mode or 0
+                    if name.startswith(TEMP_PREFIX):
+                        if stat.S_ISREG(mode):
+                            found.append(TempFile(path, entry.st_size or 0,
+                                                  float(entry.st_mtime or 0)))
+                    elif stat.S_ISDIR(mode) and is_key_part(name):
+                        stack.append((posixpath.join(folder, name), path))
+            return found
+
+        return iter(self._call("list temporary files", request))
+
+    def _remove_temp(self, path: str) -> bool:
+        parts = path.split("/")
+        if not parts[-1].startswith(TEMP_PREFIX) or any(p in ("", ".", "..") for p in parts):
+            raise InvalidKey(f"not a temporary file: {path!r}")
+        full = posixpath.join(self.root, *parts)
+        attempts = _Attempts()
+
+        def request(sftp: paramiko.SFTPClient, _: _Session) -> bool:
+            again = attempts.sent
+            attempts.sent = True
+            try:
+                sftp.remove(full)
+            except FileNotFoundError:
+                return again  # gone: by an earlier attempt whose answer was lost?
+            return True
+
+        return bool(self._call(f"delete temporary file {path!r}", request, attempts))
 
     def _is_folder(self, sftp: paramiko.SFTPClient, path: str) -> bool:
         try:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import getpass
 import os
+from dataclasses import dataclass, field
 from urllib.parse import quote, unquote, unquote_plus, urlsplit
 
 from metasync.errors import UsageError
@@ -184,3 +185,162 @@ def _with_credentials(uri: str, user: str, password: str | None) -> str:
     host = parts.netloc.rpartition("@")[2]
     secret = f":{quote(password, safe='')}" if password is not None else ""
     return parts._replace(netloc=f"{quote(user, safe='')}{secret}@{host}").geturl()
+
+
+# --- what a backend URI names -------------------------------------------------------
+
+#: Default ports of the URL schemes, so ``host:80`` and ``host`` are one server.
+_DEFAULT_PORTS = {"webdav": 80, "webdavs": 443, "sftp": 22}
+#: Options that choose *which* service a URI reaches (the rest -- ``transfers=``,
+#: ``logs=``, ``timeout=`` -- only say how it is used): an S3 endpoint, a cloud
+#: provider's sign-in and API address.
+_SERVICE_OPTIONS = frozenset({"endpoint", "account", "api"})
+
+
+@dataclass(frozen=True)
+class Location:
+    """What a backend URI names, for telling two backends apart
+    (:func:`location_identity`): the service, the folder's path on it as normalised
+    segments, and for ``dir:`` the folder's device and inode and those of its
+    existing ancestors (so a bind mount or hard-to-see alias is caught too).
+
+    Two URIs name the same folder if service and path are equal or (``dir:``) the
+    inodes are; one is inside the other if its path extends the other's or
+    (``dir:``) one of its ancestors is the other's inode (:meth:`relation`)."""
+
+    service: tuple[str, ...]
+    path: tuple[str, ...]
+    inode: tuple[int, int] | None = field(default=None, compare=False)
+    ancestors: frozenset[tuple[int, int]] = field(default=frozenset(), compare=False)
+
+    def relation(self, other: Location) -> str | None:
+        """``"same"`` if both name one folder, ``"inside"`` if this one is inside
+        ``other``'s, else None."""
+        if self.inode is not None and self.inode == other.inode:
+            return "same"
+        if self.service != other.service:
+            return None
+        if self.path == other.path:
+            return "same"
+        if self.path[: len(other.path)] == other.path:
+            return "inside"
+        if other.inode is not None and other.inode in self.ancestors:
+            return "inside"
+        return None
+
+
+def _segments(path: str) -> tuple[str, ...]:
+    """``path`` percent-decoded, as segments with ``//``, ``.`` and ``..`` resolved and
+    no trailing slash (a ``..`` above the top stays at the top, as on a server)."""
+    out: list[str] = []
+    for part in unquote(path).split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if out:
+                out.pop()
+            continue
+        out.append(part)
+    return tuple(out)
+
+
+def _service_options(query: str) -> tuple[str, ...]:
+    """The options of ``query`` that choose the service, sorted, values normalised."""
+    found = []
+    for part in query.split("&") if query else ():
+        name, _, value = part.partition("=")
+        name = unquote_plus(name)
+        if name in _SERVICE_OPTIONS:
+            found.append(f"{name}={unquote_plus(value).rstrip('/').lower()}")
+    return tuple(sorted(found))
+
+
+def _dir_location(path: str) -> Location:
+    """A ``dir:`` folder by its real path (symlinks, ``..`` and ``//`` resolved), and
+    its device and inode and those of its existing ancestors."""
+    real = os.path.realpath(path)
+    inode = None
+    ancestors: set[tuple[int, int]] = set()
+    probe = real
+    while True:
+        try:
+            st = os.stat(probe)
+        except OSError:
+            pass
+        else:
+            if probe == real:
+                inode = (st.st_dev, st.st_ino)
+            else:
+                ancestors.add((st.st_dev, st.st_ino))
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    return Location(("dir",), _segments(real), inode, frozenset(ancestors))
+
+
+def location_identity(uri: str) -> Location:
+    """What backend ``uri`` names (see :class:`Location`), however it is spelled:
+    ``dir:`` by real path and inode; ``webdav(s):``/``sftp:`` by scheme, lower-case
+    host, port (the default one filled in), the user for ``sftp:`` (whose paths may be
+    relative to a home folder) and the normalised path (percent-decoding, ``//``,
+    ``.``, ``..``, trailing slash); ``s3:`` by bucket, endpoint and prefix;
+    ``rclone:`` by remote and normalised path; other kinds by scheme, the options that
+    choose the account, and the normalised path. Reads the filesystem for ``dir:``
+    only; never contacts a service."""
+    scheme = scheme_of(uri)
+    if scheme == "dir":
+        path = uri[len("dir:"):] if uri.startswith("dir:") else uri
+        return _dir_location(path)
+    base, query = _split_query(scheme, uri)
+    service_options = _service_options(query)
+    if scheme in ("webdav", "webdavs", "sftp", "s3"):
+        parts = urlsplit(base)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        user = unquote(parts.username or "") if scheme == "sftp" else ""
+        host = parts.hostname or ""
+        service = (scheme, user, host, str(port or _DEFAULT_PORTS.get(scheme) or ""),
+                   *service_options)
+        return Location(service, _segments(parts.path))
+    rest = base[len(scheme) + 1:]
+    if scheme == "rclone":
+        remote, _, path = rest.rpartition(":")
+        return Location((scheme, remote, *service_options), _segments(path))
+    return Location((scheme, *service_options), _segments(rest))
+
+
+def overlap(uris: list[str], *, root: str | None, existing: list[str] | None = None) -> None:
+    """Raise :class:`UsageError` (one line, naming both URIs as given) if two of
+    ``uris`` -- or one of them and one of ``existing`` (a repository's backends) --
+    name the same folder or one lies inside the other, or if a ``dir:`` one lies
+    inside the synced folder ``root`` (its objects would be synced as files). Each must be a distinct store: a second spelling
+    of one folder would count one physical copy as two."""
+    seen = []
+    for uri in existing or ():
+        try:
+            seen.append((public_uri(uri), location_identity(uri)))
+        except UsageError:
+            continue  # a shared URI this client cannot read names nothing it could reach
+    synced = _dir_location(root) if root is not None else None
+    for uri in uris:
+        shown = public_uri(uri)
+        here = location_identity(uri)
+        if (synced is not None and here.service == ("dir",)
+                and here.relation(synced) is not None):
+            raise UsageError(
+                f"{shown} is inside the synced folder {root}; keep backends outside it "
+                "(their files would be synced too)")
+        for other_shown, other in seen:
+            relation = here.relation(other)
+            if relation == "same":
+                raise UsageError(f"{shown} and {other_shown} are the same backend location; "
+                                 "give each backend once (each must be a separate store)")
+            if relation is None and other.relation(here) == "inside":
+                shown, other_shown, relation = other_shown, shown, "inside"
+            if relation == "inside":
+                raise UsageError(f"{shown} is inside the backend location {other_shown}; "
+                                 "give backends that do not hold one another")
+        seen.append((shown, here))

@@ -53,6 +53,7 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable, Iterator
+from email.utils import parsedate_to_datetime
 from typing import BinaryIO, NoReturn, TypeVar
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
@@ -63,6 +64,7 @@ from metasync.backends.base import (
     TEMP_PREFIX,
     Backend,
     Capabilities,
+    TempFile,
     check_key,
     check_namespace,
     check_prefix,
@@ -79,11 +81,14 @@ from metasync.backends.logs import (
 from metasync.backends.retry import RetryPolicy, TransientError, parse_retry_after, retrying
 from metasync.errors import (
     BackendError,
+    BackendFull,
     BackendUnavailable,
+    InvalidKey,
     ObjectNotFound,
     PrimitiveMissing,
     UsageError,
 )
+from metasync.timeouts import network_timeout
 
 T = TypeVar("T")
 
@@ -225,6 +230,7 @@ class WebdavBackend(Backend):
         max_object_size=None,
         case_sensitive=True,
         long_poll=False,
+        temp_files=True,
     )
     #: ``http`` or ``https``.
     http_scheme = "http"
@@ -282,7 +288,8 @@ class WebdavBackend(Backend):
         )
         self._client = httpx.Client(
             auth=httpx.BasicAuth(user, password or "") if user is not None else None,
-            timeout=httpx.Timeout(timeout),
+            # --timeout bounds each connect, TLS handshake, read and write as well.
+            timeout=httpx.Timeout(network_timeout(timeout)),
             # Nagle's algorithm would hold a PUT's body behind its headers until the
             # server's delayed ACK (tens of ms per request).
             transport=httpx.HTTPTransport(
@@ -293,7 +300,9 @@ class WebdavBackend(Backend):
             follow_redirects=False,
         )
         self._slots = threading.BoundedSemaphore(transfers)
-        self._policy = RetryPolicy()
+        #: Seconds one network wait may last (``timeout=``, at most ``--timeout``).
+        self._timeout = network_timeout(timeout)
+        self._policy = RetryPolicy(budget=self._timeout)
         # Folders known to exist (saves a MKCOL chain before most writes).
         self._folders: set[str] = set()
         self._folders_lock = threading.Lock()
@@ -332,7 +341,11 @@ class WebdavBackend(Backend):
                 "is the server running and the host and port right?"
             )
         if isinstance(exc, httpx.TimeoutException):
-            return TransientError(f"{what} on {self.name} timed out; the server is slow")
+            return TransientError(
+                f"{what} on {self.name}: no answer within {self._timeout:g}s (the server "
+                "accepted the connection but did not reply); check the server, or allow "
+                "longer with --timeout"
+            )
         detail = str(exc) or type(exc).__name__
         return TransientError(f"{what} on {self.name} failed: {detail} (connection dropped)")
 
@@ -349,13 +362,13 @@ class WebdavBackend(Backend):
             return BackendError(
                 f"{what} on {self.name}: 403 forbidden; the user lacks permission there"
             )
-        if status in _RETRY_STATUSES or (status >= 500 and status != 507):
+        if status == 507:
+            return BackendFull.of(self.name, "507 Insufficient Storage")
+        if status in _RETRY_STATUSES or status >= 500:
             return TransientError(
                 f"{what} on {self.name}: HTTP {status} {response.reason_phrase}",
                 retry_after=parse_retry_after(response.headers.get("Retry-After")),
             )
-        if status == 507:
-            return BackendError(f"{what} on {self.name}: the server is out of space (507)")
         return BackendError(f"{what} on {self.name}: unexpected HTTP {status} {response.reason_phrase}")
 
     def _send(
@@ -920,6 +933,64 @@ class WebdavBackend(Backend):
                 else:
                     keys.append(key)
         return keys
+
+    def _temp_files(self) -> Iterator[TempFile]:
+        """Every ``.tmp-`` file under the namespace (PROPFIND Depth: 1 per folder, then
+        Depth: 0 per temporary file for its size and Last-Modified)."""
+        temps: builtins.list[builtins.list[str]] = []
+        stack: builtins.list[builtins.list[str]] = [[]]
+        while stack:
+            rel = stack.pop()
+            segments = [*self._root_segments, *rel]
+            what = f"list {'/'.join(rel) or '/'!r}"
+            entries = self._call(what, lambda s=segments, w=what: self._propfind(s, "1", w))  # type: ignore[misc]
+            if entries is None:
+                if not rel and not self.exists():
+                    self._missing_root()
+                continue
+            own = "/" + "/".join(segments)
+            for entry in entries:
+                parent, _, name = entry.path.rpartition("/")
+                if parent != own:
+                    continue
+                if name.startswith(TEMP_PREFIX):
+                    if not entry.is_collection:
+                        temps.append([*rel, name])
+                elif entry.is_collection and is_key_part(name):
+                    stack.append([*rel, name])
+        found = []
+        for rel in temps:
+            path = "/".join(rel)
+            what = f"stat temporary file {path!r}"
+            stat_entries = self._call(
+                what, lambda s=[*self._root_segments, *rel], w=what: self._propfind(s, "0", w))  # type: ignore[misc]
+            if not stat_entries:
+                continue  # published or removed by its writer meanwhile
+            try:
+                modified = parsedate_to_datetime(stat_entries[0].modified).timestamp()
+            except (TypeError, ValueError):
+                continue  # no usable date: its age is unknown, so it is left alone
+            found.append(TempFile(path, stat_entries[0].size or 0, modified))
+        return iter(found)
+
+    def _remove_temp(self, path: str) -> bool:
+        parts = path.split("/")
+        if not parts[-1].startswith(TEMP_PREFIX) or any(p in ("", ".", "..") for p in parts):
+            raise InvalidKey(f"not a temporary file: {path!r}")
+        url = self._url([*self._root_segments, *parts])
+        attempts = [0]
+
+        def request() -> bool:
+            attempts[0] += 1
+            response = self._send("DELETE", url, f"delete temporary file {path!r}")
+            response.close()
+            if response.status_code in (200, 204):
+                return True
+            if response.status_code == 404:
+                return attempts[0] > 1  # gone: by an earlier attempt whose answer was lost?
+            raise self._status_error(response, f"delete temporary file {path!r}")
+
+        return bool(self._call(f"delete temporary file {path!r}", request))
 
     def poll(self, key: str) -> str | None:
         """ETag, Last-Modified and size, plus a hash of the content for objects up to

@@ -210,8 +210,8 @@ def bench_metasync(
     verify_copy(expected, clone, "metasync clone")
 
     log("metasync: status (twice, second reported)")
-    timings["status_first"], _ = run([*quiet, "status"], repo, env)
-    timings["status"], _ = run([*quiet, "status"], repo, env)
+    timings["status_first"], _ = run([*quiet, "status", "--offline"], repo, env)
+    timings["status"], _ = run([*quiet, "status", "--offline"], repo, env)
     _, status = run([metasync, "status", "--json"], repo, env)
     state = json.loads(status.stdout)
     if not state.get("clean") or state.get("unpushed"):

@@ -151,8 +151,8 @@ class Metasync(Contender):
         return self.timed(self._cmd("push"), self.src)
 
     def status(self) -> Timing:
-        self.timed(self._cmd("status"), self.src)
-        return self.timed(self._cmd("status"), self.src)
+        self.timed(self._cmd("status", "--offline"), self.src)
+        return self.timed(self._cmd("status", "--offline"), self.src)
 
 
 class Rclone(Contender):

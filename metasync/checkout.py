@@ -27,12 +27,15 @@ from metasync.context import RepoContext
 from metasync.errors import CorruptObject, ObjectUnavailable
 from metasync.faults import crash_point
 from metasync.graph import ObjectGraph
-from metasync.localdb import IndexRow
+from metasync.localdb import NOT_ON_DISK, IndexRow
+from metasync.names import display_path
 from metasync.objects import TreeEntry, Version, same_entry
+from metasync.progress import Reporter
 from metasync.scanner import Scanner, ScanResult
 from metasync.state import LocalState
 from metasync.worktree import (
     CHUNK_MAX,
+    NAME_REFUSED,
     Folders,
     InTheWay,
     ScanEntry,
@@ -68,6 +71,9 @@ class PullResult:
     #: Set when the version taken does not descend from the one this client had
     #: (history forked): the one-line warning saying so (:mod:`metasync.sync`).
     fork: str = ""
+    #: Paths of the tree this file system refused to create (each said in a note);
+    #: they stay in the repository (see :data:`~metasync.localdb.NOT_ON_DISK`).
+    not_written: list[str] = field(default_factory=list)
 
 
 def now_stamp() -> str:
@@ -126,6 +132,52 @@ class FileWriter:
         return tmp, st
 
 
+class RefusedNames:
+    """The paths of one checkout that this file system refused to create (a name
+    too long here, or not in the encoding it requires): each is named in a note
+    and gets an index row (:data:`~metasync.localdb.NOT_ON_DISK`) that keeps it in
+    the tree, so it is neither shown as deleted nor dropped by the next commit."""
+
+    def __init__(self, reporter: Reporter) -> None:
+        self.reporter = reporter
+        #: Their index rows, by path.
+        self.rows: dict[str, IndexRow] = {}
+
+    def under(self, path: str) -> bool:
+        """True if a folder above ``path`` was refused (so ``path`` cannot be made)."""
+        parent = path.rpartition("/")[0]
+        while parent:
+            if parent in self.rows:
+                return True
+            parent = parent.rpartition("/")[0]
+        return False
+
+    def add(self, path: str, entry: TreeEntry, exc: OSError | None, result: PullResult) -> None:
+        """Record ``path``, and say so unless it is inside a folder already said."""
+        self.rows[path] = IndexRow(path, entry.type, entry.ref, entry.size, entry.executable,
+                                   NOT_ON_DISK, 0, 0)
+        result.not_written.append(path)
+        if exc is not None:
+            self.reporter.note(f"cannot write {display_path(path)} here: {exc.strerror or exc}; "
+                               "it stays in the repository (and on the other clients)")
+
+    def make_folder(self, folders: Folders, path: str, entry: TreeEntry, aside: InTheWay,
+                    result: PullResult) -> bool:
+        """Make the folder ``path`` (and its parents); False if this file system
+        refused its name or a parent's."""
+        if self.under(path):
+            self.add(path, entry, None, result)
+            return False
+        try:
+            folders.release(folders.make(path, aside))
+        except OSError as exc:
+            if exc.errno not in NAME_REFUSED:
+                raise
+            self.add(path, entry, exc, result)
+            return False
+        return True
+
+
 class Checkout:
     """Changes one repository's folder from tree to tree."""
 
@@ -139,14 +191,15 @@ class Checkout:
         self._seen: dict[str, ScanEntry] = {}
         #: The folders of the current checkout (see :meth:`run`).
         self._folders: Folders
-        #: Folders the scan the current checkout planned with could not read.
-        self._sealed = SealedFolders(set())
+        #: Folders the current checkout's scan could not read (:func:`apply_waiting`).
+        self.sealed = SealedFolders(set(), ctx.reporter)
+        #: The paths this file system refused in the current checkout.
+        self._refused = RefusedNames(ctx.reporter)
 
     # ---------------------------------------------------------------- pending checkouts
     def resume(self) -> PullResult | None:
-        """Finish a checkout a crash interrupted, and apply the changes held back in
-        folders that could not be read (if they can be now); ``None`` if nothing
-        was pending."""
+        """Finish a checkout a crash interrupted, and apply changes held back in folders
+        that could not be read (:func:`apply_waiting`); ``None`` if none was pending."""
         # A damaged record reads as None: as if none were pending (the next checkout
         # scans the folder anyway, and overwrites it).
         result = None
@@ -154,20 +207,7 @@ class Checkout:
             remove_stale_temps(self.root)
             result = self.run_pending()
         if self.ctx.state.waiting_folders:
-            result = self._apply_waiting()
-        return result
-
-    def _apply_waiting(self) -> PullResult:
-        """Check out the held-back folders (:attr:`LocalState.waiting_folders`) from
-        the tree each was last checked out from to the head's: three ways, as any
-        checkout, so an edit made in them meanwhile is kept. A folder still
-        unreadable stays held back."""
-        state = self.ctx.state
-        waiting = state.waiting_folders
-        result = PullResult(state.prev)
-        top = state.head or state.prev.master
-        self.run(*waiting_trees(self.graph, waiting, top), result, {})
-        state.waiting_folders = {f: t for f, t in waiting.items() if f in self._sealed.held}
+            result = apply_waiting(self)
         return result
 
     def run_pending(self) -> PullResult:
@@ -203,6 +243,7 @@ class Checkout:
         ``moves`` maps new paths to paths whose current content they take (a merge's
         conflict copies of local versions): renamed locally instead of downloaded.
         """
+        self._refused = RefusedNames(self.ctx.reporter)
         with Folders(self.root) as folders:
             self._folders = folders
             self._run(base, remote, result, moves)
@@ -217,7 +258,7 @@ class Checkout:
         scan = self.scanner.scan(None)
         self._seen = scan.seen
         local = local_side(scan)
-        self._sealed = SealedFolders({u.path for u in scan.problems.unreadable if u.folder})
+        self.sealed = SealedFolders.of(scan, self.ctx.reporter)
         stamp = now_stamp()
         aside = self._in_the_way(stamp, result)
         for copy, source in sorted(moves.items()):
@@ -235,11 +276,11 @@ class Checkout:
             parent, _, name = path.rpartition("/")
             with folders.opened(parent) as fd:
                 # No folder there (a link or a file now): nothing of this tree to delete.
-                existing = lstat_at(fd, name) if fd is not None else None
+                existing = _lstat_name(fd, name) if fd is not None else None
                 if existing is None or stat.S_ISDIR(existing.st_mode):
                     continue
                 if self._changed_since_scan(path, existing):
-                    self.ctx.reporter.note(f"kept {path}: it changed during the pull")
+                    self.ctx.reporter.note(f"kept {display_path(path)}: it changed during the pull")
                     continue
                 try:
                     os.unlink(name, dir_fd=fd)
@@ -248,7 +289,7 @@ class Checkout:
                 result.deleted += 1
         # Folders deleted remotely go if nothing local remains in them, deepest first.
         for path in sorted((p for p, e in base.items() if e.type == "dir" and p not in remote
-                            and not self._sealed.holding(p)),
+                            and not self.sealed.holding(p)),
                            key=lambda p: p.count("/"), reverse=True):
             parent, _, name = path.rpartition("/")
             with folders.opened(parent) as fd:
@@ -258,19 +299,26 @@ class Checkout:
                         folders.forget(path)
                 except OSError:
                     pass
-        for path in sorted((p for p, e in remote.items() if e.type == "dir" and not self._sealed.holding(p)),
+        for path in sorted((p for p, e in remote.items() if e.type == "dir" and not self.sealed.holding(p)),
                            key=lambda p: p.count("/")):
             b = base.get(path)
             if b is not None and b.type == "dir" and path not in local:
                 continue  # removed here, untouched remotely: stays removed (files
                 # the remote changed inside bring their folders back as they are written)
-            folders.release(folders.make(path, aside))
+            if path in local and path not in self._seen:  # refused before: said once
+                self._refused.add(path, remote[path], None, result)
+                continue
+            self._refused.make_folder(folders, path, remote[path], aside, result)
         rows = self._write_files(writes, stamp, result, scanned)
         db = self.ctx.db
         with db.transaction():
-            self._sealed.hold_back(self.ctx.state, base)
+            self.sealed.hold_back(self.ctx.state, base)
             db.delete_index(deletes)
             db.upsert_index(rows)
+            db.upsert_index(self._refused.rows.values())
+            # Folders gone from the tree: only one this file system refused has a row.
+            db.delete_index(p for p, e in base.items()
+                            if e.type == "dir" and p not in remote and p not in self._refused.rows)
             db.upsert_index(r for r in scan.rows if r.path not in {w[0] for w in writes})
 
     def _plan(
@@ -281,17 +329,9 @@ class Checkout:
         the way of a remote change become conflict copies now."""
         writes: list[tuple[str, TreeEntry]] = []
         deletes: list[str] = []
-        held = self._sealed.held
         for path in sorted(set(base) | set(remote)):
             b, n, loc = base.get(path), remote.get(path), local.get(path)
-            sealed = self._sealed.holding(path)
-            if sealed is not None:
-                # A folder this process cannot list or enter: what is in it is unknown
-                # (and cannot be written); its remote changes wait until it can.
-                if not same_entry(n, b) and sealed not in held:
-                    held.add(sealed)
-                    self.ctx.reporter.note(f"not updated: cannot read {sealed}/; the changes "
-                                           "to it are applied once it can be read")
+            if self.sealed.leaves(path, changed=not same_entry(n, b)):
                 continue
             if n is not None and n.type == "dir":
                 # Folders are created later. A file that master replaced by a folder
@@ -310,13 +350,14 @@ class Checkout:
                 else:
                     writes.append((path, n))
             elif n is None:
-                self.ctx.reporter.note(f"kept {path}: deleted remotely but changed here")
+                self.ctx.reporter.note(f"kept {display_path(path)}: deleted remotely but changed here")
             else:
                 if loc is not None and loc.type != "dir":
                     copy = self._conflict_copy(path, stamp)
                     if copy is not None:
                         result.conflicts.append(copy)
-                        self.ctx.reporter.note(f"conflict: your version of {path} is now {copy}")
+                        self.ctx.reporter.note(f"conflict: your version of {display_path(path)} is now "
+                                               f"{display_path(copy)}")
                 writes.append((path, n))
         return writes, deletes
 
@@ -342,7 +383,7 @@ class Checkout:
         """Rename ``path`` to a free conflict name beside it; None if nothing is there
         (or its folder is no longer a folder of this tree: a link is not followed)."""
         with self._folders.opened(path.rpartition("/")[0]) as fd:
-            if fd is None or lstat_at(fd, path.rpartition("/")[2]) is None:
+            if fd is None or _lstat_name(fd, path.rpartition("/")[2]) is None:
                 return None
             return self._move_aside(fd, path, stamp)
 
@@ -356,7 +397,8 @@ class Checkout:
         def aside(fd: int, name: str, path: str) -> None:
             copy = self._move_aside(fd, path, stamp)
             result.conflicts.append(copy)
-            self.ctx.reporter.note(f"conflict: {path} is in the way of a folder; moved to {copy}")
+            self.ctx.reporter.note(f"conflict: {display_path(path)} is in the way of a folder; "
+                                   f"moved to {display_path(copy)}")
 
         return aside
 
@@ -383,8 +425,17 @@ class Checkout:
         folders = self._folders
         for path, entry in writes:
             parent = path.rpartition("/")[0]
+            if self._refused.under(path):
+                self._refused.add(path, entry, None, result)
+                continue
             if parent and parent not in ensured:
-                folders.release(folders.make(parent, aside))
+                try:
+                    folders.release(folders.make(parent, aside))
+                except OSError as exc:
+                    if exc.errno not in NAME_REFUSED:
+                        raise
+                    self._refused.add(path, entry, exc, result)
+                    continue
                 while parent and parent not in ensured:
                     ensured.add(parent)
                     parent = parent.rpartition("/")[0]
@@ -428,7 +479,7 @@ class Checkout:
                 if not fut.cancelled() and fut.exception() is None:
                     pending.extend(fut.result())
             for (path, _, _), tmp, _ in pending:
-                self._drop_temp(path, tmp)
+                _drop_temp(self._folders, path, tmp)
             raise
         finally:
             reporter.finish()
@@ -443,30 +494,47 @@ class Checkout:
         written_at = time.time_ns()
         folders = self._folders
 
-        def fast(item: WrittenTemp, fd: int | None) -> bool:
-            """Rename into a free or unchanged place; False leaves it to the slow path."""
-            (path, _, _), tmp, _ = item
+        def fast(item: WrittenTemp, fd: int | None) -> bool | None:
+            """Rename into a free or unchanged place; False leaves it to the slow path,
+            None: this file system refused the name (the temporary file is removed)."""
+            (path, entry, _), tmp, _ = item
             name = path.rpartition("/")[2]
             if fd is None:
                 return False
-            existing = lstat_at(fd, name)
-            if existing is not None and (stat.S_ISDIR(existing.st_mode)
-                                         or self._changed_since_scan(path, existing)):
-                return False
-            os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            try:
+                existing = lstat_at(fd, name)
+                if existing is not None and (stat.S_ISDIR(existing.st_mode)
+                                             or self._changed_since_scan(path, existing)):
+                    return False
+                os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in NAME_REFUSED:
+                    raise
+                os.unlink(tmp, dir_fd=fd)
+                self._refused.add(path, entry, exc, result)
+                return None
             return True
 
         # Serial on purpose: renames into the same folders contend on the folder's
         # lock, and measured slower when spread over threads.
-        done = []
+        done: list[bool | None] = []
         with folders.cursor() as cursor:
             for item in pending:
                 done.append(fast(item, cursor.at(item[0][0].rpartition("/")[0])))
                 crash_point("checkout:rename")
         rows: list[IndexRow] = []
         for ((path, entry, _), tmp, st), ok in zip(pending, done, strict=True):
+            if ok is None:
+                continue
             if not ok:
-                self._install_slow(path, tmp, stamp, result)
+                try:
+                    self._install_slow(path, tmp, stamp, result)
+                except OSError as exc:
+                    if exc.errno not in NAME_REFUSED:
+                        raise
+                    _drop_temp(self._folders, path, tmp)
+                    self._refused.add(path, entry, exc, result)
+                    continue
             result.written += 1
             if st is not None:  # renaming keeps the inode and mtime of the temporary file
                 rows.append(IndexRow(path, entry.type, entry.ref, st.st_size,
@@ -488,7 +556,8 @@ class Checkout:
                 # Edited (or created) while we were downloading: keep it.
                 copy = self._move_aside(fd, path, stamp)
                 result.conflicts.append(copy)
-                self.ctx.reporter.note(f"conflict: {path} changed during the pull; kept as {copy}")
+                self.ctx.reporter.note(f"conflict: {display_path(path)} changed during the pull; "
+                                       f"kept as {display_path(copy)}")
             os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
 
     def _write_job(self, job: list[WritePlan], aside: InTheWay) -> list[WrittenTemp]:
@@ -506,18 +575,10 @@ class Checkout:
                     done.append((plan, *self.writer.write_temp(fd, entry, chunks, prefetched)))
         except BaseException:
             for (path, _, _), tmp, _ in done:
-                self._drop_temp(path, tmp)
+                _drop_temp(self._folders, path, tmp)
             raise
         return done
 
-    def _drop_temp(self, path: str, tmp: str) -> None:
-        """Remove the temporary file ``tmp`` written for ``path``, if it is still there."""
-        with self._folders.opened(path.rpartition("/")[0]) as fd:
-            if fd is not None:
-                try:
-                    os.unlink(tmp, dir_fd=fd)
-                except FileNotFoundError:
-                    pass
 
 
 def local_side(scan: ScanResult) -> dict[str, TreeEntry]:
@@ -531,6 +592,30 @@ def local_side(scan: ScanResult) -> dict[str, TreeEntry]:
         if not u.folder:
             local[u.path] = TreeEntry(u.path.rpartition("/")[2], "file", UNREAD_REF)
     return local
+
+
+def _drop_temp(folders: Folders, path: str, tmp: str) -> None:
+    """Remove the temporary file ``tmp`` written for ``path``, if it is still there."""
+    with folders.opened(path.rpartition("/")[0]) as fd:
+        if fd is not None:
+            try:
+                os.unlink(tmp, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+
+
+def apply_waiting(checkout: Checkout) -> PullResult:
+    """Check out the held-back folders (:attr:`LocalState.waiting_folders`) from the
+    tree each was last checked out from to the head's: three ways, as any checkout,
+    so an edit made in them meanwhile is kept. A folder still unreadable stays
+    held back."""
+    state = checkout.ctx.state
+    waiting = state.waiting_folders
+    result = PullResult(state.prev)
+    top = state.head or state.prev.master
+    checkout.run(*waiting_trees(checkout.graph, waiting, top), result, {})
+    state.waiting_folders = {f: t for f, t in waiting.items() if f in checkout.sealed.held}
+    return result
 
 
 def waiting_trees(graph: ObjectGraph, waiting: dict[str, str], top: str | None,
@@ -555,9 +640,28 @@ class SealedFolders:
     and records those whose changes it held back (``held``) for
     :meth:`Checkout.resume` to apply once they can be read."""
 
-    def __init__(self, folders: set[str]) -> None:
+    def __init__(self, folders: set[str], reporter: Reporter) -> None:
         self.folders = folders
+        self.reporter = reporter
         self.held: set[str] = set()
+
+    @classmethod
+    def of(cls, scan: ScanResult, reporter: Reporter) -> SealedFolders:
+        """The folders ``scan`` could not read."""
+        return cls({u.path for u in scan.problems.unreadable if u.folder}, reporter)
+
+    def leaves(self, path: str, changed: bool) -> bool:
+        """True if ``path`` is in (or is) one of these folders, so the checkout must
+        leave it alone; a change there (``changed``) is held back, and said once
+        per folder."""
+        sealed = self.holding(path)
+        if sealed is None:
+            return False
+        if changed and sealed not in self.held:
+            self.held.add(sealed)
+            self.reporter.note(f"not updated: cannot read {display_path(sealed)}/; the "
+                               "changes to it are applied once it can be read")
+        return True
 
     def holding(self, path: str) -> str | None:
         """The folder of these that is ``path`` or holds it; None if none does."""
@@ -593,6 +697,16 @@ def all_zero(data: bytes) -> bool:
     (``startswith``), which stops at the first non-zero byte."""
     return (bool(data) and not data[0] and not data[-1] and len(data) <= CHUNK_MAX
             and _ZEROS.startswith(data))
+
+
+def _lstat_name(fd: int, name: str) -> os.stat_result | None:
+    """:func:`lstat_at`, where a name this file system refuses is simply absent."""
+    try:
+        return lstat_at(fd, name)
+    except OSError as exc:
+        if exc.errno in NAME_REFUSED:
+            return None
+        raise
 
 
 def chunk_groups(chunks: list[tuple[str, int]], budget: int = 8 * 1024 * 1024) -> list[list[tuple[str, int]]]:

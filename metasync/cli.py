@@ -8,43 +8,88 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from metasync.backends import public_uri
 from metasync.cli_common import (
     STATE,
+    _echo_json,
     _fail,
     _human,
     _open,
     _passphrase_source,
     _reporter,
     _say,
+    json_option,
 )
 from metasync.cli_daemon import auth, daemon
+from metasync.cli_history import log, say_standing
 from metasync.cli_keys import key
-from metasync.errors import MetasyncError, UsageError
+from metasync.committer import problems_json
+from metasync.errors import Interrupted, MetasyncError, UsageError
+from metasync.names import display_path
+from metasync.progress import CANCEL
 from metasync.repository import DEFAULT_NAMESPACE, Repository
 
+if TYPE_CHECKING:  # loaded by gc and fsck only (start-up time)
+    from metasync.maintenance.gc import TempSweep
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
-@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-              metavar="SECONDS",
-              help="Longest wait for backends to agree before failing (default 30; "
-                   "also METASYNC_TIMEOUT).")
+
+def _set_state(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    """Record a global option wherever it was given (before or after the subcommand)."""
+    if param.name == "timeout":
+        if value is not None:
+            os.environ["METASYNC_TIMEOUT"] = repr(value)
+    elif value:
+        setattr(STATE, str(param.name), True)
+
+
+def _global_options() -> list[click.Option]:
+    """``--debug``, ``-q`` and ``--timeout``: taken by the group and by every command,
+    so ``metasync pull -q`` works as ``metasync -q pull`` does."""
+    return [
+        click.Option(["--debug"], is_flag=True, expose_value=False, callback=_set_state,
+                     help="Show tracebacks on errors."),
+        click.Option(["-q", "--quiet"], is_flag=True, expose_value=False, callback=_set_state,
+                     help="Print nothing but errors."),
+        click.Option(["--timeout"], type=click.FloatRange(min=0, min_open=True), default=None,
+                     metavar="SECONDS", expose_value=False, callback=_set_state,
+                     help="Longest wait for any backend's answer (each connect, read, "
+                          "handshake, and a request's retries) and for backends to agree "
+                          "(default 30; also METASYNC_TIMEOUT)."),
+    ]
+
+
+def _add_global_options(command: click.Command) -> None:
+    """Give every command under ``command`` the global options it lacks."""
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            _add_global_options(sub)
+        return
+    taken = {opt for p in command.params for opt in p.opts}
+    command.params += [o for o in _global_options() if not taken & set(o.opts)]
+    for param in command.params:
+        if "--json" in param.opts:
+            # ``metasync --json CMD`` as ``metasync CMD --json``: read when CMD's
+            # arguments are parsed, after the group's options.
+            param.default = lambda: STATE.json
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]},
+             params=_global_options())
+@click.option("--json", "as_json", is_flag=True,
+              help="Machine-readable output from commands that have it (as their --json).")
 @click.version_option(package_name="metasync")
-def cli(debug: bool, quiet: bool, timeout: float | None) -> None:
-    """Keep one folder in sync across several untrusted storage services."""
-    STATE.debug = debug
-    STATE.quiet = quiet
-    if timeout is not None:
-        os.environ["METASYNC_TIMEOUT"] = repr(timeout)
+def cli(as_json: bool) -> None:
+    """Keep one folder in sync across several untrusted storage services.
+    Global options may also follow the subcommand (metasync pull -q)."""
+    STATE.json = as_json
 
 
 mkdir_option = click.option(
@@ -111,7 +156,8 @@ def init(directory: str, backends: tuple[str, ...], replicas: int | None, namesp
 @cli.command()
 @click.argument("uri")
 @click.argument("directory", required=False)
-@click.option("--namespace", default=DEFAULT_NAMESPACE, show_default=True)
+@click.option("--namespace", default=DEFAULT_NAMESPACE, show_default=True,
+              help="Folder name of the repository on the backend (as given to init).")
 @click.option("--fingerprint", default=None, metavar="F",
               help="Refuse the clone unless the repository's fingerprint is F (as init printed it).")
 @click.option("--no-encrypt", is_flag=True,
@@ -121,8 +167,10 @@ def init(directory: str, backends: tuple[str, ...], replicas: int | None, namesp
               help="Another backend of the repository to use at once, as this machine "
                    "reaches it (repeatable); others are used once connected.")
 @passphrase_file_option
+@json_option
 def clone(uri: str, directory: str | None, namespace: str, fingerprint: str | None,
-          no_encrypt: bool, others: tuple[str, ...], passphrase_file: str | None) -> None:
+          no_encrypt: bool, others: tuple[str, ...], passphrase_file: str | None,
+          as_json: bool) -> None:
     """Rebuild a repository from any one of its backends (URI) into DIRECTORY."""
     target = directory or namespace
     repo = Repository.clone(uri, target, namespace=namespace,
@@ -130,6 +178,11 @@ def clone(uri: str, directory: str | None, namespace: str, fingerprint: str | No
                             reporter=_reporter(), allow_unencrypted=no_encrypt,
                             fingerprint=fingerprint, connect=list(others))
     with repo:
+        if as_json:
+            _echo_json({"version": repo.prev.number, "root": str(repo.root),
+                        "fingerprint": repo.fingerprint or None,
+                        "encrypted": bool(repo.fingerprint)})
+            return
         _say(f"Cloned version {repo.prev.number} into {repo.root}")
         _say(f"Fingerprint: {repo.fingerprint}" if repo.fingerprint
              else "The repository is NOT encrypted")
@@ -187,25 +240,42 @@ PARTIAL_EXIT = 3
 
 
 @cli.command()
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def status(as_json: bool) -> None:
-    """Show changes in the folder that are not committed yet."""
-    with _open() as repo:
+@json_option
+@click.option("--offline", is_flag=True,
+              help="Do not ask the backends for the newest version (no behind/ahead line).")
+def status(as_json: bool, offline: bool) -> None:
+    """Show changes in the folder that are not committed yet, and whether the folder
+    is behind master (versions to pull) or ahead (local commits to push)."""
+    standing, unknown = None, ""
+    with _open(read_only=True) as repo:
         st = repo.status()
+        if not offline:
+            try:
+                standing = repo.history.standing()
+            except MetasyncError as exc:
+                unknown = str(exc)
     if as_json:
-        click.echo(json.dumps(st.to_json(), indent=2))
+        doc = st.to_json()
+        doc.update({"latest": standing.latest if standing else None,
+                    "behind": standing.behind if standing else None,
+                    "ahead": standing.ahead if standing else None})
+        _echo_json(doc)
         return
     _say(f"On version {st.version}" + (" (local commits not pushed)" if st.unpushed else ""))
+    if unknown:
+        click.echo(f"note: could not learn the newest version ({unknown})", err=True)
+    elif standing is not None:
+        say_standing(standing)
     if not st.changes and not st.problems.unreadable:
         _say("Nothing to commit, folder clean")
     symbols = {"added": "A", "modified": "M", "deleted": "D"}
     for c in st.changes:
         suffix = "/" if c.type == "dir" else ""
-        _say(f"  {symbols[c.kind]} {c.path}{suffix}")
+        _say(f"  {symbols[c.kind]} {display_path(c.path + suffix)}")
     for u in st.problems.unreadable:
-        _say(f"  cannot read: {u.display()} ({u.reason})")
+        _say(f"  cannot read: {display_path(u.display())} ({u.reason})")
     for u in st.problems.special:
-        _say(f"  skipped: {u.display()} ({u.reason})")
+        _say(f"  skipped: {display_path(u.display())} ({u.reason})")
 
 
 @cli.command()
@@ -222,51 +292,89 @@ def commit(message: str) -> None:
 
 @cli.command()
 @click.option("-m", "--message", default="", help="Message for the commit of pending changes.")
-def push(message: str) -> None:
+@json_option
+def push(message: str, as_json: bool) -> None:
     """Commit pending changes and publish them as the new master."""
     with _open() as repo:
         result = repo.push(message)
-    _warn_fork(result.fork)
-    for u in result.problems.special:
-        _say(f"skipped: {u.display()} ({u.reason})")
-    for u in result.problems.unreadable:
-        click.echo(f"warning: cannot read {u.display()}: {u.reason}; not synced "
-                   "(what was committed of it stays)", err=True)
-    for copy in result.conflicts:
-        _say(f"conflict: kept the other version as {copy}")
-    if result.up_to_date:
-        _say("Everything up to date")
-    elif result.version is not None:
-        _say(f"Pushed version {result.version.number}: {result.objects_uploaded} objects, "
-             f"{_human(result.bytes_uploaded)} uploaded")
-    if result.short:
         config = repo.config
+    # Each conflict copy was said as it was made (the reporter's note); not again here.
+    warnings = [f"warning: {result.fork}"] if result.fork else []
+    notes = []
+    if result.short:
         wanted = f"R = {config.replicas}" + (
             f", or {config.erasure[1]} fragments" if config.erasure else "")
         what = f"version {result.version.number}" if result.version else "the upload"
-        click.echo(f"warning: {what} has fewer copies than the configuration asks for "
-                   f"({wanted}) of {len(result.short)} object(s): too few backends took "
-                   "writes; a later push or the daemon adds the missing copies when they "
-                   "answer", err=True)
-    elif result.spilled:
-        _say(f"note: {result.spilled} copies went to other backends while their holders "
-             "did not answer; they move home once those are back (any push or daemon does it)")
-    elif result.missing_copies:
-        click.echo(f"warning: {result.missing_copies} object copies are not on their "
-                   "backends yet (one is unreachable); the next push retries them", err=True)
-    if result.problems.unreadable:
-        # As restic backup: the rest was pushed, but the folder is not all synced.
-        click.echo(f"warning: {len(result.problems.unreadable)} path(s) could not be read "
-                   "and are not synced; give them read permission or add them to "
-                   ".metasyncignore", err=True)
+        warnings.append(f"warning: {what} has fewer copies than the configuration asks for "
+                        f"({wanted}) of {len(result.short)} object(s): too few backends took "
+                        "writes; a later push or the daemon adds the missing copies when they "
+                        "answer")
+    for why in result.full.values():
+        # Not "unreachable", and no data at risk: its copies went to other backends.
+        warnings.append(f"warning: {why} (its new copies go to other backends until it "
+                        "has room; they move home then)")
+    unreadable = result.problems.unreadable
+    warnings += [f"warning: cannot read {display_path(u.display())}: {u.reason}; not synced "
+                 "(what was committed of it stays)" for u in unreadable]
+    if unreadable:
+        # As restic backup: the rest was pushed (exit 3), but the folder is not all synced.
+        warnings.append(f"warning: {len(unreadable)} path(s) could not be read and are not "
+                        "synced; give them read permission or add them to .metasyncignore")
+    settled = not (result.short or result.full)  # else: said above, copies wait for room
+    if settled and result.spilled:
+        notes.append(f"note: {result.spilled} copies went to other backends while their "
+                     "holders did not answer; they move home once those are back (any push "
+                     "or daemon does it)")
+    elif settled and result.missing_copies:
+        warnings.append(f"warning: {result.missing_copies} object copies are not on their "
+                        "backends yet (one is unreachable); the next push retries them")
+    if as_json:
+        _echo_json({
+            "version": result.version.number if result.version else None,
+            "up_to_date": result.up_to_date,
+            "commit": result.commit.commit_id if result.commit else None,
+            "objects_uploaded": result.objects_uploaded,
+            "bytes_uploaded": result.bytes_uploaded,
+            "conflicts": result.conflicts,
+            "skipped": result.skipped,
+            **problems_json(result.problems),
+            "warnings": [w.removeprefix("warning: ") for w in warnings] + notes,
+        })
+        sys.exit(PARTIAL_EXIT if unreadable else 0)
+    if result.fork:
+        click.echo(warnings[0], err=True)  # said even with --quiet: the user must act on it
+    for u in result.problems.special:
+        _say(f"skipped: {display_path(u.display())} ({u.reason})")
+    skipped = len(result.skipped)
+    left_out = (f"; {skipped} file{'' if skipped == 1 else 's'} skipped (see above)"
+                if skipped else "")
+    if result.up_to_date and skipped:
+        _say(f"Nothing new to push{left_out}")
+    elif result.up_to_date:
+        _say("Everything up to date")
+    elif result.version is not None:
+        _say(f"Pushed version {result.version.number}: {result.objects_uploaded} objects, "
+             f"{_human(result.bytes_uploaded)} uploaded{left_out}")
+    for line in warnings[1 if result.fork else 0:]:
+        click.echo(line, err=True)
+    for line in notes:
+        _say(line)
+    if unreadable:
         sys.exit(PARTIAL_EXIT)
 
 
 @cli.command()
-def pull() -> None:
+@json_option
+def pull(as_json: bool) -> None:
     """Bring the latest master into the folder."""
     with _open() as repo:
         result = repo.pull()
+    if as_json:
+        _echo_json({"version": result.version.number, "up_to_date": result.up_to_date,
+                    "written": result.written, "deleted": result.deleted,
+                    "conflicts": result.conflicts,
+                    "warnings": [result.fork] if result.fork else []})
+        return
     _warn_fork(result.fork)
     if result.up_to_date:
         _say("Already up to date")
@@ -282,35 +390,42 @@ def _warn_fork(fork: str) -> None:
 
 
 @cli.command()
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("-n", "--limit", type=int, default=None, help="Show at most this many commits.")
-def log(as_json: bool, limit: int | None) -> None:
-    """Show the history, newest first."""
-    with _open() as repo:
-        entries = repo.log(limit)
-    if as_json:
-        click.echo(json.dumps([e.to_json() for e in entries], indent=2))
-        return
-    for e in entries:
-        when = datetime.fromtimestamp(e.time_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
-        click.echo(f"commit {e.commit_id}\nDevice: {e.device}\nDate:   {when}\n\n    {e.message or '(no message)'}\n")
-
-
-@cli.command()
 @click.option("--quick", is_flag=True, help="Only check that every copy is there (no download).")
 @click.option("--repair", is_flag=True, help="Re-create missing or corrupt copies from good ones.")
-def fsck(quick: bool, repair: bool) -> None:
+@json_option
+def fsck(quick: bool, repair: bool, as_json: bool) -> None:
     """Verify every copy of every object reachable from master on every backend."""
     with _open() as repo:
         report = repo.fsck(quick=quick, repair=repair)
         names = {p.backend: repo.backend_name(p.backend) for p in report.problems}
+        names.update({b: repo.backend_name(b) for b, _ in report.temp_files.found})
+        names.update({b: repo.backend_name(b) for b in report.temp_files.errors})
+        full = {b for b, why in repo.health().items() if why.startswith("full:")}
     fixed = set(report.repaired)
+    if as_json:
+        _echo_json({
+            "ok": report.ok, "quick": quick, "objects": report.objects,
+            "checked_copies": report.checked_copies,
+            "problems": [{"problem": p.problem, "kind": p.kind, "object": p.object_id,
+                          "backend": p.backend, "backend_name": names.get(p.backend, p.backend),
+                          "backend_full": p.backend in full,
+                          "repaired": p in fixed} for p in report.problems],
+            "temp_files": {"count": len(report.temp_files.found),
+                           "bytes": report.temp_files.size,
+                           "removed": report.temp_files.removed},
+        })
+        if not report.ok:
+            sys.exit(1)
+        return
     for p in report.problems:
         where = names.get(p.backend, p.backend)
         if p in fixed:
             _say(f"repaired: {p.problem} {p.kind} {p.object_id} on {where}")
         else:
-            click.echo(f"{p.problem}: {p.kind} {p.object_id} on {where}")
+            # A full backend's copies wait for room; their spilled copies hold the data.
+            why = " (the backend is full; the copy waits for room)" if p.backend in full else ""
+            click.echo(f"{p.problem}: {p.kind} {p.object_id} on {where}{why}")
+    _report_temp_files(report.temp_files, names)
     how = "found" if quick else "verified"
     if report.ok:
         extra = f", {len(report.repaired)} repaired" if report.repaired else ""
@@ -321,6 +436,23 @@ def fsck(quick: bool, repair: bool) -> None:
     click.echo(f"{left} problem(s) in {report.checked_copies} copies checked; see above{hint}",
                err=True)
     sys.exit(1)
+
+
+def _report_temp_files(sweep: TempSweep, names: dict[str, str]) -> None:
+    """What fsck and gc found of killed uploads' temporary files (see TempSweep)."""
+    if sweep.found:
+        count = len(sweep.found)
+        where = ", ".join(sorted({names.get(b, b) for b, _ in sweep.found}))
+        what = (f"{count} temporary file(s) of interrupted uploads, "
+                f"{_human(sweep.size)}, older than the grace period")
+        if sweep.removed:
+            _say(f"removed {what} (on {where})")
+        else:
+            click.echo(f"{what} on {where}; `metasync fsck --repair` or `metasync gc` "
+                       "removes them")
+    for backend, why in sorted(sweep.errors.items()):
+        click.echo(f"note: could not look for temporary files on {names.get(backend, backend)}: "
+                   f"{why}", err=True)
 
 
 # ============================================================== storage changes
@@ -399,7 +531,7 @@ def backend_resize(name: str, capacity: float) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def backend_list(as_json: bool) -> None:
     """Each backend: id, URI, capacity, objects and bytes held, health."""
-    with _open() as repo:
+    with _open(read_only=True) as repo:
         listing = repo.backend_list()
     if as_json:
         click.echo(json.dumps(listing.to_json(), indent=2))
@@ -445,13 +577,17 @@ def config_retention(days: int) -> None:
 @cli.command()
 @click.option("--log-grace", "log_grace_hours", type=click.FloatRange(min=0), default=24.0,
               show_default=True, metavar="HOURS",
-              help="Compact the logs of versions decided at least this long ago. Below the "
-                   "default, a push suspended for over half of it may have to merge again.")
+              help="Compact the logs of versions decided at least this long ago, and delete "
+                   "temporary files of interrupted uploads older than this. Below the default, "
+                   "a push suspended for over half of it may have to merge again (or upload "
+                   "again).")
 def gc(log_grace_hours: float) -> None:
     """Delete objects no kept version, snapshot or push in progress needs, and
     compact the agreement logs of old versions."""
     with _open() as repo:
         report = repo.gc(log_grace_s=log_grace_hours * 3600)
+        names = {b: repo.backend_name(b) for b, _ in report.temp_files.found}
+        names.update({b: repo.backend_name(b) for b in report.temp_files.errors})
     if report.lost_race:
         _say("another client committed meanwhile: nothing was deleted; run `metasync gc` again")
     elif report.version is None:
@@ -469,6 +605,7 @@ def gc(log_grace_hours: float) -> None:
     if report.log_compaction_error:
         click.echo(f"warning: log compaction postponed ({report.log_compaction_error}); "
                    "the next gc tries again", err=True)
+    _report_temp_files(report.temp_files, names)
 
 
 @cli.command()
@@ -477,7 +614,7 @@ def gc(log_grace_hours: float) -> None:
 def snapshot(name: str | None, delete: bool) -> None:
     """Keep the current master as NAME for ever (gc never collects it); without NAME,
     list the snapshots."""
-    with _open() as repo:
+    with _open(read_only=name is None) as repo:
         if name is None:
             for snap, commit_id in repo.snapshots():
                 click.echo(f"{snap}\t{commit_id}")
@@ -489,7 +626,8 @@ def snapshot(name: str | None, delete: bool) -> None:
 @cli.command()
 @click.argument("path")
 @click.option("--version", "version", default=None, metavar="V",
-              help="A commit id prefix (metasync log), a snapshot name, or ~N (N versions back).")
+              help="A version number or commit id prefix (as metasync log shows them), a "
+                   "snapshot name, or ~N (N versions back).")
 @click.option("--to", "to", default=None, type=click.Path(), metavar="DEST",
               help="Write it here instead of at PATH.")
 def restore(path: str, version: str | None, to: str | None) -> None:
@@ -499,8 +637,8 @@ def restore(path: str, version: str | None, to: str | None) -> None:
         result = repo.restore(rel, version, to)
     when = datetime.fromtimestamp(result.time_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
     for copy in result.conflicts:
-        _say(f"kept the file that was in the way as {copy}")
-    _say(f"restored {len(result.restored)} file(s) to {result.target} from {result.commit_id[:12]} "
+        _say(f"kept the file that was in the way as {display_path(copy)}")
+    _say(f"restored {len(result.restored)} file(s) to {display_path(result.target)} from {result.commit_id[:12]} "
          f"({when})")
 
 
@@ -533,18 +671,41 @@ def share(email: str) -> None:
 
 
 cli.add_command(auth)
+cli.add_command(log)
 cli.add_command(daemon)
 cli.add_command(key)
+_add_global_options(cli)
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    """Ctrl-C or SIGTERM: the first stops every transfer (each at its next piece) and
+    lets the command say what it kept; a second quits at once, without waiting for a
+    transfer stuck in a backend call (nothing half-written is referenced either way:
+    every write is atomic and a commit is proposed only after its objects)."""
+    if not CANCEL.request():
+        sys.stdout.flush()
+        sys.stderr.write("metasync: interrupted again: stopped at once; the next command "
+                         "continues\n")
+        sys.stderr.flush()
+        os._exit(130)  # no joining of worker threads blocked in a backend call
+    sys.stderr.write("metasync: stopping transfers (press Ctrl-C again to quit at once)\n")
+    sys.stderr.flush()
+    raise KeyboardInterrupt
 
 
 def main() -> None:
     """Console-script entry point."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:
-        _fail("aborted", 130)
+        _fail("interrupted" if CANCEL.requested() else "aborted", 130)
     except click.ClickException as exc:
         exc.show()
+        sys.exit(exc.exit_code)
+    except Interrupted as exc:
+        click.echo(f"metasync: interrupted: {exc}", err=True)
         sys.exit(exc.exit_code)
     except MetasyncError as exc:
         if STATE.debug:
@@ -557,6 +718,11 @@ def main() -> None:
             raise
         where = f" ({exc.filename})" if exc.filename else ""
         _fail(f"{exc.strerror or exc}{where}; run with --debug for details")
+    except Exception as exc:  # a bug: one line naming it; the traceback with --debug
+        if STATE.debug:
+            raise
+        _fail(f"unexpected {type(exc).__name__}: {exc}; rerun with --debug for the "
+              "traceback and report it", 1)
     sys.exit(0)
 
 

@@ -3,6 +3,7 @@ failures, progress reporters, the passphrase source and opening the repository."
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from typing import Any, NoReturn
 import click
 
 from metasync.errors import UsageError
+from metasync.names import display_path, is_utf8
 from metasync.progress import NullReporter
 from metasync.repository import Repository
 
@@ -19,6 +21,8 @@ from metasync.repository import Repository
 class _State:
     debug = False
     quiet = False
+    #: ``--json`` given before the subcommand (each command also takes it after).
+    json = False
 
 
 STATE = _State()
@@ -73,7 +77,8 @@ class RichReporter:
             self._progress = None
 
     def note(self, message: str) -> None:
-        self.console.print(message)
+        # Notes quote file names: a name like "[/x]" is text, not rich markup.
+        self.console.print(message, markup=False, highlight=False)
 
 
 class PlainReporter(NullReporter):
@@ -100,6 +105,9 @@ def _passphrase_source(passphrase_file: str | None, confirm: bool) -> Callable[[
         env = os.environ.get("METASYNC_PASSPHRASE")
         if env:
             return env
+        if env == "" and not passphrase_file:
+            raise UsageError("METASYNC_PASSPHRASE is empty: set it to the passphrase, or unset "
+                             "it (then --passphrase-file or a prompt is used)")
         if passphrase_file:
             try:
                 return Path(passphrase_file).read_text().rstrip("\r\n")
@@ -115,8 +123,10 @@ def _passphrase_source(passphrase_file: str | None, confirm: bool) -> Callable[[
     return read
 
 
-def _open() -> Repository:
-    return Repository.open(Path.cwd(), reporter=_reporter())
+def _open(read_only: bool = False) -> Repository:
+    """The repository of the current folder; ``read_only`` for a command that changes
+    nothing: it runs while a push or the daemon holds the folder."""
+    return Repository.open(Path.cwd(), reporter=_reporter(), read_only=read_only)
 
 
 def _human(n: float) -> str:
@@ -127,3 +137,24 @@ def _human(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+json_option = click.option(
+    "--json", "as_json", is_flag=True,
+    help="Machine-readable output (one JSON document; see docs/cli.md).")
+
+
+def _echo_json(doc: Any) -> None:
+    """Print ``doc`` as JSON. A string that is not valid UTF-8 (a file name's raw
+    bytes) is given in its quoted display form, which
+    :func:`metasync.names.parse_display_path` turns back into the bytes: no lone
+    surrogate is ever emitted."""
+    click.echo(json.dumps(_text_only(doc), indent=2))
+
+
+def _text_only(doc: Any) -> Any:
+    if isinstance(doc, str):
+        return doc if is_utf8(doc) else display_path(doc)
+    if isinstance(doc, dict):
+        return {_text_only(k): _text_only(v) for k, v in doc.items()}
+    if isinstance(doc, (list, tuple)):
+        return [_text_only(v) for v in doc]
+    return doc

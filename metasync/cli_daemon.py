@@ -94,7 +94,7 @@ def _settings_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _repo_root() -> Path:
-    with _open() as repo:
+    with _open(read_only=True) as repo:
         return repo.root
 
 
@@ -146,7 +146,8 @@ def daemon_start(settle: float, poll: float, rescan: float, delete_share: float)
 
 @daemon.command("stop")
 def daemon_stop() -> None:
-    """Stop the background daemon after its current step."""
+    """Stop the background daemon (its transfers in progress stop; what was
+    uploaded is kept)."""
     import signal
 
     from metasync.daemon import daemon_running, running_pid

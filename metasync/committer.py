@@ -18,10 +18,11 @@ from metasync.context import RepoContext
 from metasync.faults import crash_point
 from metasync.graph import ObjectGraph
 from metasync.localdb import IndexRow
+from metasync.names import json_path
 from metasync.objects import Commit, Tree, TreeEntry, same_entry
 from metasync.outbox import ObjectWriter, Outbox
 from metasync.scanner import Scanner, ScanResult, tree_fingerprint
-from metasync.worktree import ScanProblems, Unsynced
+from metasync.worktree import ScanProblems
 
 
 @dataclass(frozen=True)
@@ -54,14 +55,19 @@ class Status:
             "head": self.head,
             "unpushed": self.unpushed,
             "clean": self.clean,
-            "changes": [{"path": c.path, "change": c.kind, "type": c.type} for c in self.changes],
-            "unreadable": [_unsynced_json(u) for u in self.problems.unreadable],
-            "skipped": [{"path": u.path, "reason": u.reason} for u in self.problems.special],
+            "changes": [{**json_path(c.path), "change": c.kind, "type": c.type} for c in self.changes],
+            **problems_json(self.problems),
         }
 
 
-def _unsynced_json(u: Unsynced) -> dict[str, str]:
-    return {"path": u.path, "reason": u.reason, "type": "dir" if u.folder else "file"}
+def problems_json(problems: ScanProblems) -> dict[str, Any]:
+    """The JSON fields of what a scan did not sync: ``unreadable`` (path, reason,
+    type ``file`` or ``dir``) and ``special`` (FIFOs, sockets, devices: path, reason)."""
+    return {
+        "unreadable": [{**json_path(u.path), "reason": u.reason,
+                        "type": "dir" if u.folder else "file"} for u in problems.unreadable],
+        "special": [{**json_path(u.path), "reason": u.reason} for u in problems.special],
+    }
 
 
 @dataclass
@@ -94,10 +100,17 @@ class Committer:
         """Changes in the folder against the last commit. A checkout an interrupted
         pull left is finished first (else its unapplied changes would look like the
         user's)."""
-        self.checkout.resume()
+        # Opened read-only while another command has the folder (a push, the
+        # daemon): that command owns the checkout and the index; only read.
+        exclusive = self.ctx.exclusive
+        if exclusive:
+            self.checkout.resume()
+        elif self.state.checkout_pending is not None:
+            self.ctx.reporter.note("note: another metasync command is updating the folder; "
+                                   "some changes listed may be its own")
         scan = self.scanner.scan(None)
         db = self.ctx.db
-        if scan.rows:
+        if scan.rows and exclusive:
             with db.transaction():
                 db.upsert_index(scan.rows)
         head = self.graph.head_commit()
@@ -106,7 +119,7 @@ class Committer:
         fingerprint = tree_fingerprint(scan.files, scan.dirs)
         if head is None or self.state.tree_memo != (fingerprint, head.tree):
             root_id, trees = self.scanner.build_trees(scan.files, scan.dirs)
-            if head is not None and head.tree == root_id:
+            if head is not None and head.tree == root_id and exclusive:
                 self.state.tree_memo = (fingerprint, root_id)
             else:
                 # Descend only into folders whose tree ids differ: an unchanged subtree
@@ -202,8 +215,10 @@ class Committer:
                     self._diff_trees(None, n.ref, new_trees, path, out)
 
     # ---------------------------------------------------------------- commit
-    def commit(self, message: str = "") -> CommitResult | None:
+    def commit(self, message: str = "", skipped: list[str] | None = None) -> CommitResult | None:
         """Record the folder as a new local commit; ``None`` if nothing changed.
+        Paths the scan had to leave out (each noted to the reporter) are appended
+        to ``skipped`` when given.
 
         New objects are packed, encrypted and written to the outbox (flushed to
         disk) before the commit that refers to them is recorded.
@@ -214,6 +229,8 @@ class Committer:
         # A checkout scans again before it compares anything with a scan, so a commit
         # need not keep this one (on a huge tree it is a third of the memory).
         scan = self.scanner.scan(writer.sink, flush_index=True, keep_seen=False)
+        if skipped is not None:
+            skipped += scan.skipped
         for path in scan.skipped:
             self.ctx.reporter.note(f"skipped {path}: it changed while being read; it is committed next time")
         self.keep_unread(scan, self.graph.head_commit())

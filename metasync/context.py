@@ -33,6 +33,7 @@ from metasync.backends import (
     without_local_options,
 )
 from metasync.backends.unconnected import Unconnected
+from metasync.backends.uris import Location, location_identity
 from metasync.codec import Codec
 from metasync.errors import (
     BackendUnavailable,
@@ -83,12 +84,12 @@ class BackendPool:
         #: Where the one-line "not connected" notes go.
         self.reporter: Reporter = reporter or NullReporter()
         #: URIs typed on this machine's command line for backends of the shared
-        #: configuration (``clone --backend``), by their shared form: connected
+        #: configuration (``clone --backend``), with what each names: connected
         #: (remembered) when a configuration names them.
-        self.typed: dict[str, str] = {}
+        self.typed: list[tuple[Location, str]] = []
         for given in typed or ():
             uri = typed_uri(normalize_uri(given))
-            self.typed[public_uri(uri)] = uri
+            self.typed.append((location_identity(uri), uri))
 
     def uri_of(self, backend_id: str, shared: str) -> str | None:
         """The URI this client reaches backend ``backend_id`` (shared URI ``shared``)
@@ -127,7 +128,7 @@ class BackendPool:
         return backend
 
     def _open_spec(self, spec: BackendSpec) -> Backend:
-        typed = self.typed.get(public_uri(spec.uri))
+        typed = self._typed_for(spec.uri)
         if typed is not None and spec.id not in self._state.uri_overrides:
             self.remember(spec.id, typed)
         uri = self.uri_of(spec.id, spec.uri)
@@ -160,6 +161,17 @@ class BackendPool:
                           f"disk, or not mounted?); run `metasync backend connect {spec.id} "
                           "URI` with where it is here")
         return backend
+
+    def _typed_for(self, shared: str) -> str | None:
+        """The URI typed here (``clone --backend``) that names the same location as
+        the shared URI ``shared``, however either is spelled."""
+        if not self.typed:
+            return None
+        try:
+            where = location_identity(shared)
+        except UsageError:
+            return None
+        return next((uri for loc, uri in self.typed if loc.relation(where) == "same"), None)
 
     def _unconnected(self, spec: BackendSpec, reason: str) -> Backend:
         self.reporter.note(reason)
@@ -219,12 +231,26 @@ class RepoContext:
     #: File modes for new files, by executable bit. Read once, at open: os.umask can
     #: only be read by setting it, which must not race with worker threads.
     file_modes: dict[bool, int] = field(default_factory=dict)
-    #: The open lock file while this context has the folder (see :func:`lock_folder`).
+    #: The open lock file while this context has the folder (see :func:`lock_folder`);
+    #: None for a read-only open while another command has it (:func:`open_context`).
     lock_fd: int | None = None
     #: Every data key this client holds (the codec uses those its configuration allows).
     keyring: Keyring | None = None
     #: Fetches this client's keyring anew from its key slot (after a key rotation).
     reload_keyring: Callable[[], Keyring] | None = None
+
+    def note_full_backends(self) -> dict[str, str]:
+        """Remember the backends that refused a copy for want of space in this
+        session, and forget those that were full before but have no copy left that
+        this client could not write there (the copies went in: there is room again).
+        Returns backend id -> why, as ``backend list`` and the daemon show them."""
+        full = {**self.state.full_backends, **self.store.full}
+        waiting = {backend_id for _, backend_id in self.db.missing_copies()}
+        full = {b: why for b, why in full.items() if b in waiting or b in self.store.full}
+        if full != self.state.full_backends:
+            with self.db.transaction():
+                self.state.full_backends = full
+        return full
 
     @property
     def reporter(self) -> Reporter:
@@ -295,6 +321,13 @@ class RepoContext:
                                            if e >= config.key_epoch}, config.key_epoch))
 
     @property
+    def exclusive(self) -> bool:
+        """True if this context holds the folder lock; False for a read-only open
+        while another command holds it (see :func:`open_context`): then nothing but
+        content-addressed caches may be written, and no checkout resumed."""
+        return self.lock_fd is not None
+
+    @property
     def meta(self) -> Path:
         return self.root / META_DIR
 
@@ -331,13 +364,21 @@ def foreign(backend: Backend, backend_id: str) -> str | None:
 
 
 def open_context(root: Path, reporter: Reporter | None = None,
-                 wait: float = 0.0, typed: list[str] | None = None) -> RepoContext:
+                 wait: float = 0.0, typed: list[str] | None = None,
+                 read_only: bool = False) -> RepoContext:
     """Lock ``root``'s folder (waiting up to ``wait`` seconds while another process
     has it) and open its repository's handles. ``typed``: URIs of other backends of
     the shared configuration given on this machine's command line (``clone
-    --backend``), connected when a configuration names them (see :class:`BackendPool`)."""
+    --backend``), connected when a configuration names them (see :class:`BackendPool`).
+
+    ``read_only``: for a command that changes nothing (``status``, ``log``, ``backend
+    list``): the lock is taken if free, else the repository is opened without it (at
+    once, never waiting) and the context is not :attr:`~RepoContext.exclusive`: it
+    reads what the holder committed to ``state.db`` (in WAL mode each read sees a
+    committed state, never a transaction half done, and never blocks the holder) and
+    must write nothing but content-addressed caches."""
     meta = root / META_DIR
-    lock = lock_folder(meta, wait, reporter)
+    lock = lock_folder(meta, wait, reporter, read_only=read_only)
     try:
         db = LocalDB(meta / "state.db")
         try:
@@ -349,6 +390,9 @@ def open_context(root: Path, reporter: Reporter | None = None,
                 )
             config = state.config
             if fmt < FORMAT_VERSION:
+                if lock is None:  # the holder is an older metasync: no upgrade under it
+                    raise FolderBusy(f"another metasync command is using {root}; wait "
+                                     "for it to finish")
                 connect_backends_of_older_client(state, config)
             key_path = meta / KEY_FILE
             local = LocalKey.from_bytes(key_path.read_bytes()) if key_path.exists() else None
@@ -389,7 +433,8 @@ def open_context(root: Path, reporter: Reporter | None = None,
         ctx.use_keys(config)
         return ctx
     except BaseException:
-        os.close(lock)
+        if lock is not None:
+            os.close(lock)
         raise
 
 
@@ -511,12 +556,14 @@ def device_name() -> str:
     return "".join(ch for ch in name if ch.isalnum() or ch in "-_") or "device"
 
 
-def lock_folder(meta: Path, wait: float = 0.0, reporter: Reporter | None = None) -> int:
+def lock_folder(meta: Path, wait: float = 0.0, reporter: Reporter | None = None,
+                read_only: bool = False) -> int | None:
     """Take the repository's exclusive lock (``.metasync/lock``) for as long as the
     returned descriptor is open: one command (or daemon cycle) at a time, so no two
     writers interleave commits, checkouts or outbox cleanup. If another process
     holds it, wait up to ``wait`` seconds for it (saying so once, on ``reporter``),
-    then fail with one line."""
+    then fail with one line -- or, ``read_only``, return None at once: a reader
+    goes on without it (see :func:`open_context`)."""
     fd = os.open(meta / "lock", os.O_RDWR | os.O_CREAT, 0o600)
     deadline = time.monotonic() + wait
     said = False
@@ -525,7 +572,9 @@ def lock_folder(meta: Path, wait: float = 0.0, reporter: Reporter | None = None)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return fd
         except BlockingIOError:
-            pass
+            if read_only:
+                os.close(fd)
+                return None
         if time.monotonic() >= deadline:
             os.close(fd)
             if not wait:

@@ -32,10 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from metasync.backends import Backend, open_backend, public_uri
+from metasync.committer import Change
 from metasync.context import PID_FILE, daemon_running
-from metasync.errors import BackendError, FolderBusy, MetasyncError, UsageError
+from metasync.errors import BackendError, FolderBusy, Interrupted, MetasyncError, UsageError
 from metasync.faults import pause_point, watch_failure
 from metasync.layout import HINT_KEY
+from metasync.names import display_path
+from metasync.progress import CANCEL, NullReporter
 from metasync.repository import Repository
 from metasync.worktree import IGNORE_FILE, META_DIR, TEMP_PREFIX, IgnoreRules, ScanProblems
 
@@ -46,6 +49,23 @@ RESUME_FILE = "daemon.resume"
 GUARD_MIN_FILES = 10
 #: Seconds before an unfinished rebalance of a configuration change is tried again.
 REBALANCE_RETRY = 3600.0
+#: Paths a daemon commit's message names; more are counted ("and 4 more").
+MESSAGE_PATHS = 5
+
+
+def change_message(changes: list[Change], device: str) -> str:
+    """The message of a commit the daemon makes: how many paths changed on which
+    device, naming the first few (``3 files changed on laptop: a.txt, b.txt,
+    c.txt``); empty without changes. Folders count only when no file changed."""
+    paths = [c.path for c in changes if c.type != "dir"]
+    what = "file"
+    if not paths:
+        paths, what = [c.path + "/" for c in changes], "folder"
+    if not paths:
+        return ""
+    named = ", ".join(paths[:MESSAGE_PATHS])
+    more = f" and {len(paths) - MESSAGE_PATHS} more" if len(paths) > MESSAGE_PATHS else ""
+    return f"{len(paths)} {what}{'s' if len(paths) != 1 else ''} changed on {device}: {named}{more}"
 
 
 @dataclass
@@ -85,6 +105,18 @@ class _Paused(Exception):
     """A sync stopped itself to ask the user first."""
 
 
+class _LogNotes(NullReporter):
+    """The daemon's reporter: what a command would print as a note (a path it
+    could not write, a conflict copy) goes to the daemon's log."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        super().__init__()
+        self.log = log
+
+    def note(self, message: str) -> None:
+        self.log.warning("%s", message)
+
+
 class Daemon:
     """Runs until :meth:`stop` (or SIGTERM/SIGINT in :meth:`run`)."""
 
@@ -94,6 +126,7 @@ class Daemon:
         self.settings = settings or Settings()
         self.status = DaemonStatus(pid=os.getpid())
         self.log = logging.getLogger(f"metasync.daemon.{id(self)}")
+        self._notes = _LogNotes(self.log)
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._dirty = True  # the folder may have changed while no daemon ran
@@ -108,8 +141,10 @@ class Daemon:
         self._rebalance_after = 0.0
 
     # --- lifecycle ---------------------------------------------------------------
-    def stop(self) -> None:
-        """Finish the current step, then leave the loop."""
+    def stop(self, cancel: bool = False) -> None:
+        """Finish the current step (``cancel``: stop its transfers), then leave the loop."""
+        if cancel:
+            CANCEL.request()
         self._stopping.set()
         self._wake.set()
 
@@ -117,7 +152,9 @@ class Daemon:
         """The daemon's main loop; returns an exit status."""
         self._setup_logging()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop())
+            # Stop the transfers of a sync in progress too (each at its next piece):
+            # what was uploaded is kept and the next sync continues.
+            signal.signal(sig, lambda *_: self.stop(cancel=True))
         pid_fd = self._take_pid_file()
         observer = self._watch()
         self._write_status()
@@ -126,6 +163,12 @@ class Daemon:
         try:
             self._open_acceptors()
             self._loop()
+        except Exception as exc:
+            # Whatever stops the daemon is said where `daemon status` looks: a
+            # daemon that stopped must never show an empty reason.
+            self.log.exception("stopped on an error")
+            self.status.reason = f"stopped on an error: {_describe(exc)}"
+            raise
         finally:
             if observer is not None:
                 observer.stop()
@@ -187,7 +230,7 @@ class Daemon:
         self.status.state = "syncing"
         self._write_status()
         try:
-            with Repository.open(self.root, wait=0) as repo:
+            with Repository.open(self.root, self._notes, wait=0) as repo:
                 try:
                     self._sync_repo(repo)
                 finally:
@@ -199,6 +242,8 @@ class Daemon:
             self._last_event = time.monotonic()
             self.status.state = "idle"
             return
+        except Interrupted as exc:
+            self.log.info("stopped during a sync: %s", exc)
         except UsageError as exc:
             self._fail(exc)
         except BackendError as exc:
@@ -220,6 +265,12 @@ class Daemon:
                 self._dirty = True
                 self._last_event = time.monotonic()
                 self.status.state = "idle"
+        except Exception as exc:
+            # A bug must not end the watch: say it (with the traceback in the log),
+            # and try again on the next poll, as after any failed sync.
+            self.log.exception("sync failed on an internal error")
+            self._fail(RuntimeError(f"internal error: {_describe(exc)} "
+                                    f"(traceback in {META_DIR}/daemon.log)"))
         self._write_status()
 
     def _sync_repo(self, repo: Repository) -> None:
@@ -227,7 +278,7 @@ class Daemon:
         allow = self._allow_deletes
         self._allow_deletes = False
         st = repo.status()
-        self._record_unsynced(st.problems)
+        record_unsynced(self.status, st.problems, self.log)
         tracked = repo.tracked_files()
         deleted = sum(1 for c in st.changes if c.kind == "deleted" and c.type != "dir")
         if not allow and self._too_many(deleted, tracked):
@@ -248,14 +299,17 @@ class Daemon:
         # for them too, even with nothing new.
         missed = bool(repo.missing_copies())
         if st.changes or st.unpushed or latest.number > repo.prev.number or missed:
-            result = repo.push()
+            message = change_message(st.changes, repo.device)
+            result = repo.push(message)
             if result.fork:
                 self.log.warning("%s", result.fork)
             if result.conflicts:
-                self.log.info("conflicts: %s", ", ".join(result.conflicts))
-                self.status.conflicts += result.conflicts
+                shown = [display_path(c) for c in result.conflicts]
+                self.log.info("conflicts: %s", ", ".join(shown))
+                self.status.conflicts += shown
             if not result.up_to_date and result.version is not None:
-                self.log.info("synced version %d", result.version.number)
+                self.log.info("synced version %d: %s", result.version.number,
+                              message or "changes from other clients")
             if result.short:
                 self.log.warning(
                     "version %d has fewer copies than the configuration asks for of %d "
@@ -273,14 +327,6 @@ class Daemon:
         self.status.last_sync = time.time()
         self.status.pending_changes = 0
         self.status.unpushed = False
-
-    def _record_unsynced(self, problems: ScanProblems) -> None:
-        """Show what the scan could not sync in the status; log it when it changes."""
-        unreadable = [f"{u.display()} ({u.reason})" for u in problems.unreadable]
-        if unreadable != self.status.unreadable and unreadable:
-            self.log.warning("cannot read (not synced): %s", ", ".join(unreadable))
-        self.status.unreadable = unreadable
-        self.status.skipped = [f"{u.display()} ({u.reason})" for u in problems.special]
 
     def _finish_rebalance(self, repo: Repository) -> None:
         """Finish the rebalance a configuration change made here left undone (a crash
@@ -303,9 +349,11 @@ class Daemon:
         """Backends unreachable: keep local changes as a local commit, pushed later."""
         try:
             with Repository.open(self.root, wait=0) as repo:
-                repo.commit("offline")
+                message = change_message(repo.status().changes, repo.device)
+                if repo.commit(f"{message} (offline)" if message else "offline") is not None:
+                    self.log.info("committed locally while offline: %s", message)
                 st = repo.status()
-                self._record_unsynced(st.problems)
+                record_unsynced(self.status, st.problems, self.log)
                 self.status.pending_changes = len(st.changes)
                 self.status.unpushed = st.unpushed
         except MetasyncError as exc:
@@ -466,6 +514,23 @@ class Daemon:
             os.replace(tmp, path)
         except OSError:
             pass  # the folder is gone: the log says why
+
+
+def _describe(exc: BaseException) -> str:
+    """One line naming ``exc`` (never empty, and printable: a message may quote a
+    file name that is not UTF-8)."""
+    text = str(exc).splitlines()[0] if str(exc).strip() else ""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def record_unsynced(status: DaemonStatus, problems: ScanProblems, log: logging.Logger) -> None:
+    """Show what the scan could not sync in ``status``; log it when it changes."""
+    unreadable = [f"{u.display()} ({u.reason})" for u in problems.unreadable]
+    if unreadable != status.unreadable and unreadable:
+        log.warning("cannot read (not synced): %s", ", ".join(unreadable))
+    status.unreadable = unreadable
+    status.skipped = [f"{u.display()} ({u.reason})" for u in problems.special]
 
 
 def _file_count(tree: dict[str, Any]) -> int:

@@ -23,6 +23,13 @@ class FolderBusy(UsageError):
     did not let go within the wait allowed."""
 
 
+class Interrupted(MetasyncError):
+    """The user stopped the command (Ctrl-C, SIGTERM): transfers in flight were
+    cancelled. The message says what was kept and what the next command does."""
+
+    exit_code = 130
+
+
 class NotARepository(MetasyncError):
     """A folder or backend holds no metasync repository."""
 
@@ -78,6 +85,19 @@ class PrimitiveMissing(BackendUnavailable):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.transient = False
+
+
+class BackendFull(BackendError):
+    """The backend refused a write for want of space: its disk is full (ENOSPC), a
+    quota is used up (EDQUOT, HTTP 507, a provider's quota error). Not transient,
+    and not unreachable: the backend still answers and its copies stay readable; new
+    copies spill to other backends (metasync.replicator) until it has room. Make one
+    with :meth:`of`, so every backend kind words it alike."""
+
+    @classmethod
+    def of(cls, name: str, detail: str) -> BackendFull:
+        """``backend NAME is full (DETAIL); free space or add a backend``."""
+        return cls(f"backend {name} is full ({detail}); free space there or add a backend")
 
 
 class ObjectNotFound(BackendError):

@@ -4,7 +4,9 @@ replicator, from verified good copies.
 
 It checks what gc keeps: every commit of history, and the content of the
 commits gc has not pruned. ``--quick`` checks listings only; the default
-downloads and verifies every copy and fragment.
+downloads and verifies every copy and fragment. Temporary files that killed
+uploads left on backends are reported with their total size (``--repair``
+removes them once older than the grace period).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from metasync.context import RepoContext
 from metasync.errors import BackendError, CorruptObject, MetasyncError, ObjectNotFound
 from metasync.graph import ObjectGraph
 from metasync.layout import fragment_key, object_key
+from metasync.maintenance.gc import TempSweep, sweep_temp_files
 from metasync.objects import Config, Version
 from metasync.replicator import Replicator, take_inventory
 from metasync.store import fragment_mapping_of, mapping_of
@@ -40,6 +43,9 @@ class FsckReport:
     problems: list[FsckProblem] = field(default_factory=list)
     #: Copies ``--repair`` re-created from a good copy (each was a problem above).
     repaired: list[FsckProblem] = field(default_factory=list)
+    #: Temporary files of killed uploads older than the grace period (removed with
+    #: ``--repair``). Not problems: no copy is wrong, they only take space.
+    temp_files: TempSweep = field(default_factory=TempSweep)
 
     @property
     def ok(self) -> bool:
@@ -66,7 +72,11 @@ class Fsck:
 
         A gc that another client finishes meanwhile may collect versions this check
         started from: then it starts again from the new latest version (a few times)
-        rather than report their objects as missing."""
+        rather than report their objects as missing.
+
+        It also looks for temporary files of killed uploads older than the grace
+        period (:func:`~metasync.maintenance.gc.sweep_temp_files`), which ``repair``
+        removes; they are reported, not problems."""
         versions = self.versions
         for _ in range(FSCK_ATTEMPTS):
             epoch = versions.load_config(versions.learn_latest().config).gc_epoch
@@ -75,6 +85,9 @@ class Fsck:
                 break
         if repair:
             report = self._check(quick=quick, repair=True)
+        report.temp_files = sweep_temp_files(
+            self.ctx, self.ctx.pool.open(versions.load_config(versions.learn_latest().config)),
+            delete=repair)
         return report
 
     def _check(self, *, quick: bool, repair: bool) -> FsckReport:

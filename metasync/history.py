@@ -1,6 +1,9 @@
 """History: the log of versions, and bringing back a file or folder as it was.
 
-``log`` follows first parents from head (the versions master went through).
+``log`` lists every commit of the history (through every parent of a merge, each
+commit once, children before parents, newest first) with the version number it
+became master in, as far as this client saw it; :func:`draw_graph` lays it out as
+``git log --graph`` does. ``standing`` says where the folder is against master.
 ``restore`` finds the version to restore from (a commit id prefix, a snapshot,
 ``~N``, or by default the newest version where the path differs from the
 folder) and writes it with the checkout's :class:`~metasync.checkout.FileWriter`:
@@ -13,8 +16,10 @@ and kept as a conflict copy if not, so nothing is written outside the folder.
 
 from __future__ import annotations
 
+import heapq
 import os
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -24,7 +29,8 @@ from metasync.checkout import FileWriter, now_stamp
 from metasync.context import RepoContext
 from metasync.errors import UsageError
 from metasync.graph import ObjectGraph
-from metasync.objects import Config, TreeEntry
+from metasync.names import display_path
+from metasync.objects import Commit, Config, TreeEntry
 from metasync.versions import Versions
 from metasync.worktree import (
     META_DIR,
@@ -44,16 +50,83 @@ class LogEntry:
     time_ns: int
     message: str
     parents: tuple[str, ...]
+    #: The version this commit became master in (None: it never was on its own,
+    #: e.g. the other side of a merge, or this client did not see that version).
+    version: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "commit": self.commit_id,
+            "version": self.version,
             "device": self.device,
             "client": self.client,
             "time": datetime.fromtimestamp(self.time_ns / 1e9).astimezone().isoformat(),
             "message": self.message,
             "parents": list(self.parents),
         }
+
+
+@dataclass(frozen=True)
+class Standing:
+    """Where this client's folder is against the newest version (``status``)."""
+
+    #: The version this client last synchronised with, and the newest decided one.
+    version: int
+    latest: int
+    #: Versions decided since ``version`` (a pull takes them).
+    behind: int
+    #: Local commits not pushed yet (a push publishes them).
+    ahead: int
+
+
+@dataclass(frozen=True)
+class GraphRow:
+    """One row of :func:`draw_graph`: a commit (``entry``) or a connector line."""
+
+    entry: LogEntry | None
+    #: What goes before the row's text: ``"* |"``, ``"|\\"``, ``"|/"``...
+    prefix: str
+    #: What goes before an entry's further lines (the columns below it).
+    padding: str
+
+
+def draw_graph(entries: Iterable[LogEntry]) -> list[GraphRow]:
+    """``entries`` (children before parents, as :meth:`History.log` returns them)
+    laid out in columns as ``git log --graph`` does: ``*`` is the commit, ``|`` a
+    line of descent, ``\\`` a merge's further parent opening a column, ``/`` two
+    columns waiting for the same commit joining. Parents not among ``entries`` (a
+    limited log) end their column."""
+    entries = list(entries)
+    listed = {e.commit_id for e in entries}
+    columns: list[str] = []
+    rows: list[GraphRow] = []
+    for e in entries:
+        if e.commit_id not in columns:
+            columns.append(e.commit_id)
+        idx = columns.index(e.commit_id)
+        parents = [p for p in dict.fromkeys(e.parents) if p in listed]
+        opened = [p for p in parents[1:] if p not in columns]
+        after = columns[idx + 1:]
+        columns = columns[:idx] + parents[:1] + opened + after
+        padding = " ".join("|" * len(columns))
+        star = " ".join("*" if i == idx else "|" for i in range(idx + 1 + len(after)))
+        if opened:
+            star = star[:2 * idx + 1].ljust(len(padding)) if not after else star
+        rows.append(GraphRow(e, star, padding))
+        if opened:
+            line = " ".join("|" * (idx + 1)) + "\\" + " \\" * (len(opened) - 1 + len(after))
+            rows.append(GraphRow(None, line, padding))
+        while len(set(columns)) < len(columns):
+            j = next(j for j, c in enumerate(columns) if c in columns[:j])
+            chars = [" "] * (2 * len(columns) - 1)
+            for i in range(len(columns)):
+                if i < j:
+                    chars[2 * i] = "|"
+                else:
+                    chars[2 * i - 1] = "/"
+            del columns[j]
+            rows.append(GraphRow(None, "".join(chars).rstrip(), " ".join("|" * len(columns))))
+    return rows
 
 
 @dataclass
@@ -65,6 +138,29 @@ class RestoreResult:
     target: str
     restored: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
+
+
+def _date_order(history: dict[str, Commit]) -> list[tuple[str, Commit]]:
+    """The commits of ``history`` (a closed set: every parent listed that is in
+    it) children first, the newest ready one next (ties: by id, to be stable)."""
+    children = dict.fromkeys(history, 0)
+    for c in history.values():
+        for p in set(c.parents):
+            if p in children:
+                children[p] += 1
+    ready = [(-c.time_ns, cid) for cid, c in history.items() if children[cid] == 0]
+    heapq.heapify(ready)
+    out: list[tuple[str, Commit]] = []
+    while ready:
+        _, cid = heapq.heappop(ready)
+        commit = history[cid]
+        out.append((cid, commit))
+        for p in set(commit.parents):
+            if p in children:
+                children[p] -= 1
+                if children[p] == 0:
+                    heapq.heappush(ready, (-history[p].time_ns, p))
+    return out
 
 
 def repo_path(path: str) -> str:
@@ -86,17 +182,44 @@ class History:
         self.writer = FileWriter(ctx, graph)
 
     def log(self, limit: int | None = None) -> list[LogEntry]:
-        """The linear history: commits from head back to the first along first
-        parents (a merge's first parent is the version it merged into), newest first."""
-        out: list[LogEntry] = []
+        """Every commit reachable from head (this client's latest commit, else
+        master) through every parent, each once: children before their parents,
+        and among the commits whose children are all listed the newest first (git's
+        ``--date-order``). A merge's first parent is the version it merged into.
+        Each commit carries the version it became master in where this client
+        knows it (it remembers the versions it synchronised with)."""
         if limit is not None and limit <= 0:
-            return out
+            return []
         state = self.ctx.state
-        for cid, c in self.graph.first_parents(state.head or state.prev.master):
-            out.append(LogEntry(cid, c.device, c.client, c.time_ns, c.message, c.parents))
+        top = state.head or state.prev.master
+        if top is None:
+            return []
+        history = self.graph.history(top)
+        numbers = self.ctx.db.master_numbers()
+        prev = state.prev
+        if prev.master is not None:
+            numbers[prev.master] = min(prev.number, numbers.get(prev.master, prev.number))
+        out: list[LogEntry] = []
+        for cid, c in _date_order(history):
+            out.append(LogEntry(cid, c.device, c.client, c.time_ns, c.message, c.parents,
+                                numbers.get(cid)))
             if limit is not None and len(out) >= limit:
                 break
         return out
+
+    def standing(self) -> Standing:
+        """Where the folder is against master: versions decided since this client's
+        last sync (learned from the backends) and its local commits not pushed."""
+        state = self.ctx.state
+        latest = self.versions.learn_latest()
+        prev, head = state.prev, state.head
+        ahead = 0
+        if head is not None and head != prev.master:
+            for cid, _ in self.graph.first_parents(head):
+                if cid == prev.master:
+                    break
+                ahead += 1
+        return Standing(prev.number, latest.number, max(0, latest.number - prev.number), ahead)
 
     def restore(self, path: str, version: str | None = None,
                 to: str | Path | None = None) -> RestoreResult:
@@ -147,6 +270,11 @@ class History:
         if version is not None:
             if config.snapshot(version) is not None:
                 commit_id = config.snapshot(version)
+            elif version.isdigit() and self._numbered(int(version), history):
+                commit_id = self._numbered(int(version), history)
+            elif version.isdigit() and len(version) < 4:
+                raise UsageError(f"version {int(version)} is not one this machine synced with "
+                                 "(see `metasync log`); give a commit id, a snapshot or ~N")
             elif version.startswith("~") and version[1:].isdigit():
                 n = int(version[1:])
                 if n >= len(chain):
@@ -164,7 +292,7 @@ class History:
                                  "collected its files; snapshot versions you want to keep")
             tree = self.graph.tree_at(commit_id)
             if path not in tree:
-                raise UsageError(f"{path} is not in version {commit_id[:12]}")
+                raise UsageError(f"{display_path(path)} is not in version {commit_id[:12]}")
             return commit_id, tree
         for cid in chain:
             if pruned(cid):
@@ -172,8 +300,17 @@ class History:
             tree = self.graph.tree_at(cid)
             if path in tree and not self._same_as_folder(path, tree):
                 return cid, tree
-        raise UsageError(f"no kept version has a {path} that differs from the folder's; "
+        raise UsageError(f"no kept version has a {display_path(path)} that differs from the folder's; "
                          "see `metasync log` and use --version")
+
+    def _numbered(self, number: int, history: dict[str, Commit]) -> str | None:
+        """The master of version ``number`` if this client knows it (and it is in
+        ``history``)."""
+        known, master = self.ctx.db.version_master(number)
+        prev = self.ctx.state.prev
+        if not known and prev.number == number:
+            master = prev.master
+        return master if master in history else None
 
     def _same_as_folder(self, path: str, tree: dict[str, TreeEntry]) -> bool:
         """True if every file of ``tree`` at or under ``path`` is in the folder as is

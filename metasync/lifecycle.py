@@ -23,11 +23,13 @@ from pathlib import Path
 
 from metasync import verification
 from metasync.backends import Backend, normalize_uri, open_backend, public_uri, typed_uri
+from metasync.backends.uris import overlap
 from metasync.codec import Codec
 from metasync.context import create_local, device_name
 from metasync.errors import (
     BackendUnavailable,
     FormatError,
+    Interrupted,
     MetasyncError,
     NotARepository,
     NotTrusted,
@@ -62,6 +64,7 @@ from metasync.layout import (
 from metasync.localdb import LocalDB
 from metasync.mapping import vnode_unit
 from metasync.objects import FORMAT_VERSION, MAX_FRAGMENTS, BackendSpec, Config
+from metasync.progress import CANCEL
 from metasync.state import LocalState
 from metasync.worktree import META_DIR
 
@@ -109,8 +112,8 @@ def create(
         raise UsageError("give at least one backend: --backend dir:/absolute/path")
     # Typed here: the environment's credentials go with these URIs (and no others).
     uris = [typed_uri(normalize_uri(u)) for u in backend_uris]
-    if len({public_uri(u) for u in uris}) != len(uris):
-        raise UsageError("the same backend is given twice; each --backend must be distinct")
+    # One folder under two spellings would count one physical copy as two.
+    overlap(uris, root=str(root))
     if not 1 <= replicas <= len(uris):
         raise UsageError(
             f"--replicas {replicas} needs between 1 and {len(uris)} (the number of backends)"
@@ -217,6 +220,20 @@ class CloneStart:
     #: The repository's fingerprint (None: not encrypted).
     fingerprint: str | None = None
 
+    def finish(self, first_pull: Callable[[], None], close: Callable[[], None]) -> None:
+        """Run the clone's ``first_pull``; if it fails, ``close`` and :meth:`undo`. A
+        clone the user stopped (Ctrl-C) is kept instead, as a pull finishes it."""
+        try:
+            first_pull()
+        except BaseException as exc:
+            close()
+            if isinstance(exc, Interrupted) or (
+                    isinstance(exc, KeyboardInterrupt) and CANCEL.requested()):
+                raise Interrupted(
+                    f"the clone stopped; `metasync pull` in {self.root} finishes it") from None
+            self.undo()
+            raise
+
     def undo(self) -> None:
         """Leave no half-cloned folder behind (a failure we can report)."""
         if self.created:
@@ -248,6 +265,7 @@ def prepare_clone(
     passphrase: PassphraseSource | None = None,
     allow_unencrypted: bool = False,
     pinned: str | None = None,
+    others: list[str] | None = None,
 ) -> CloneStart:
     """Read the repository at ``uri`` (descriptor, key, first configuration) and
     create ``root/.metasync`` for it. Everything that can fail on bad input is
@@ -259,9 +277,11 @@ def prepare_clone(
     open with the passphrase through a key file bound to the descriptor's
     repository id, and the descriptor's MAC must verify under the key
     (:class:`NotTrusted` otherwise); ``pinned`` (a fingerprint) must be the
-    repository's."""
+    repository's. ``others`` (``clone --backend``) must name backends distinct from
+    ``uri`` and from one another (:func:`~metasync.backends.uris.overlap`)."""
     root = new_folder(root, "clone")
     check_namespace(namespace)
+    overlap([normalize_uri(u) for u in [uri, *(others or ())]], root=str(root))
     if pinned is not None:
         try:
             pinned = normalize_fingerprint(pinned)

@@ -6,12 +6,20 @@ pack, a cache of metadata objects (trees, files, commits), the outbox of
 objects waiting for upload, and small settings (client id, head, prev).
 Every multi-row change runs in one transaction, so a crash leaves either the
 old or the new state.
+
+Paths are kept as Python gives them for POSIX names (``os.fsdecode``: bytes that
+are not UTF-8 become lone surrogates). SQLite TEXT holds only valid UTF-8, so a
+path's column holds TEXT when its name is valid UTF-8 (what every older client
+wrote: their index files keep working as they are) and otherwise a BLOB of its
+raw bytes (see :func:`path_key`). A TEXT value never equals a BLOB, so each path
+has exactly one stored spelling.
 """
 
 from __future__ import annotations
 
 import builtins
 import json
+import os
 import sqlite3
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -39,7 +47,31 @@ CREATE TABLE IF NOT EXISTS outbox (stored_id TEXT PRIMARY KEY, kind TEXT NOT NUL
 CREATE TABLE IF NOT EXISTS missing_copies (
     stored_id TEXT NOT NULL, backend_id TEXT NOT NULL, PRIMARY KEY (stored_id, backend_id));
 CREATE TABLE IF NOT EXISTS short_objects (stored_id TEXT PRIMARY KEY, copies TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS versions_seen (number INTEGER PRIMARY KEY, master TEXT);
 """
+
+
+def path_key(path: str) -> str | bytes:
+    """What the index stores for ``path``: the path itself if it is valid UTF-8,
+    else its raw file-system bytes. Raises UnicodeEncodeError for a string no
+    file system name decodes to (a surrogate ``os.fsdecode`` never gives)."""
+    try:
+        path.encode("utf-8")
+        return path
+    except UnicodeEncodeError:
+        return os.fsencode(path)
+
+
+def path_of(key: str | bytes) -> str:
+    """The path :func:`path_key` stored as ``key``."""
+    return key if isinstance(key, str) else os.fsdecode(key)
+
+
+#: ``mtime_ns`` of an index row for a path of the tree that this machine's file
+#: system refused to create (a name too long here, or not in the encoding it
+#: requires): the scan keeps the row's entry, so the path is neither shown as
+#: deleted nor dropped by the next commit.
+NOT_ON_DISK = -1
 
 
 class IndexRow(NamedTuple):
@@ -54,6 +86,17 @@ class IndexRow(NamedTuple):
     mtime_ns: int
     ino: int
     hashed_at_ns: int
+
+
+_make_row = IndexRow._make
+
+
+def _index_row(r: tuple[Any, ...]) -> IndexRow:
+    """An index row from its stored columns (a BLOB path or ref: a name or a link
+    target not in UTF-8)."""
+    if isinstance(r[0], str) and isinstance(r[2], str):
+        return _make_row(r)
+    return _make_row((path_of(r[0]), r[1], path_of(r[2]), *r[3:]))
 
 
 class LocalDB:
@@ -102,8 +145,7 @@ class LocalDB:
         cur = self.conn.execute(
             "SELECT path, type, ref, size, executable, mtime_ns, ino, hashed_at_ns FROM worktree"
         )
-        make = IndexRow._make
-        return {r[0]: make(r) for r in cur}
+        return {row.path: row for row in map(_index_row, cur)}
 
     def iter_index_rows(self) -> Iterator[IndexRow]:
         """Every index row, streamed (for trees too large to hold the index twice).
@@ -111,11 +153,11 @@ class LocalDB:
         cur = self.conn.execute(
             "SELECT path, type, ref, size, executable, mtime_ns, ino, hashed_at_ns FROM worktree"
         )
-        return map(IndexRow._make, cur)
+        return map(_index_row, cur)
 
     def index_paths(self) -> Iterator[str]:
         """Every indexed path, streamed."""
-        return (r[0] for r in self.conn.execute("SELECT path FROM worktree"))
+        return (path_of(r[0]) for r in self.conn.execute("SELECT path FROM worktree"))
 
     def replace_index(self, rows: Iterable[IndexRow]) -> None:
         with self.transaction():
@@ -126,13 +168,14 @@ class LocalDB:
         self.conn.executemany(
             "INSERT OR REPLACE INTO worktree VALUES (?,?,?,?,?,?,?,?)",
             (
-                (r.path, r.type, r.ref, r.size, int(r.executable), r.mtime_ns, r.ino, r.hashed_at_ns)
+                (path_key(r.path), r.type, path_key(r.ref), r.size, int(r.executable), r.mtime_ns, r.ino,
+                 r.hashed_at_ns)
                 for r in rows
             ),
         )
 
     def delete_index(self, paths: Iterable[str]) -> None:
-        self.conn.executemany("DELETE FROM worktree WHERE path=?", ((p,) for p in paths))
+        self.conn.executemany("DELETE FROM worktree WHERE path=?", ((path_key(p),) for p in paths))
 
     # --- object locations -----------------------------------------------------------
     def add_locations(self, pack_id: str, entries: Iterable[PackEntry], *, historic: bool = False) -> None:
@@ -211,6 +254,24 @@ class LocalDB:
         rows = self.conn.execute("SELECT index_id FROM indexes WHERE state != 'local'").fetchall()
         self.conn.executemany("DELETE FROM indexes WHERE index_id=?",
                               ((r[0],) for r in rows if r[0] not in keep))
+
+    # --- versions this client had as its base ----------------------------------------
+    def note_version(self, number: int, master: str | None) -> None:
+        """Remember that version ``number`` has master ``master`` (a decided version
+        this client made its base): what ``log`` numbers commits by."""
+        self.conn.execute("INSERT OR REPLACE INTO versions_seen VALUES (?, ?)", (number, master))
+
+    def version_master(self, number: int) -> tuple[bool, str | None]:
+        """``(known, master)`` of version ``number`` as :meth:`note_version` recorded it."""
+        row = self.conn.execute("SELECT master FROM versions_seen WHERE number=?",
+                                (number,)).fetchone()
+        return (row is not None, row[0] if row else None)
+
+    def master_numbers(self) -> dict[str, int]:
+        """Commit id -> the first version number it was master in, as far as known."""
+        rows = self.conn.execute("SELECT master, MIN(number) FROM versions_seen "
+                                 "WHERE master IS NOT NULL GROUP BY master")
+        return {r[0]: r[1] for r in rows}
 
     # --- outbox ---------------------------------------------------------------------
     def add_outbox(self, stored_id: str, kind: str) -> None:

@@ -24,12 +24,13 @@ from typing import Any, BinaryIO
 from metasync.backends import Backend
 from metasync.codec import PACK_TARGET_SIZE, FinishedPack, PackBuilder
 from metasync.context import RepoContext
-from metasync.errors import BackendUnavailable, MetasyncError, UsageError
+from metasync.errors import BackendUnavailable, Interrupted, MetasyncError, UsageError
 from metasync.faults import crash_point
 from metasync.graph import ObjectGraph
 from metasync.layout import client_key
 from metasync.localdb import IndexRow
 from metasync.objects import Commit, Index, PackEntry
+from metasync.progress import CANCEL
 from metasync.replicator import Replicator, Uploaded
 from metasync.worktree import write_durable
 
@@ -244,14 +245,14 @@ class Outbox:
         on a backend ever refers to an object that is not there yet. Announces the
         uploads to gc first."""
         pending = self.db.outbox()
-        if pending:
-            self.publish_client_state([sid for sid, _ in pending])
         report = FlushReport()
         sizes = {sid: (self.folder / sid).stat().st_size for sid, _ in pending}
         replicas = self.ctx.store.config.replicas
         reporter = self.ctx.reporter
-        reporter.start("upload", sum(sizes.values()) * replicas)
         try:
+            if pending:
+                self.publish_client_state([sid for sid, _ in pending])
+            reporter.start("upload", sum(sizes.values()) * replicas)
             for phase in ("pack", "index", "commit"):
                 items = [(sid, self._loader(sid)) for sid, kind in pending if kind == phase]
                 if not items:
@@ -268,6 +269,14 @@ class Outbox:
                     crash_point("upload")
 
                 self.replicator.upload(items, done)
+        except (Interrupted, KeyboardInterrupt) as exc:
+            if not CANCEL.requested() and not isinstance(exc, Interrupted):
+                raise  # not the user's stop (a library caller's KeyboardInterrupt)
+            # Each object recorded as uploaded has its copies; the others stay queued
+            # and nothing refers to them yet (commits go last).
+            raise Interrupted(
+                f"{report.objects} of {len(pending)} objects uploaded; the next push "
+                "continues") from None
         finally:
             reporter.finish()
         return report

@@ -32,13 +32,14 @@ The rules it keeps:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import CancelledError, Future, wait
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from metasync.backends import Backend
 from metasync.codec import Codec
-from metasync.errors import MetasyncError, ObjectNotFound, ObjectUnavailable
+from metasync.errors import Interrupted, MetasyncError, ObjectNotFound, ObjectUnavailable
 from metasync.layout import SPILLS_PREFIX, fragment_key, object_key, parse_spill_key, spill_key
 from metasync.localdb import LocalDB
 from metasync.objects import Config
@@ -51,7 +52,7 @@ from metasync.placement import (
     take_inventory,
     verify_stored,
 )
-from metasync.progress import Reporter
+from metasync.progress import CANCEL, Reporter
 from metasync.store import SMALL_READ, RemoteStore, fragment_mapping_of
 
 __all__ = ["Inventory", "PlaceOutcome", "Replicator", "Uploaded", "take_inventory", "verify_stored"]
@@ -114,6 +115,51 @@ def settle_short(db: LocalDB, store: RemoteStore, stored_id: str,
             db.set_short(stored_id, known)
 
 
+def _stop(futures: list[Future[Uploaded]]) -> bool:
+    """Stop an upload: transfers not started are dropped, running ones stop at their
+    next piece (:data:`~metasync.progress.CANCEL`); returns once none runs. Copies
+    finished before stay (their object is recorded as uploaded); a stopped copy left
+    only a temporary file, which nothing refers to. A stop this asked for itself (a
+    ``KeyboardInterrupt`` without the CLI's handler) is withdrawn once all stopped,
+    and True returned."""
+    asked_here = CANCEL.request()
+    for fut in futures:
+        fut.cancel()
+    try:
+        wait(futures)
+    finally:
+        if asked_here:
+            CANCEL.clear()
+    return asked_here
+
+
+def _results(futures: list[Future[Uploaded]]) -> Iterator[Uploaded | BaseException]:
+    """Each upload's result (or its error), in order, waiting for each; once all are
+    given, :class:`Interrupted` if the upload was stopped (the user asked:
+    :data:`~metasync.progress.CANCEL`). A ``KeyboardInterrupt`` in this thread stops
+    every transfer (:func:`_stop`) and the finished ones are still given, so what was
+    kept is recorded; if nobody had asked for the stop, it is raised again at the end."""
+    interrupt: BaseException | None = None
+    i = 0
+    while i < len(futures):
+        try:
+            result: Uploaded | BaseException = futures[i].result()
+        except KeyboardInterrupt as exc:
+            asked_here = _stop(futures)
+            interrupt = interrupt or (exc if asked_here else Interrupted("the upload was stopped"))
+            continue  # this one again: now done or cancelled
+        except (CancelledError, Interrupted):
+            interrupt = interrupt or Interrupted("the upload was stopped")
+            i += 1
+            continue
+        except BaseException as exc:  # keep draining so no task is left running
+            result = exc
+        i += 1
+        yield result
+    if interrupt is not None:
+        raise interrupt
+
+
 class Replicator:
     """Writes, repairs and drops copies of stored objects on the store's backends
     (or on the backends a caller names, during a configuration change)."""
@@ -142,7 +188,8 @@ class Replicator:
         user if it is ``short``. The copies of one object are written one after
         another; different objects (and so different backends) in parallel. Raises
         :class:`ObjectUnavailable` if some object reached no backend at all (it is
-        not reported done: it stays queued).
+        not reported done: it stays queued). Stopped (Ctrl-C, see :func:`_results`),
+        it raises once no transfer runs, every finished object reported done.
         """
         store = self.store
 
@@ -176,18 +223,20 @@ class Replicator:
         futures = [store.executor.submit(task, sid, load) for sid, load in items]
         unplaced: list[str] = []
         first_error: BaseException | None = None
-        for fut in futures:
-            try:
-                placed = fut.result()
-            except BaseException as exc:  # keep draining so no task is left running
-                first_error = first_error or exc
-                continue
-            coded = any(index is not None for index in placed.copies.values())
-            needed = store.scheme.k if coded and store.scheme is not None else 1
-            if len(placed.copies) < needed:
-                unplaced.append(placed.stored_id)
-                continue
-            on_done(placed)
+        try:
+            for placed in _results(futures):
+                if isinstance(placed, BaseException):
+                    first_error = first_error or placed
+                    continue
+                coded = any(index is not None for index in placed.copies.values())
+                needed = store.scheme.k if coded and store.scheme is not None else 1
+                if len(placed.copies) < needed:
+                    unplaced.append(placed.stored_id)
+                    continue
+                on_done(placed)
+        except BaseException:
+            _stop(futures)  # interrupted while recording: leave nothing running
+            raise
         if first_error is not None:
             raise first_error
         if unplaced:

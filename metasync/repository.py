@@ -143,21 +143,22 @@ class Repository:
 
     @classmethod
     def open(cls, path: str | Path = ".", reporter: Reporter | None = None,
-             wait: float | None = None) -> Repository:
-        """Open the repository containing ``path`` (searching upwards, as git does).
-        While another process (the daemon's sync step, another command) has the
-        folder, wait up to ``wait`` seconds (default: the ``--timeout``, 30 s).
+             wait: float | None = None, *, read_only: bool = False) -> Repository:
+        """Open the repository containing ``path`` (``~`` expanded; it must exist),
+        searching upwards as git does. While another process (the daemon, another
+        command) has the folder, wait up to ``wait`` s (default: ``--timeout``, 30) --
+        or, ``read_only`` (status, log, backend list), read what it committed so far.
         A ``.metasync`` another user owns or can write to is refused
         (:class:`~metasync.errors.UnsafeRepository`) unless trusted (:meth:`trust`)."""
+        path = Path(path).expanduser()
+        if not path.exists():
+            raise UsageError(f"{path.absolute()} does not exist; give a repository's folder")
         root = find_root(path)
         if root is None:
-            raise NotARepository(
-                f"{Path(path).absolute()} is not inside a metasync repository; run "
-                "`metasync init` or `metasync clone`"
-            )
-        if wait is None:
-            wait = wait_bound()
-        return cls(open_context(root, reporter, wait))
+            raise NotARepository(f"{path.absolute()} is not inside a metasync repository; "
+                                 "run `metasync init` or `metasync clone`")
+        return cls(open_context(root, reporter, wait_bound() if wait is None else wait,
+                                read_only=read_only))
 
     @staticmethod
     def trust(folder: str | Path, trusted: bool = True) -> Path:
@@ -189,15 +190,14 @@ class Repository:
         from metasync import lifecycle
 
         start = lifecycle.prepare_clone(uri, root, namespace=namespace, passphrase=passphrase,
-                                        allow_unencrypted=allow_unencrypted, pinned=fingerprint)
+                                        allow_unencrypted=allow_unencrypted, pinned=fingerprint,
+                                        others=connect)
         repo = cls(open_context(start.root, reporter, typed=connect))
-        try:
+        def first_pull() -> None:
             repo.versions.start_from_hint(start.entry_id)
             repo.pull()
-        except BaseException:
-            repo.close()
-            start.undo()
-            raise
+
+        start.finish(first_pull, repo.close)
         return repo
 
     @classmethod
@@ -376,9 +376,12 @@ class Repository:
 
     def health(self) -> dict[str, str]:
         """Backend id -> why it failed in this session (unreachable in a transfer,
-        or failing in the last agreement); backends not listed were fine."""
+        or failing in the last agreement) or is full (``full: why``, also from
+        earlier sessions while copies wait for room there); backends not listed
+        were fine."""
         health = {b: f"unreachable: {why}" for b, why in self._ctx.store.down.items()}
         health.update(self.versions.consensus_errors())
+        health.update({b: f"full: {why}" for b, why in self._ctx.note_full_backends().items()})
         return health
 
     def acceptor_uris(self) -> dict[str, str]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from metasync.context import RepoContext
-from metasync.localdb import IndexRow
+from metasync.localdb import NOT_ON_DISK, IndexRow
 from metasync.objects import FORMAT_VERSION, Tree, TreeEntry
 from metasync.worktree import (
     FileChanged,
@@ -102,8 +102,11 @@ class Scanner:
         # as the scan. Names from scandir are safe components by construction (scan
         # skips .metasync), so the untrusted-name check is not needed here.
         kinds = {"file": "file", "chunked": "chunked"}  # one str object per kind
+        not_on_disk: list[IndexRow] = []
         for row in db.iter_index_rows():
             e = entries.get(row.path)
+            if e is None and row.mtime_ns == NOT_ON_DISK:
+                not_on_disk.append(row)
             if e is None or e.type != "file":
                 continue
             if (
@@ -125,11 +128,30 @@ class Scanner:
                 files[path] = TreeEntry(path.rpartition("/")[2], "link", e.target, e.size)
             elif path not in files:
                 to_hash.append(e)
+        if not_on_disk:
+            self._keep_not_on_disk(not_on_disk, entries, result)
         del entries  # kept only in result.seen, if at all
         result.files_hashed = len(to_hash)
         if to_hash:
             self._hash_all(to_hash, sink, result, flush_index)
         return result
+
+    @staticmethod
+    def _keep_not_on_disk(rows: list[IndexRow], entries: dict[str, ScanEntry],
+                          result: ScanResult) -> None:
+        """Keep the tree's entries for paths this file system refused to create (see
+        :data:`~metasync.localdb.NOT_ON_DISK`): they are not deleted by being absent.
+        Only while their folder is still here: deleting the folder deletes them."""
+        for row in sorted(rows, key=lambda r: r.path.count("/")):
+            parent = row.path.rpartition("/")[0]
+            here = entries.get(parent)
+            if parent and (here is None or here.type != "dir") and parent not in result.dirs:
+                continue
+            if row.type == "dir":
+                result.dirs.add(row.path)
+            else:
+                result.files[row.path] = TreeEntry(row.path.rpartition("/")[2], row.type,  # type: ignore[arg-type]
+                                                   row.ref, row.size, row.executable)
 
     def _hash_all(self, to_hash: list[ScanEntry], sink: ObjectSink | None,
                   result: ScanResult, flush_index: bool) -> None:

@@ -61,6 +61,15 @@ class Setting(Generic[T]):
         state.db.set(self.key, self._dump(value))
 
 
+class _Base(Setting[Version]):
+    """``prev``: every version made the base is also remembered by number (the
+    ``versions_seen`` table), so ``log`` can number the commits that were master."""
+
+    def __set__(self, state: LocalState, value: Version) -> None:
+        super().__set__(state, value)
+        state.db.note_version(value.number, value.master)
+
+
 @dataclass(frozen=True)
 class PendingCheckout:
     """A change of the folder from tree ``from_tree`` to ``to_tree`` that has been
@@ -203,7 +212,7 @@ class LocalState:
     #: point may differ between machines).
     uri_overrides: Setting[dict[str, str]] = Setting("uri_overrides", default=dict)
     #: The last decided version this client synchronised with (paper 3.1).
-    prev: Setting[Version] = Setting("prev", load=Version.from_json, dump=Version.to_json)
+    prev: Setting[Version] = _Base("prev", load=Version.from_json, dump=Version.to_json)
     #: This client's latest local commit (None before the first).
     head: Setting[str | None] = Setting("head", default=lambda: None)
     checkout_pending: Setting[PendingCheckout | None] = Setting(
@@ -223,6 +232,10 @@ class LocalState:
     #: Objects this client announced to gc (``pending`` in its client state) since
     #: its last decided push.
     announced: Setting[list[str]] = Setting("announced", default=list)
+    #: Backend id -> why it refused a copy for want of space (``BackendFull``); kept
+    #: while this client has copies for it that it could not write
+    #: (:meth:`metasync.context.RepoContext.note_full_backends`).
+    full_backends: Setting[dict[str, str]] = Setting("full_backends", default=dict)
     #: Seconds consensus waits without progress (overridden by ``--timeout``).
     timeout: Setting[Any] = Setting("timeout", default=lambda: None)
     #: The last (scan fingerprint, root tree id) computed: lets ``status`` of an

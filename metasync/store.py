@@ -28,10 +28,18 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from metasync.backends import Backend
 from metasync.codec import Codec
-from metasync.errors import BackendError, CorruptObject, MetasyncError, ObjectUnavailable
+from metasync.errors import (
+    BackendError,
+    BackendFull,
+    CorruptObject,
+    Interrupted,
+    MetasyncError,
+    ObjectUnavailable,
+)
 from metasync.layout import fragment_key, object_key
 from metasync.mapping import StableMapping
 from metasync.objects import Config, PackEntry
+from metasync.progress import CANCEL
 
 if TYPE_CHECKING:
     from metasync.erasure import ErasureScheme, FragmentHeader
@@ -116,8 +124,12 @@ class RemoteStore:
         self.links: dict[str, LinkEstimate] = {}
         self._links_lock = threading.Lock()
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="metasync-io")
-        #: Backends that failed as unreachable in this session, with the reason.
+        #: Backends that failed as unreachable in this session, with the reason; a
+        #: backend that refused a write for want of space is here too (no copy is
+        #: written or spilled there again in this session) and in :attr:`full`.
         self.down: dict[str, str] = {}
+        #: Backends that refused a write in this session because they are full.
+        self.full: dict[str, str] = {}
         self.stats = TransferStats()
         #: A local folder of stored objects not uploaded yet (the outbox), read first.
         self.local: Path | None = None
@@ -207,7 +219,9 @@ class RemoteStore:
         return found
 
     def close(self) -> None:
-        self.executor.shutdown(wait=True)
+        # Queued requests are dropped, not run: after an interrupt (or an error) the
+        # command is over; running ones finish or stop at their next piece.
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
     # --- placement ----------------------------------------------------------------
     def holders(self, stored_id: str) -> tuple[str, ...]:
@@ -254,6 +268,9 @@ class RemoteStore:
                     link.record(size, elapsed)
 
     def _backend(self, backend_id: str) -> Backend:
+        # Every request of the store starts here: once the user asked to stop, none
+        # is sent (raises Interrupted).
+        CANCEL.check()
         return self.backends[backend_id]
 
     # --- writes -------------------------------------------------------------------
@@ -264,8 +281,14 @@ class RemoteStore:
         ``key`` (default: the object's own key); return None or why it failed."""
         start = 0 if isinstance(data, bytes) else data.tell()
         try:
-            self._backend(backend_id).put(key or object_key(stored_id), data)
+            self._backend(backend_id).put(
+                key or object_key(stored_id),
+                data if isinstance(data, bytes) else CANCEL.guard(data))
+        except Interrupted:
+            raise  # the user's stop, not the backend's failure
         except MetasyncError as exc:
+            if isinstance(exc, BackendFull):
+                self.full.setdefault(backend_id, str(exc))
             self.down.setdefault(backend_id, str(exc))
             return str(exc)
         self.stats.add_put(len(data) if isinstance(data, bytes) else data.tell() - start)

@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING
 from metasync.checkout import Checkout, PullResult
 from metasync.committer import CommitResult, Committer
 from metasync.context import RepoContext
-from metasync.errors import BackendError, ObjectUnavailable
+from metasync.errors import BackendError, Interrupted, ObjectUnavailable
 from metasync.faults import crash_point
 from metasync.graph import ANCESTRY_LIMIT, ObjectGraph
+from metasync.names import display_path
 from metasync.objects import Commit, FileObject, TreeEntry, Version
 from metasync.outbox import ObjectWriter, Outbox
+from metasync.progress import CANCEL
 from metasync.replicator import Replicator
 from metasync.scanner import Scanner
 from metasync.state import PendingCheckout
@@ -51,6 +53,9 @@ class PushResult:
     conflicts: list[str] = field(default_factory=list)
     #: Copies written to another backend because a holder could not take them.
     spilled: int = 0
+    #: Backends that refused copies for want of space (id -> why): their copies
+    #: spilled to others, or wait for room (``BackendFull``).
+    full: dict[str, str] = field(default_factory=dict)
     #: Objects of this client's versions with fewer copies than the configuration
     #: asks for (fewer backends took writes than R, when this push or an earlier
     #: one uploaded them) that the repair before it could not complete: the
@@ -59,6 +64,8 @@ class PushResult:
     #: The warning of a learned version that did not descend from the one this
     #: client had (history forked); the local side was merged on top and pushed.
     fork: str = ""
+    #: Paths this push's commit left out (it could not read them); said on stderr.
+    skipped: list[str] = field(default_factory=list)
     #: What the commit's scan did not sync: paths it could not read (their last
     #: committed version was kept) and special files.
     problems: ScanProblems = field(default_factory=ScanProblems)
@@ -101,7 +108,20 @@ class Sync:
         proposed; copies a backend missed earlier are written again from a
         verified copy. The result's ``short`` lists every object still below R
         copies, whichever push of this client uploaded it.
+
+        Stopped by the user (Ctrl-C: :data:`~metasync.progress.CANCEL`), it raises
+        :class:`Interrupted` saying what was kept; the next push continues.
         """
+        try:
+            return self._push(message)
+        except KeyboardInterrupt:
+            if not CANCEL.requested():
+                raise
+            # Outside the upload (which says how much it kept): every step is
+            # crash-safe, so the next push picks up wherever this one stopped.
+            raise Interrupted("the push stopped; `metasync push` continues it") from None
+
+    def _push(self, message: str) -> PushResult:
         self.checkout.resume()
         latest = self.versions.learn_latest()
         crash_point("push:learned")
@@ -109,7 +129,8 @@ class Sync:
         if latest.config != self.versions.config_id:
             # Place this push's objects by the new configuration's mapping.
             fork = self.integrate(latest).fork
-        result = self.committer.commit(message)
+        skipped: list[str] = []
+        result = self.committer.commit(message, skipped)
         uploaded = self.outbox.flush()
         self.replicator.repair_missing()
         conflicts: list[str] = []
@@ -124,6 +145,7 @@ class Sync:
                               missing_copies=len(self.ctx.db.missing_copies()),
                               conflicts=conflicts, spilled=uploaded.spilled,
                               short=self.replicator.short_objects(), fork=fork,
+                              full=self.ctx.note_full_backends(), skipped=skipped,
                               problems=self.committer.unsynced)
             if head is None or head == prev.master:
                 done.up_to_date = True
@@ -166,12 +188,22 @@ class Sync:
         delete of a locally changed file keeps the file.
         """
         remove_stale_temps(self.ctx.root)
-        resumed = self.checkout.resume()
-        latest = self.versions.learn_latest()
-        prev = self.state.prev
-        if latest.number == prev.number and not (self.state.head is None and latest.master):
-            return resumed or PullResult(prev, up_to_date=True)
-        result = self.integrate(latest)
+        try:
+            resumed = self.checkout.resume()
+            latest = self.versions.learn_latest()
+            prev = self.state.prev
+            if latest.number == prev.number and not (self.state.head is None and latest.master):
+                return resumed or PullResult(prev, up_to_date=True)
+            result = self.integrate(latest)
+        except (Interrupted, KeyboardInterrupt) as exc:
+            if not CANCEL.requested() and not isinstance(exc, Interrupted):
+                raise
+            # The new version and the checkout still to do are recorded in one
+            # transaction before the folder changes: the next pull (or any command
+            # that resumes a checkout) finishes what was not written.
+            raise Interrupted(
+                "the pull stopped; files already written are kept and `metasync pull` "
+                "finishes it") from None
         self.outbox.publish_client_state()
         return result
 
@@ -227,7 +259,8 @@ class Sync:
                 conflicts = self._merge(learned, theirs, ours, head, base)
         versions.adopt_config()
         for c in conflicts:
-            self.ctx.reporter.note(f"conflict: {c.path} changed on both sides; the other version is {c.copy}")
+            self.ctx.reporter.note(f"conflict: {display_path(c.path)} changed on both sides; "
+                                   f"the other version is {display_path(c.copy)}")
         if merging:
             crash_point("merge:sealed")
         result = self.checkout.run_pending()

@@ -303,6 +303,10 @@ def temp_name() -> str:
 #: Opens a folder, failing on a symbolic link (ELOOP) or anything not a folder (ENOTDIR).
 _FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: What opening a path that is not a real folder fails with.
+#: What a file system answers when it cannot hold a name: too long (another
+#: client's system allows longer ones), not in the encoding it requires (macOS,
+#: ZFS utf8only: EILSEQ), or characters it forbids (FAT, SMB: EINVAL).
+NAME_REFUSED = frozenset({errno.ENAMETOOLONG, errno.EILSEQ, errno.EINVAL})
 NOT_A_FOLDER = (errno.ELOOP, errno.ENOTDIR)
 #: Folders a :class:`Folders` keeps open at most (besides those in use): well under
 #: the usual limit of 1024 open files, and more than the folders a checkout of a
@@ -478,6 +482,8 @@ class Folders:
             if in_the_way is None:
                 return None
         except OSError as exc:
+            if exc.errno in NAME_REFUSED and in_the_way is None:
+                return None  # a name this file system cannot hold is not here
             if exc.errno not in NOT_A_FOLDER:
                 raise
             if in_the_way is None:
@@ -574,8 +580,8 @@ def conflict_name(name: str, device: str, when: str) -> str:
     applications still open the copy. NAME is shortened if the result would pass
     MAX_NAME_BYTES."""
     stem, dot, ext = name.rpartition(".")
-    if not dot or not stem:
-        stem, ext = name, ""
+    if not dot or not stem or len(os.fsencode(ext)) > MAX_NAME_BYTES // 2:
+        stem, ext = name, ""  # no extension, or one too long to keep whole
     suffix = f" (conflict {device} {when})" + (f".{ext}" if ext else "")
     budget = MAX_NAME_BYTES - len(os.fsencode(suffix))
     while len(os.fsencode(stem)) > budget and stem:

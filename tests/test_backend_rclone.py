@@ -29,6 +29,8 @@ class TestRcloneLocal(BackendConformance):
     uses a ``:local:`` connection string instead of a configured remote."""
 
     backend_class = RcloneBackend
+    # rcd removes a partial upload: the put is killed with its upload complete.
+    kill_put_before = "_move"
     # Disk Paxos over rclone rcd costs ~15 rc calls an append: 6 x 8 keeps the
     # 6-way contention at a quarter of the test's time.
     appends_per_worker = 8
@@ -52,6 +54,8 @@ class TestRcloneSftp(BackendConformance):
     """The suite against an rclone sftp remote on the real OpenSSH server."""
 
     backend_class = RcloneBackend
+    # rcd removes a partial upload: the put is killed with its upload complete.
+    kill_put_before = "_move"
     # Disk Paxos over rclone rcd costs ~15 rc calls an append: 6 x 8 keeps the
     # 6-way contention at a quarter of the test's time.
     appends_per_worker = 8
@@ -185,5 +189,32 @@ def test_rc_credentials_are_not_on_the_command_line(rclone_env: RcloneEnv) -> No
             joined = b" ".join(argv)
             assert password.encode() not in joined and user.encode() not in joined
             assert b"--rc-pass" not in argv and b"--rc-user" not in argv
+    finally:
+        backend.close()
+
+
+def test_a_claim_without_its_key_is_never_swept(rclone_env: RcloneEnv) -> None:
+    """An old claim ``.tmp-<hex>.<name>`` stands for key ``<name>`` while that key is
+    missing (a put killed between its two moves): sweeping it would delete the
+    object, so it is kept; once the key exists the claim is a leftover and goes,
+    with the plain ``.tmp-<hex>`` uploads."""
+    namespace = _namespace()
+    backend = open_backend(rclone_env.uri(f"local:{rclone_env.local_dir}"), namespace)
+    try:
+        backend.create()
+        folder = Path(rclone_env.local_dir) / namespace / "objects"
+        folder.mkdir()
+        standing = folder / ".tmp-0123456789abcdef.alone"
+        leftover = folder / ".tmp-00112233445566ff.kept"
+        upload = folder / ".tmp-fedcba9876543210"
+        for path in (standing, leftover, upload):
+            path.write_bytes(b"object")
+            os.utime(path, (1_000_000_000, 1_000_000_000))
+        backend.put("objects/kept", b"object")
+        assert sorted(backend.list()) == ["objects/alone", "objects/kept"]
+        swept = backend.sweep_temp_files(2_000_000_000, delete=True)
+        assert sorted(t.path for t in swept) == [
+            "objects/.tmp-00112233445566ff.kept", "objects/.tmp-fedcba9876543210"]
+        assert standing.exists() and not leftover.exists() and not upload.exists()
     finally:
         backend.close()

@@ -8,7 +8,6 @@ are compared.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
@@ -95,8 +94,20 @@ def _files(root: Path) -> dict[str, str]:
 
 
 def _log(root: Path) -> list[dict[str, object]]:
+    """``log --json`` without version numbers (each client knows those of the
+    versions it synced with, so they differ between clients)."""
     entries: list[dict[str, object]] = json.loads(run_cli("log", "--json", cwd=root).stdout)
-    return entries
+    return [{k: v for k, v in e.items() if k != "version"} for e in entries]
+
+
+def _first_parents(history: list[dict[str, object]]) -> list[dict[str, object]]:
+    """The entries of ``history`` (a log) from its newest along first parents:
+    the versions master went through."""
+    by_id = {e["commit"]: e for e in history}
+    chain = [history[0]]
+    while chain[-1]["parents"]:
+        chain.append(by_id[chain[-1]["parents"][0]])  # type: ignore[index]
+    return chain
 
 
 def test_three_clients_push_concurrently_and_converge(tmp_path: Path, backends: list[Path]) -> None:
@@ -122,21 +133,17 @@ def test_three_clients_push_concurrently_and_converge(tmp_path: Path, backends: 
     logs = [_log(root) for root in roots]
     assert logs[0] == logs[1] == logs[2]
     history = logs[0]
-    # One version per push (3 x ROUNDS) plus the first one; the chain is linear:
-    # each entry's first parent is the next (older) entry.
-    assert len(history) == 3 * ROUNDS + 1
-    for newer, older in itertools.pairwise(history):
-        parents = newer["parents"]
-        assert isinstance(parents, list) and parents[0] == older["commit"]
-    assert history[-1]["parents"] == []
+    # One version per push (3 x ROUNDS) plus the first one, along first parents.
+    chain = _first_parents(history)
+    assert len(chain) == 3 * ROUNDS + 1
+    assert chain[-1]["parents"] == [] and history[-1] == chain[-1]
     versions = {json.loads(run_cli("status", "--json", cwd=r).stdout)["version"] for r in roots}
     assert versions == {3 * ROUNDS + 1}
-    # Every client's every round is in history: its commit message is on the chain
-    # itself or merged into it (a merge's second parent).
+    # Every client's every round is in the log (on master's line or merged into it
+    # as a merge's second parent), each commit once.
     messages = {str(e["message"]) for e in history}
-    merged = sum(1 for e in history if len(e["parents"]) == 2)  # type: ignore[arg-type]
-    direct = {f"client{i} {k}" for i in range(3) for k in range(ROUNDS)} & messages
-    assert len(direct) + merged == 3 * ROUNDS
+    assert {f"client{i} {k}" for i in range(3) for k in range(ROUNDS)} <= messages
+    assert len({e["commit"] for e in history}) == len(history)
 
 
 def test_conflicting_edits_keep_both_versions(tmp_path: Path, backends: list[Path]) -> None:
@@ -162,9 +169,9 @@ def test_conflicting_edits_keep_both_versions(tmp_path: Path, backends: list[Pat
     copy = next(d for d in docs if d != "doc.txt")
     assert re.fullmatch(r"doc \(conflict .+ \d{4}-\d\d-\d\d \d{6}\)\.txt", copy), copy
     assert {(a / d).read_text() for d in docs} == set(texts.values())
-    # The loser's push reported the conflict copy it made.
-    reported = "".join(out for out, _ in outs)
-    assert f"conflict: kept the other version as {copy}" in reported
+    # The loser's push reported the conflict copy it made, once.
+    reported = "".join(out + err for out, err in outs)
+    assert reported.count(copy) == 1, reported
 
 
 def test_pushes_survive_one_unreachable_backend_and_fail_cleanly_without_quorum(
@@ -264,4 +271,4 @@ def test_bft_repository_tolerates_a_backend_that_drops_and_reorders_log_entries(
     assert snapshot(a) == snapshot(b)
     assert _files(a) == {"start.txt": "start\n", **{f"a{k}.txt": f"a {k}\n" for k in range(4)},
                          **{f"b{k}.txt": f"b {k}\n" for k in range(4)}}
-    assert _log(a) == _log(b) and len(_log(a)) == 9
+    assert _log(a) == _log(b) and len(_first_parents(_log(a))) == 9

@@ -264,11 +264,13 @@ def test_two_backends_away_commits_locally_then_syncs(
         assert doc["pending_changes"] == 0, doc  # committed locally, nothing left loose
         assert doc["reason"], doc
         # The daemon retries its push now and then, holding the folder's lock while it
-        # does; `log` meanwhile says "another metasync command is using": ask again.
+        # does; `log` reads beside it (tests/test_interrupt.py), but may come before
+        # the offline commit: ask again.
         listed = wait_until(lambda: (p := run_cli("log", "--json", cwd=a, check=False)).returncode
                             == 0 and p, 30, "`metasync log` to get the folder between retries")
         log = json.loads(listed.stdout)
-        assert any(e.get("message") == "offline" for e in log), log
+        assert any(e.get("message", "").endswith("changed on " + e["device"]
+                                                  + ": offline.txt (offline)") for e in log), log
         assert not (b / "offline.txt").exists()
     finally:
         for here, there in moved:

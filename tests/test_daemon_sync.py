@@ -587,15 +587,16 @@ def test_daemon_killed_mid_upload_and_restarted_syncs_everything(
 
 def test_a_command_waits_for_the_daemons_step_and_succeeds(
         tmp_path: Path, daemons: Daemons) -> None:
-    """A CLI command run while the daemon is in the middle of a sync step (it holds
-    the folder) waits for it, saying so in one line, and then succeeds -- instead
-    of failing at once with "another metasync command is using"."""
+    """A CLI command that changes the folder, run while the daemon is in the middle
+    of a sync step (it holds the folder), waits for it, saying so in one line, and
+    then succeeds -- instead of failing at once with "another metasync command is
+    using". (Read-only commands do not wait: tests/test_interrupt.py.)"""
     a, _ = _setup(tmp_path)
     pause = tmp_path / "pause"
     daemons.start(a, METASYNC_PAUSE_AT="daemon:sync", METASYNC_PAUSE_FILE=str(pause))
     (a / "new.txt").write_text("made while the daemon runs\n")
     wait_until(lambda: Path(f"{pause}.reached").exists(), 30, "the daemon reached its sync step")
-    proc = subprocess.Popen([METASYNC, "status"], cwd=a, env=_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen([METASYNC, "commit"], cwd=a, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     assert proc.stderr is not None
     note = proc.stderr.readline()  # blocks until the command says it waits
@@ -604,7 +605,7 @@ def test_a_command_waits_for_the_daemons_step_and_succeeds(
     Path(f"{pause}.release").touch()
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
-    assert "new.txt" in out or "Nothing to commit" in out, out
+    assert "Committed" in out or "Nothing to commit" in out, out
 
 
 def test_the_daemon_finishes_a_configuration_change_cut_short(

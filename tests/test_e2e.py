@@ -265,7 +265,11 @@ def test_push_after_master_moved_merges(repo: Pushed) -> None:
     run_cli("pull", cwd=a)
     assert snapshot(a) == snapshot(b)
     history = json.loads(run_cli("log", "--json", cwd=a).stdout)
-    assert history[0]["parents"][0] == history[1]["commit"]
+    # The merge's first parent is the master it merged into (a's push, the version
+    # before it); log lists b's side too.
+    first = next(e for e in history if e["commit"] == history[0]["parents"][0])
+    assert first["version"] == history[0]["version"] - 1
+    assert len(history) == 4
 
 
 def test_pull_keeps_local_edit_as_conflict_copy(repo: Pushed) -> None:

@@ -45,7 +45,7 @@ def test_fifos_and_sockets_are_named_by_status_and_push(repo_dir: Path, tmp_path
         assert "skipped: pipe (a FIFO)" in st.stdout
         assert "skipped: sub/sock (a socket)" in st.stdout
         doc = json.loads(run_cli("status", "--json", cwd=repo_dir, passphrase=None).stdout)
-        assert doc["skipped"] == [{"path": "pipe", "reason": "a FIFO"},
+        assert doc["special"] == [{"path": "pipe", "reason": "a FIFO"},
                                   {"path": "sub/sock", "reason": "a socket"}]
         push = run_cli("push", cwd=repo_dir, passphrase=None)
         assert push.returncode == 0  # not synced on purpose: nothing failed

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from metasync.backends import Backend
+from metasync.backends.base import TempFile
+from metasync.consensus import DEFAULT_LOG_GRACE_S
 from metasync.context import RepoContext
 from metasync.errors import (
     BackendUnavailable,
@@ -44,6 +46,53 @@ class ClientStates:
 
 
 @dataclass
+class TempSweep:
+    """Temporary upload files that killed writers left on backends, older than the
+    grace period (:func:`sweep_temp_files`)."""
+
+    #: ``(backend id, temporary file)`` of each found (and removed, if asked).
+    found: list[tuple[str, TempFile]] = field(default_factory=list)
+    #: Whether they were removed.
+    removed: bool = False
+    #: Backends that could not be swept, by id: why.
+    errors: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        """Their total size in bytes."""
+        return sum(t.size for _, t in self.found)
+
+
+def sweep_temp_files(ctx: RepoContext, backends: dict[str, Backend], *, delete: bool,
+                     grace_s: float | None = None, now: float | None = None) -> TempSweep:
+    """Find -- and with ``delete`` remove -- the temporary upload files (``.tmp-*``)
+    on ``backends`` last written more than the grace period before ``now``: the
+    leftovers of writers killed mid-upload (:meth:`Backend.sweep_temp_files`). The
+    grace is gc's for in-flight work (``gc --log-grace``, default
+    :data:`DEFAULT_LOG_GRACE_S`): an upload in progress keeps its file younger than
+    that (every write touches it), and clocks of clients and services are assumed to
+    differ by less than half of it (docs/protocol.md). A backend that cannot be swept
+    is recorded, not fatal."""
+    grace = DEFAULT_LOG_GRACE_S if grace_s is None else grace_s
+    older_than = (time.time() if now is None else now) - grace
+    sweep = TempSweep(removed=delete)
+
+    def one(item: tuple[str, Backend]) -> tuple[str, list[TempFile] | str]:
+        backend_id, backend = item
+        try:
+            return backend_id, backend.sweep_temp_files(older_than, delete=delete)
+        except MetasyncError as exc:
+            return backend_id, str(exc)
+
+    for backend_id, result in ctx.store.executor.map(one, sorted(backends.items())):
+        if isinstance(result, str):
+            sweep.errors[backend_id] = result
+        else:
+            sweep.found += [(backend_id, t) for t in sorted(result, key=lambda t: t.path)]
+    return sweep
+
+
+@dataclass
 class GcReport:
     """What a gc did."""
 
@@ -64,6 +113,8 @@ class GcReport:
     log_floor: int = 0
     logs_removed: int = 0
     log_compaction_error: str = ""
+    #: Temporary files of killed uploads it removed (older than the grace period).
+    temp_files: TempSweep = field(default_factory=TempSweep)
 
 
 class GarbageCollector:
@@ -93,6 +144,10 @@ class GarbageCollector:
                 latest, learned_ns, time.time_ns() if now_ns is None else now_ns, log_grace_s)
         except MetasyncError as exc:
             report.log_compaction_error = str(exc)
+        report.temp_files = sweep_temp_files(
+            self.ctx, self.ctx.pool.open(self.versions.load_config(latest.config)),
+            delete=True, grace_s=log_grace_s,
+            now=None if now_ns is None else now_ns / 1e9)
         return report
 
     def collect_objects(self, latest: Version, now_ns: int | None = None) -> GcReport:

@@ -60,12 +60,15 @@ def list_backends(ctx: RepoContext, replicator: Replicator, config: Config) -> B
     backends = ctx.pool.open(config)
     inventory = take_inventory(backends, ctx.store.executor)
     mapping = mapping_of(config)
+    full = ctx.note_full_backends()
     infos = []
     for spec in config.backends:
         objects, size = inventory.held_by(spec.id)
         health = "ok"
         if spec.id in inventory.unreachable:
             health = f"unreachable: {inventory.unreachable[spec.id]}"
+        elif spec.id in full:
+            health = f"full: {full[spec.id]}"
         infos.append(BackendInfo(spec.id, spec.uri, spec.capacity,
                                  mapping.vnodes(spec.id) / mapping.total_vnodes, objects, size, health))
     logical = sum(max(c.values()) for c in inventory.copies.values())

@@ -24,6 +24,7 @@ from metasync.backends import (
     typed_uri,
     without_local_options,
 )
+from metasync.backends.uris import overlap
 from metasync.consensus import encode_hint
 from metasync.context import RepoContext, foreign
 from metasync.errors import BackendError, MetasyncError, UsageError
@@ -242,8 +243,9 @@ class Reconfiguration:
         uri = typed_uri(normalize_uri(uri))
         latest = self.versions.learn_latest()
         current = self.versions.load_config(latest.config)
-        if public_uri(uri) in {b.uri for b in current.backends}:
-            raise UsageError(f"{public_uri(uri)} is already a backend of this repository")
+        # Compared by what each names, as this client reaches it (init checks the same).
+        overlap([uri], root=str(self.ctx.root), existing=[
+            self.ctx.pool.uri_of(b.id, b.uri) or b.uri for b in current.backends])
         backend = open_backend(uri, current.namespace)
         spec = new_backend_spec(uri, capacity, current)
         self._prepare_new_backend(backend, spec.id, mkdir)

@@ -277,6 +277,7 @@ UNAVAILABLE = "503"  # 503 with a Retry-After
 SERVER_ERROR = "500"
 RESET = "reset"  # close the connection without answering (nothing done)
 LOST_ANSWER = "lost-answer"  # do the request, then close the connection unanswered
+QUOTA = "quota"  # the account is out of space: each provider's own answer for it
 GENERIC_FAULTS = (THROTTLE, THROTTLE_NO_RETRY_AFTER, UNAVAILABLE, SERVER_ERROR)
 
 

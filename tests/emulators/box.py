@@ -83,6 +83,7 @@ import pytest
 from tests.emulators.base import (
     COPY_CHUNK,
     GENERIC_FAULTS,
+    QUOTA,
     SERVER_ERROR,
     THROTTLE,
     THROTTLE_NO_RETRY_AFTER,
@@ -377,6 +378,9 @@ class BoxEmulator(Emulator):
         if fault == SERVER_ERROR:
             return json_response(500, error_body(500, "internal_server_error",
                                                  "Internal Server Error"))
+        if fault == QUOTA:
+            return json_response(403, error_body(
+                403, "storage_limit_exceeded", "Account storage limit reached"))
         if fault == BAD_GATEWAY:
             return json_response(502, error_body(502, "bad_gateway", ""))
         if fault == NAME_TEMPORARILY_RESERVED:

@@ -53,6 +53,7 @@ import pytest
 
 from tests.emulators.base import (
     GENERIC_FAULTS,
+    QUOTA,
     SERVER_ERROR,
     THROTTLE,
     THROTTLE_NO_RETRY_AFTER,
@@ -263,6 +264,9 @@ class DropboxEmulator(Emulator):
                 as_upload_error(write_error("path", _tag("too_many_write_operations"),
                                             "too_many_write_operations/"))
             )
+        if fault == QUOTA:
+            return self._error(as_upload_error(
+                write_error("path", _tag("insufficient_space"), "insufficient_space/")))
         if fault == THROTTLE_NO_RETRY_AFTER:
             return text_response(429, "Too many requests")
         if fault == UNAVAILABLE:

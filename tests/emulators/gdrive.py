@@ -58,6 +58,7 @@ import pytest
 
 from tests.emulators.base import (
     GENERIC_FAULTS,
+    QUOTA,
     SERVER_ERROR,
     THROTTLE,
     THROTTLE_NO_RETRY_AFTER,
@@ -401,6 +402,10 @@ class GDriveEmulator(Emulator):
                               domain="usageLimits").response()
         if fault == RATE_LIMIT_403:
             return DriveError(403, "rateLimitExceeded", "Rate Limit Exceeded",
+                              domain="usageLimits").response()
+        if fault == QUOTA:
+            return DriveError(403, "storageQuotaExceeded",
+                              "The user's Drive storage quota has been exceeded.",
                               domain="usageLimits").response()
         if fault == UPLOAD_LIMIT:
             return _upload_limit().response()

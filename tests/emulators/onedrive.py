@@ -80,6 +80,7 @@ import pytest
 
 from metasync.backends.onedrive import QuickXorHash
 from tests.emulators.base import (
+    QUOTA,
     SERVER_ERROR,
     THROTTLE,
     THROTTLE_NO_RETRY_AFTER,
@@ -280,6 +281,9 @@ class OneDriveEmulator(Emulator):
             headers = retry if fault == UNAVAILABLE else {}
             return json_response(503, graph_error_body(
                 "serviceNotAvailable", "Service unavailable. Try again later."), headers)
+        if fault == QUOTA:
+            return json_response(507, graph_error_body(
+                "quotaLimitReached", "Insufficient Storage"))
         if fault == SERVER_ERROR:
             return json_response(500, graph_error_body(
                 "generalException", "An unspecified error has occurred."))

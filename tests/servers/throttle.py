@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 from metasync.backends import Backend, open_backend, register
+from metasync.backends.base import TempFile
 from metasync.backends.logs import LogStore
 
 
@@ -112,6 +113,9 @@ class ThrottledBackend(Backend):
     def specific_logs(self) -> LogStore:
         # Log requests are small: the inner backend's logs, unthrottled.
         return self.inner.logs
+
+    def sweep_temp_files(self, older_than: float, *, delete: bool) -> list[TempFile]:
+        return self.inner.sweep_temp_files(older_than, delete=delete)
 
     def close(self) -> None:
         self.inner.close()

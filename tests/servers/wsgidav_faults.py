@@ -14,6 +14,10 @@ changes one answer of the real server and nothing else:
     answers ``500 Internal Server Error`` (instead of ``409 Conflict``) to a ``PUT``
     whose parent collection does not exist, as some servers do in their default
     configuration.
+:class:`Answer507WhenFull`
+    answers ``507 Insufficient Storage`` to a ``PUT`` of an object (a path with an
+    ``/objects/`` part) while a file ``FULL`` exists beside the served folder: a
+    server whose user's quota is used up (small records still fit).
 """
 
 from __future__ import annotations
@@ -65,4 +69,16 @@ class Answer500ForMissingFolder(BaseMiddleware):  # type: ignore[misc]
             if not os.path.isdir(parent):
                 _drain(environ)
                 return _answer(start_response, "500 Internal Server Error")
+        return self.next_app(environ, start_response)
+
+
+class Answer507WhenFull(BaseMiddleware):  # type: ignore[misc]
+    """507 to an object ``PUT`` while ``FULL`` exists (see the module docstring)."""
+
+    def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Any:
+        if environ.get("REQUEST_METHOD") == "PUT" and "/objects/" in environ.get("PATH_INFO", ""):
+            root = self.config["provider_mapping"]["/"]["args"][0]
+            if os.path.exists(os.path.join(os.path.dirname(root.rstrip("/")), "FULL")):
+                _drain(environ)
+                return _answer(start_response, "507 Insufficient Storage")
         return self.next_app(environ, start_response)

@@ -1,0 +1,152 @@
+"""A server that accepts connections and then says nothing does not hang a command.
+
+Issue 17, point 5: ``--timeout`` bounds every network wait (connect, read, TLS
+and SSH handshakes, banner, sign-in) of every backend kind, and a request's
+retries stop within it; what a library raises reaches the user as one line
+naming the backend and the fix, never as a traceback (paramiko logs one per
+failed handshake).
+
+Each test runs the real CLI against a loopback :class:`SilentServer` (accepts,
+never answers; or answers half and then nothing). A command that has not
+returned after :data:`HANG` seconds has hung: that is the failure, the tests
+never assert on how long a command took.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import backend_dirs, one_line_error, run_cli
+from tests.servers.silent import SilentServer, silent_server
+
+#: Seconds after which a command counts as hung (the bound given is 2 s).
+HANG = 60.0
+TIMEOUT = "2"
+
+
+def run_bounded(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``metasync --timeout 2 ARGS`` as :func:`run_cli` runs it, failing the test if
+    it has not returned within :data:`HANG` seconds."""
+    env_extra = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    try:
+        return run_cli("--timeout", TIMEOUT, *args, cwd=cwd, check=False, env_extra=env_extra)
+    except subprocess.TimeoutExpired as exc:  # pragma: no cover - the failure itself
+        pytest.fail(f"metasync {' '.join(args)} hung: no return within {HANG:g}s ({exc})")
+
+
+def _uri(kind: str, port: int) -> str:
+    return {
+        "webdav": f"webdav://user:secret@127.0.0.1:{port}/repo",
+        "sftp": f"sftp://user:secret@127.0.0.1:{port}/repo",
+        "s3": f"s3://bucket/repo?endpoint=http://127.0.0.1:{port}",
+    }[kind]
+
+
+#: What each kind's server sends before it goes silent, for the "half reply" cases.
+HALF_REPLY = {
+    "webdav": b"HTTP/1.1 200 OK\r\nContent-Type: text/xml\r\n",
+    "sftp": b"SSH-2.0-OpenSSH_9.2\r\n",
+    "s3": b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n<?xml",
+}
+
+
+@pytest.fixture(autouse=True)
+def _bounded_subprocesses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every CLI run of these tests gets :data:`HANG` as its subprocess timeout."""
+    real = subprocess.run
+
+    def run(*args: object, **kwargs: object) -> object:
+        kwargs.setdefault("timeout", HANG)
+        return real(*args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(subprocess, "run", run)
+
+
+def _assert_clean_failure(proc: subprocess.CompletedProcess[str], server: SilentServer,
+                          name: str) -> str:
+    assert server.accepted >= 1, "the command never reached the silent server"
+    line = one_line_error(proc, name, "--timeout")
+    assert "retrying" not in line  # the last attempt's error is not "retrying"
+    return line
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["silent", "half-reply"])
+@pytest.mark.parametrize("kind", ["webdav", "sftp", "s3"])
+def test_clone_from_a_silent_server_fails_with_one_line(
+    kind: str, half: bool, tmp_path: Path
+) -> None:
+    """``clone`` from a server that accepts and then says nothing (or half a reply)
+    returns with one line naming the backend and --timeout, non-zero, no traceback
+    (on the code before issue 17: webdav and s3 waited 5 minutes, sftp 1 min 41 s
+    and printed paramiko's tracebacks)."""
+    with silent_server(HALF_REPLY[kind] if half else b"") as server:
+        proc = run_bounded("clone", _uri(kind, server.port), str(tmp_path / "clone"))
+        _assert_clean_failure(proc, server, f"127.0.0.1:{server.port}")
+    assert "paramiko" not in proc.stderr
+
+
+def test_status_and_push_with_a_backend_gone_silent(
+    webdav_server: object, tmp_path: Path
+) -> None:
+    """A repository on two folders and a WebDAV server: once the server accepts
+    connections but answers nothing, ``status`` and ``push`` still return (the two
+    folders are a majority), name the silent backend, and print no traceback."""
+    from tests.servers.webdav import WebdavServer
+
+    assert isinstance(webdav_server, WebdavServer)
+    dirs = backend_dirs(tmp_path, "b1", "b2")
+    (webdav_server.root_dir / "silent17").mkdir(exist_ok=True)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.txt").write_text("one\n")
+    with silent_server(target=(webdav_server.host, webdav_server.port)) as server:
+        uri = webdav_server.uri("silent17", port=server.port)
+        run_cli("init", str(folder), "--backend", f"dir:{dirs['b1']}",
+                "--backend", f"dir:{dirs['b2']}", "--backend", uri)
+        run_cli("push", cwd=folder)
+        server.silence()
+        (folder / "b.txt").write_text("two\n")
+        status = run_bounded("status", cwd=folder)
+        assert "Traceback" not in status.stderr, status.stderr
+        assert "b.txt" in status.stdout, status.stdout + status.stderr
+        push = run_bounded("push", cwd=folder)
+        assert "Traceback" not in push.stderr, push.stderr
+        if push.returncode != 0:
+            one_line_error(push, f"127.0.0.1:{server.port}")
+    # What the push committed is on the folders: a clone from one of them has it.
+    clone = tmp_path / "clone"
+    run_cli("clone", f"dir:{dirs['b1']}", str(clone))
+    assert (clone / "b.txt").read_text() == "two\n"
+
+
+def test_retries_stop_within_the_timeout() -> None:
+    """A request whose attempts each fail is not retried once the policy's budget
+    has passed since its first attempt: the loop stops by itself, however many
+    attempts the policy would otherwise allow."""
+    from metasync.backends.retry import RetryPolicy, TransientError, retrying
+
+    calls = 0
+
+    def silent() -> None:
+        nonlocal calls
+        calls += 1
+        raise TransientError("no answer")
+
+    # A budget no backoff fits in: only the first attempt is made.
+    with pytest.raises(TransientError):
+        retrying(RetryPolicy(attempts=1000, base=1.0, cap=1.0, budget=1e-9), "read", silent)
+    assert calls == 1
+
+
+def test_the_timeout_option_bounds_each_backends_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--timeout`` lowers a backend's own network timeout, never raises it."""
+    from metasync.timeouts import network_timeout
+
+    monkeypatch.delenv("METASYNC_TIMEOUT", raising=False)
+    assert network_timeout(60.0) == 60.0
+    monkeypatch.setenv("METASYNC_TIMEOUT", "2")
+    assert network_timeout(60.0) == 2.0
+    assert network_timeout(1.0) == 1.0
