@@ -345,8 +345,9 @@ def push(message: str, as_json: bool) -> None:
         click.echo(warnings[0], err=True)  # said even with --quiet: the user must act on it
     for u in result.problems.special:
         _say(f"skipped: {display_path(u.display())} ({u.reason})")
-    skipped = len(result.skipped)
-    left_out = (f"; {skipped} file{'' if skipped == 1 else 's'} skipped (see above)"
+    skipped = len(result.skipped) + len(unreadable)
+    noun = "path" if any(u.folder for u in unreadable) else "file"
+    left_out = (f"; {skipped} {noun}{'' if skipped == 1 else 's'} skipped (see above)"
                 if skipped else "")
     if result.up_to_date and skipped:
         _say(f"Nothing new to push{left_out}")
