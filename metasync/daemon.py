@@ -526,11 +526,12 @@ def _describe(exc: BaseException) -> str:
 
 def record_unsynced(status: DaemonStatus, problems: ScanProblems, log: logging.Logger) -> None:
     """Show what the scan could not sync in ``status``; log it when it changes."""
-    unreadable = [f"{u.display()} ({u.reason})" for u in problems.unreadable]
+    # Quoted display form: a name that is not UTF-8 never reaches daemon.json raw.
+    unreadable = [f"{display_path(u.display())} ({u.reason})" for u in problems.unreadable]
     if unreadable != status.unreadable and unreadable:
         log.warning("cannot read (not synced): %s", ", ".join(unreadable))
     status.unreadable = unreadable
-    status.skipped = [f"{u.display()} ({u.reason})" for u in problems.special]
+    status.skipped = [f"{display_path(u.display())} ({u.reason})" for u in problems.special]
 
 
 def _file_count(tree: dict[str, Any]) -> int:
