@@ -717,7 +717,7 @@ def main() -> None:
     except OSError as exc:
         if STATE.debug:
             raise
-        where = f" ({exc.filename})" if exc.filename else ""
+        where = f" ({display_path(os.fsdecode(exc.filename))})" if exc.filename else ""
         _fail(f"{exc.strerror or exc}{where}; run with --debug for details")
     except Exception as exc:  # a bug: one line naming it; the traceback with --debug
         if STATE.debug:

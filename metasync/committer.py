@@ -18,7 +18,7 @@ from metasync.context import RepoContext
 from metasync.faults import crash_point
 from metasync.graph import ObjectGraph
 from metasync.localdb import IndexRow
-from metasync.names import json_path
+from metasync.names import display_path, json_path
 from metasync.objects import Commit, Tree, TreeEntry, same_entry
 from metasync.outbox import ObjectWriter, Outbox
 from metasync.scanner import Scanner, ScanResult, tree_fingerprint
@@ -232,7 +232,8 @@ class Committer:
         if skipped is not None:
             skipped += scan.skipped
         for path in scan.skipped:
-            self.ctx.reporter.note(f"skipped {path}: it changed while being read; it is committed next time")
+            self.ctx.reporter.note(f"skipped {display_path(path)}: it changed while being read; "
+                                   "it is committed next time")
         self.keep_unread(scan, self.graph.head_commit())
         fingerprint = tree_fingerprint(scan.files, scan.dirs)
         empty = not scan.files and not scan.dirs

@@ -90,6 +90,19 @@ def test_clone_backend_matches_by_identity(tmp_path: Path) -> None:
     one_line_error(proc, f"dir:{b['b1']}/", f"dir:{b['b1']}", "same")
 
 
+def test_recover_refuses_one_survivor_given_twice(tmp_path: Path) -> None:
+    """``recover`` counts survivors as init counts backends: another spelling of one
+    is refused before anything is read or written."""
+    b = backend_dirs(tmp_path, "b1", "b3")
+    run_cli("init", str(tmp_path / "src"), "--backend", f"dir:{b['b1']}", "--backend",
+            f"dir:{b['b3']}")
+    rec = tmp_path / "rec"
+    proc = run_cli("recover", "--backend", f"dir:{b['b3']}", "--backend", f"dir:{b['b3']}/.",
+                   "--yes", str(rec), check=False)
+    one_line_error(proc, f"dir:{b['b3']}", f"dir:{b['b3']}/.", "same")
+    assert not (rec / ".metasync").exists()
+
+
 def test_clone_backend_connects_a_server_spelled_otherwise(
     tmp_path: Path, webdav_server: WebdavServer
 ) -> None:

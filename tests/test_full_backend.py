@@ -60,6 +60,21 @@ def _fill_folder(folder: Path, files: int = 24, size: int = 100_000) -> None:
         (folder / f"big{i}.bin").write_bytes(os.urandom(size))
 
 
+def _beside_the_small_disk(tmp_path: Path, small_disk: Path
+                           ) -> tuple[dict[str, Path], str, Path]:
+    """A folder pushed once to dir: backends b1, the small disk and b3: (the two
+    roomy backends' folders, the small disk's URI, the folder)."""
+    dirs = backend_dirs(tmp_path, "b1", "b3")
+    full_uri = f"dir:{small_disk}"
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "small.txt").write_text("fits\n")
+    run_cli("init", str(folder), "--backend", f"dir:{dirs['b1']}", "--backend", full_uri,
+            "--backend", f"dir:{dirs['b3']}")
+    run_cli("push", cwd=folder)
+    return dirs, full_uri, folder
+
+
 def _health(folder: Path) -> dict[str, str]:
     listing = json.loads(run_cli("backend", "list", "--json", cwd=folder).stdout)
     return {b["uri"]: b["health"] for b in listing["backends"]}
@@ -70,14 +85,7 @@ def test_a_full_dir_backend_is_named_full_and_its_copies_spill(
 ) -> None:
     """On the code before issue 17 the push said the holders "did not answer" (the
     full disk counted as unreachable) and ``backend list`` showed it ``ok``."""
-    dirs = backend_dirs(tmp_path, "b1", "b3")
-    full_uri = f"dir:{small_disk}"
-    folder = tmp_path / "folder"
-    folder.mkdir()
-    (folder / "small.txt").write_text("fits\n")
-    run_cli("init", str(folder), "--backend", f"dir:{dirs['b1']}", "--backend", full_uri,
-            "--backend", f"dir:{dirs['b3']}")
-    run_cli("push", cwd=folder)
+    dirs, full_uri, folder = _beside_the_small_disk(tmp_path, small_disk)
     _fill_folder(folder)
 
     push = run_cli("push", cwd=folder, env_extra=ONE_PACK_PER_FILE)
@@ -207,14 +215,7 @@ def test_the_daemon_status_shows_a_full_backend(
     full one as unreachable (or ok)."""
     from tests.test_daemon_safety import Daemons, _status_cli, wait_until
 
-    dirs = backend_dirs(tmp_path, "b1", "b3")
-    full_uri = f"dir:{small_disk}"
-    folder = tmp_path / "folder"
-    folder.mkdir()
-    (folder / "small.txt").write_text("fits\n")
-    run_cli("init", str(folder), "--backend", f"dir:{dirs['b1']}", "--backend", full_uri,
-            "--backend", f"dir:{dirs['b3']}")
-    run_cli("push", cwd=folder)
+    dirs, full_uri, folder = _beside_the_small_disk(tmp_path, small_disk)
     monkeypatch.setenv("METASYNC_PACK_SIZE", ONE_PACK_PER_FILE["METASYNC_PACK_SIZE"])
     daemons = Daemons()
     try:

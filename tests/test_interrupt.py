@@ -188,6 +188,24 @@ class Setup:
     def start(self, *args: str, cwd: Path | None = None) -> Running:
         return Running(list(args), cwd or self.work, self.env)
 
+    def interrupt_when(self, run: Running, ready: Callable[[], bool], what: str) -> str:
+        """Once ``ready()``, Ctrl-C ``run``; check it exits 130 without a traceback and
+        return its stderr."""
+        try:
+            wait_until(ready, what)
+            run.interrupt()
+            code, err = run.finish()
+        finally:
+            run.kill()
+        assert code == 130, err
+        assert "Traceback" not in err
+        return err
+
+    def downloaded_over(self, count: int) -> Callable[[], bool]:
+        """A condition: more than ``count`` bytes came down the link from now on."""
+        before = self.valve.moved["down"]
+        return lambda: self.valve.moved["down"] - before > count
+
     def fill(self, megabytes: int, seed: int = 1) -> None:
         rng = random.Random(seed)
         folder = self.work / f"data-{seed}"
@@ -218,15 +236,8 @@ def test_ctrl_c_stops_a_push_and_the_next_push_finishes(setup: Setup) -> None:
     file; the next push finishes, fsck finds every copy, a clone is identical."""
     setup.fill(24)  # 24 MB, 48 MB of copies: far longer than the deadline at 1 MB/s
     setup.valve.rate["up"] = 1_000_000
-    push = setup.start("push", "-m", "big")
-    try:
-        wait_until(setup.uploading, "the push to start uploading")
-        push.interrupt()
-        code, err = push.finish()
-    finally:
-        push.kill()
-    assert code == 130, err
-    assert "Traceback" not in err
+    err = setup.interrupt_when(setup.start("push", "-m", "big"), setup.uploading,
+                               "the push to start uploading")
     kept = re.search(r"metasync: interrupted: (\d+) of (\d+) objects uploaded; the next push "
                      r"continues", err)
     assert kept, err
@@ -286,18 +297,9 @@ def test_ctrl_c_stops_a_clone_and_pull_finishes_it(setup: Setup) -> None:
     setup.cli("push")
     clone = setup.tmp / "clone"
     setup.valve.rate["down"] = 1_000_000
-    before = setup.valve.moved["down"]
     run = setup.start("clone", setup.uris[0], str(clone), "--backend", setup.uris[1],
                       cwd=setup.tmp)
-    try:
-        wait_until(lambda: setup.valve.moved["down"] - before > 2_000_000,
-                   "the clone to download")
-        run.interrupt()
-        code, err = run.finish()
-    finally:
-        run.kill()
-    assert code == 130, err
-    assert "Traceback" not in err
+    err = setup.interrupt_when(run, setup.downloaded_over(2_000_000), "the clone to download")
     assert f"interrupted: the clone stopped; `metasync pull` in {clone} finishes it" in err
     setup.valve.rate["down"] = None
     setup.cli("pull", cwd=clone)
@@ -351,16 +353,8 @@ def test_ctrl_c_stops_a_pull_and_the_next_pull_finishes(setup: Setup) -> None:
     setup.fill(24, seed=2)
     setup.cli("push")
     setup.valve.rate["down"] = 1_000_000
-    before = setup.valve.moved["down"]
-    run = setup.start("pull", cwd=clone)
-    try:
-        wait_until(lambda: setup.valve.moved["down"] - before > 2_000_000, "the pull to download")
-        run.interrupt()
-        code, err = run.finish()
-    finally:
-        run.kill()
-    assert code == 130, err
-    assert "Traceback" not in err
+    err = setup.interrupt_when(setup.start("pull", cwd=clone), setup.downloaded_over(2_000_000),
+                               "the pull to download")
     assert "interrupted: the pull stopped; files already written are kept and `metasync pull` " \
            "finishes it" in err
     setup.valve.rate["down"] = None

@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from metasync.backends import Backend, normalize_uri, open_backend, typed_uri
+from metasync.backends.uris import overlap
 from metasync.checkout import Checkout
 from metasync.codec import Codec
 from metasync.context import RepoContext, create_local
@@ -141,6 +142,7 @@ def prepare(uris: list[str], root: str | Path, *, namespace: str,
     if not uris:
         raise UsageError("give the backends that survived: --backend URI (one or more)")
     check_namespace(namespace)
+    overlap([normalize_uri(u) for u in uris], root=str(root))  # one store named twice
     backends = [open_backend(typed_uri(normalize_uri(u)), namespace) for u in uris]
     try:
         descriptors = {}
