@@ -266,7 +266,7 @@ def _dir_location(path: str) -> Location:
         try:
             st = os.stat(probe)
         except OSError:
-            pass
+            pass  # not created yet (init --mkdir): compared by its path alone
         else:
             if probe == real:
                 inode = (st.st_dev, st.st_ino)
