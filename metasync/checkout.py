@@ -319,7 +319,8 @@ class Checkout:
             # Folders gone from the tree: only one this file system refused has a row.
             db.delete_index(p for p, e in base.items()
                             if e.type == "dir" and p not in remote and p not in self._refused.rows)
-            db.upsert_index(r for r in scan.rows if r.path not in {w[0] for w in writes})
+            written = {path for path, _ in writes}
+            db.upsert_index(r for r in scan.rows if r.path not in written)
 
     def _plan(
         self, base: dict[str, TreeEntry], remote: dict[str, TreeEntry],

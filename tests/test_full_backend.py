@@ -60,19 +60,17 @@ def _fill_folder(folder: Path, files: int = 24, size: int = 100_000) -> None:
         (folder / f"big{i}.bin").write_bytes(os.urandom(size))
 
 
-def _beside_the_small_disk(tmp_path: Path, small_disk: Path
-                           ) -> tuple[dict[str, Path], str, Path]:
-    """A folder pushed once to dir: backends b1, the small disk and b3: (the two
-    roomy backends' folders, the small disk's URI, the folder)."""
+def _pushed_beside(tmp_path: Path, middle: str) -> tuple[dict[str, Path], Path]:
+    """A folder pushed once to dir: backend b1, the backend ``middle`` (the one that
+    fills up) and dir: backend b3: (the two roomy backends' folders, the folder)."""
     dirs = backend_dirs(tmp_path, "b1", "b3")
-    full_uri = f"dir:{small_disk}"
     folder = tmp_path / "folder"
     folder.mkdir()
     (folder / "small.txt").write_text("fits\n")
-    run_cli("init", str(folder), "--backend", f"dir:{dirs['b1']}", "--backend", full_uri,
+    run_cli("init", str(folder), "--backend", f"dir:{dirs['b1']}", "--backend", middle,
             "--backend", f"dir:{dirs['b3']}")
     run_cli("push", cwd=folder)
-    return dirs, full_uri, folder
+    return dirs, folder
 
 
 def _health(folder: Path) -> dict[str, str]:
@@ -85,7 +83,8 @@ def test_a_full_dir_backend_is_named_full_and_its_copies_spill(
 ) -> None:
     """On the code before issue 17 the push said the holders "did not answer" (the
     full disk counted as unreachable) and ``backend list`` showed it ``ok``."""
-    dirs, full_uri, folder = _beside_the_small_disk(tmp_path, small_disk)
+    full_uri = f"dir:{small_disk}"
+    dirs, folder = _pushed_beside(tmp_path, full_uri)
     _fill_folder(folder)
 
     push = run_cli("push", cwd=folder, env_extra=ONE_PACK_PER_FILE)
@@ -156,30 +155,22 @@ def test_a_webdav_backend_answering_507_is_full(
 ) -> None:
     """507 Insufficient Storage is "full", not "out of space (507)" as a plain error:
     the push spills, names the backend full, and ``backend list`` says ``full``."""
-    dirs = backend_dirs(tmp_path, "b1", "b3")
     (webdav_quota.root_dir / "quota").mkdir()
-    uri = webdav_quota.uri("quota")
-    folder = tmp_path / "folder"
-    folder.mkdir()
-    (folder / "small.txt").write_text("fits\n")
-    run_cli("init", str(folder), "--backend", f"dir:{dirs['b1']}", "--backend", uri,
-            "--backend", f"dir:{dirs['b3']}")
-    run_cli("push", cwd=folder)
+    _, folder = _pushed_beside(tmp_path, webdav_quota.uri("quota"))
     marker = webdav_quota.root_dir.parent / "FULL"
     marker.touch()
     try:
         _fill_folder(folder, files=12, size=20_000)
         push = run_cli("push", cwd=folder, env_extra={"METASYNC_PACK_SIZE": "15000"})
         assert "507" in push.stderr and "is full" in push.stderr, push.stderr
-        health = json.loads(run_cli("backend", "list", "--json", cwd=folder).stdout)
-        by_uri = {b["uri"]: b["health"] for b in health["backends"]}
+        by_uri = _health(folder)
         webdav_health = next(h for u, h in by_uri.items() if u.startswith("webdav://"))
         assert webdav_health.startswith("full:"), by_uri
     finally:
         marker.unlink()
     run_cli("push", cwd=folder)
-    health = json.loads(run_cli("backend", "list", "--json", cwd=folder).stdout)
-    assert all(b["health"] == "ok" for b in health["backends"]), health
+    health = _health(folder)
+    assert all(h == "ok" for h in health.values()), health
 
 
 @pytest.mark.parametrize("provider", ["dropbox", "gdrive", "box", "onedrive"])
@@ -215,7 +206,8 @@ def test_the_daemon_status_shows_a_full_backend(
     full one as unreachable (or ok)."""
     from tests.test_daemon_safety import Daemons, _status_cli, wait_until
 
-    dirs, full_uri, folder = _beside_the_small_disk(tmp_path, small_disk)
+    full_uri = f"dir:{small_disk}"
+    dirs, folder = _pushed_beside(tmp_path, full_uri)
     monkeypatch.setenv("METASYNC_PACK_SIZE", ONE_PACK_PER_FILE["METASYNC_PACK_SIZE"])
     daemons = Daemons()
     try:
