@@ -34,6 +34,7 @@ from metasync.backends.keys import check_key as check_key
 from metasync.backends.keys import check_namespace as check_namespace
 from metasync.backends.keys import check_prefix as check_prefix
 from metasync.backends.keys import is_key_part as is_key_part
+from metasync.backends.keys import temp_path_parts as temp_path_parts
 from metasync.backends.logs import LogStore, log_store_for
 from metasync.backends.retry import TransientError
 from metasync.backends.uris import public_uri as public_uri

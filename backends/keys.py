@@ -28,6 +28,16 @@ def check_key(key: str) -> str:
     return key
 
 
+def temp_path_parts(path: str) -> list[str]:
+    """The parts of ``path``, a temporary upload file as a backend's sweep named it
+    (relative, its last part starting with ``.tmp-``, no empty, ``.`` or ``..`` part);
+    else :class:`InvalidKey`: a removal never reaches outside the namespace or a key."""
+    parts = path.split("/")
+    if not parts[-1].startswith(TEMP_PREFIX) or any(p in ("", ".", "..") for p in parts):
+        raise InvalidKey(f"not a temporary file: {path!r}")
+    return parts
+
+
 def check_namespace(namespace: str) -> str:
     """Return ``namespace`` if it is a valid repository namespace (one safe key, see
     :func:`check_key`), else raise :class:`UsageError` saying which characters to use.

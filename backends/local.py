@@ -39,6 +39,7 @@ from metasync.backends.base import (
     check_namespace,
     check_prefix,
     is_key_part,
+    temp_path_parts,
 )
 from metasync.backends.logs import LogStore, entry_name, entry_position
 from metasync.errors import (
@@ -60,9 +61,9 @@ def _errnos(*names: str) -> frozenset[int]:
 
 # The filesystem itself is gone (dead network mount, FUSE daemon exited).
 _UNREACHABLE = _errnos("ENOTCONN", "ESTALE", "ENODEV", "ENXIO", "EHOSTDOWN", "EHOSTUNREACH")
-# A retry may well succeed.
 #: Out of space or over a quota: :class:`BackendFull`.
 _FULL = _errnos("ENOSPC", "EDQUOT")
+# A retry may well succeed.
 _TRANSIENT = _errnos("EAGAIN", "EBUSY", "EINTR", "ETIMEDOUT", "EIO")
 # link() is not supported by this filesystem (FAT, exFAT, some FUSE/SMB mounts).
 _NO_HARDLINKS = _errnos("EPERM", "ENOTSUP", "EOPNOTSUPP", "ENOSYS", "EXDEV")
@@ -496,9 +497,7 @@ class LocalBackend(Backend):
         return iter(found)
 
     def _remove_temp(self, path: str) -> bool:
-        parts = path.split("/")
-        if not parts[-1].startswith(TEMP_PREFIX) or any(p in ("", ".", "..") for p in parts):
-            raise InvalidKey(f"not a temporary file: {path!r}")
+        parts = temp_path_parts(path)
         full = os.path.join(self.root, *parts)
         try:
             os.unlink(full)

@@ -69,6 +69,7 @@ from metasync.backends.base import (
     check_key,
     check_namespace,
     check_prefix,
+    temp_path_parts,
 )
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
 from metasync.errors import (
@@ -129,7 +130,6 @@ _FULL = (
     "disk quota exceeded",
     "insufficient storage",
     "insufficient_space",
-    "quota exceeded",
     "storagequotaexceeded",
     "storage_limit_exceeded",
     "quotalimitreached",
@@ -1179,9 +1179,7 @@ class RcloneBackend(Backend):
         return iter(temps)
 
     def _remove_temp(self, path: str) -> bool:
-        parts = path.split("/")
-        if not parts[-1].startswith(TEMP_PREFIX) or any(p in ("", ".", "..") for p in parts):
-            raise InvalidKey(f"not a temporary file: {path!r}")
+        temp_path_parts(path)  # refuses anything but a temporary file
 
         def request() -> bool:
             try:

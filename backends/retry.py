@@ -37,7 +37,6 @@ from metasync.errors import BackendError
 from metasync.errors import (
     TransientError as TransientError,  # re-exported: backends raise it from here
 )
-from metasync.timeouts import given_timeout
 
 log = logging.getLogger("metasync.backends")
 
@@ -83,9 +82,12 @@ class RetryPolicy:
     #: Longest ``Retry-After`` honoured; a longer one fails the request (the caller
     #: records the copy as missing and the daemon or ``fsck --repair`` completes it).
     max_retry_after: float = 120.0
-    #: Seconds after a request's first attempt began past which it is not retried
-    #: (None: only ``attempts`` bounds it). Default: the ``--timeout``, if given.
-    budget: float | None = field(default_factory=given_timeout)
+    #: Seconds after a request's first failure past which it is not retried again
+    #: (None: only ``attempts`` bounds it): a silent server costs two timeouts, not
+    #: ``attempts`` of them. Counted from the failure, not the first attempt, so a
+    #: long upload that drops is still retried. A service's own ``Retry-After`` is
+    #: bounded by ``max_retry_after`` instead. Backends set it to their network timeout.
+    budget: float | None = None
     #: Counts retries made, for tests and progress output (shared by all threads).
     retries: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -161,7 +163,7 @@ def retrying(
     that in ``on_retry`` or after the call (see ``put_if_absent`` in the backends).
     """
     attempt = 0
-    started = time.monotonic()
+    first_failure: float | None = None
     while True:
         try:
             return request()
@@ -172,7 +174,10 @@ def retrying(
             if retry_after is not None and retry_after > policy.max_retry_after:
                 raise
             wait = policy.delay(attempt, retry_after)
-            if policy.budget is not None and time.monotonic() - started + wait >= policy.budget:
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            if (retry_after is None and policy.budget is not None
+                    and now - first_failure + wait >= policy.budget):
                 raise  # the next attempt would begin past the time allowed
             (log.info if wait >= LONG_WAIT else log.debug)(
                 "%s failed (%s); retry %d of %d in %.1fs",

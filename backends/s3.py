@@ -639,19 +639,32 @@ class S3Backend(Backend):
                 lambda k=kwargs: cast(dict[str, Any], self._client.list_multipart_uploads(**k)))  # type: ignore[misc]
             for upload in page.get("Uploads") or []:
                 full, upload_id = str(upload["Key"]), str(upload["UploadId"])
-                size, written = 0, upload["Initiated"].timestamp()
-                parts: dict[str, Any] = self._call(
-                    None, "list parts",
-                    lambda f=full, u=upload_id: cast(dict[str, Any], self._client.list_parts(  # type: ignore[misc]
-                        Bucket=self.bucket, Key=f, UploadId=u)))
-                for part in parts.get("Parts") or []:
-                    size += int(part.get("Size", 0))
-                    written = max(written, part["LastModified"].timestamp())
+                try:
+                    size, written = self._parts(full, upload_id, upload["Initiated"].timestamp())
+                except ObjectNotFound:
+                    continue  # finished or aborted since the listing
                 found.append(TempFile(f"{full[len(self.base):]}#{upload_id}", size, written))
             if not page.get("IsTruncated"):
                 return iter(found)
             marker = {"KeyMarker": page.get("NextKeyMarker", ""),
                       "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+
+    def _parts(self, full: str, upload_id: str, initiated: float) -> tuple[int, float]:
+        """The total size of an unfinished upload's parts and when the last was
+        written (``initiated`` without parts), over every page of its parts."""
+        size, written = 0, initiated
+        marker: dict[str, Any] = {}
+        while True:
+            kwargs = {"Bucket": self.bucket, "Key": full, "UploadId": upload_id, **marker}
+            page: dict[str, Any] = self._call(
+                None, "list parts",
+                lambda k=kwargs: cast(dict[str, Any], self._client.list_parts(**k)))  # type: ignore[misc]
+            for part in page.get("Parts") or []:
+                size += int(part.get("Size", 0))
+                written = max(written, part["LastModified"].timestamp())
+            if not page.get("IsTruncated"):
+                return size, written
+            marker = {"PartNumberMarker": page.get("NextPartNumberMarker", 0)}
 
     def _remove_temp(self, path: str) -> bool:
         key, _, upload_id = path.rpartition("#")

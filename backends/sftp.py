@@ -92,7 +92,9 @@ from metasync.backends.base import (
     check_namespace,
     check_prefix,
     is_key_part,
+    one_line,
     public_uri,
+    temp_path_parts,
 )
 from metasync.backends.capabilities import LOGS_MODES, logs_mode_capabilities
 from metasync.backends.retry import RetryPolicy, TransientError, retrying
@@ -100,7 +102,6 @@ from metasync.errors import (
     BackendError,
     BackendFull,
     BackendUnavailable,
-    InvalidKey,
     ObjectNotFound,
     UsageError,
 )
@@ -142,8 +143,8 @@ _FAILURE = "Failure"
 
 def _one_line(exc: BaseException) -> str:
     """``exc`` as ``Type: message`` on one line (paramiko's texts may hold newlines)."""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    name, text = type(exc).__name__, one_line(exc)
+    return text if text == name else f"{name}: {text}"
 
 
 def _fingerprint(key: paramiko.PKey) -> str:
@@ -1219,9 +1220,7 @@ class SftpBackend(Backend):
         return iter(self._call("list temporary files", request))
 
     def _remove_temp(self, path: str) -> bool:
-        parts = path.split("/")
-        if not parts[-1].startswith(TEMP_PREFIX) or any(p in ("", ".", "..") for p in parts):
-            raise InvalidKey(f"not a temporary file: {path!r}")
+        parts = temp_path_parts(path)
         full = posixpath.join(self.root, *parts)
         attempts = _Attempts()
 

@@ -69,6 +69,7 @@ from metasync.backends.base import (
     check_namespace,
     check_prefix,
     is_key_part,
+    temp_path_parts,
 )
 from metasync.backends.logs import (
     CachedEntries,
@@ -83,7 +84,6 @@ from metasync.errors import (
     BackendError,
     BackendFull,
     BackendUnavailable,
-    InvalidKey,
     ObjectNotFound,
     PrimitiveMissing,
     UsageError,
@@ -286,10 +286,12 @@ class WebdavBackend(Backend):
         limits = httpx.Limits(
             max_connections=transfers + 8, max_keepalive_connections=transfers + 8
         )
+        #: Seconds one network wait may last (``timeout=``, at most ``--timeout``).
+        self._timeout = network_timeout(timeout)
         self._client = httpx.Client(
             auth=httpx.BasicAuth(user, password or "") if user is not None else None,
             # --timeout bounds each connect, TLS handshake, read and write as well.
-            timeout=httpx.Timeout(network_timeout(timeout)),
+            timeout=httpx.Timeout(self._timeout),
             # Nagle's algorithm would hold a PUT's body behind its headers until the
             # server's delayed ACK (tens of ms per request).
             transport=httpx.HTTPTransport(
@@ -300,8 +302,6 @@ class WebdavBackend(Backend):
             follow_redirects=False,
         )
         self._slots = threading.BoundedSemaphore(transfers)
-        #: Seconds one network wait may last (``timeout=``, at most ``--timeout``).
-        self._timeout = network_timeout(timeout)
         self._policy = RetryPolicy(budget=self._timeout)
         # Folders known to exist (saves a MKCOL chain before most writes).
         self._folders: set[str] = set()
@@ -974,9 +974,7 @@ class WebdavBackend(Backend):
         return iter(found)
 
     def _remove_temp(self, path: str) -> bool:
-        parts = path.split("/")
-        if not parts[-1].startswith(TEMP_PREFIX) or any(p in ("", ".", "..") for p in parts):
-            raise InvalidKey(f"not a temporary file: {path!r}")
+        parts = temp_path_parts(path)
         url = self._url([*self._root_segments, *parts])
         attempts = [0]
 
