@@ -22,6 +22,7 @@ import stat
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 
 from metasync.context import RepoContext
 from metasync.errors import CorruptObject, ObjectUnavailable
@@ -145,6 +146,8 @@ class RefusedNames:
 
     def under(self, path: str) -> bool:
         """True if a folder above ``path`` was refused (so ``path`` cannot be made)."""
+        if not self.rows:
+            return False  # the usual case: no per-path walk up
         parent = path.rpartition("/")[0]
         while parent:
             if parent in self.rows:
@@ -207,7 +210,7 @@ class Checkout:
             remove_stale_temps(self.root)
             result = self.run_pending()
         if self.ctx.state.waiting_folders:
-            result = apply_waiting(self)
+            result = apply_waiting(self) or result
         return result
 
     def run_pending(self) -> PullResult:
@@ -239,7 +242,6 @@ class Checkout:
         moves: dict[str, str],
     ) -> None:
         """Three-way between ``base`` (what the folder was), the folder, and ``remote``.
-
         ``moves`` maps new paths to paths whose current content they take (a merge's
         conflict copies of local versions): renamed locally instead of downloaded.
         """
@@ -305,7 +307,7 @@ class Checkout:
             if b is not None and b.type == "dir" and path not in local:
                 continue  # removed here, untouched remotely: stays removed (files
                 # the remote changed inside bring their folders back as they are written)
-            if path in local and path not in self._seen:  # refused before: said once
+            if path in local and local[path].type == "dir" and path not in self._seen:  # refused before: said once
                 self._refused.add(path, remote[path], None, result)
                 continue
             self._refused.make_folder(folders, path, remote[path], aside, result)
@@ -605,13 +607,21 @@ def _drop_temp(folders: Folders, path: str, tmp: str) -> None:
                 pass
 
 
-def apply_waiting(checkout: Checkout) -> PullResult:
+def _still_sealed(folder: Path) -> bool:
+    """True if ``folder`` is there and still cannot be listed or entered (its
+    held-back changes cannot be applied yet); a folder gone or readable again is not."""
+    return folder.is_dir() and not os.access(folder, os.R_OK | os.X_OK)
+
+
+def apply_waiting(checkout: Checkout) -> PullResult | None:
     """Check out the held-back folders (:attr:`LocalState.waiting_folders`) from the
     tree each was last checked out from to the head's: three ways, as any checkout,
     so an edit made in them meanwhile is kept. A folder still unreadable stays
-    held back."""
+    held back; None (and no checkout: a whole scan) while every one still is."""
     state = checkout.ctx.state
     waiting = state.waiting_folders
+    if all(_still_sealed(checkout.root / f) for f in waiting):
+        return None
     result = PullResult(state.prev)
     top = state.head or state.prev.master
     checkout.run(*waiting_trees(checkout.graph, waiting, top), result, {})

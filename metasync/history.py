@@ -22,13 +22,14 @@ import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 from metasync.checkout import FileWriter, now_stamp
 from metasync.context import RepoContext
 from metasync.errors import UsageError
-from metasync.graph import ObjectGraph
+from metasync.graph import ANCESTRY_LIMIT, ObjectGraph
 from metasync.names import display_path
 from metasync.objects import Commit, Config, TreeEntry
 from metasync.versions import Versions
@@ -215,7 +216,8 @@ class History:
         prev, head = state.prev, state.head
         ahead = 0
         if head is not None and head != prev.master:
-            for cid, _ in self.graph.first_parents(head):
+            # Local commits are few; a head off prev's line stops at the cap, not the root.
+            for cid, _ in islice(self.graph.first_parents(head), ANCESTRY_LIMIT):
                 if cid == prev.master:
                     break
                 ahead += 1

@@ -55,6 +55,8 @@ def path_key(path: str) -> str | bytes:
     """What the index stores for ``path``: the path itself if it is valid UTF-8,
     else its raw file-system bytes. Raises UnicodeEncodeError for a string no
     file system name decodes to (a surrogate ``os.fsdecode`` never gives)."""
+    if path.isascii():
+        return path  # nearly every path, and every object id: no encoding needed
     try:
         path.encode("utf-8")
         return path

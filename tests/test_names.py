@@ -257,7 +257,8 @@ def test_the_daemon_syncs_a_name_that_is_not_utf8_and_keeps_running(
 
     wait_until(synced, 60, "the daemon pushed the file")
     status = run_cli("daemon", "status", cwd=folder).stdout
-    assert status.startswith("state:        idle"), status
+    # Idle, or already in its next poll: running either way, no error.
+    assert status.startswith(("state:        idle", "state:        syncing")), status
     run_cli("clone", uris[0], "--backend", uris[1], str(tmp_path / "g"), cwd=tmp_path)
     assert _tree(tmp_path / "g") == _tree(folder)
 

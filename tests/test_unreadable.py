@@ -221,6 +221,28 @@ def test_pull_never_replaces_an_unreadable_file_unkept(nobody: Nobody, tmp_path:
     assert [p.read_text() for p in copies] == ["secret edited here\n"]
 
 
+def test_a_folder_replacing_an_unreadable_file_keeps_the_file(nobody: Nobody,
+                                                              tmp_path: Path) -> None:
+    """Another machine made a folder where a file is that cannot be read here: the
+    file is kept as a conflict copy and the folder is written (it was silently
+    taken for a folder this file system refused, so the next push undid it)."""
+    clone = _clone(nobody, tmp_path)
+    (clone / "secret.txt").unlink()
+    (clone / "secret.txt").mkdir()
+    (clone / "secret.txt" / "inner.txt").write_text("inner\n")
+    run_cli("push", cwd=clone, passphrase=None)
+    secret = nobody.folder / "secret.txt"
+    secret.write_text("secret edited here\n")
+    secret.chmod(0)
+    proc = nobody("pull", check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert (secret / "inner.txt").read_text() == "inner\n"
+    copies = [p for p in nobody.folder.iterdir() if "conflict" in p.name]
+    assert len(copies) == 1, proc.stderr
+    copies[0].chmod(0o644)
+    assert copies[0].read_text() == "secret edited here\n"
+
+
 def test_pull_leaves_an_unreadable_folder_alone(nobody: Nobody, tmp_path: Path) -> None:
     """Remote changes inside a folder that cannot be read wait (nothing can be
     written into it); the rest of the pull is applied."""
