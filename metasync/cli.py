@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -678,26 +680,87 @@ cli.add_command(key)
 _add_global_options(cli)
 
 
-def _on_signal(signum: int, frame: object) -> None:
-    """Ctrl-C or SIGTERM: the first stops every transfer (each at its next piece) and
-    lets the command say what it kept; a second quits at once, without waiting for a
-    transfer stuck in a backend call (nothing half-written is referenced either way:
-    every write is atomic and a commit is proposed only after its objects)."""
-    if not CANCEL.request():
+_QUIT = threading.Lock()
+
+
+def _announce_stop() -> None:
+    """The first Ctrl-C or SIGTERM: every transfer stops at its next piece and the
+    command says what it kept. Whichever of the two listeners below sees the signal
+    first says so, once."""
+    if CANCEL.request():
+        sys.stderr.write("metasync: stopping transfers (press Ctrl-C again to quit at once)\n")
+        sys.stderr.flush()
+
+
+def _quit_at_once() -> None:
+    """A second signal: quit without joining worker threads blocked in a backend call
+    (nothing half-written is referenced: every write is atomic and a commit is
+    proposed only after its objects). The lock keeps the line to one."""
+    with _QUIT:
         sys.stdout.flush()
         sys.stderr.write("metasync: interrupted again: stopped at once; the next command "
                          "continues\n")
         sys.stderr.flush()
-        os._exit(130)  # no joining of worker threads blocked in a backend call
-    sys.stderr.write("metasync: stopping transfers (press Ctrl-C again to quit at once)\n")
-    sys.stderr.flush()
+        os._exit(130)
+
+
+class _SignalCount:
+    """Signals one listener has seen."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def arrived(self) -> int:
+        self.seen += 1
+        return self.seen
+
+
+_HANDLED = _SignalCount()
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    """The Python-level handler, run by the main thread when it next runs Python code:
+    the first unwinds the command, which then reports what it kept."""
+    if _HANDLED.arrived() > 1:
+        _quit_at_once()
+    _announce_stop()
     raise KeyboardInterrupt
+
+
+def _watch_signals(wakeup: socket.socket) -> None:
+    """Count signals as they arrive, whichever thread the kernel gave them to.
+
+    The Python-level handler runs only when the main thread next runs Python code;
+    while it waits on a transfer stuck in a backend call, a signal the kernel
+    delivered to another thread does not wake it. The C-level handler also writes
+    each signal's number to ``wakeup`` (:func:`signal.set_wakeup_fd`), read here: the
+    first stops every transfer, a second quits at once."""
+    seen = _SignalCount()
+    while wakeup.recv(1):
+        if seen.arrived() > 1:
+            _quit_at_once()
+        _announce_stop()
+
+
+#: The pair the C-level handler writes to and the watcher reads, kept open for the
+#: process's life (closing the write end would end the watcher).
+_WAKEUP: list[socket.socket] = []
+
+
+def _listen_for_signals() -> None:
+    """Install both listeners for SIGINT and SIGTERM (from the main thread)."""
+    _WAKEUP[:] = read_end, write_end = socket.socketpair()
+    write_end.setblocking(False)
+    signal.set_wakeup_fd(write_end.fileno(), warn_on_full_buffer=False)
+    threading.Thread(target=_watch_signals, args=(read_end,), name="signals",
+                     daemon=True).start()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
 
 
 def main() -> None:
     """Console-script entry point."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _on_signal)
+    _listen_for_signals()
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:

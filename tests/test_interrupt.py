@@ -13,6 +13,7 @@ deadline, and a command that does not stop within the subprocess timeout fails.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import queue
 import random
@@ -133,6 +134,15 @@ class Running:
 
     def interrupt(self, sig: int = signal.SIGINT) -> None:
         self.proc.send_signal(sig)
+
+    def interrupt_a_worker_thread(self, sig: int = signal.SIGINT) -> None:
+        """Send ``sig`` to one of the command's threads other than its main one, as
+        the kernel may when a process-wide signal arrives (tgkill(2))."""
+        pid = self.proc.pid
+        workers = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+        assert workers, "the command runs no other thread"
+        if ctypes.CDLL(None, use_errno=True).tgkill(pid, workers[0], sig) != 0:
+            raise OSError(ctypes.get_errno(), "tgkill failed")
 
     def finish(self) -> tuple[int, str]:
         """Exit code and stderr; fails if the command does not end within the deadline."""
@@ -269,16 +279,19 @@ def test_sigterm_stops_a_push_like_ctrl_c(setup: Setup) -> None:
 def test_a_second_ctrl_c_quits_at_once(setup: Setup) -> None:
     """While the first Ctrl-C waits for an upload stuck in a backend call (the link
     is held shut: the call never returns to check), a second one exits at once; the
-    next push, once the link is back, finishes and fsck is clean."""
+    next push, once the link is back, finishes and fsck is clean. Both signals go to
+    a worker thread, not the main one, which waits on the stuck upload: the kernel
+    may deliver a process-wide signal to any thread (before the fix, the push then
+    said nothing and the second Ctrl-C did nothing)."""
     setup.fill(8)
     setup.valve.rate["up"] = 1_000_000
     push = setup.start("push")
     try:
         wait_until(setup.uploading, "the push to start uploading")
         setup.valve.hold()
-        push.interrupt()
+        push.interrupt_a_worker_thread()
         push.wait_for_line(r"stopping transfers .*Ctrl-C again")
-        push.interrupt()
+        push.interrupt_a_worker_thread()
         code, err = push.finish()
     finally:
         push.kill()
