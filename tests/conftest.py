@@ -29,6 +29,8 @@ pytest_plugins: list[str] = [
     # Servers that break one primitive metasync's logs need (tests/test_primitives.py).
     "tests.servers.s3_no_conditionals",
     "tests.servers.paramiko_sftp",
+    # exFAT, FAT32 and NTFS images mounted with FUSE (tests/servers/fsimages.py).
+    "tests.servers.fsimages",
     # Emulators of the cloud providers' REST APIs (tests/emulators/).
     "tests.emulators.dropbox",
     "tests.emulators.box",
@@ -188,6 +190,55 @@ def make_tree(root: Path, *, small_files: int = 200, big_mb: int = 0, seed: int 
         with open(root / "big.bin", "wb") as fh:
             for _ in range(big_mb):
                 fh.write(rng.randbytes(1024 * 1024))
+
+
+#: The names of :func:`make_edge_case_tree` that some filesystem or OS cannot hold,
+#: with why: what a checkout into exFAT, FAT, NTFS, a case-insensitive folder or
+#: Windows must report per path and keep in history.
+EDGE_CASE_HARD_NAMES = {
+    "Case.txt": "differs from case.txt only in case",
+    "case.txt": "differs from Case.txt only in case",
+    "aux.txt": "a reserved device name on Windows",
+    "CON": "a reserved device name on Windows",
+    "a:b": "':' is refused by Windows, FAT and exFAT",
+    "trailing-dot.": "a trailing dot is dropped by Windows",
+    "trailing-space ": "a trailing space is dropped by Windows",
+    "what?.txt": "'?' is refused by Windows, FAT and exFAT",
+    "link-to-notes": "a symbolic link",
+    "run.sh": "an exec bit",
+}
+
+
+def make_edge_case_tree(root: Path) -> None:
+    """The tree a cross-platform sync must get right: everything :func:`make_tree`
+    has (empty file and folder, unicode names, exec bit, symlinks) in a small form,
+    plus names that differ only in case, Windows-reserved names and characters,
+    trailing dots and spaces, an NFD name beside an NFC one (two different names
+    here: ``café-nfc.txt`` and ``cafe\u0301-nfd.txt``), a 255-byte name, a deep
+    path, a hidden file and a 5 MiB file spanning several chunks. The names
+    :data:`EDGE_CASE_HARD_NAMES` lists are the ones some filesystem cannot hold."""
+    rng = random.Random(18)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "empty-file").write_bytes(b"")
+    (root / "empty-dir").mkdir()
+    (root / "notes.txt").write_text("notes\n")
+    (root / "Case.txt").write_text("upper\n")
+    (root / "case.txt").write_text("lower\n")
+    for name in ("aux.txt", "CON", "a:b", "trailing-dot.", "trailing-space ", "what?.txt"):
+        (root / name).write_text(f"{name}\n")
+    (root / "café-nfc.txt").write_text("composed\n")
+    (root / "cafe\u0301-nfd.txt").write_text("decomposed\n")
+    (root / ("n" * 251 + ".txt")).write_text("long\n")
+    deep = root.joinpath(*(f"level{i}" for i in range(12)))
+    deep.mkdir(parents=True)
+    (deep / "deep.txt").write_text("deep\n")
+    (root / ".hidden").write_text("hidden\n")
+    (root / "ünïcödé — 名前 ☃.txt").write_text("snow man\n")
+    script = root / "run.sh"
+    script.write_text("#!/bin/sh\necho run\n")
+    script.chmod(0o755)
+    os.symlink("notes.txt", root / "link-to-notes")
+    (root / "big.bin").write_bytes(rng.randbytes(5 * 1024 * 1024))
 
 
 @pytest.fixture
