@@ -56,7 +56,6 @@ pinning, pooled sessions, connection failures, streamed responses) is in
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import importlib
 import json
 import os
@@ -82,6 +81,7 @@ from metasync.backends.retry import (
     translated,
 )
 from metasync.errors import AuthorizationRequired, BackendError, UsageError
+from metasync.portable import lock, sync_folder
 from metasync.timeouts import network_timeout
 
 T = TypeVar("T")
@@ -229,11 +229,7 @@ class FileTokenStore:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise
-        dir_fd = os.open(self.folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        sync_folder(self.folder)
 
     def delete(self, provider: str, account: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -305,7 +301,7 @@ def grant_lock(provider: str, account: str) -> Iterator[None]:
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(folder / f"{_grant_name(provider, account)}.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        lock(fd)
         yield
     finally:
         os.close(fd)  # releases the lock

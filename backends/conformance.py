@@ -55,17 +55,14 @@ from __future__ import annotations
 import hashlib
 import io
 import multiprocessing
-import os
 import random
-import resource
-import signal
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from multiprocessing.synchronize import Barrier as ProcessBarrier
 from typing import Any, BinaryIO, cast
 
@@ -74,6 +71,12 @@ import pytest
 from metasync.backends import Backend, open_backend
 from metasync.backends.logs import LogStore
 from metasync.errors import BackendError, InvalidKey, ObjectNotFound
+from metasync.portable import KILLED_EXITCODE, kill_self, peak_rss_bytes
+
+if sys.platform == "win32":
+    from multiprocessing.connection import PipeConnection as Conn
+else:
+    from multiprocessing.connection import Connection as Conn
 
 #: ``(uri, namespace)``: everything a child process needs to open a backend.
 Location = tuple[str, str]
@@ -259,7 +262,7 @@ def append_message(worker: int, index: int) -> bytes:
 
 
 def _child_main(
-    target: Callable[..., Any], barrier: Barrier, conn: Connection, args: tuple[Any, ...]
+    target: Callable[..., Any], barrier: Barrier, conn: Conn, args: tuple[Any, ...]
 ) -> None:
     """Run ``target(barrier, *args)`` and send ``("ok", result)`` or ``("error", text)``."""
     try:
@@ -302,7 +305,7 @@ class ChildProcesses:
         # share the parent's open connections and memory history).
         ctx = multiprocessing.get_context("spawn")
         self.barrier = ctx.Barrier(len(arg_list) + int(parent_in_barrier))
-        self._conns: list[Connection] = []
+        self._conns: list[Conn] = []
         self._procs: list[Any] = []
         self._results: dict[int, tuple[str, Any]] = {}
         for args in arg_list:
@@ -476,8 +479,7 @@ def overwrite_worker(barrier: Barrier, location: Location, key: str, versions: i
 
 
 def _max_rss_bytes() -> int:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+    return peak_rss_bytes()
 
 
 def _large_object_worker(
@@ -535,7 +537,7 @@ class KillingStream(PatternStream):
 
     def readinto(self, buffer: Any) -> int:
         if self.pos >= self.kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_self()
         return super().readinto(buffer)
 
 
@@ -546,7 +548,7 @@ def _killed_put_worker(location: Location, key: str, size: int, kill_at: int,
     backend = open_backend(*location)
     if kill_before is not None:
         def die(*_: object, **__: object) -> None:
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_self()
 
         setattr(type(backend), kill_before, die)
         kill_at = size + 1
@@ -1225,7 +1227,7 @@ class BackendConformance:
                                   self.kill_put_before))
         child.start()
         child.join(CHILD_TIMEOUT)
-        assert child.exitcode == -signal.SIGKILL, child.exitcode
+        assert child.exitcode == KILLED_EXITCODE, child.exitcode
         assert sorted(backend.list()) == ["keep/x"]
         # Clocks: the service's may differ a little from this one; an hour is plenty.
         assert backend.sweep_temp_files(started - 3600, delete=True) == []

@@ -883,7 +883,9 @@ class RcloneBackend(Backend):
             return data, start, end - start
         except (OSError, AttributeError, ValueError):
             pass
-        spool = stack.enter_context(tempfile.TemporaryFile(dir=self._temp_folder()))  # noqa: SIM115
+        # A BinaryIO everywhere; mypy's win32 stubs type it as NamedTemporaryFile's wrapper.
+        spool = cast(BinaryIO, stack.enter_context(
+            tempfile.TemporaryFile(dir=self._temp_folder())))  # noqa: SIM115
         size = 0
         while True:
             chunk = data.read(CHUNK_SIZE)

@@ -7,7 +7,6 @@ instead of starting over.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -16,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from metasync.backends.cloud import config_dir
+from metasync.portable import try_lock
 
 #: How long a provider keeps an unfinished upload session (Dropbox: 7 days, Graph and
 #: Drive: about a week); older journal records are not resumed.
@@ -58,9 +58,7 @@ class UploadJournal:
     def __enter__(self) -> UploadJournal:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not try_lock(fd):
             os.close(fd)  # another writer of this target: go without a journal
             return self
         self._fd = fd

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -128,8 +129,14 @@ def daemon_start(settle: float, poll: float, rescan: float, delete_share: float)
     args = [sys.executable, "-m", "metasync.cli", "daemon", "--settle", repr(settle),
             "--poll", repr(poll), "--rescan", repr(rescan), "--delete-share", repr(delete_share)]
     with open(root / ".metasync" / LOG_FILE, "ab") as log:
-        proc = subprocess.Popen(args, cwd=root, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                start_new_session=True)
+        # Detached from this terminal, so closing it does not stop the daemon.
+        if sys.platform == "win32":
+            proc = subprocess.Popen(args, cwd=root, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=log, creationflags=subprocess.DETACHED_PROCESS
+                                    | subprocess.CREATE_NEW_PROCESS_GROUP)
+        else:
+            proc = subprocess.Popen(args, cwd=root, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=log, start_new_session=True)
     # Wait until it holds its pid file (or died), so `status` right after is accurate.
     for _ in range(200):
         if daemon_running(root) or proc.poll() is not None:
@@ -157,16 +164,17 @@ def daemon_stop() -> None:
     if pid is None:
         _say("no metasync daemon runs for this folder")
         return
+    # On Windows this is TerminateProcess: the daemon stops at once, mid-step, as
+    # after a crash (what it uploaded is kept; the next sync goes on from there).
     os.kill(pid, signal.SIGTERM)
     deadline = datetime.now().timestamp() + 60
     while daemon_running(root) and datetime.now().timestamp() < deadline:
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        import select
-
-        select.select([], [], [], 0.1)
+        if sys.platform != "win32":
+            try:
+                os.waitpid(pid, os.WNOHANG)  # reap it if it is our child (tests)
+            except ChildProcessError:
+                pass
+        time.sleep(0.1)  # polling another process's lock: nothing to wait on
     if daemon_running(root):
         raise UsageError(f"the daemon (pid {pid}) did not stop within 60 s; kill it if needed")
     _say(f"metasync daemon stopped (pid {pid})")

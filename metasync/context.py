@@ -12,7 +12,6 @@ keeps one command (or daemon cycle) per folder at a time.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import secrets
 import shutil
@@ -50,6 +49,7 @@ from metasync.keyslots import LocalKey, open_envelope, parse_slot
 from metasync.layout import DESCRIPTOR_KEY, parse_descriptor, slot_key
 from metasync.localdb import LocalDB
 from metasync.objects import FORMAT_VERSION, READABLE_FORMATS, BackendSpec, Config, Version
+from metasync.portable import try_lock
 from metasync.progress import NullReporter, Reporter
 from metasync.state import LocalState
 from metasync.store import RemoteStore
@@ -568,13 +568,11 @@ def lock_folder(meta: Path, wait: float = 0.0, reporter: Reporter | None = None,
     deadline = time.monotonic() + wait
     said = False
     while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if try_lock(fd):
             return fd
-        except BlockingIOError:
-            if read_only:
-                os.close(fd)
-                return None
+        if read_only:
+            os.close(fd)
+            return None
         if time.monotonic() >= deadline:
             os.close(fd)
             if not wait:
@@ -596,20 +594,21 @@ def _holder(meta: Path) -> str:
 
 #: Seconds between tries of a held folder lock.
 LOCK_POLL = 0.05
-#: The daemon's pid file in ``.metasync``: locked while a daemon runs for the folder.
+#: The daemon's pid file in ``.metasync``: its pid while it runs.
 PID_FILE = "daemon.pid"
+#: The daemon's lock file in ``.metasync``: locked while a daemon runs for the folder.
+#: Not the pid file: a Windows lock is mandatory, so the locked file's pid could not
+#: be read by ``daemon stop``.
+DAEMON_LOCK = "daemon.lock"
 
 
 def daemon_running(root: Path) -> bool:
-    """True if some process holds the daemon's pid-file lock for ``root``."""
+    """True if some process holds the daemon's lock for ``root``."""
     try:
-        fd = os.open(root / META_DIR / PID_FILE, os.O_RDWR)
+        fd = os.open(root / META_DIR / DAEMON_LOCK, os.O_RDWR)
     except OSError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
+        return not try_lock(fd)
     finally:
         os.close(fd)
-    return False

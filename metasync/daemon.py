@@ -33,11 +33,12 @@ from typing import Any
 
 from metasync.backends import Backend, open_backend, public_uri
 from metasync.committer import Change
-from metasync.context import PID_FILE, daemon_running
+from metasync.context import DAEMON_LOCK, PID_FILE, daemon_running
 from metasync.errors import BackendError, FolderBusy, Interrupted, MetasyncError, UsageError
 from metasync.faults import pause_point, watch_failure
 from metasync.layout import HINT_KEY
 from metasync.names import display_path
+from metasync.portable import process_alive, try_lock
 from metasync.progress import CANCEL, NullReporter
 from metasync.repository import Repository
 from metasync.worktree import IGNORE_FILE, META_DIR, TEMP_PREFIX, IgnoreRules, ScanProblems
@@ -494,18 +495,18 @@ class Daemon:
         self.log.addHandler(handler)
 
     def _take_pid_file(self) -> int:
-        """One daemon per folder: an exclusive lock on the pid file while it runs."""
-        import fcntl
-
-        fd = os.open(self.meta / PID_FILE, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        """One daemon per folder: an exclusive lock on ``daemon.lock`` while it runs
+        (the returned descriptor), and its pid in ``daemon.pid`` for ``daemon stop``."""
+        fd = os.open(self.meta / DAEMON_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        if not try_lock(fd):
             os.close(fd)
             raise UsageError(f"a metasync daemon already runs for {self.root}; "
-                             "see `metasync daemon status`") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+                             "see `metasync daemon status`")
+        try:
+            _write_pid(self.meta)
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
 
     def _write_status(self) -> None:
@@ -517,6 +518,13 @@ class Daemon:
             os.replace(tmp, path)
         except OSError:
             pass  # the folder is gone: the log says why
+
+
+def _write_pid(meta: Path) -> None:
+    """This process's pid in ``daemon.pid``, written atomically (``daemon stop`` reads it)."""
+    tmp = meta / f".{PID_FILE}.tmp"
+    tmp.write_text(f"{os.getpid()}\n")
+    os.replace(tmp, meta / PID_FILE)
 
 
 def _describe(exc: BaseException) -> str:
@@ -549,7 +557,7 @@ def read_status(root: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         doc = {"state": "stopped", "pid": None}
     pid = doc.get("pid")
-    if not isinstance(pid, int) or not _alive(pid) or not daemon_running(root):
+    if not isinstance(pid, int) or not process_alive(pid) or not daemon_running(root):
         doc["state"] = "stopped"
     return doc
 
@@ -562,12 +570,3 @@ def running_pid(root: Path) -> int | None:
     except (OSError, ValueError):
         return None
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

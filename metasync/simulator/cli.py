@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import sys
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
@@ -23,15 +24,16 @@ def _results(seeds: Sequence[int], bft_share: float, verbose: bool, jobs: int) -
     if jobs <= 1 or len(seeds) < 50:
         yield from map(_run_one, tasks)
         return
-    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+    # fork where there is one (cheapest); Windows has only spawn (_run_one is importable).
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with multiprocessing.get_context(method).Pool(jobs) as pool:
         yield from pool.imap(_run_one, tasks, chunksize=max(1, min(64, len(seeds) // (jobs * 8))))
 
 
 def _default_jobs() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    if sys.platform == "linux":
+        return len(os.sched_getaffinity(0))  # the CPUs this process may use
+    return os.cpu_count() or 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
