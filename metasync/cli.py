@@ -749,6 +749,7 @@ _WAKEUP: list[socket.socket] = []
 
 def _listen_for_signals() -> None:
     """Install both listeners for SIGINT and SIGTERM (from the main thread)."""
+    # A non-blocking socket, not os.pipe: on Windows set_wakeup_fd takes only sockets.
     _WAKEUP[:] = read_end, write_end = socket.socketpair()
     write_end.setblocking(False)
     signal.set_wakeup_fd(write_end.fileno(), warn_on_full_buffer=False)

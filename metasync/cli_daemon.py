@@ -225,42 +225,8 @@ def daemon_resume() -> None:
 
 @daemon.command("install-service")
 def daemon_install_service() -> None:
-    """Write a systemd user unit for this folder and enable it."""
-    import hashlib
-    import shutil
-    import subprocess
+    """Run the daemon for this folder from logon on: a systemd user unit on Linux, a
+    launchd agent on macOS, a Task Scheduler logon task on Windows; started now."""
+    from metasync.service import install
 
-    root = _repo_root()
-    unit_dir = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "systemd" / "user"
-    name = f"metasync-{hashlib.sha256(str(root).encode()).hexdigest()[:12]}.service"
-    exe = Path(sys.executable).with_name("metasync")
-    unit = (
-        "[Unit]\n"
-        f"Description=metasync: keep {root} in sync\n"
-        "After=network-online.target\n\n"
-        "[Service]\n"
-        f"WorkingDirectory={root}\n"
-        f"ExecStart={exe if exe.exists() else 'metasync'} daemon\n"
-        "Restart=on-failure\n"
-        "RestartSec=10\n"
-        "KillSignal=SIGTERM\n"
-        "TimeoutStopSec=90\n\n"
-        "[Install]\n"
-        "WantedBy=default.target\n"
-    )
-    unit_dir.mkdir(parents=True, exist_ok=True)
-    tmp = unit_dir / f".{name}.tmp"
-    tmp.write_text(unit)
-    os.replace(tmp, unit_dir / name)
-    systemctl = shutil.which("systemctl")
-    if systemctl is None:
-        raise UsageError(f"wrote {unit_dir / name}, but systemctl is not available to enable it; "
-                         f"run `systemctl --user enable --now {name}` where it is")
-    for args in (["daemon-reload"], ["enable", "--now", name]):
-        proc = subprocess.run([systemctl, "--user", *args], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise UsageError(f"wrote {unit_dir / name}, but `systemctl --user {' '.join(args)}` "
-                             f"failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
-    _say(f"installed and started {name} ({unit_dir / name})")
-
-
+    _say(install(_repo_root()))
