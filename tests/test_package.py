@@ -31,6 +31,8 @@ from metasync.objects import FORMAT_VERSION
 ROOT = Path(__file__).resolve().parent.parent
 #: Filled by bin/setup-venv next to the interpreter running the tests.
 WHEELHOUSE = Path(sys.prefix) / "wheelhouse"
+#: pipx's shared libraries (its pip), kept between runs while the wheelhouse is.
+PIPX_SHARED = Path(sys.prefix) / "pipx-shared"
 #: What the README tells a user to run, and what this module runs.
 README_PIPX_LINE = "pipx install dist/metasync-*.whl"
 #: Left out of the copy the package is built from: caches, builds, virtualenvs.
@@ -47,7 +49,7 @@ def _offline_env(**extra: str) -> dict[str, str]:
         pytest.fail(f"no offline wheelhouse at {WHEELHOUSE}: run bin/setup-venv (it fills it)")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PIPX_"))}
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", PIP_FIND_LINKS=str(WHEELHOUSE),
-               PIP_DISABLE_PIP_VERSION_CHECK="1", PYTHONDONTWRITEBYTECODE="1", **extra)
+               PIP_DISABLE_PIP_VERSION_CHECK="1", **extra)
     return env
 
 
@@ -85,8 +87,10 @@ def installed(dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder holding the ``metasync`` that ``pipx install`` of the wheel made, in
     a virtualenv of its own: the README's line, run in the folder holding dist/."""
     home = tmp_path_factory.mktemp("pipx")
+    # pipx's own virtualenv holding pip, kept between runs (bin/setup-venv drops it
+    # with the wheelhouse it came from): the rest is made anew each run.
     env = _offline_env(PIPX_HOME=str(home / "home"), PIPX_BIN_DIR=str(home / "bin"),
-                       PIPX_MAN_DIR=str(home / "man"),
+                       PIPX_MAN_DIR=str(home / "man"), PIPX_SHARED_LIBS=str(PIPX_SHARED),
                        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     _only(dist, "metasync-*.whl")
     _run(["bash", "-c", README_PIPX_LINE], f"{README_PIPX_LINE} (offline, from {WHEELHOUSE})",
@@ -131,22 +135,32 @@ def test_the_wheel_holds_every_module_and_nothing_else(dist: Path) -> None:
     assert not {m for m in members if m.startswith(("bench/", "bin/", ".ci/"))}
 
 
+#: The backend conformance suite ships in the package for backend authors, and is run
+#: with pytest (the ``test`` extra): the one module a plain install cannot import.
+_NEEDS_PYTEST = "metasync.backends.conformance"
+
+
 def test_pipx_install_of_the_wheel_gives_a_working_metasync(installed: Path,
                                                             tmp_path: Path) -> None:
     """The installed command on its own: --version, every module importable (a
     backend's undeclared dependency shows here), and a repository over two ``dir:``
     folders made, pushed and cloned back identical."""
     command = str(installed / "metasync")
-    version = _run([command, "--version"], "metasync --version").stdout
+    # Nothing of the source tree or .venv on the path: -I (no cwd, no PYTHONPATH) below.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["METASYNC_PASSPHRASE"] = PASSPHRASE
+    version = _run([command, "--version"], "metasync --version", env=env, cwd=tmp_path).stdout
     assert f"metasync {metasync.__version__}" in version and \
         f"format {FORMAT_VERSION}" in version, version
     python = Path(os.path.realpath(installed / "metasync")).parent / "python"
-    _run([str(python), "-c", "import importlib, pkgutil, metasync\n"
+    _run([str(python), "-I", "-c", "import importlib, pkgutil, sys, metasync\n"
           "for m in pkgutil.walk_packages(metasync.__path__, 'metasync.'):\n"
-          "    importlib.import_module(m.name)"], "importing every module of the installed package")
+          f"    if m.name != {_NEEDS_PYTEST!r} and not m.name.endswith('.__main__'):\n"
+          "        importlib.import_module(m.name)\n"
+          "assert metasync.__file__.startswith(sys.prefix), metasync.__file__"],
+         "importing every module of the installed package", env=env, cwd=tmp_path)
     dirs = backend_dirs(tmp_path, "usb", "nas")
     make_tree(tmp_path / "laptop", small_files=20)
-    env = {**os.environ, "METASYNC_PASSPHRASE": PASSPHRASE}
     _run([command, "init", str(tmp_path / "laptop"), "--backend", f"dir:{dirs['usb']}",
           "--backend", f"dir:{dirs['nas']}"], "installed metasync init", env=env)
     _run([command, "push", "-m", "first"], "installed metasync push", env=env,
@@ -154,7 +168,8 @@ def test_pipx_install_of_the_wheel_gives_a_working_metasync(installed: Path,
     _run([command, "clone", f"dir:{dirs['nas']}", str(tmp_path / "desktop")],
          "installed metasync clone", env=env)
     assert snapshot(tmp_path / "desktop") == snapshot(tmp_path / "laptop")
-    script = _run([command, "completion", "bash"], "installed metasync completion").stdout
+    script = _run([command, "completion", "bash"], "installed metasync completion",
+                  env=env).stdout
     assert "_metasync_completion" in script
 
 
