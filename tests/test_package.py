@@ -35,11 +35,19 @@ WHEELHOUSE = Path(sys.prefix) / "wheelhouse"
 PIPX_SHARED = Path(sys.prefix) / "pipx-shared"
 #: What the README tells a user to run, and what this module runs.
 README_PIPX_LINE = "pipx install dist/metasync-*.whl"
-#: Left out of the copy the package is built from: caches, builds, virtualenvs.
+#: Left out of the copy the package is built from: caches, builds, virtualenvs, and
+#: the benchmarks' scratch folder.
 _NOT_SOURCE = shutil.ignore_patterns(
     ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis",
-    "work", "results",
 )
+
+
+def _not_source(folder: str, names: list[str]) -> set[str]:
+    """What :func:`shutil.copytree` leaves out of ``folder``."""
+    skip = set(_NOT_SOURCE(folder, names))
+    if Path(folder) == ROOT / "bench":
+        skip.add("work")
+    return skip
 
 
 def _offline_env(**extra: str) -> dict[str, str]:
@@ -70,7 +78,7 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     *.egg-info there, and a stale build/lib can slip deleted modules into a wheel."""
     work = tmp_path_factory.mktemp("build")
     src = work / "src"
-    shutil.copytree(ROOT, src, ignore=_NOT_SOURCE, symlinks=True)
+    shutil.copytree(ROOT, src, ignore=_not_source, symlinks=True)
     _run([sys.executable, "-m", "build", "--outdir", str(work / "dist"), str(src)],
          "python -m build", env=_offline_env())
     return work / "dist"
