@@ -7,4 +7,5 @@ from metasync.errors import MetasyncError
 from metasync.repository import Repository
 
 __all__ = ["MetasyncError", "Repository"]
+#: The package version (pyproject.toml reads it from here; `metasync --version` shows it).
 __version__ = "0.1.0"

@@ -32,6 +32,7 @@ from metasync.cli_common import (
 )
 from metasync.cli_daemon import auth, daemon
 from metasync.cli_history import log, say_standing
+from metasync.cli_install import completion, version_option
 from metasync.cli_keys import key
 from metasync.committer import problems_json
 from metasync.errors import Interrupted, MetasyncError, UsageError
@@ -87,7 +88,7 @@ def _add_global_options(command: click.Command) -> None:
              params=_global_options())
 @click.option("--json", "as_json", is_flag=True,
               help="Machine-readable output from commands that have it (as their --json).")
-@click.version_option(package_name="metasync")
+@version_option
 def cli(as_json: bool) -> None:
     """Keep one folder in sync across several untrusted storage services.
     Global options may also follow the subcommand (metasync pull -q)."""
@@ -677,6 +678,7 @@ cli.add_command(auth)
 cli.add_command(log)
 cli.add_command(daemon)
 cli.add_command(key)
+cli.add_command(completion)
 _add_global_options(cli)
 
 
