@@ -17,8 +17,10 @@ is ever written outside the repository's folder.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -32,15 +34,19 @@ from metasync.localdb import NOT_ON_DISK, IndexRow
 from metasync.names import display_path
 from metasync.objects import TreeEntry, Version, same_entry
 from metasync.progress import Reporter
-from metasync.scanner import Scanner, ScanResult
+from metasync.scanner import Scanner, ScanResult, name_clashes, nfc
 from metasync.state import LocalState
 from metasync.worktree import (
     CHUNK_MAX,
+    LINKS_REFUSED,
     NAME_REFUSED,
     Folders,
     InTheWay,
+    NameRefused,
     ScanEntry,
+    cannot_hold,
     lstat_at,
+    name_refused,
     remove_stale_temps,
     temp_name,
 )
@@ -133,16 +139,46 @@ class FileWriter:
         return tmp, st
 
 
+def not_written_note(path: str, why: str) -> str:
+    """The one line that says a path of the tree is not on this disk, and why."""
+    return (f"cannot be written here: {display_path(path)}: {why}; it stays in the "
+            "repository (and on the other clients)")
+
+
 class RefusedNames:
-    """The paths of one checkout that this file system refused to create (a name
-    too long here, or not in the encoding it requires): each is named in a note
+    """The paths of one checkout that this folder cannot hold (a name too long or
+    forbidden here, one the same as another's but for case or Unicode form, a
+    symbolic link where there are none, a file too large): each is named in a note
     and gets an index row (:data:`~metasync.localdb.NOT_ON_DISK`) that keeps it in
-    the tree, so it is neither shown as deleted nor dropped by the next commit."""
+    the tree, so it is neither shown as deleted nor dropped by the next commit.
+    Thread-safe (file writers add from worker threads)."""
 
     def __init__(self, reporter: Reporter) -> None:
         self.reporter = reporter
         #: Their index rows, by path.
         self.rows: dict[str, IndexRow] = {}
+        #: Paths of the tree that are one name here with another path (loser ->
+        #: the one written: :func:`~metasync.scanner.name_clashes`).
+        self.clashes: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def refuses(self, path: str, entry: TreeEntry, result: PullResult) -> bool:
+        """True (and recorded) if ``path`` cannot be made here before anything is
+        tried: a folder above it was refused, or it clashes with another name of
+        the tree (:attr:`clashes`)."""
+        if self.under(path):
+            self.add(path, entry, None, result)
+            return True
+        other = self.clashes.get(path)
+        if other is None:
+            return False
+        if nfc(path) == nfc(other):
+            why = f"the same name as {display_path(other)} in another Unicode form"
+        else:
+            why = (f"differs from {display_path(other)} only in case, and this folder "
+                   "does not tell case apart")
+        self.add(path, entry, why, result)
+        return True
 
     def under(self, path: str) -> bool:
         """True if a folder above ``path`` was refused (so ``path`` cannot be made)."""
@@ -155,28 +191,27 @@ class RefusedNames:
             parent = parent.rpartition("/")[0]
         return False
 
-    def add(self, path: str, entry: TreeEntry, exc: OSError | None, result: PullResult) -> None:
-        """Record ``path``, and say so unless it is inside a folder already said."""
-        self.rows[path] = IndexRow(path, entry.type, entry.ref, entry.size, entry.executable,
-                                   NOT_ON_DISK, 0, 0)
-        result.not_written.append(path)
-        if exc is not None:
-            self.reporter.note(f"cannot write {display_path(path)} here: {exc.strerror or exc}; "
-                               "it stays in the repository (and on the other clients)")
+    def add(self, path: str, entry: TreeEntry, why: str | None, result: PullResult) -> None:
+        """Record ``path``, and say ``why`` (None: inside a folder already said)."""
+        with self._lock:
+            self.rows[path] = IndexRow(path, entry.type, entry.ref, entry.size, entry.executable,
+                                       NOT_ON_DISK, 0, 0)
+            result.not_written.append(path)
+        if why is not None:
+            self.reporter.note(not_written_note(path, why))
 
     def make_folder(self, folders: Folders, path: str, entry: TreeEntry, aside: InTheWay,
                     result: PullResult) -> bool:
         """Make the folder ``path`` (and its parents); False if this file system
         refused its name or a parent's."""
-        if self.under(path):
-            self.add(path, entry, None, result)
+        if self.refuses(path, entry, result):
             return False
         try:
             folders.release(folders.make(path, aside))
         except OSError as exc:
             if exc.errno not in NAME_REFUSED:
                 raise
-            self.add(path, entry, exc, result)
+            self.add(path, entry, cannot_hold(exc), result)
             return False
         return True
 
@@ -198,6 +233,8 @@ class Checkout:
         self.sealed = SealedFolders(set(), ctx.reporter)
         #: The paths this file system refused in the current checkout.
         self._refused = RefusedNames(ctx.reporter)
+        #: What the current checkout did (worker threads add refused paths to it).
+        self._result = PullResult(ctx.state.prev)
 
     # ---------------------------------------------------------------- pending checkouts
     def resume(self) -> PullResult | None:
@@ -246,6 +283,7 @@ class Checkout:
         conflict copies of local versions): renamed locally instead of downloaded.
         """
         self._refused = RefusedNames(self.ctx.reporter)
+        self._result = result
         with Folders(self.root) as folders:
             self._folders = folders
             self._run(base, remote, result, moves)
@@ -259,6 +297,8 @@ class Checkout:
     ) -> None:
         scan = self.scanner.scan(None)
         self._seen = scan.seen
+        self._refused.clashes = name_clashes(remote, self._seen,
+                                             self.scanner.traits.case_insensitive)
         local = local_side(scan)
         self.sealed = SealedFolders.of(scan, self.ctx.reporter)
         stamp = now_stamp()
@@ -275,6 +315,8 @@ class Checkout:
         crash_point("checkout:planned")
         folders = self._folders
         for path in deletes:
+            if path not in self._seen:
+                continue  # not on this disk (a path it cannot hold): nothing to delete
             parent, _, name = path.rpartition("/")
             with folders.opened(parent) as fd:
                 # No folder there (a link or a file now): nothing of this tree to delete.
@@ -426,10 +468,10 @@ class Checkout:
         total = 0
         db = self.ctx.db
         folders = self._folders
+        exec_bits = self.scanner.traits.exec_bits
         for path, entry in writes:
             parent = path.rpartition("/")[0]
-            if self._refused.under(path):
-                self._refused.add(path, entry, None, result)
+            if self._refused.refuses(path, entry, result):
                 continue
             if parent and parent not in ensured:
                 try:
@@ -437,12 +479,17 @@ class Checkout:
                 except OSError as exc:
                     if exc.errno not in NAME_REFUSED:
                         raise
-                    self._refused.add(path, entry, exc, result)
+                    self._refused.add(path, entry, cannot_hold(exc), result)
                     continue
                 while parent and parent not in ensured:
                     ensured.add(parent)
                     parent = parent.rpartition("/")[0]
             total += entry.size
+            if entry.executable and not exec_bits and entry.type != "link":
+                # Written all the same (core.fileMode=false): the scan keeps the bit.
+                self.ctx.reporter.note(f"cannot be written here: {display_path(path)}: this file "
+                                       "system keeps no exec bit; the file is written without "
+                                       "it, and keeps it in the repository")
             if entry.type == "link":
                 links.append((path, entry, []))
             elif entry.type == "file":
@@ -511,10 +558,11 @@ class Checkout:
                     return False
                 os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
             except OSError as exc:
-                if exc.errno not in NAME_REFUSED:
+                if not name_refused(exc, fd, tmp, name):
                     raise
                 os.unlink(tmp, dir_fd=fd)
-                self._refused.add(path, entry, exc, result)
+                refused = exc if exc.errno in NAME_REFUSED else NameRefused(name)
+                self._refused.add(path, entry, cannot_hold(refused), result)
                 return None
             return True
 
@@ -536,7 +584,7 @@ class Checkout:
                     if exc.errno not in NAME_REFUSED:
                         raise
                     _drop_temp(self._folders, path, tmp)
-                    self._refused.add(path, entry, exc, result)
+                    self._refused.add(path, entry, cannot_hold(exc), result)
                     continue
             result.written += 1
             if st is not None:  # renaming keeps the inode and mtime of the temporary file
@@ -561,7 +609,12 @@ class Checkout:
                 result.conflicts.append(copy)
                 self.ctx.reporter.note(f"conflict: {display_path(path)} changed during the pull; "
                                        f"kept as {display_path(copy)}")
-            os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            try:
+                os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in NAME_REFUSED and name_refused(exc, fd, tmp, name):
+                    raise NameRefused(name) from exc
+                raise
 
     def _write_job(self, job: list[WritePlan], aside: InTheWay) -> list[WrittenTemp]:
         """Write the temporary files of one job (runs in a worker thread)."""
@@ -575,7 +628,13 @@ class Checkout:
                     path, entry, chunks = plan
                     fd = cursor.at(path.rpartition("/")[0])
                     assert fd is not None  # made, never None
-                    done.append((plan, *self.writer.write_temp(fd, entry, chunks, prefetched)))
+                    try:
+                        done.append((plan, *self.writer.write_temp(fd, entry, chunks, prefetched)))
+                    except OSError as exc:
+                        why = _cannot_write(entry, exc)
+                        if why is None:
+                            raise
+                        self._refused.add(path, entry, why, self._result)
         except BaseException:
             for (path, _, _), tmp, _ in done:
                 _drop_temp(self._folders, path, tmp)
@@ -595,6 +654,17 @@ def local_side(scan: ScanResult) -> dict[str, TreeEntry]:
         if not u.folder:
             local[u.path] = TreeEntry(u.path.rpartition("/")[2], "file", UNREAD_REF)
     return local
+
+
+def _cannot_write(entry: TreeEntry, exc: OSError) -> str | None:
+    """Why this file system cannot hold ``entry``, if writing it failed with ``exc``
+    for that reason (a link where there are none, a file over its largest size:
+    FAT32's 4 GiB), else None."""
+    if entry.type == "link" and exc.errno in LINKS_REFUSED:
+        return "this file system has no symbolic links"
+    if exc.errno == errno.EFBIG:
+        return cannot_hold(exc)
+    return None
 
 
 def _drop_temp(folders: Folders, path: str, tmp: str) -> None:
