@@ -17,7 +17,6 @@ is ever written outside the repository's folder.
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 import threading
@@ -29,6 +28,13 @@ from pathlib import Path
 from metasync.context import RepoContext
 from metasync.errors import CorruptObject, ObjectUnavailable
 from metasync.faults import crash_point
+from metasync.fstraits import (
+    NAME_REFUSED,
+    NameRefused,
+    cannot_hold,
+    cannot_write,
+    name_refused,
+)
 from metasync.graph import ObjectGraph
 from metasync.localdb import NOT_ON_DISK, IndexRow
 from metasync.names import display_path
@@ -38,15 +44,11 @@ from metasync.scanner import Scanner, ScanResult, name_clashes, nfc
 from metasync.state import LocalState
 from metasync.worktree import (
     CHUNK_MAX,
-    LINKS_REFUSED,
-    NAME_REFUSED,
     Folders,
     InTheWay,
-    NameRefused,
     ScanEntry,
-    cannot_hold,
     lstat_at,
-    name_refused,
+    lstat_name,
     remove_stale_temps,
     temp_name,
 )
@@ -153,14 +155,32 @@ class RefusedNames:
     the tree, so it is neither shown as deleted nor dropped by the next commit.
     Thread-safe (file writers add from worker threads)."""
 
-    def __init__(self, reporter: Reporter) -> None:
+    def __init__(self, reporter: Reporter, result: PullResult) -> None:
         self.reporter = reporter
+        #: The checkout's result, whose ``not_written`` lists them.
+        self.result = result
         #: Their index rows, by path.
         self.rows: dict[str, IndexRow] = {}
         #: Paths of the tree that are one name here with another path (loser ->
         #: the one written: :func:`~metasync.scanner.name_clashes`).
         self.clashes: dict[str, str] = {}
         self._lock = threading.Lock()
+
+    def failed(self, path: str, entry: TreeEntry, exc: OSError) -> None:
+        """Record ``path`` if writing it failed with ``exc`` because this file system
+        cannot hold it (:func:`~metasync.fstraits.cannot_write`), else raise ``exc``."""
+        why = cannot_write(entry.type, exc)
+        if why is None:
+            raise exc
+        self.add(path, entry, why, self.result)
+
+    def without_exec(self, path: str) -> None:
+        """Say that the file ``path`` is written without its exec bit, which this
+        file system does not keep (as git's ``core.fileMode=false``: the scan keeps
+        the index's, so the bit stays in the repository)."""
+        self.reporter.note(f"cannot be written here: {display_path(path)}: this file system "
+                           "keeps no exec bit; the file is written without it, and keeps it "
+                           "in the repository")
 
     def refuses(self, path: str, entry: TreeEntry, result: PullResult) -> bool:
         """True (and recorded) if ``path`` cannot be made here before anything is
@@ -231,10 +251,8 @@ class Checkout:
         self._folders: Folders
         #: Folders the current checkout's scan could not read (:func:`apply_waiting`).
         self.sealed = SealedFolders(set(), ctx.reporter)
-        #: The paths this file system refused in the current checkout.
-        self._refused = RefusedNames(ctx.reporter)
-        #: What the current checkout did (worker threads add refused paths to it).
-        self._result = PullResult(ctx.state.prev)
+        #: The paths this file system refused in the current checkout (see :meth:`run`).
+        self._refused: RefusedNames
 
     # ---------------------------------------------------------------- pending checkouts
     def resume(self) -> PullResult | None:
@@ -282,8 +300,7 @@ class Checkout:
         ``moves`` maps new paths to paths whose current content they take (a merge's
         conflict copies of local versions): renamed locally instead of downloaded.
         """
-        self._refused = RefusedNames(self.ctx.reporter)
-        self._result = result
+        self._refused = RefusedNames(self.ctx.reporter, result)
         with Folders(self.root) as folders:
             self._folders = folders
             self._run(base, remote, result, moves)
@@ -307,7 +324,7 @@ class Checkout:
             have = local.get(source)
             if (copy not in local and have is not None and copy in remote
                     and same_entry(have, remote[copy]) and same_entry(have, base.get(source))
-                    and self._move(source, copy, aside)):
+                    and _move(self._folders, source, copy, aside)):
                 local[copy] = local.pop(source)
                 self._seen.pop(source, None)
         scanned = {e.path: e for e in scan.rows}
@@ -320,7 +337,7 @@ class Checkout:
             parent, _, name = path.rpartition("/")
             with folders.opened(parent) as fd:
                 # No folder there (a link or a file now): nothing of this tree to delete.
-                existing = _lstat_name(fd, name) if fd is not None else None
+                existing = lstat_name(fd, name) if fd is not None else None
                 if existing is None or stat.S_ISDIR(existing.st_mode):
                     continue
                 if self._changed_since_scan(path, existing):
@@ -412,23 +429,11 @@ class Checkout:
         seen = self._seen.get(path)
         return seen is None or seen.size != st.st_size or seen.mtime_ns != st.st_mtime_ns
 
-    def _move(self, source: str, copy: str, aside: InTheWay) -> bool:
-        """Rename ``source`` to ``copy`` (both in this tree); False if ``source``'s
-        folder is no longer a folder of this tree."""
-        folders = self._folders
-        with folders.opened(source.rpartition("/")[0]) as src:
-            if src is None:
-                return False
-            with folders.made(copy.rpartition("/")[0], aside) as dst:
-                os.rename(source.rpartition("/")[2], copy.rpartition("/")[2],
-                          src_dir_fd=src, dst_dir_fd=dst)
-        return True
-
     def _conflict_copy(self, path: str, stamp: str) -> str | None:
         """Rename ``path`` to a free conflict name beside it; None if nothing is there
         (or its folder is no longer a folder of this tree: a link is not followed)."""
         with self._folders.opened(path.rpartition("/")[0]) as fd:
-            if fd is None or _lstat_name(fd, path.rpartition("/")[2]) is None:
+            if fd is None or lstat_name(fd, path.rpartition("/")[2]) is None:
                 return None
             return self._move_aside(fd, path, stamp)
 
@@ -486,10 +491,7 @@ class Checkout:
                     parent = parent.rpartition("/")[0]
             total += entry.size
             if entry.executable and not exec_bits and entry.type != "link":
-                # Written all the same (core.fileMode=false): the scan keeps the bit.
-                self.ctx.reporter.note(f"cannot be written here: {display_path(path)}: this file "
-                                       "system keeps no exec bit; the file is written without "
-                                       "it, and keeps it in the repository")
+                self._refused.without_exec(path)
             if entry.type == "link":
                 links.append((path, entry, []))
             elif entry.type == "file":
@@ -609,12 +611,7 @@ class Checkout:
                 result.conflicts.append(copy)
                 self.ctx.reporter.note(f"conflict: {display_path(path)} changed during the pull; "
                                        f"kept as {display_path(copy)}")
-            try:
-                os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
-            except OSError as exc:
-                if exc.errno not in NAME_REFUSED and name_refused(exc, fd, tmp, name):
-                    raise NameRefused(name) from exc
-                raise
+            _replace_name(fd, tmp, name)
 
     def _write_job(self, job: list[WritePlan], aside: InTheWay) -> list[WrittenTemp]:
         """Write the temporary files of one job (runs in a worker thread)."""
@@ -631,10 +628,7 @@ class Checkout:
                     try:
                         done.append((plan, *self.writer.write_temp(fd, entry, chunks, prefetched)))
                     except OSError as exc:
-                        why = _cannot_write(entry, exc)
-                        if why is None:
-                            raise
-                        self._refused.add(path, entry, why, self._result)
+                        self._refused.failed(path, entry, exc)
         except BaseException:
             for (path, _, _), tmp, _ in done:
                 _drop_temp(self._folders, path, tmp)
@@ -656,15 +650,27 @@ def local_side(scan: ScanResult) -> dict[str, TreeEntry]:
     return local
 
 
-def _cannot_write(entry: TreeEntry, exc: OSError) -> str | None:
-    """Why this file system cannot hold ``entry``, if writing it failed with ``exc``
-    for that reason (a link where there are none, a file over its largest size:
-    FAT32's 4 GiB), else None."""
-    if entry.type == "link" and exc.errno in LINKS_REFUSED:
-        return "this file system has no symbolic links"
-    if exc.errno == errno.EFBIG:
-        return cannot_hold(exc)
-    return None
+def _move(folders: Folders, source: str, copy: str, aside: InTheWay) -> bool:
+    """Rename ``source`` to ``copy`` (both in the tree of ``folders``); False if
+    ``source``'s folder is no longer a folder of that tree."""
+    with folders.opened(source.rpartition("/")[0]) as src:
+        if src is None:
+            return False
+        with folders.made(copy.rpartition("/")[0], aside) as dst:
+            os.rename(source.rpartition("/")[2], copy.rpartition("/")[2],
+                      src_dir_fd=src, dst_dir_fd=dst)
+    return True
+
+
+def _replace_name(fd: int, tmp: str, name: str) -> None:
+    """Rename ``tmp`` over ``name`` in folder ``fd``; a name this file system refuses
+    raises :class:`~metasync.fstraits.NameRefused` whatever errno it said it with."""
+    try:
+        os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+    except OSError as exc:
+        if exc.errno not in NAME_REFUSED and name_refused(exc, fd, tmp, name):
+            raise NameRefused(name) from exc
+        raise
 
 
 def _drop_temp(folders: Folders, path: str, tmp: str) -> None:
@@ -778,16 +784,6 @@ def all_zero(data: bytes) -> bool:
     (``startswith``), which stops at the first non-zero byte."""
     return (bool(data) and not data[0] and not data[-1] and len(data) <= CHUNK_MAX
             and _ZEROS.startswith(data))
-
-
-def _lstat_name(fd: int, name: str) -> os.stat_result | None:
-    """:func:`lstat_at`, where a name this file system refuses is simply absent."""
-    try:
-        return lstat_at(fd, name)
-    except OSError as exc:
-        if exc.errno in NAME_REFUSED:
-            return None
-        raise
 
 
 def chunk_groups(chunks: list[tuple[str, int]], budget: int = 8 * 1024 * 1024) -> list[list[tuple[str, int]]]:

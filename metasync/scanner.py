@@ -22,17 +22,17 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from metasync.context import RepoContext
+from metasync.fstraits import FolderTraits, probe_traits
 from metasync.localdb import NOT_ON_DISK, IndexRow
 from metasync.objects import FORMAT_VERSION, Tree, TreeEntry
 from metasync.worktree import (
+    META_DIR,
     FileChanged,
-    FolderTraits,
     IgnoreRules,
     ObjectSink,
     ScanEntry,
     ScanProblems,
     Unsynced,
-    probe_traits,
     scan,
 )
 
@@ -88,7 +88,7 @@ class Scanner:
         if self._traits is None:
             known = self.ctx.state.folder_traits
             if known is None or known.device != os.stat(self.ctx.root).st_dev:
-                known = probe_traits(self.ctx.root)
+                known = probe_traits(self.ctx.root, self.ctx.root / META_DIR)
                 if self.ctx.exclusive:
                     self.ctx.state.folder_traits = known
             self._traits = known

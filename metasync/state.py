@@ -14,9 +14,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
+from metasync.fstraits import FolderTraits
 from metasync.localdb import LocalDB
 from metasync.objects import Config, Index, Version
-from metasync.worktree import FolderTraits
 
 T = TypeVar("T")
 

@@ -26,6 +26,7 @@ from typing import NamedTuple
 from pyfastcdc import FastCDC
 
 from metasync.errors import UnsafeRepository, UsageError
+from metasync.fstraits import NAME_REFUSED, NameRefused
 from metasync.objects import Chunk, FileObject, ObjectHasher
 
 META_DIR = ".metasync"
@@ -305,115 +306,10 @@ def temp_name() -> str:
 
 #: Opens a folder, failing on a symbolic link (ELOOP) or anything not a folder (ENOTDIR).
 _FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-#: What a file system answers when it cannot hold a name: too long (another
-#: client's system allows longer ones), not in the encoding it requires (macOS,
-#: ZFS utf8only: EILSEQ), or characters it forbids (SMB, the kernel's vfat: EINVAL).
-#: FUSE file systems answer a forbidden character with ENOENT (exfat-fuse) or EPERM
-#: (fusefat) too; those are told from their usual meaning where they can be
-#: (:func:`name_refused`, :class:`NameRefused`).
-NAME_REFUSED = frozenset({errno.ENAMETOOLONG, errno.EILSEQ, errno.EINVAL})
-#: What creating a symbolic link answers on a file system that has none (exFAT,
-#: FAT: ENOSYS; the kernel's vfat: EPERM; some network mounts: EOPNOTSUPP).
-LINKS_REFUSED = frozenset({errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP})
 #: What opening a path that is not a real folder fails with.
 NOT_A_FOLDER = (errno.ELOOP, errno.ENOTDIR)
 
 
-class NameRefused(OSError):
-    """This file system refused a name, whatever errno it said it with (see
-    :data:`NAME_REFUSED`): raised with ``errno.EINVAL``, so a caller checks one set."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(errno.EINVAL, "this file system refuses the name", name)
-
-
-def name_refused(exc: OSError, fd: int, tmp: str, name: str) -> bool:
-    """True if renaming the temporary file ``tmp`` to ``name`` in folder ``fd`` failed
-    with ``exc`` because this file system cannot hold ``name``: an errno of
-    :data:`NAME_REFUSED`, or ENOENT/EPERM while ``tmp`` is still there and nothing
-    is at ``name`` (exfat-fuse and fusefat say a forbidden character so)."""
-    if exc.errno in NAME_REFUSED:
-        return True
-    if exc.errno not in (errno.ENOENT, errno.EPERM):
-        return False
-    try:
-        return lstat_at(fd, tmp) is not None and lstat_at(fd, name) is None
-    except OSError:
-        return True  # even looking the name up fails: it cannot be here
-
-
-def cannot_hold(exc: OSError) -> str:
-    """Why this file system cannot hold a path, from what writing it failed with:
-    the words ``cannot be written here: PATH: WHY`` end with."""
-    if exc.errno == errno.ENAMETOOLONG:
-        return "File name too long for this file system"
-    if exc.errno == errno.EFBIG:
-        return "File too large for this file system"
-    if isinstance(exc, NameRefused) or exc.errno in NAME_REFUSED:
-        return "this file system refuses the name"
-    return exc.strerror or str(exc)
-
-
-@dataclass(frozen=True)
-class FolderTraits:
-    """What the folder's file system can hold, probed (:func:`probe_traits`) in
-    ``.metasync`` and recorded in the local state with the file system's device
-    number (probed again when that changes: the folder moved to another disk, or
-    the disk was mounted again). As git's ``core.ignorecase`` and ``core.fileMode``:
-
-    - ``case_insensitive``: a name looked up in another case finds the file
-      (exFAT, FAT, macOS and Windows by default); names of a tree that differ only
-      in case are one file here, so only one of them is written.
-    - ``exec_bits``: a file's exec bit sticks (not on exFAT, FAT, NTFS through
-      ntfs-3g): where it does not, the scan takes each file's exec bit from the
-      index, never from the disk.
-    """
-
-    device: int
-    case_insensitive: bool
-    exec_bits: bool
-
-    def to_json(self) -> dict[str, object]:
-        return {"device": self.device, "case_insensitive": self.case_insensitive,
-                "exec_bits": self.exec_bits}
-
-    @classmethod
-    def from_json(cls, raw: object) -> FolderTraits | None:
-        """The record ``raw`` describes; None for anything else (probed again)."""
-        if not isinstance(raw, dict):
-            return None
-        dev, case, bits = raw.get("device"), raw.get("case_insensitive"), raw.get("exec_bits")
-        if not (isinstance(dev, int) and isinstance(case, bool) and isinstance(bits, bool)):
-            return None
-        return cls(dev, case, bits)
-
-
-def probe_traits(root: Path) -> FolderTraits:
-    """Probe the file system of ``root`` with a scratch file in its ``.metasync``
-    folder (a child of ``root``: same file system, and on Linux's per-folder case
-    folding the same flag): create it in lower case, look it up in upper case; create
-    it without exec bits and set one."""
-    meta = root / META_DIR
-    name = f"probe-{os.urandom(6).hex()}"
-    path = meta / name
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        st = os.fstat(fd)
-        os.close(fd)
-        case_insensitive = os.path.lexists(meta / name.upper())
-        exec_bits = False
-        if not st.st_mode & stat.S_IXUSR:  # exFAT and FAT show every file executable
-            try:
-                os.chmod(path, 0o744)
-                exec_bits = bool(os.stat(path).st_mode & stat.S_IXUSR)
-            except OSError:
-                pass  # fusefat: ENOSYS
-    finally:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    return FolderTraits(os.stat(root).st_dev, case_insensitive, exec_bits)
 #: Folders a :class:`Folders` keeps open at most (besides those in use): well under
 #: the usual limit of 1024 open files, and more than the folders a checkout of a
 #: source tree writes into at once (it writes folder by folder, in pack order).
@@ -655,6 +551,16 @@ def lstat_at(fd: int, name: str) -> os.stat_result | None:
         return os.stat(name, dir_fd=fd, follow_symlinks=False)
     except FileNotFoundError:
         return None
+
+
+def lstat_name(fd: int, name: str) -> os.stat_result | None:
+    """:func:`lstat_at`, where a name this file system refuses is simply absent."""
+    try:
+        return lstat_at(fd, name)
+    except OSError as exc:
+        if exc.errno in NAME_REFUSED:
+            return None
+        raise
 
 
 def remove_stale_temps(root: Path) -> int:
