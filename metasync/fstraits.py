@@ -17,6 +17,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 #: What a file system answers when it cannot hold a name: too long (another
 #: client's system allows longer ones), not in the encoding it requires (macOS,
@@ -91,6 +92,9 @@ class FolderTraits:
     case_insensitive: bool
     exec_bits: bool
 
+    #: What a folder that could not be probed is taken to be (a POSIX file system).
+    POSIX: ClassVar[tuple[bool, bool]] = (False, True)
+
     def to_json(self) -> dict[str, object]:
         return {"device": self.device, "case_insensitive": self.case_insensitive,
                 "exec_bits": self.exec_bits}
@@ -106,14 +110,18 @@ class FolderTraits:
         return cls(dev, case, bits)
 
 
-def probe_traits(root: Path, meta: Path) -> FolderTraits:
+def probe_traits(root: Path, meta: Path) -> FolderTraits | None:
     """Probe the file system of the folder ``root`` with a scratch file in ``meta``
     (its ``.metasync``, a child: same file system, and on Linux's per-folder case
     folding the same flag): create it in lower case, look it up in upper case; create
-    it without exec bits and set one."""
+    it without exec bits and set one. None if no scratch file can be made there (a
+    read-only mount: nothing will be written either)."""
     name = f"probe-{os.urandom(6).hex()}"
     path = meta / name
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return None
     try:
         st = os.fstat(fd)
         os.close(fd)

@@ -87,9 +87,12 @@ class Scanner:
         recorded, when this command has the folder)."""
         if self._traits is None:
             known = self.ctx.state.folder_traits
-            if known is None or known.device != os.stat(self.ctx.root).st_dev:
+            device = os.stat(self.ctx.root).st_dev
+            if known is None or known.device != device:
                 known = probe_traits(self.ctx.root, self.ctx.root / META_DIR)
-                if self.ctx.exclusive:
+                if known is None:  # not recorded: probed again next time
+                    known = FolderTraits(device, *FolderTraits.POSIX)
+                elif self.ctx.exclusive:
                     self.ctx.state.folder_traits = known
             self._traits = known
         return self._traits
