@@ -611,7 +611,7 @@ class Checkout:
                 result.conflicts.append(copy)
                 self.ctx.reporter.note(f"conflict: {display_path(path)} changed during the pull; "
                                        f"kept as {display_path(copy)}")
-            _replace_name(fd, tmp, name)
+            replace_name(fd, tmp, name)
 
     def _write_job(self, job: list[WritePlan], aside: InTheWay) -> list[WrittenTemp]:
         """Write the temporary files of one job (runs in a worker thread)."""
@@ -662,7 +662,7 @@ def _move(folders: Folders, source: str, copy: str, aside: InTheWay) -> bool:
     return True
 
 
-def _replace_name(fd: int, tmp: str, name: str) -> None:
+def replace_name(fd: int, tmp: str, name: str) -> None:
     """Rename ``tmp`` over ``name`` in folder ``fd``; a name this file system refuses
     raises :class:`~metasync.fstraits.NameRefused` whatever errno it said it with."""
     try:

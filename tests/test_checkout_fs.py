@@ -104,6 +104,9 @@ def test_a_clone_into_exfat_says_what_it_cannot_write_and_pushes_nothing_of_it(
     assert (g / "Foo.txt").read_text() == "upper\n"
     status = run_cli("status", cwd=g)
     assert status.stdout.splitlines()[-1] == "Nothing to commit, folder clean", status.stdout
+    restore = run_cli("restore", "link", cwd=g)  # says so too, and writes nothing
+    assert list(_not_written(restore.stderr)) == ["link"], restore.stderr
+    assert "restored 0 file(s)" in restore.stdout
 
     push = run_cli("push", cwd=g)
     assert "Pushed" not in push.stdout, push.stdout
