@@ -31,6 +31,7 @@ from conftest import (
     run_cli,
     snapshot,
 )
+from metasync.fstraits import FolderTraits, probe_traits
 from metasync.repository import Repository
 
 NOT_WRITTEN = "cannot be written here: "
@@ -232,3 +233,23 @@ def test_a_file_too_large_for_the_file_system_is_said_and_kept(tmp_path: Path) -
     assert sorted(os.listdir(g)) == [".metasync", "small.txt"]
     assert "Pushed" not in run_cli("push", cwd=g).stdout
     assert _master(g) == master
+
+
+def test_folder_traits_are_recorded_and_probed_again_on_another_file_system(
+        tmp_path: Path, fs_images: dict[str, Path]) -> None:
+    """The probe's record is used while the folder's device number is the one
+    recorded, and probed again when it differs (the folder moved, a disk mounted
+    again); a probe of exFAT finds it case-insensitive and without exec bits."""
+    a, _ = _repo(tmp_path, lambda root: (root / "x.txt").write_text("x\n"))
+    with Repository.open(a) as repo:
+        recorded = repo.scanner.traits
+        assert (recorded.case_insensitive, recorded.exec_bits) == (False, True)
+        assert repo._ctx.state.folder_traits == recorded
+        # A record from another device is not believed.
+        repo._ctx.state.folder_traits = FolderTraits(recorded.device + 1, True, False)
+    with Repository.open(a) as repo:
+        assert repo.scanner.traits == recorded
+    meta = fresh_folder(fs_images["exfat"], "probe")
+    exfat = probe_traits(meta, meta)
+    assert exfat is not None and (exfat.case_insensitive, exfat.exec_bits) == (True, False)
+    assert os.listdir(meta) == []  # the scratch file is gone
