@@ -314,8 +314,7 @@ class Checkout:
     ) -> None:
         scan = self.scanner.scan(None)
         self._seen = scan.seen
-        self._refused.clashes = name_clashes(remote, self._seen,
-                                             self.scanner.traits.case_insensitive)
+        self._refused.clashes = name_clashes(remote, self._seen, self.scanner.traits.case_insensitive)
         local = local_side(scan)
         self.sealed = SealedFolders.of(scan, self.ctx.reporter)
         stamp = now_stamp()
@@ -414,7 +413,9 @@ class Checkout:
             elif n is None:
                 self.ctx.reporter.note(f"kept {display_path(path)}: deleted remotely but changed here")
             else:
-                if loc is not None and loc.type != "dir":
+                # Not on disk (an index row): nothing to keep; another name may answer.
+                if (loc is not None and loc.type != "dir"
+                        and (path in self._seen or loc.ref == UNREAD_REF)):
                     copy = self._conflict_copy(path, stamp)
                     if copy is not None:
                         result.conflicts.append(copy)
