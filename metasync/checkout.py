@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -27,20 +28,27 @@ from pathlib import Path
 from metasync.context import RepoContext
 from metasync.errors import CorruptObject, ObjectUnavailable
 from metasync.faults import crash_point
+from metasync.fstraits import (
+    NAME_REFUSED,
+    NameRefused,
+    cannot_hold,
+    cannot_write,
+    name_refused,
+)
 from metasync.graph import ObjectGraph
 from metasync.localdb import NOT_ON_DISK, IndexRow
 from metasync.names import display_path
 from metasync.objects import TreeEntry, Version, same_entry
 from metasync.progress import Reporter
-from metasync.scanner import Scanner, ScanResult
+from metasync.scanner import Scanner, ScanResult, name_clashes, nfc
 from metasync.state import LocalState
 from metasync.worktree import (
     CHUNK_MAX,
-    NAME_REFUSED,
     Folders,
     InTheWay,
     ScanEntry,
     lstat_at,
+    lstat_name,
     remove_stale_temps,
     temp_name,
 )
@@ -133,16 +141,64 @@ class FileWriter:
         return tmp, st
 
 
-class RefusedNames:
-    """The paths of one checkout that this file system refused to create (a name
-    too long here, or not in the encoding it requires): each is named in a note
-    and gets an index row (:data:`~metasync.localdb.NOT_ON_DISK`) that keeps it in
-    the tree, so it is neither shown as deleted nor dropped by the next commit."""
+def not_written_note(path: str, why: str) -> str:
+    """The one line that says a path of the tree is not on this disk, and why."""
+    return (f"cannot be written here: {display_path(path)}: {why}; it stays in the "
+            "repository (and on the other clients)")
 
-    def __init__(self, reporter: Reporter) -> None:
+
+class RefusedNames:
+    """The paths of one checkout that this folder cannot hold (a name too long or
+    forbidden here, one the same as another's but for case or Unicode form, a
+    symbolic link where there are none, a file too large): each is named in a note
+    and gets an index row (:data:`~metasync.localdb.NOT_ON_DISK`) that keeps it in
+    the tree, so it is neither shown as deleted nor dropped by the next commit.
+    Thread-safe (file writers add from worker threads)."""
+
+    def __init__(self, reporter: Reporter, result: PullResult) -> None:
         self.reporter = reporter
+        #: The checkout's result, whose ``not_written`` lists them.
+        self.result = result
         #: Their index rows, by path.
         self.rows: dict[str, IndexRow] = {}
+        #: Paths of the tree that are one name here with another path (loser ->
+        #: the one written: :func:`~metasync.scanner.name_clashes`).
+        self.clashes: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def failed(self, path: str, entry: TreeEntry, exc: OSError) -> None:
+        """Record ``path`` if writing it failed with ``exc`` because this file system
+        cannot hold it (:func:`~metasync.fstraits.cannot_write`), else raise ``exc``."""
+        why = cannot_write(entry.type, exc)
+        if why is None:
+            raise exc
+        self.add(path, entry, why, self.result)
+
+    def without_exec(self, path: str) -> None:
+        """Say that the file ``path`` is written without its exec bit, which this
+        file system does not keep (as git's ``core.fileMode=false``: the scan keeps
+        the index's, so the bit stays in the repository)."""
+        self.reporter.note(f"cannot be written here: {display_path(path)}: this file system "
+                           "keeps no exec bit; the file is written without it, and keeps it "
+                           "in the repository")
+
+    def refuses(self, path: str, entry: TreeEntry, result: PullResult) -> bool:
+        """True (and recorded) if ``path`` cannot be made here before anything is
+        tried: a folder above it was refused, or it clashes with another name of
+        the tree (:attr:`clashes`)."""
+        if self.under(path):
+            self.add(path, entry, None, result)
+            return True
+        other = self.clashes.get(path)
+        if other is None:
+            return False
+        if nfc(path) == nfc(other):
+            why = f"the same name as {display_path(other)} in another Unicode form"
+        else:
+            why = (f"differs from {display_path(other)} only in case, and this folder "
+                   "does not tell case apart")
+        self.add(path, entry, why, result)
+        return True
 
     def under(self, path: str) -> bool:
         """True if a folder above ``path`` was refused (so ``path`` cannot be made)."""
@@ -155,28 +211,27 @@ class RefusedNames:
             parent = parent.rpartition("/")[0]
         return False
 
-    def add(self, path: str, entry: TreeEntry, exc: OSError | None, result: PullResult) -> None:
-        """Record ``path``, and say so unless it is inside a folder already said."""
-        self.rows[path] = IndexRow(path, entry.type, entry.ref, entry.size, entry.executable,
-                                   NOT_ON_DISK, 0, 0)
-        result.not_written.append(path)
-        if exc is not None:
-            self.reporter.note(f"cannot write {display_path(path)} here: {exc.strerror or exc}; "
-                               "it stays in the repository (and on the other clients)")
+    def add(self, path: str, entry: TreeEntry, why: str | None, result: PullResult) -> None:
+        """Record ``path``, and say ``why`` (None: inside a folder already said)."""
+        with self._lock:
+            self.rows[path] = IndexRow(path, entry.type, entry.ref, entry.size, entry.executable,
+                                       NOT_ON_DISK, 0, 0)
+            result.not_written.append(path)
+        if why is not None:
+            self.reporter.note(not_written_note(path, why))
 
     def make_folder(self, folders: Folders, path: str, entry: TreeEntry, aside: InTheWay,
                     result: PullResult) -> bool:
         """Make the folder ``path`` (and its parents); False if this file system
         refused its name or a parent's."""
-        if self.under(path):
-            self.add(path, entry, None, result)
+        if self.refuses(path, entry, result):
             return False
         try:
             folders.release(folders.make(path, aside))
         except OSError as exc:
             if exc.errno not in NAME_REFUSED:
                 raise
-            self.add(path, entry, exc, result)
+            self.add(path, entry, cannot_hold(exc), result)
             return False
         return True
 
@@ -196,8 +251,8 @@ class Checkout:
         self._folders: Folders
         #: Folders the current checkout's scan could not read (:func:`apply_waiting`).
         self.sealed = SealedFolders(set(), ctx.reporter)
-        #: The paths this file system refused in the current checkout.
-        self._refused = RefusedNames(ctx.reporter)
+        #: The paths this file system refused in the current checkout (see :meth:`run`).
+        self._refused: RefusedNames
 
     # ---------------------------------------------------------------- pending checkouts
     def resume(self) -> PullResult | None:
@@ -245,7 +300,7 @@ class Checkout:
         ``moves`` maps new paths to paths whose current content they take (a merge's
         conflict copies of local versions): renamed locally instead of downloaded.
         """
-        self._refused = RefusedNames(self.ctx.reporter)
+        self._refused = RefusedNames(self.ctx.reporter, result)
         with Folders(self.root) as folders:
             self._folders = folders
             self._run(base, remote, result, moves)
@@ -259,6 +314,7 @@ class Checkout:
     ) -> None:
         scan = self.scanner.scan(None)
         self._seen = scan.seen
+        self._refused.clashes = name_clashes(remote, self._seen, self.scanner.traits.case_insensitive)
         local = local_side(scan)
         self.sealed = SealedFolders.of(scan, self.ctx.reporter)
         stamp = now_stamp()
@@ -267,7 +323,7 @@ class Checkout:
             have = local.get(source)
             if (copy not in local and have is not None and copy in remote
                     and same_entry(have, remote[copy]) and same_entry(have, base.get(source))
-                    and self._move(source, copy, aside)):
+                    and _move(self._folders, source, copy, aside)):
                 local[copy] = local.pop(source)
                 self._seen.pop(source, None)
         scanned = {e.path: e for e in scan.rows}
@@ -275,10 +331,12 @@ class Checkout:
         crash_point("checkout:planned")
         folders = self._folders
         for path in deletes:
+            if path not in self._seen:
+                continue  # not on this disk (a path it cannot hold): nothing to delete
             parent, _, name = path.rpartition("/")
             with folders.opened(parent) as fd:
                 # No folder there (a link or a file now): nothing of this tree to delete.
-                existing = _lstat_name(fd, name) if fd is not None else None
+                existing = lstat_name(fd, name) if fd is not None else None
                 if existing is None or stat.S_ISDIR(existing.st_mode):
                     continue
                 if self._changed_since_scan(path, existing):
@@ -355,7 +413,9 @@ class Checkout:
             elif n is None:
                 self.ctx.reporter.note(f"kept {display_path(path)}: deleted remotely but changed here")
             else:
-                if loc is not None and loc.type != "dir":
+                # Not on disk (an index row): nothing to keep; another name may answer.
+                if (loc is not None and loc.type != "dir"
+                        and (path in self._seen or loc.ref == UNREAD_REF)):
                     copy = self._conflict_copy(path, stamp)
                     if copy is not None:
                         result.conflicts.append(copy)
@@ -370,23 +430,11 @@ class Checkout:
         seen = self._seen.get(path)
         return seen is None or seen.size != st.st_size or seen.mtime_ns != st.st_mtime_ns
 
-    def _move(self, source: str, copy: str, aside: InTheWay) -> bool:
-        """Rename ``source`` to ``copy`` (both in this tree); False if ``source``'s
-        folder is no longer a folder of this tree."""
-        folders = self._folders
-        with folders.opened(source.rpartition("/")[0]) as src:
-            if src is None:
-                return False
-            with folders.made(copy.rpartition("/")[0], aside) as dst:
-                os.rename(source.rpartition("/")[2], copy.rpartition("/")[2],
-                          src_dir_fd=src, dst_dir_fd=dst)
-        return True
-
     def _conflict_copy(self, path: str, stamp: str) -> str | None:
         """Rename ``path`` to a free conflict name beside it; None if nothing is there
         (or its folder is no longer a folder of this tree: a link is not followed)."""
         with self._folders.opened(path.rpartition("/")[0]) as fd:
-            if fd is None or _lstat_name(fd, path.rpartition("/")[2]) is None:
+            if fd is None or lstat_name(fd, path.rpartition("/")[2]) is None:
                 return None
             return self._move_aside(fd, path, stamp)
 
@@ -426,10 +474,10 @@ class Checkout:
         total = 0
         db = self.ctx.db
         folders = self._folders
+        exec_bits = self.scanner.traits.exec_bits
         for path, entry in writes:
             parent = path.rpartition("/")[0]
-            if self._refused.under(path):
-                self._refused.add(path, entry, None, result)
+            if self._refused.refuses(path, entry, result):
                 continue
             if parent and parent not in ensured:
                 try:
@@ -437,12 +485,14 @@ class Checkout:
                 except OSError as exc:
                     if exc.errno not in NAME_REFUSED:
                         raise
-                    self._refused.add(path, entry, exc, result)
+                    self._refused.add(path, entry, cannot_hold(exc), result)
                     continue
                 while parent and parent not in ensured:
                     ensured.add(parent)
                     parent = parent.rpartition("/")[0]
             total += entry.size
+            if entry.executable and not exec_bits and entry.type != "link":
+                self._refused.without_exec(path)
             if entry.type == "link":
                 links.append((path, entry, []))
             elif entry.type == "file":
@@ -511,10 +561,11 @@ class Checkout:
                     return False
                 os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
             except OSError as exc:
-                if exc.errno not in NAME_REFUSED:
+                if not name_refused(exc, fd, tmp, name):
                     raise
                 os.unlink(tmp, dir_fd=fd)
-                self._refused.add(path, entry, exc, result)
+                refused = exc if exc.errno in NAME_REFUSED else NameRefused(name)
+                self._refused.add(path, entry, cannot_hold(refused), result)
                 return None
             return True
 
@@ -536,7 +587,7 @@ class Checkout:
                     if exc.errno not in NAME_REFUSED:
                         raise
                     _drop_temp(self._folders, path, tmp)
-                    self._refused.add(path, entry, exc, result)
+                    self._refused.add(path, entry, cannot_hold(exc), result)
                     continue
             result.written += 1
             if st is not None:  # renaming keeps the inode and mtime of the temporary file
@@ -561,7 +612,7 @@ class Checkout:
                 result.conflicts.append(copy)
                 self.ctx.reporter.note(f"conflict: {display_path(path)} changed during the pull; "
                                        f"kept as {display_path(copy)}")
-            os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            replace_name(fd, tmp, name)
 
     def _write_job(self, job: list[WritePlan], aside: InTheWay) -> list[WrittenTemp]:
         """Write the temporary files of one job (runs in a worker thread)."""
@@ -575,7 +626,10 @@ class Checkout:
                     path, entry, chunks = plan
                     fd = cursor.at(path.rpartition("/")[0])
                     assert fd is not None  # made, never None
-                    done.append((plan, *self.writer.write_temp(fd, entry, chunks, prefetched)))
+                    try:
+                        done.append((plan, *self.writer.write_temp(fd, entry, chunks, prefetched)))
+                    except OSError as exc:
+                        self._refused.failed(path, entry, exc)
         except BaseException:
             for (path, _, _), tmp, _ in done:
                 _drop_temp(self._folders, path, tmp)
@@ -595,6 +649,29 @@ def local_side(scan: ScanResult) -> dict[str, TreeEntry]:
         if not u.folder:
             local[u.path] = TreeEntry(u.path.rpartition("/")[2], "file", UNREAD_REF)
     return local
+
+
+def _move(folders: Folders, source: str, copy: str, aside: InTheWay) -> bool:
+    """Rename ``source`` to ``copy`` (both in the tree of ``folders``); False if
+    ``source``'s folder is no longer a folder of that tree."""
+    with folders.opened(source.rpartition("/")[0]) as src:
+        if src is None:
+            return False
+        with folders.made(copy.rpartition("/")[0], aside) as dst:
+            os.rename(source.rpartition("/")[2], copy.rpartition("/")[2],
+                      src_dir_fd=src, dst_dir_fd=dst)
+    return True
+
+
+def replace_name(fd: int, tmp: str, name: str) -> None:
+    """Rename ``tmp`` over ``name`` in folder ``fd``; a name this file system refuses
+    raises :class:`~metasync.fstraits.NameRefused` whatever errno it said it with."""
+    try:
+        os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+    except OSError as exc:
+        if exc.errno not in NAME_REFUSED and name_refused(exc, fd, tmp, name):
+            raise NameRefused(name) from exc
+        raise
 
 
 def _drop_temp(folders: Folders, path: str, tmp: str) -> None:
@@ -708,16 +785,6 @@ def all_zero(data: bytes) -> bool:
     (``startswith``), which stops at the first non-zero byte."""
     return (bool(data) and not data[0] and not data[-1] and len(data) <= CHUNK_MAX
             and _ZEROS.startswith(data))
-
-
-def _lstat_name(fd: int, name: str) -> os.stat_result | None:
-    """:func:`lstat_at`, where a name this file system refuses is simply absent."""
-    try:
-        return lstat_at(fd, name)
-    except OSError as exc:
-        if exc.errno in NAME_REFUSED:
-            return None
-        raise
 
 
 def chunk_groups(chunks: list[tuple[str, int]], budget: int = 8 * 1024 * 1024) -> list[list[tuple[str, int]]]:

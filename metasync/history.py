@@ -26,9 +26,10 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from metasync.checkout import FileWriter, now_stamp
+from metasync.checkout import FileWriter, not_written_note, now_stamp, replace_name
 from metasync.context import RepoContext
 from metasync.errors import UsageError
+from metasync.fstraits import NAME_REFUSED, cannot_hold, cannot_write
 from metasync.graph import ANCESTRY_LIMIT, ObjectGraph
 from metasync.names import display_path
 from metasync.objects import Commit, Config, TreeEntry
@@ -139,6 +140,9 @@ class RestoreResult:
     target: str
     restored: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
+    #: Paths (relative to the folder written into) this file system cannot hold:
+    #: each said in a note (docs/design.md, "Folders that cannot hold everything").
+    not_written: list[str] = field(default_factory=list)
 
 
 def _date_order(history: dict[str, Commit]) -> list[tuple[str, Commit]]:
@@ -329,7 +333,22 @@ class History:
 
     def _restore_entry(self, folders: Folders, aside: InTheWay, entry: TreeEntry, path: str,
                        in_head: TreeEntry | None, stamp: str, result: RestoreResult) -> None:
-        """Write ``entry`` at ``path`` (relative to ``folders``' root)."""
+        """Write ``entry`` at ``path`` (relative to ``folders``' root); what this file
+        system cannot hold is said and left out."""
+        if any(path.startswith(f + "/") for f in result.not_written):
+            return  # in a folder already said
+        try:
+            self._write_entry(folders, aside, entry, path, in_head, stamp, result)
+        except OSError as exc:
+            why = cannot_write(entry.type, exc) or (cannot_hold(exc) if exc.errno in NAME_REFUSED
+                                                    else None)
+            if why is None:
+                raise
+            result.not_written.append(path)
+            self.ctx.reporter.note(not_written_note(path, why))
+
+    def _write_entry(self, folders: Folders, aside: InTheWay, entry: TreeEntry, path: str,
+                     in_head: TreeEntry | None, stamp: str, result: RestoreResult) -> None:
         if entry.type == "dir":
             folders.release(folders.make(path, aside))
             return
@@ -355,7 +374,7 @@ class History:
             chunks = [] if entry.type == "link" else self.graph.file_chunks(entry)
             tmp, _ = self.writer.write_temp(fd, entry, chunks, durable=True)
             try:
-                os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+                replace_name(fd, tmp, name)
             except BaseException:
                 if lstat_at(fd, tmp) is not None:
                     os.unlink(tmp, dir_fd=fd)

@@ -107,10 +107,39 @@ class LocalDB:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.conn = sqlite3.connect(str(path), isolation_level=None)
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=NORMAL")
-        self.conn.executescript(SCHEMA)
+        try:
+            # A database in another mode was made where WAL could not work: kept so.
+            wal = (self.conn.execute("PRAGMA page_count").fetchone()[0] == 0
+                   or self.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal")
+            if wal:
+                self.conn.execute("PRAGMA journal_mode=WAL")
+                self.conn.execute("PRAGMA synchronous=NORMAL")
+            self.conn.executescript(SCHEMA)
+        except sqlite3.OperationalError as exc:
+            # WAL maps a shared-memory file beside the database; on a file system
+            # that cannot (fusefat, some network mounts) every read fails with an
+            # I/O error. A rollback journal needs only file locks.
+            if "disk I/O error" not in str(exc):
+                raise
+            self.conn.close()
+            self._leave_wal()
+            wal = False
+        if not wal:
+            self.conn.execute("PRAGMA synchronous=FULL")
+            self.conn.executescript(SCHEMA)
         self._depth = 0
+
+    def _leave_wal(self) -> None:
+        """Switch the database to a rollback journal, and connect again. In exclusive
+        locking mode WAL needs no shared memory, so the switch can be made where it
+        cannot be mapped."""
+        conn = sqlite3.connect(str(self.path), isolation_level=None)
+        try:
+            conn.execute("PRAGMA locking_mode=EXCLUSIVE")
+            conn.execute("PRAGMA journal_mode=DELETE")
+        finally:
+            conn.close()
+        self.conn = sqlite3.connect(str(self.path), isolation_level=None)
 
     def close(self) -> None:
         self.conn.close()

@@ -14,16 +14,19 @@ import itertools
 import os
 import stat
 import time
+import unicodedata
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from metasync.context import RepoContext
+from metasync.fstraits import FolderTraits, probe_traits
 from metasync.localdb import NOT_ON_DISK, IndexRow
 from metasync.objects import FORMAT_VERSION, Tree, TreeEntry
 from metasync.worktree import (
+    META_DIR,
     FileChanged,
     IgnoreRules,
     ObjectSink,
@@ -75,6 +78,24 @@ class Scanner:
 
     def __init__(self, ctx: RepoContext) -> None:
         self.ctx = ctx
+        self._traits: FolderTraits | None = None
+
+    @property
+    def traits(self) -> FolderTraits:
+        """What the folder's file system can hold: the recorded probe while the
+        folder is on the same file system (device number), else probed again (and
+        recorded, when this command has the folder)."""
+        if self._traits is None:
+            known = self.ctx.state.folder_traits
+            device = os.stat(self.ctx.root).st_dev
+            if known is None or known.device != device:
+                known = probe_traits(self.ctx.root, self.ctx.root / META_DIR)
+                if known is None:  # not recorded: probed again next time
+                    known = FolderTraits(device, *FolderTraits.POSIX)
+                elif self.ctx.exclusive:
+                    self.ctx.state.folder_traits = known
+            self._traits = known
+        return self._traits
 
     def scan(self, sink: ObjectSink | None, *, flush_index: bool = False,
              keep_seen: bool = True) -> ScanResult:
@@ -94,6 +115,18 @@ class Scanner:
         # Tracked paths are read only if there is an ignore file (load is lazy).
         problems = ScanProblems()
         entries = scan(root, IgnoreRules.load(root, db.index_paths()), problems)
+        # Where exec bits do not stick (core.fileMode=false), a file's is the index's.
+        exec_bits = self.traits.exec_bits
+        executable: set[str] = set()
+        missing: list[IndexRow] = []  # rows of names not found, not ASCII
+
+        def rows(found: dict[str, ScanEntry]) -> Iterator[IndexRow]:
+            yield from db.iter_index_rows()
+            # Then those of indexed names found in another Unicode form (all rows
+            # are read by now, so ``missing`` is complete).
+            if missing:
+                yield from respell(found, missing)
+
         result = ScanResult({}, set(), [], [], problems, seen=entries if keep_seen else {})
         files = result.files
         to_hash: list[ScanEntry] = []
@@ -103,10 +136,14 @@ class Scanner:
         # skips .metasync), so the untrusted-name check is not needed here.
         kinds = {"file": "file", "chunked": "chunked"}  # one str object per kind
         not_on_disk: list[IndexRow] = []
-        for row in db.iter_index_rows():
+        for row in rows(entries):
             e = entries.get(row.path)
+            if not exec_bits and row.executable:
+                executable.add(row.path)
             if e is None and row.mtime_ns == NOT_ON_DISK:
                 not_on_disk.append(row)
+            elif e is None and not row.path.isascii():
+                missing.append(row)
             if e is None or e.type != "file":
                 continue
             if (
@@ -120,14 +157,15 @@ class Scanner:
             ):
                 name = e.path.rpartition("/")[2]
                 kind = kinds.get(row.type, row.type)
-                files[e.path] = TreeEntry(name, kind, row.ref, e.size, e.executable)  # type: ignore[arg-type]
+                files[e.path] = TreeEntry(name, kind, row.ref, e.size,  # type: ignore[arg-type]
+                                          e.executable if exec_bits else row.executable)
         for path, e in entries.items():
             if e.type == "dir":
                 result.dirs.add(path)
             elif e.type == "link":
                 files[path] = TreeEntry(path.rpartition("/")[2], "link", e.target, e.size)
             elif path not in files:
-                to_hash.append(e)
+                to_hash.append(e if exec_bits else e._replace(executable=path in executable))
         if not_on_disk:
             self._keep_not_on_disk(not_on_disk, entries, result)
         del entries  # kept only in result.seen, if at all
@@ -198,16 +236,16 @@ class Scanner:
         (``Permission denied``) instead of None."""
         for _ in range(3):
             try:
-                hashed = self.ctx.chunker.hash_file(self.ctx.root / e.path, e, sink)
+                hashed = self.ctx.chunker.hash_file(self.ctx.root / (e.disk or e.path), e, sink)
                 return hashed.type, hashed.ref
             except FileChanged:
                 try:
-                    st = os.lstat(self.ctx.root / e.path)
+                    st = os.lstat(self.ctx.root / (e.disk or e.path))
                 except FileNotFoundError:
                     return None
                 if not stat.S_ISREG(st.st_mode):
                     return None  # a folder, a link or a FIFO now: the next scan sees it
-                e = ScanEntry(e.path, e.type, st.st_size, st.st_mtime_ns, st.st_ino, e.executable)
+                e = e._replace(size=st.st_size, mtime_ns=st.st_mtime_ns, ino=st.st_ino)
             except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
                 return None
             except OSError as exc:  # EACCES, EIO: the reason is what the user needs
@@ -247,6 +285,70 @@ class Scanner:
             else:
                 root_id = tid
         return root_id, trees
+
+
+def nfc(path: str) -> str:
+    """``path`` in Unicode normal form C, the one form names are compared in (a name
+    that is not valid UTF-8 is compared as it is)."""
+    if path.isascii():
+        return path
+    try:
+        return unicodedata.normalize("NFC", path)
+    except UnicodeError:  # pragma: no cover - normalize takes any str
+        return path
+
+
+def respell(entries: dict[str, ScanEntry], missing: list[IndexRow]) -> list[IndexRow]:
+    """Take each path of ``entries`` (a scan) that is an indexed name of ``missing``
+    (not found as spelled) in another Unicode form -- macOS gives back decomposed
+    (NFD) the names another client wrote composed (NFC), as git's
+    ``core.precomposeUnicode`` knows -- for that indexed name: it is re-keyed under
+    the index's spelling (its ``disk`` field keeps the one on disk, to read it by),
+    and so are folders on the way to such names. Returns the rows whose names were
+    found so."""
+    rows = {nfc(r.path): r for r in missing}
+    folders: dict[str, str] = {}
+    for r in missing:
+        parent = r.path.rpartition("/")[0]
+        while parent and nfc(parent) not in folders:
+            folders[nfc(parent)] = parent
+            parent = parent.rpartition("/")[0]
+    found: list[IndexRow] = []
+    for path in [p for p in entries if not p.isascii()]:
+        e = entries[path]
+        key = nfc(path)
+        row = rows.get(key) if e.type != "dir" else None
+        target = row.path if row is not None else folders.get(key) if e.type == "dir" else None
+        if target is None or target == path or target in entries:
+            continue
+        del entries[path]
+        entries[target] = e._replace(path=target, disk=path)
+        if row is not None:
+            found.append(row)
+    return found
+
+
+def name_clashes(paths: Iterable[str], on_disk: Container[str],
+                 case_insensitive: bool) -> dict[str, str]:
+    """The paths of a tree (``paths``) that are one name in this folder with another
+    of them -- equal in Unicode normal form C (everywhere: names are compared in one
+    form), or also but for case where the folder does not tell case apart -- each
+    mapped to the one of its group that is written: the one on disk (``on_disk``),
+    else one in normal form C, else the first in code point order (``Foo.txt``
+    before ``foo.txt``). On a case-sensitive folder only names that are not ASCII
+    are looked at."""
+    groups: dict[str, list[str]] = {}
+    for path in paths:
+        if path.isascii() and not case_insensitive:
+            continue
+        key = nfc(path)
+        groups.setdefault(key.casefold() if case_insensitive else key, []).append(path)
+    out: dict[str, str] = {}
+    for group in groups.values():
+        if len(group) > 1:
+            group.sort(key=lambda p: (p not in on_disk, nfc(p) != p, p))
+            out.update((p, group[0]) for p in group[1:])
+    return out
 
 
 def tree_fingerprint(files: dict[str, TreeEntry], dirs: set[str]) -> str:

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
+from metasync.fstraits import FolderTraits
 from metasync.localdb import LocalDB
 from metasync.objects import Config, Index, Version
 
@@ -242,6 +243,11 @@ class LocalState:
     #: unchanged folder skip rebuilding every tree.
     tree_memo: Setting[tuple[str, str] | None] = Setting(
         "tree_memo_v1", default=lambda: None, load=_tree_memo, dump=lambda v: list(v) if v else None)
+
+    #: What the folder's file system can hold, as last probed (``Scanner.traits``).
+    folder_traits: Setting[FolderTraits | None] = Setting(
+        "folder_traits", default=lambda: None, load=FolderTraits.from_json,
+        dump=lambda t: t.to_json() if t is not None else None)
 
     #: Backend id -> the compaction floor keys (``floor/<below>``) whose record this
     #: client verified there: a floor key is written once, so its name is enough

@@ -26,6 +26,7 @@ from typing import NamedTuple
 from pyfastcdc import FastCDC
 
 from metasync.errors import UnsafeRepository, UsageError
+from metasync.fstraits import NAME_REFUSED, NameRefused
 from metasync.objects import Chunk, FileObject, ObjectHasher
 
 META_DIR = ".metasync"
@@ -53,6 +54,9 @@ class ScanEntry(NamedTuple):
     ino: int
     executable: bool
     target: str = ""
+    #: The name on disk when it is spelled otherwise than ``path`` (another Unicode
+    #: form of an indexed name: :func:`metasync.scanner.respell`), else "".
+    disk: str = ""
 
 
 def is_ignored(name: str) -> bool:
@@ -303,11 +307,9 @@ def temp_name() -> str:
 #: Opens a folder, failing on a symbolic link (ELOOP) or anything not a folder (ENOTDIR).
 _FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: What opening a path that is not a real folder fails with.
-#: What a file system answers when it cannot hold a name: too long (another
-#: client's system allows longer ones), not in the encoding it requires (macOS,
-#: ZFS utf8only: EILSEQ), or characters it forbids (FAT, SMB: EINVAL).
-NAME_REFUSED = frozenset({errno.ENAMETOOLONG, errno.EILSEQ, errno.EINVAL})
 NOT_A_FOLDER = (errno.ELOOP, errno.ENOTDIR)
+
+
 #: Folders a :class:`Folders` keeps open at most (besides those in use): well under
 #: the usual limit of 1024 open files, and more than the folders a checkout of a
 #: source tree writes into at once (it writes folder by folder, in pack order).
@@ -493,6 +495,12 @@ class Folders:
             os.mkdir(name, dir_fd=parent_fd)
         except FileExistsError:
             pass  # made meanwhile (by another process): opened below, never followed
+        except OSError as exc:
+            # Nothing is there (opening it said so) in a folder that is open: ENOENT
+            # or EPERM is the name (exfat-fuse, fusefat), not the path.
+            if exc.errno in (errno.ENOENT, errno.EPERM):
+                raise NameRefused(name) from exc
+            raise
         return os.open(name, _FOLDER_FLAGS, dir_fd=parent_fd)
 
     def _evict(self) -> None:
@@ -543,6 +551,16 @@ def lstat_at(fd: int, name: str) -> os.stat_result | None:
         return os.stat(name, dir_fd=fd, follow_symlinks=False)
     except FileNotFoundError:
         return None
+
+
+def lstat_name(fd: int, name: str) -> os.stat_result | None:
+    """:func:`lstat_at`, where a name this file system refuses is simply absent."""
+    try:
+        return lstat_at(fd, name)
+    except OSError as exc:
+        if exc.errno in NAME_REFUSED:
+            return None
+        raise
 
 
 def remove_stale_temps(root: Path) -> int:
@@ -635,7 +653,7 @@ def _ownership_problem(root: Path) -> str | None:
         return f"{meta} is a link, not a folder; {trust}"
     if st.st_uid != me:
         return f"{meta} is owned by uid {st.st_uid}, not you (uid {me}); {trust}"
-    if st.st_mode & 0o022:
+    if st.st_mode & 0o022 and _keeps_modes(meta, st):
         return (f"{meta} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}); "
                 f"run `chmod go-w {meta}`, or {trust}")
     for name in _READ_FIRST:
@@ -648,6 +666,22 @@ def _ownership_problem(root: Path) -> str | None:
         if fst.st_uid != me:
             return f"{meta / name} is owned by uid {fst.st_uid}, not you (uid {me}); {trust}"
     return None
+
+
+def _keeps_modes(path: Path, st: os.stat_result) -> bool:
+    """True if the file system of ``path`` (a folder that shows mode ``st``) keeps
+    permission bits. exFAT and FAT keep none and show every folder writable by all
+    (who may write is the mount's business): a mode that does not stick says
+    nothing. Probed by taking group and other write away and putting the mode back."""
+    mode = stat.S_IMODE(st.st_mode)
+    try:
+        os.chmod(path, mode & ~0o022)
+        kept = not os.stat(path).st_mode & 0o022
+        if kept:
+            os.chmod(path, mode)
+    except OSError:
+        return False  # fusefat: no chmod at all
+    return kept
 
 
 def _is_trusted(root: Path) -> bool:

@@ -190,11 +190,13 @@ def test_a_name_this_file_system_refuses_is_named_and_kept(
     clone = run_cli("clone", uris[0], "--backend", uris[1], str(tmp_path / "g"), cwd=tmp_path,
                     check=False)
     assert clone.returncode == 0 and "Traceback" not in clone.stderr, clone.stderr
-    refused = [line for line in clone.stderr.splitlines() if line.startswith("cannot write")]
+    refused = [line for line in clone.stderr.splitlines() if line.startswith("cannot be written here")]
     assert refused == [
-        f"cannot write {LONG_DIR} here: File name too long; it stays in the repository "
+        f"cannot be written here: {LONG_DIR}: File name too long for this file system; it "
+        "stays in the repository "
         "(and on the other clients)",
-        f"cannot write {LONG_FILE} here: File name too long; it stays in the repository "
+        f"cannot be written here: {LONG_FILE}: File name too long for this file system; it "
+        "stays in the repository "
         "(and on the other clients)"], clone.stderr
     g = tmp_path / "g"
     assert sorted(p.name for p in g.iterdir()) == [".metasync", "other.txt", "short.txt"]
@@ -210,9 +212,9 @@ def test_a_name_this_file_system_refuses_is_named_and_kept(
     # deletion upstream (of names the clone never had) goes through.
     _push_as_a_client_with_longer_names(folder, monkeypatch, suffix="2")
     pull = run_cli("pull", cwd=g)
-    assert f"cannot write {LONG_FILE}2 here" in pull.stderr, pull.stderr
-    assert f"cannot write {LONG_DIR}2 here" in pull.stderr
-    assert f"cannot write {LONG_DIR} here" not in pull.stderr  # said once, at the clone
+    assert f"cannot be written here: {LONG_FILE}2: " in pull.stderr, pull.stderr
+    assert f"cannot be written here: {LONG_DIR}2: " in pull.stderr
+    assert f"cannot be written here: {LONG_DIR}: " not in pull.stderr  # said once, at the clone
     assert "Traceback" not in pull.stderr
     _push_as_a_client_with_longer_names(folder, monkeypatch, delete=True)
     run_cli("pull", cwd=g)
@@ -273,8 +275,8 @@ def test_the_daemon_syncs_a_name_that_is_not_utf8_and_keeps_running(
 
     wait_until(took_it, 60, "the daemon took the other client's version")
     log = (folder / ".metasync" / "daemon.log").read_text()
-    assert f"cannot write {LONG_FILE} here: File name too long" in log, log
-    assert f"cannot write {LONG_DIR} here: File name too long" in log
+    assert f"cannot be written here: {LONG_FILE}: File name too long" in log, log
+    assert f"cannot be written here: {LONG_DIR}: File name too long" in log
     assert "Traceback" not in log
 
 
