@@ -1,12 +1,11 @@
 """Checkout: moving the folder from one tree to another without losing a local change.
 
-For each path, base = the tree the folder was checked out from, local = the
-folder now, remote = the new tree (the rules are in docs/design.md, "The
-folder"). Files are written to temporary files beside their targets by the
-:class:`FileWriter` (which also serves ``restore``), flushed in batches and
-renamed into place; a file that changed since the scan the checkout planned with
-becomes a conflict copy instead of being replaced. A checkout is recorded as
-pending before it starts, so a crash leaves one the next command finishes.
+For each path, base = the tree the folder was checked out from, local = the folder now,
+remote = the new tree (the rules are in docs/design.md, "The folder"). Files are written to
+temporary files beside their targets by the :class:`FileWriter` (which also serves
+``restore``), flushed in batches and renamed into place; a file that changed since the scan
+the checkout planned with becomes a conflict copy instead of being replaced. A checkout is
+recorded as pending before it starts, so a crash leaves one the next command finishes.
 
 Every write, rename and delete is made relative to its parent folder opened by
 :class:`~metasync.worktree.Folders`, which never follows a symbolic link: a link
@@ -39,6 +38,7 @@ from metasync.graph import ObjectGraph
 from metasync.localdb import NOT_ON_DISK, IndexRow
 from metasync.names import display_path
 from metasync.objects import TreeEntry, Version, same_entry
+from metasync.portable import O_CLOEXEC, O_NOFOLLOW, SYNC_ALL_FLUSHES_FILES, sync_all
 from metasync.progress import Reporter
 from metasync.scanner import Scanner, ScanResult, name_clashes, nfc
 from metasync.state import LocalState
@@ -112,7 +112,7 @@ class FileWriter:
             os.symlink(entry.ref, tmp, dir_fd=folder)
             return tmp, None
         mode = self.ctx.file_modes[entry.executable]
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC,
                      mode, dir_fd=folder)
         try:
             with os.fdopen(fd, "wb") as fh:
@@ -132,7 +132,7 @@ class FileWriter:
                 if holes:
                     fh.truncate()  # the size, if the file ends in a hole
                 fh.flush()
-                if durable:
+                if durable or not SYNC_ALL_FLUSHES_FILES:
                     os.fsync(fh.fileno())
                 st = os.fstat(fh.fileno())
         except BaseException:
@@ -543,7 +543,7 @@ class Checkout:
         """Flush a batch of written temporary files once, then rename each into place."""
         if not pending:
             return []
-        os.sync()  # one flush for the batch instead of an fsync per file
+        sync_all()  # one flush for the batch instead of an fsync per file
         written_at = time.time_ns()
         folders = self._folders
 

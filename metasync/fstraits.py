@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from metasync.portable import O_CLOEXEC
+
 #: What a file system answers when it cannot hold a name: too long (another
 #: client's system allows longer ones), not in the encoding it requires (macOS,
 #: ZFS utf8only: EILSEQ), or characters it forbids (SMB, the kernel's vfat: EINVAL).
@@ -119,7 +121,7 @@ def probe_traits(root: Path, meta: Path) -> FolderTraits | None:
     name = f"probe-{os.urandom(6).hex()}"
     path = meta / name
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o644)
     except OSError:
         return None
     try:

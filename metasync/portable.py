@@ -60,6 +60,37 @@ def lock(fd: int) -> None:
             raise _as_os_error(exc) from exc
 
 
+#: open() flags that exist only on POSIX, as 0 where they do not: on Windows no
+#: symbolic link is followed by a plain open of a file, there are no FIFOs to block
+#: on, handles are not inherited by default, and no folder opens as a file (the
+#: descriptor-relative folder walk, worktree.Folders, is POSIX only).
+if sys.platform == "win32":
+    O_NOFOLLOW = O_DIRECTORY = O_CLOEXEC = O_NONBLOCK = 0
+else:
+    O_NOFOLLOW, O_DIRECTORY, O_CLOEXEC, O_NONBLOCK = (
+        os.O_NOFOLLOW, os.O_DIRECTORY, os.O_CLOEXEC, os.O_NONBLOCK)
+
+#: Whether one :func:`sync_all` makes every file written before it durable (POSIX
+#: ``sync``); where it does not (Windows), each file is fsynced as it is written.
+SYNC_ALL_FLUSHES_FILES = sys.platform != "win32"
+
+
+def sync_all() -> None:
+    """Flush every file system's written data (one call for a batch of files instead
+    of an fsync each); nothing on Windows, where :data:`SYNC_ALL_FLUSHES_FILES` is
+    False and writers fsync each file."""
+    if sys.platform != "win32":
+        os.sync()
+
+
+def effective_uid() -> int | None:
+    """This process's effective uid; None on Windows, which has none (ownership
+    there is an ACL's, which the checks that use this leave to the OS)."""
+    if sys.platform == "win32":
+        return None
+    return os.geteuid()
+
+
 def sync_folder(path: str | os.PathLike[str]) -> None:
     """Make the folder's entries (creates, renames, unlinks) durable. Windows cannot
     open a folder as a file and NTFS journals its metadata: nothing to do there."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -28,6 +29,7 @@ from pyfastcdc import FastCDC
 from metasync.errors import UnsafeRepository, UsageError
 from metasync.fstraits import NAME_REFUSED, NameRefused
 from metasync.objects import Chunk, FileObject, ObjectHasher
+from metasync.portable import O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW, O_NONBLOCK, effective_uid
 
 META_DIR = ".metasync"
 TEMP_PREFIX = ".metasync-tmp-"
@@ -135,10 +137,14 @@ class _ReadCheck:
     (ACLs and capabilities may still allow it). Root reads everything."""
 
     def __init__(self) -> None:
-        self.uid = os.geteuid()
-        self.gids = {os.getegid(), *os.getgroups()}
+        self.uid = effective_uid()
+        self.gids: set[int] = set()
+        if sys.platform != "win32":
+            self.gids = {os.getegid(), *os.getgroups()}
 
     def denied(self, path: str, st: os.stat_result) -> bool:
+        if self.uid is None:  # Windows: its mode bits say nothing of ACLs; ask it
+            return not os.access(path, os.R_OK)
         if self.uid == 0:
             return False
         mode = st.st_mode
@@ -290,13 +296,13 @@ def _open_nonblocking(path: str, flags: int) -> int:
     """An ``open()`` opener that never blocks: a FIFO put where the scan saw a file
     opens at once (and is refused as no longer a regular file); on a regular file
     ``O_NONBLOCK`` changes nothing."""
-    return os.open(path, flags | os.O_NONBLOCK)
+    return os.open(path, flags | O_NONBLOCK)
 
 
 def _opener_at(dir_fd: int) -> Callable[[str, int], int]:
     """An ``open()`` opener of names in folder ``dir_fd`` that never follows a link
     (nor blocks, as :func:`_open_nonblocking`)."""
-    return lambda name, flags: os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    return lambda name, flags: os.open(name, flags | O_NOFOLLOW | O_NONBLOCK, dir_fd=dir_fd)
 
 
 def temp_name() -> str:
@@ -305,7 +311,7 @@ def temp_name() -> str:
 
 
 #: Opens a folder, failing on a symbolic link (ELOOP) or anything not a folder (ENOTDIR).
-_FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FOLDER_FLAGS = os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC
 #: What opening a path that is not a real folder fails with.
 NOT_A_FOLDER = (errno.ELOOP, errno.ENOTDIR)
 
@@ -348,7 +354,10 @@ class Folders:
         self._lock = threading.RLock()
         self._cache: OrderedDict[str, _OpenFolder] = OrderedDict()
         self._by_fd: dict[int, _OpenFolder] = {}
-        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if sys.platform == "win32":  # no folder descriptors there (no dir_fd)
+            raise UsageError("writing the folder on Windows is not supported yet (it needs "
+                             "folder descriptors); use WSL, or metasync on another system")
+        root_fd = os.open(root, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
         self._root = _OpenFolder(root_fd, pins=1)  # never evicted
         self._cache[""] = self._root
         self._by_fd[root_fd] = self._root
@@ -566,6 +575,8 @@ def lstat_name(fd: int, name: str) -> os.stat_result | None:
 def remove_stale_temps(root: Path) -> int:
     """Delete temporary files (and links) a crashed command left behind; return how
     many. Walks by folder descriptors, never through a link."""
+    if sys.platform == "win32":
+        return _remove_stale_temps_by_path(root)
     removed = 0
     for _, dirnames, filenames, dir_fd in os.fwalk(root):
         # A temporary link to a folder is listed with the folders (not descended into).
@@ -578,6 +589,25 @@ def remove_stale_temps(root: Path) -> int:
             try:
                 os.unlink(name, dir_fd=dir_fd)
                 removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def _remove_stale_temps_by_path(root: Path) -> int:
+    """:func:`remove_stale_temps` where there are no folder descriptors (Windows):
+    ``os.walk`` follows no link to a folder, and each name is checked before it
+    is removed."""
+    removed = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        stale = [n for n in (*filenames, *dirnames) if n.startswith(TEMP_PREFIX)]
+        dirnames[:] = [d for d in dirnames if d != META_DIR and not d.startswith(TEMP_PREFIX)]
+        for name in stale:
+            path = os.path.join(dirpath, name)
+            try:
+                if not stat.S_ISDIR(os.lstat(path).st_mode):
+                    os.unlink(path)
+                    removed += 1
             except FileNotFoundError:
                 pass
     return removed
@@ -645,7 +675,9 @@ def check_owner(root: Path) -> None:
 
 
 def _ownership_problem(root: Path) -> str | None:
-    me = os.geteuid()
+    me = effective_uid()
+    if me is None:  # Windows: a folder's owner is an ACL's, checked by the OS on open
+        return None
     meta = root / META_DIR
     trust = f"if you trust it, run `metasync trust {root}` (or set {SAFE_FOLDERS_ENV})"
     st = os.lstat(meta)
