@@ -6,11 +6,16 @@ created by metasync (only the namespace folder inside it, by :meth:`create`), so
 an unmounted disk shows up as :class:`BackendUnavailable` instead of a fresh,
 empty folder silently filling the wrong disk.
 
-Crash safety relies on three POSIX guarantees:
+Crash safety relies on three guarantees of the filesystem:
 
 - ``rename`` over an existing file is atomic (``put``);
-- ``link`` fails with ``EEXIST`` if the name exists, and publishes a complete
-  file in one step (``put_if_absent`` and ``append``);
+- an exclusive publish -- ``link()``, or a no-replace rename where there are no hard
+  links (exFAT, FAT) -- fails if the name exists and gives a complete file its name
+  in one step (``put_if_absent`` and log appends; :mod:`.publish`). Which one a
+  folder honours is probed once per backend instance, at its first exclusive write
+  (so every command, and a disk mounted anew at the same path, is probed again); a
+  filesystem with neither is refused with one line naming it
+  (:class:`PrimitiveMissing`);
 - after ``fsync`` of a file and of its folder, both survive power loss.
 
 Every write first goes to a temporary ``.tmp-<random>`` file in the destination
@@ -26,6 +31,7 @@ import errno
 import os
 import secrets
 import stat
+import threading
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO
 
@@ -42,12 +48,20 @@ from metasync.backends.base import (
     temp_path_parts,
 )
 from metasync.backends.logs import LogStore, entry_name, entry_position
+from metasync.backends.publish import (
+    NAMES,
+    UNSUPPORTED,
+    describe_filesystem,
+    probe_publish,
+    publish,
+)
 from metasync.errors import (
     BackendError,
     BackendFull,
     BackendUnavailable,
     InvalidKey,
     ObjectNotFound,
+    PrimitiveMissing,
     UsageError,
 )
 
@@ -65,8 +79,6 @@ _UNREACHABLE = _errnos("ENOTCONN", "ESTALE", "ENODEV", "ENXIO", "EHOSTDOWN", "EH
 _FULL = _errnos("ENOSPC", "EDQUOT")
 # A retry may well succeed.
 _TRANSIENT = _errnos("EAGAIN", "EBUSY", "EINTR", "ETIMEDOUT", "EIO")
-# link() is not supported by this filesystem (FAT, exFAT, some FUSE/SMB mounts).
-_NO_HARDLINKS = _errnos("EPERM", "ENOTSUP", "EOPNOTSUPP", "ENOSYS", "EXDEV")
 # fsync on a folder is not supported everywhere; durability is then best effort.
 _FSYNC_DIR_UNSUPPORTED = _errnos("EINVAL", "ENOTSUP", "EOPNOTSUPP", "EBADF", "EACCES", "EPERM")
 
@@ -99,28 +111,6 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
-
-
-def _link_exclusive(source: str, target: str) -> bool:
-    """Give the complete file ``source`` the additional name ``target`` unless it exists.
-
-    Returns False if ``target`` already exists. The link count check is the classic
-    NFS-safe exclusive create: a retransmitted ``link`` may report ``EEXIST`` (or
-    another error) although the first transmission succeeded.
-    """
-    try:
-        os.link(source, target)
-        return True
-    except OSError as exc:
-        try:
-            linked = os.stat(source).st_nlink == 2
-        except OSError:
-            linked = False
-        if linked:
-            return True
-        if isinstance(exc, FileExistsError):
-            return False
-        raise
 
 
 @register
@@ -161,6 +151,9 @@ class LocalBackend(Backend):
         self.location: str = os.path.normpath(path)
         #: The namespace folder holding every key.
         self.root: str = os.path.join(self.location, *namespace.split("/"))
+        # The exclusive publish the folder honours: probed at first use (publish_method).
+        self._method: str | None = None
+        self._method_lock = threading.Lock()
 
     # --- helpers -------------------------------------------------------------------
     def _key(self, key: str) -> str:
@@ -284,21 +277,57 @@ class LocalBackend(Backend):
         """Publish ``data`` as ``folder/name`` if absent: complete or not at all."""
         tmp = self._write_temp(folder, key, data)
         try:
-            created = _link_exclusive(tmp, os.path.join(folder, name))
-        except OSError as exc:
-            raise self._link_error(exc, key, "create", "exclusive creates") from exc
+            return self.publish(tmp, os.path.join(folder, name), key, "create")
         finally:
             _unlink_quietly(tmp)
-        return created
 
-    def _link_error(self, exc: OSError, key: str, action: str, needed_for: str) -> BackendError:
-        """The error for a failed exclusive link: a clear one if hard links are missing."""
-        if exc.errno in _NO_HARDLINKS:
-            return BackendError(
-                f"cannot {action} {key!r} on {self.name}: the filesystem does not support "
-                f"hard links, which the dir: backend needs for {needed_for}"
-            )
-        return self._error(exc, key, action, not_found=False)
+    def publish_method(self) -> str:
+        """The exclusive publish (:data:`~.publish.LINK` or :data:`~.publish.RENAME`)
+        this backend's folder honours, probed (:func:`~.publish.probe_publish`) at
+        the first call on this instance. Raises :class:`PrimitiveMissing`, one line
+        naming the filesystem and what it lacks, if it honours neither."""
+        with self._method_lock:
+            if self._method is None:
+                self._require_root()
+                try:
+                    method = probe_publish(
+                        self.root, lambda data: self._write_temp(self.root, "probe", data))
+                except OSError as exc:
+                    raise self._error(exc, "probe", "write", not_found=False) from exc
+                if method is None:
+                    raise PrimitiveMissing(self.lacks_publish_message())
+                self._method = method
+            return self._method
+
+    def lacks_publish_message(self) -> str:
+        """The one line for a folder whose filesystem has no exclusive publish."""
+        return (
+            f"{self.name} cannot hold metasync's logs: {describe_filesystem(self.location)} "
+            "has neither hard links nor a no-replace rename, one of which the dir: backend "
+            "needs to give a file its name only if the name is free; use a folder on "
+            "another filesystem (ext4, NTFS, APFS), or mount this disk with the kernel's "
+            "own exfat or vfat driver rather than a FUSE one"
+        )
+
+    def publish(self, tmp: str, target: str, key: str, action: str) -> bool:
+        """Give the complete temp file ``tmp`` the name ``target`` unless it exists; True
+        if this call did. ``tmp`` may remain (the caller removes it). A primitive that
+        held when probed and is refused now means another disk is mounted at the path
+        meanwhile: the folder is probed again, once. Errors follow the backend contract
+        (``key`` and ``action`` name the operation in them)."""
+        try:
+            for again in (False, True):
+                method = self.publish_method()
+                try:
+                    return publish(method, tmp, target)
+                except OSError as exc:
+                    if exc.errno not in UNSUPPORTED or again:
+                        raise
+                    with self._method_lock:
+                        self._method = None
+        except OSError as exc:
+            raise self._error(exc, key, action, not_found=False) from exc
+        raise AssertionError("unreachable")
 
     # --- lifecycle -----------------------------------------------------------------
     def exists(self) -> bool:
@@ -306,13 +335,17 @@ class LocalBackend(Backend):
         return os.path.isdir(self.root)
 
     def create(self) -> None:
-        """Create the namespace folder (idempotent) inside the existing location folder.
+        """Create the namespace folder (idempotent) inside the existing location folder,
+        and probe its exclusive publish (:meth:`publish_method`).
 
-        Raises :class:`BackendUnavailable` naming the location if it does not exist:
+        Raises :class:`PrimitiveMissing` if the filesystem has none. Raises :class:`BackendUnavailable` naming the location if it does not exist:
         creating it could silently write onto the wrong disk when a drive is unmounted.
         """
         self.probe()
         self._create_namespace(self.location)
+        # Choose the exclusive publish now, so a filesystem without any is refused
+        # before anything of a repository is written (init, backend add).
+        self.publish_method()
 
     def create_location(self) -> None:
         """Create the location folder and its parents (``--mkdir``)."""
@@ -387,8 +420,8 @@ class LocalBackend(Backend):
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create ``key`` holding ``data`` unless it exists; True if this call created it.
 
-        Atomic among concurrent processes (``link`` of a complete temp file), and a
-        reader never sees the object partially written.
+        Atomic among concurrent processes (an exclusive publish of a complete temp
+        file: :meth:`publish`), and a reader never sees the object partially written.
         """
         folder, name = self._parent_folder(key)
         try:
@@ -579,15 +612,20 @@ class LocalBackend(Backend):
 
 class LocalLogs(LogStore):
     """The logs of a ``dir:`` backend: log ``L`` is the folder ``L/`` and entry *p*
-    the file ``L/<p:010d>``, published complete by an exclusive ``link()``
-    (docs/FORMAT.md §11.1). Entries are read from disk on every fetch (no cache:
+    the file ``L/<p:010d>``, published complete by an exclusive ``link()`` or a
+    no-replace rename, whichever the filesystem has (docs/FORMAT.md §11.1; the same
+    file either way). Entries are read from disk on every fetch (no cache:
     a local read costs little)."""
-
-    primitive = "an exclusive hard link"
 
     def __init__(self, backend: LocalBackend) -> None:
         #: The backend whose folder holds the logs.
         self.backend = backend
+
+    @property
+    def primitive(self) -> str:
+        """The exclusive publish in use (once probed), for messages and records."""
+        method = self.backend._method
+        return NAMES[method] if method else "an exclusive hard link or a no-replace rename"
 
     def append(self, log: str, message: bytes) -> int:
         """Append ``message`` to the log folder ``log/``; return its position.
@@ -609,13 +647,15 @@ class LocalLogs(LogStore):
             try:
                 # Listed after the slow part (writing), so the guess is as fresh as possible.
                 position = self._next_position(folder)
-                while not _link_exclusive(tmp, os.path.join(folder, entry_name(position))):
+                target = os.path.join(folder, entry_name(position))
+                while not self.backend.publish(tmp, target, log, "append to"):
                     position += 1
+                    target = os.path.join(folder, entry_name(position))
             finally:
                 _unlink_quietly(tmp)
             _fsync_dir(folder)
         except OSError as exc:
-            raise self.backend._link_error(exc, log, "append to", "atomic appends") from exc
+            raise self.backend._error(exc, log, "append to", not_found=False) from exc
         return position
 
     def append_at(self, log: str, position: int, message: bytes) -> bool:
@@ -633,13 +673,14 @@ class LocalLogs(LogStore):
                 return False
             tmp = self.backend._write_temp(folder, log, message)
             try:
-                written = _link_exclusive(tmp, os.path.join(folder, entry_name(position)))
+                written = self.backend.publish(
+                    tmp, os.path.join(folder, entry_name(position)), log, "append to")
             finally:
                 _unlink_quietly(tmp)
             if written:
                 _fsync_dir(folder)
         except OSError as exc:
-            raise self.backend._link_error(exc, log, "append to", "atomic appends") from exc
+            raise self.backend._error(exc, log, "append to", not_found=False) from exc
         return written
 
     def _next_position(self, folder: str) -> int:
