@@ -88,9 +88,10 @@ def _rename_noreplace_call(source: str, target: str) -> None:
         # MoveFileEx without MOVEFILE_REPLACE_EXISTING refuses an existing target.
         os.rename(source, target)
         return
+    args: tuple[object, ...] = ()
     if sys.platform == "darwin":
         function = getattr(_c_library(), "renamex_np", None)
-        args: tuple[object, ...] = (os.fsencode(source), os.fsencode(target), 0x4)  # RENAME_EXCL
+        args = (os.fsencode(source), os.fsencode(target), 0x4)  # RENAME_EXCL
     elif sys.platform.startswith("linux"):
         function = getattr(_c_library(), "renameat2", None)  # glibc >= 2.28, musl >= 1.2.2
         at_fdcwd = -100

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from metasync.backends.conformance import BackendConformance, Location
 from metasync.backends.local import LocalBackend
 from metasync.backends.publish import LINK, RENAME, describe_filesystem, probe_publish, publish
 from metasync.errors import PrimitiveMissing
@@ -143,3 +144,20 @@ def test_log_appends_by_no_replace_rename_lose_nothing(tmp_path: Path) -> None:
     finally:
         for client in clients:
             client.close()
+
+
+class TestLocalBackendOnNtfs(BackendConformance):
+    """The conformance suite against ``dir:`` on an NTFS image (ntfs-3g): hard links,
+    case-sensitive, so it declares what the class does. (exFAT and FAT under the FUSE
+    drivers here have no exclusive publish at all: refused above.)"""
+
+    backend_class = LocalBackend
+    transient_faults = False  # a local folder has no connection to break
+
+    @pytest.fixture
+    def backend_location(self, fs_images: dict[str, Path]) -> Location:
+        return (f"dir:{fresh_folder(fs_images['ntfs'])}", "ns")
+
+    @pytest.fixture
+    def unicode_location(self, fs_images: dict[str, Path]) -> Location:
+        return (f"dir:{fresh_folder(fs_images['ntfs'], 'ünïcødé store ☃ 名前')}", "ns")
