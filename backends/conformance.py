@@ -72,6 +72,7 @@ from typing import Any, BinaryIO, cast
 import pytest
 
 from metasync.backends import Backend, open_backend
+from metasync.backends.capabilities import Capabilities
 from metasync.backends.logs import LogStore
 from metasync.errors import BackendError, InvalidKey, ObjectNotFound
 
@@ -147,6 +148,11 @@ def inapplicable_reason(item: pytest.Item) -> str | None:
     backend_class = cls.backend_class
     for mark in item.iter_markers("needs_capability"):
         name = mark.args[0]
+        if cls.capabilities is not None:
+            if not getattr(cls.capabilities, name):
+                return (f"{cls.__name__}: {getattr(backend_class, '__name__', 'the backend')}"
+                        f" lacks capability {name!r} there")
+            continue
         if backend_class is None:
             return f"{cls.__name__} names no backend_class to read capability {name!r} from"
         if not getattr(backend_class.capabilities, name):
@@ -561,6 +567,11 @@ class BackendConformance:
 
     #: The backend under test; its ``capabilities`` select the capability tests.
     backend_class: type[Backend] | None = None
+    #: What the backend declares at this class's location, where that differs from
+    #: ``backend_class.capabilities`` (a ``dir:`` folder on exFAT: no exclusive create,
+    #: case-insensitive); it then selects the capability tests. A test module should
+    #: check that an instance there declares exactly this.
+    capabilities: Capabilities | None = None
     #: The backend talks over a network connection that ``faulty_location`` can break.
     transient_faults: bool = True
     #: Appends by each of the 6 processes in the concurrent-append test. A backend

@@ -33,7 +33,8 @@ import secrets
 import stat
 import threading
 from collections.abc import Iterator, Sequence
-from typing import BinaryIO
+from dataclasses import replace
+from typing import Any, BinaryIO, overload
 
 from metasync.backends import register
 from metasync.backends.base import (
@@ -47,7 +48,7 @@ from metasync.backends.base import (
     is_key_part,
     temp_path_parts,
 )
-from metasync.backends.logs import LogStore, entry_name, entry_position
+from metasync.backends.logs import LogStore, RegisterLogs, entry_name, entry_position
 from metasync.backends.publish import (
     NAMES,
     UNSUPPORTED,
@@ -113,6 +114,42 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
         view = view[written:]
 
 
+#: A ``dir:`` folder whose logs are entry files published exclusively (a filesystem
+#: with hard links or a no-replace rename): what the class declares.
+ENTRY_CAPABILITIES = Capabilities(
+    conditional_create=True,
+    compare_and_swap=False,
+    conditional_append=True,
+    range_reads=True,
+    max_object_size=None,
+    case_sensitive=True,
+    long_poll=False,
+    temp_files=True,
+)
+#: A ``dir:`` folder whose logs are Disk Paxos registers (:data:`REGISTERS_MARKER`): a
+#: filesystem with neither primitive, so creates are not exclusive (``put_if_absent``
+#: checks, then renames) and ``append_at`` is RegisterLogs' own.
+REGISTER_CAPABILITIES = replace(ENTRY_CAPABILITIES, conditional_create=False)
+#: The file in a namespace folder saying that its logs are Disk Paxos registers
+#: (docs/FORMAT.md), written by ``create`` on a filesystem without an exclusive
+#: publish. ``=`` is no key character, so it is never listed nor taken by a key.
+REGISTERS_MARKER = "logs=registers"
+
+
+class _Declared:
+    """The ``capabilities`` attribute of :class:`LocalBackend`: the class's
+    declaration read on the class (the conformance suite selects tests by it), the
+    folder's (:meth:`LocalBackend.declared_capabilities`) read on an instance."""
+
+    @overload
+    def __get__(self, obj: None, owner: Any) -> Capabilities: ...
+    @overload
+    def __get__(self, obj: LocalBackend, owner: Any) -> Capabilities: ...
+
+    def __get__(self, obj: LocalBackend | None, owner: Any) -> Capabilities:
+        return ENTRY_CAPABILITIES if obj is None else obj.declared_capabilities()
+
+
 @register
 class LocalBackend(Backend):
     """A folder on a filesystem, URI ``dir:/absolute/path``.
@@ -124,16 +161,9 @@ class LocalBackend(Backend):
 
     scheme = "dir"
     location_needs_mkdir = True
-    capabilities = Capabilities(
-        conditional_create=True,
-        compare_and_swap=False,
-        conditional_append=True,
-        range_reads=True,
-        max_object_size=None,
-        case_sensitive=True,
-        long_poll=False,
-        temp_files=True,
-    )
+    #: What the backend declares: :data:`ENTRY_CAPABILITIES` on the class, and on an
+    #: instance what its folder gives (:meth:`declared_capabilities`).
+    capabilities = _Declared()
 
     def __init__(self, uri: str, namespace: str) -> None:
         """Bind to ``<path>/<namespace>/``. Touches nothing on disk.
@@ -154,6 +184,10 @@ class LocalBackend(Backend):
         # The exclusive publish the folder honours: probed at first use (publish_method).
         self._method: str | None = None
         self._method_lock = threading.Lock()
+        # Whether the folder's logs are registers (REGISTERS_MARKER), and whether
+        # its filesystem ignores case: read at first need (declared_capabilities).
+        self._registers: bool | None = None
+        self._case_sensitive: bool | None = None
 
     # --- helpers -------------------------------------------------------------------
     def _key(self, key: str) -> str:
@@ -274,10 +308,20 @@ class LocalBackend(Backend):
             raise self._error(exc, key, "write", not_found=False) from exc
 
     def _create_exclusive(self, key: str, data: bytes, folder: str, name: str) -> bool:
-        """Publish ``data`` as ``folder/name`` if absent: complete or not at all."""
+        """Publish ``data`` as ``folder/name`` if absent: complete or not at all.
+        Exclusive, except in a folder whose logs are registers (no primitive there):
+        then a check and a rename (``conditional_create`` is declared False)."""
         tmp = self._write_temp(folder, key, data)
+        target = os.path.join(folder, name)
         try:
-            return self.publish(tmp, os.path.join(folder, name), key, "create")
+            if self.uses_registers():
+                if os.path.lexists(target):
+                    return False
+                os.replace(tmp, target)
+                return True
+            return self.publish(tmp, target, key, "create")
+        except OSError as exc:
+            raise self._error(exc, key, "create", not_found=False) from exc
         finally:
             _unlink_quietly(tmp)
 
@@ -343,9 +387,10 @@ class LocalBackend(Backend):
         """
         self.probe()
         self._create_namespace(self.location)
-        # Choose the exclusive publish now, so a filesystem without any is refused
-        # before anything of a repository is written (init, backend add).
-        self.publish_method()
+        # Choose the logs now, before anything of a repository is written (init,
+        # backend add): entry files where the filesystem has an exclusive publish,
+        # else registers for a new folder.
+        self._choose_logs()
 
     def create_location(self) -> None:
         """Create the location folder and its parents (``--mkdir``)."""
@@ -606,8 +651,108 @@ class LocalBackend(Backend):
 
     # --- logs ----------------------------------------------------------------------
     def specific_logs(self) -> LogStore:
-        """Logs as folders of hard-linked entry files (:class:`LocalLogs`)."""
-        return LocalLogs(self)
+        """Logs as folders of exclusively published entry files (:class:`LocalLogs`),
+        or Disk Paxos registers in a folder marked so: :class:`DirLogs` decides at
+        the first use."""
+        return DirLogs(self)
+
+    # --- which logs: entries or registers ---------------------------------------------
+    def uses_registers(self) -> bool:
+        """Whether this folder's logs are Disk Paxos registers: its namespace folder
+        holds :data:`REGISTERS_MARKER` (read once per instance; an unreachable folder
+        answers False, not remembered, and its operations then fail as unreachable)."""
+        if self._registers is None:
+            try:
+                marked = os.path.isfile(os.path.join(self.root, REGISTERS_MARKER))
+            except OSError:
+                return False
+            if not marked and not os.path.isdir(self.root):
+                return False
+            self._registers = marked
+        return self._registers
+
+    def declared_capabilities(self) -> Capabilities:
+        """What this folder gives: :data:`REGISTER_CAPABILITIES` where its logs are
+        registers, else :data:`ENTRY_CAPABILITIES`; ``case_sensitive`` False where the
+        filesystem ignores case (the namespace folder is found under another case
+        that its parent does not list; asked once)."""
+        capabilities = REGISTER_CAPABILITIES if self.uses_registers() else ENTRY_CAPABILITIES
+        if self._case_sensitive is None:
+            swapped = self.namespace.swapcase()
+            if swapped == self.namespace:
+                self._case_sensitive = True  # no letter to tell by: as declared
+            else:
+                parent = os.path.dirname(self.root)
+                try:
+                    # Found under the swapped case though no entry is named so: the
+                    # filesystem ignores case. (Inode numbers cannot tell: FUSE
+                    # drivers give each spelling its own.)
+                    os.stat(os.path.join(parent, os.path.basename(swapped)))
+                    self._case_sensitive = os.path.basename(swapped) in os.listdir(parent)
+                except FileNotFoundError:
+                    self._case_sensitive = True
+                except OSError:
+                    return capabilities  # unreachable now: asked again later
+        if not self._case_sensitive:
+            capabilities = replace(capabilities, case_sensitive=False)
+        return capabilities
+
+    def _choose_logs(self) -> None:
+        """At ``create``: an exclusive publish if the filesystem has one, else mark a
+        new, empty namespace folder for register logs. A folder that already holds a
+        repository with entry logs is refused instead (:class:`PrimitiveMissing`):
+        its entries must stay readable as they are."""
+        if self.uses_registers():
+            return
+        try:
+            self.publish_method()
+            return
+        except PrimitiveMissing:
+            if any(not name.startswith(TEMP_PREFIX) for name in os.listdir(self.root)):
+                raise
+        tmp = self._write_temp(self.root, REGISTERS_MARKER, b"registers\n")
+        try:
+            os.replace(tmp, os.path.join(self.root, REGISTERS_MARKER))
+            _fsync_dir(self.root)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            raise self._error(exc, REGISTERS_MARKER, "write", not_found=False) from exc
+        self._registers = True
+
+
+class DirLogs(LogStore):
+    """The logs of a ``dir:`` folder: :class:`LocalLogs` (entry files), or
+    :class:`~metasync.backends.logs.RegisterLogs` where the folder is marked for
+    registers (:meth:`LocalBackend.uses_registers`), chosen at the first call."""
+
+    def __init__(self, backend: LocalBackend) -> None:
+        self.backend = backend
+        self._store: LogStore | None = None
+        self._lock = threading.Lock()
+
+    def store(self) -> LogStore:
+        """The construction in use (decided once, at the first call)."""
+        with self._lock:
+            if self._store is None:
+                self._store = (RegisterLogs(self.backend) if self.backend.uses_registers()
+                               else LocalLogs(self.backend))
+            return self._store
+
+    @property
+    def primitive(self) -> str:
+        return self.store().primitive
+
+    def append(self, log: str, message: bytes) -> int:
+        return self.store().append(log, message)
+
+    def append_at(self, log: str, position: int, message: bytes) -> bool:
+        return self.store().append_at(log, position, message)
+
+    def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
+        return self.store().fetch(log, start)
+
+    def delete_log(self, log: str) -> int:
+        return self.store().delete_log(log)
 
 
 class LocalLogs(LogStore):

@@ -1,55 +1,99 @@
 """``dir:`` backends on the filesystems a user plugs in: exFAT, FAT32 and NTFS images
-mounted with FUSE (tests/servers/fsimages.py), and the exclusive publish the backend
-chooses by probing its folder (backends/publish.py; docs/backends.md, "dir: on USB
-sticks, SD cards and other filesystems").
+mounted with FUSE (tests/servers/fsimages.py), and how the backend chooses its logs
+by probing its folder (backends/publish.py, backends/local.py; docs/backends.md,
+"dir: on USB sticks, SD cards and other filesystems").
 
 The FUSE drivers here (exfat-fuse, fusefat: libfuse 2) have neither hard links nor a
-no-replace rename (renameat2 answers EINVAL), so a ``dir:`` backend there is refused
-with one line naming the filesystem; NTFS through ntfs-3g has hard links and works.
-The no-replace rename itself is exercised on the test machine's own filesystem.
+no-replace rename (renameat2 answers EINVAL), so a new ``dir:`` backend there keeps
+its logs as Disk Paxos registers (marked in its folder); NTFS through ntfs-3g has hard
+links. The no-replace rename itself is exercised on the machine's own filesystem.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from metasync.backends.conformance import BackendConformance, Location
-from metasync.backends.local import LocalBackend
+from metasync.backends.local import (
+    REGISTER_CAPABILITIES,
+    REGISTERS_MARKER,
+    LocalBackend,
+)
 from metasync.backends.publish import LINK, RENAME, describe_filesystem, probe_publish, publish
 from metasync.errors import PrimitiveMissing
 from tests.conftest import make_edge_case_tree, one_line_error, run_cli, snapshot
 from tests.servers.fsimages import fresh_folder
 
+#: What the case-insensitive images without an exclusive publish declare.
+NO_PUBLISH_CAPABILITIES = REGISTER_CAPABILITIES.__class__(
+    **{**REGISTER_CAPABILITIES.__dict__, "case_sensitive": False})
+
 #: How the fixture's drivers appear in the one-line error.
 FUSE_NAMES = {"exfat": "fuseblk (exFAT) at ", "fat": "fuse.fusefat (FAT) at "}
 
 
-@pytest.mark.parametrize("kind", ["exfat", "fat"])
-def test_stick_without_exclusive_publish_is_refused_in_one_line(
-    kind: str, tmp_path: Path, fs_images: dict[str, Path]
+def test_exfat_stick_and_one_local_folder_push_and_clone(
+    tmp_path: Path, fs_images: dict[str, Path]
 ) -> None:
-    """The issue's scenario (a stick and one local folder): init refuses the stick in
-    one line naming its filesystem, where it is mounted and what it lacks -- not the
-    consensus error of a later push -- and writes no repository anywhere."""
-    stick = fresh_folder(fs_images[kind])
+    """The issue's scenario: an exFAT stick and one local folder. init, push and a
+    clone through either backend work, and the stick takes part in every agreement:
+    it holds the log entries (as registers) that a clone through it alone reads."""
+    stick = fresh_folder(fs_images["exfat"])
     local = tmp_path / "local"
     local.mkdir()
     src = tmp_path / "src"
     src.mkdir()
     (src / "hello.txt").write_text("hello\n")
-    proc = run_cli("init", str(src), "--backend", f"dir:{stick}", "--backend", f"dir:{local}",
-                   check=False)
+    run_cli("init", str(src), "--backend", f"dir:{stick}", "--backend", f"dir:{local}")
+    run_cli("push", cwd=src)
+    (src / "more.txt").write_text("more\n")
+    push = run_cli("push", cwd=src)
+    assert "warning" not in push.stderr
+    for i, backend in enumerate((stick, local)):
+        clone = tmp_path / f"clone{i}"
+        run_cli("clone", f"dir:{backend}", str(clone))
+        assert snapshot(clone) == snapshot(src)
+    namespaces = [p.parent for p in stick.rglob(REGISTERS_MARKER)]
+    assert len(namespaces) == 1
+    entries = [p for p in namespaces[0].rglob("*") if p.is_file() and p.name.isdigit()]
+    assert len(entries) >= 2, "the stick holds the decided entries of both versions"
+    assert not list((local).rglob(REGISTERS_MARKER)), "the local folder keeps entry logs"
+
+
+@pytest.mark.parametrize("kind", ["exfat", "fat"])
+def test_entry_logs_on_a_filesystem_without_publish_are_refused_in_one_line(
+    kind: str, tmp_path: Path, fs_images: dict[str, Path]
+) -> None:
+    """A repository whose dir: logs are entry files (made where hard links work),
+    copied onto a filesystem with no exclusive publish: cloning from it is refused in
+    one line naming the filesystem, where it is mounted and what it lacks -- never the
+    consensus error -- and no folder is made."""
+    made = tmp_path / "made"
+    made.mkdir()
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "hello.txt").write_text("hello\n")
+    run_cli("init", str(src), "--backend", f"dir:{made}")
+    run_cli("push", cwd=src)
+    stick = fresh_folder(fs_images[kind])
+    for path in sorted(made.rglob("*")):  # contents only: FAT keeps no modes
+        target = stick / path.relative_to(made)
+        if path.is_dir():
+            target.mkdir()
+        else:
+            shutil.copyfile(path, target)
+    clone = tmp_path / "clone"
+    proc = run_cli("clone", f"dir:{stick}", str(clone), check=False)
     line = one_line_error(proc, f"dir:{stick} cannot hold metasync's logs",
                           FUSE_NAMES[kind] + str(fs_images[kind]),
                           "neither hard links nor a no-replace rename")
     assert "could not agree" not in line
-    assert not (src / ".metasync").exists()
-    leftovers = [p for p in stick.rglob("*") if p.is_file()]
-    assert leftovers == [], "the probe leaves no file behind"
+    assert not clone.exists()
 
 
 @pytest.mark.parametrize("kind", ["exfat", "fat"])
@@ -60,18 +104,26 @@ def test_probe_finds_no_primitive_on(kind: str, fs_images: dict[str, Path]) -> N
     assert probe_publish(str(folder), _temp_writer(folder)) is None
     assert describe_filesystem(str(folder)).startswith(FUSE_NAMES[kind])
     backend = LocalBackend(f"dir:{folder}", "ns")
+    (folder / "ns").mkdir()
     with pytest.raises(PrimitiveMissing) as raised:
-        backend.create()
+        backend.publish_method()
     assert not raised.value.transient
     assert str(raised.value) == backend.lacks_publish_message()
+    backend.create()  # a new folder: its logs become registers
+    assert backend.uses_registers()
+    assert backend.capabilities == NO_PUBLISH_CAPABILITIES
+    other = LocalBackend(f"dir:{folder}", "ns")
+    assert other.capabilities == NO_PUBLISH_CAPABILITIES
+    assert type(other.logs.store()).__name__ == "RegisterLogs"  # type: ignore[attr-defined]
 
 
-def test_edge_case_tree_round_trips_through_a_backend_on_ntfs(
-    tmp_path: Path, fs_images: dict[str, Path]
+@pytest.mark.parametrize("kind", ["exfat", "fat", "ntfs"])
+def test_edge_case_tree_round_trips_through_a_backend_on(
+    kind: str, tmp_path: Path, fs_images: dict[str, Path]
 ) -> None:
-    """The edge-case tree pushed to a ``dir:`` backend on NTFS (with a local folder)
-    clones back into a normal folder identical, through either backend."""
-    backend = fresh_folder(fs_images["ntfs"])
+    """The edge-case tree pushed to a ``dir:`` backend on the image (with a local
+    folder) clones back into a normal folder identical, through either backend."""
+    backend = fresh_folder(fs_images[kind])
     local = tmp_path / "local"
     local.mkdir()
     src = tmp_path / "src"
@@ -161,3 +213,26 @@ class TestLocalBackendOnNtfs(BackendConformance):
     @pytest.fixture
     def unicode_location(self, fs_images: dict[str, Path]) -> Location:
         return (f"dir:{fresh_folder(fs_images['ntfs'], 'ünïcødé store ☃ 名前')}", "ns")
+
+
+class TestLocalBackendOnExfat(BackendConformance):
+    """The conformance suite against ``dir:`` on an exFAT image (exfat-fuse): register
+    logs, no exclusive create, case-insensitive -- declared (``capabilities``), so
+    the tests needing them are deselected with that reason, never skipped."""
+
+    backend_class = LocalBackend
+    capabilities = NO_PUBLISH_CAPABILITIES
+    transient_faults = False  # a local folder has no connection to break
+
+    @pytest.fixture
+    def backend_location(self, fs_images: dict[str, Path]) -> Location:
+        return (f"dir:{fresh_folder(fs_images['exfat'])}", "ns")
+
+    @pytest.fixture
+    def unicode_location(self, fs_images: dict[str, Path]) -> Location:
+        return (f"dir:{fresh_folder(fs_images['exfat'], 'ünïcødé store ☃ 名前')}", "ns")
+
+    def test_declares_what_the_class_says(self, backend: LocalBackend) -> None:
+        """The instance on exFAT declares exactly the capabilities this class
+        selects the tests by."""
+        assert backend.capabilities == NO_PUBLISH_CAPABILITIES
