@@ -53,6 +53,7 @@ from metasync.backends.publish import (
     NAMES,
     UNSUPPORTED,
     describe_filesystem,
+    is_fuse,
     probe_publish,
     publish,
 )
@@ -128,7 +129,9 @@ ENTRY_CAPABILITIES = Capabilities(
 )
 #: A ``dir:`` folder whose logs are Disk Paxos registers (:data:`REGISTERS_MARKER`): a
 #: filesystem with neither primitive, so creates are not exclusive (``put_if_absent``
-#: checks, then renames) and ``append_at`` is RegisterLogs' own.
+#: checks, then renames) and ``append_at`` is RegisterLogs' own (which never replaces
+#: a file). An instance also declares ``case_sensitive`` and ``atomic_replace`` False
+#: where its filesystem ignores case or is a FUSE one (:meth:`declared_capabilities`).
 REGISTER_CAPABILITIES = replace(ENTRY_CAPABILITIES, conditional_create=False)
 #: The file in a namespace folder saying that its logs are Disk Paxos registers
 #: (docs/FORMAT.md), written by ``create`` on a filesystem without an exclusive
@@ -188,6 +191,7 @@ class LocalBackend(Backend):
         # its filesystem ignores case: read at first need (declared_capabilities).
         self._registers: bool | None = None
         self._case_sensitive: bool | None = None
+        self._fuse: bool | None = None
 
     # --- helpers -------------------------------------------------------------------
     def _key(self, key: str) -> str:
@@ -673,7 +677,8 @@ class LocalBackend(Backend):
 
     def declared_capabilities(self) -> Capabilities:
         """What this folder gives: :data:`REGISTER_CAPABILITIES` where its logs are
-        registers, else :data:`ENTRY_CAPABILITIES`; ``case_sensitive`` False where the
+        registers, else :data:`ENTRY_CAPABILITIES`; ``atomic_replace`` False on a FUSE
+        filesystem (:func:`~.publish.is_fuse`); ``case_sensitive`` False where the
         filesystem ignores case (the namespace folder is found under another case
         that its parent does not list; asked once)."""
         capabilities = REGISTER_CAPABILITIES if self.uses_registers() else ENTRY_CAPABILITIES
@@ -695,6 +700,10 @@ class LocalBackend(Backend):
                     return capabilities  # unreachable now: asked again later
         if not self._case_sensitive:
             capabilities = replace(capabilities, case_sensitive=False)
+        if self._fuse is None:
+            self._fuse = is_fuse(self.location)
+        if self._fuse:
+            capabilities = replace(capabilities, atomic_replace=False)
         return capabilities
 
     def _choose_logs(self) -> None:

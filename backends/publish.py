@@ -209,17 +209,16 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
-def describe_filesystem(path: str) -> str:
-    """The filesystem holding ``path`` in a few words: its type and mount point from
-    ``/proc/self/mountinfo``, e.g. ``fuseblk (exFAT) at /media/usb``; "the
-    filesystem at PATH" where that cannot be read (other OSes)."""
+def _mount_of(path: str) -> tuple[str, str, str] | None:
+    """``(mount point, type, source)`` of the mount holding ``path``, from
+    ``/proc/self/mountinfo``; None where that cannot be read (other OSes)."""
     best: tuple[str, str, str] | None = None
     real = os.path.realpath(path)
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
     except OSError:
-        return f"the filesystem at {path}"
+        return None
     for line in lines:
         fields = line.split(" ")
         if "-" not in fields or len(fields) < 5:
@@ -231,9 +230,25 @@ def describe_filesystem(path: str) -> str:
         inside = real == mountpoint or real.startswith(mountpoint.rstrip("/") + "/")
         if inside and (best is None or len(mountpoint) >= len(best[0])):
             best = (mountpoint, tail[0], _unescape(tail[1]))
-    if best is None:
+    return best
+
+
+def is_fuse(path: str) -> bool:
+    """Whether ``path`` is on a FUSE filesystem (Linux; False where unknown). Their
+    drivers -- exfat-fuse, fusefat, ntfs-3g -- replace a file on rename by removing
+    it first, so a reader may find no file in that moment."""
+    mount = _mount_of(path)
+    return mount is not None and mount[1].startswith("fuse")
+
+
+def describe_filesystem(path: str) -> str:
+    """The filesystem holding ``path`` in a few words: its type and mount point from
+    ``/proc/self/mountinfo``, e.g. ``fuseblk (exFAT) at /media/usb``; "the
+    filesystem at PATH" where that cannot be read (other OSes)."""
+    mount = _mount_of(path)
+    if mount is None:
         return f"the filesystem at {path}"
-    mountpoint, fstype, source = best
+    mountpoint, fstype, source = mount
     kind = None
     if fstype.startswith("fuse"):
         kind = _FUSE_DRIVERS.get(fstype.partition(".")[2]) or _volume_kind(source)

@@ -115,9 +115,12 @@ class Versions:
             self.ctx.reporter.note(message)
 
     def consensus_errors(self) -> dict[str, str]:
-        """Acceptor id -> why it failed, in the last agreement this client ran."""
+        """Acceptor id -> why it failed, in the last agreement this client ran, or
+        why its log appends keep failing (its latest one failed)."""
         consensus = self._consensus.get(self.config_id)
-        return consensus.last_errors if consensus is not None else {}
+        if consensus is None:
+            return {}
+        return {**consensus.failing_appends, **consensus.last_errors}
 
     # ---------------------------------------------------------------- configurations
     def load_config(self, config_id: str) -> Config:

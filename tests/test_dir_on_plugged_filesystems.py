@@ -14,12 +14,14 @@ from __future__ import annotations
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from metasync.backends.conformance import BackendConformance, Location
 from metasync.backends.local import (
+    ENTRY_CAPABILITIES,
     REGISTER_CAPABILITIES,
     REGISTERS_MARKER,
     LocalBackend,
@@ -30,8 +32,11 @@ from tests.conftest import make_edge_case_tree, one_line_error, run_cli, snapsho
 from tests.servers.fsimages import fresh_folder
 
 #: What the case-insensitive images without an exclusive publish declare.
-NO_PUBLISH_CAPABILITIES = REGISTER_CAPABILITIES.__class__(
-    **{**REGISTER_CAPABILITIES.__dict__, "case_sensitive": False})
+NO_PUBLISH_CAPABILITIES = replace(REGISTER_CAPABILITIES, case_sensitive=False,
+                                  atomic_replace=False)
+#: What a folder on NTFS through ntfs-3g declares: hard links, case-sensitive, but a
+#: FUSE driver (a replaced file is missing for a moment).
+NTFS_CAPABILITIES = replace(ENTRY_CAPABILITIES, atomic_replace=False)
 
 #: How the fixture's drivers appear in the one-line error.
 FUSE_NAMES = {"exfat": "fuseblk (exFAT) at ", "fat": "fuse.fusefat (FAT) at "}
@@ -200,15 +205,21 @@ def test_log_appends_by_no_replace_rename_lose_nothing(tmp_path: Path) -> None:
 
 class TestLocalBackendOnNtfs(BackendConformance):
     """The conformance suite against ``dir:`` on an NTFS image (ntfs-3g): hard links,
-    case-sensitive, so it declares what the class does. (exFAT and FAT under the FUSE
+    case-sensitive; a FUSE driver, so no ``atomic_replace``. (exFAT and FAT under the FUSE
     drivers here have no exclusive publish at all: refused above.)"""
 
     backend_class = LocalBackend
+    capabilities = NTFS_CAPABILITIES
     transient_faults = False  # a local folder has no connection to break
 
     @pytest.fixture
     def backend_location(self, fs_images: dict[str, Path]) -> Location:
         return (f"dir:{fresh_folder(fs_images['ntfs'])}", "ns")
+
+    def test_declares_what_the_class_says(self, backend: LocalBackend) -> None:
+        """The instance on NTFS declares exactly the capabilities this class
+        selects the tests by."""
+        assert backend.capabilities == NTFS_CAPABILITIES
 
     @pytest.fixture
     def unicode_location(self, fs_images: dict[str, Path]) -> Location:
@@ -217,7 +228,7 @@ class TestLocalBackendOnNtfs(BackendConformance):
 
 class TestLocalBackendOnExfat(BackendConformance):
     """The conformance suite against ``dir:`` on an exFAT image (exfat-fuse): register
-    logs, no exclusive create, case-insensitive -- declared (``capabilities``), so
+    logs, no exclusive create, case-insensitive, no atomic replace -- declared (``capabilities``), so
     the tests needing them are deselected with that reason, never skipped."""
 
     backend_class = LocalBackend
@@ -236,3 +247,24 @@ class TestLocalBackendOnExfat(BackendConformance):
         """The instance on exFAT declares exactly the capabilities this class
         selects the tests by."""
         assert backend.capabilities == NO_PUBLISH_CAPABILITIES
+
+
+def test_push_warns_of_a_backend_whose_log_appends_fail(tmp_path: Path) -> None:
+    """A backend whose log appends fail is outvoted by the others; the push still
+    succeeds but says which backend took no part and why, instead of nothing."""
+    folders = [tmp_path / f"b{i}" for i in range(3)]
+    for folder in folders:
+        folder.mkdir()
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a\n")
+    run_cli("init", str(src), *(a for f in folders for a in ("--backend", f"dir:{f}")))
+    run_cli("push", cwd=src)
+    logs = next(p for p in folders[2].rglob("log") if p.is_dir())
+    shutil.rmtree(logs)
+    logs.write_text("in the way\n")  # every append there now fails
+    (src / "b.txt").write_text("b\n")
+    push = run_cli("push", cwd=src)
+    assert "Pushed version" in push.stdout
+    warnings = [line for line in push.stderr.splitlines() if "took no part" in line]
+    assert len(warnings) == 1 and f"dir:{folders[2]}" in warnings[0], push.stderr
