@@ -122,6 +122,16 @@ class Versions:
             return {}
         return {**consensus.failing_appends, **consensus.last_errors}
 
+    def failing_appends(self) -> dict[str, str]:
+        """Acceptor id -> why, for each acceptor whose log appends keep failing while
+        it answered the rest of the last operation: outvoted and otherwise unnoticed
+        (one that does not answer at all is reported as unreachable anyway)."""
+        consensus = self._consensus.get(self.config_id)
+        if consensus is None:
+            return {}
+        down = consensus.last_errors
+        return {b: why for b, why in consensus.failing_appends.items() if b not in down}
+
     # ---------------------------------------------------------------- configurations
     def load_config(self, config_id: str) -> Config:
         """The configuration ``config_id``: from the local cache, else from the first
