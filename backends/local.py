@@ -13,8 +13,10 @@ Crash safety relies on three guarantees of the filesystem:
   links (exFAT, FAT) -- fails if the name exists and gives a complete file its name
   in one step (``put_if_absent`` and log appends; :mod:`.publish`). Which one a
   folder honours is probed once per backend instance, at its first exclusive write
-  (so every command, and a disk mounted anew at the same path, is probed again); a
-  filesystem with neither is refused with one line naming it
+  (so every command, and a disk mounted anew at the same path, is probed again). On
+  a filesystem with neither, a new namespace folder is marked for Disk Paxos register
+  logs (:data:`REGISTERS_MARKER`), which need no exclusive publish; a folder holding
+  entry-file logs there is refused with one line naming the filesystem
   (:class:`PrimitiveMissing`);
 - after ``fsync`` of a file and of its folder, both survive power loss.
 
@@ -682,7 +684,7 @@ class LocalBackend(Backend):
         filesystem ignores case (the namespace folder is found under another case
         that its parent does not list; asked once)."""
         capabilities = REGISTER_CAPABILITIES if self.uses_registers() else ENTRY_CAPABILITIES
-        if self._case_sensitive is None:
+        if self._case_sensitive is None and os.path.isdir(self.root):
             swapped = self.namespace.swapcase()
             if swapped == self.namespace:
                 self._case_sensitive = True  # no letter to tell by: as declared
@@ -697,8 +699,8 @@ class LocalBackend(Backend):
                 except FileNotFoundError:
                     self._case_sensitive = True
                 except OSError:
-                    return capabilities  # unreachable now: asked again later
-        if not self._case_sensitive:
+                    pass  # unreachable now: left unknown, asked again later
+        if self._case_sensitive is False:
             capabilities = replace(capabilities, case_sensitive=False)
         if self._fuse is None:
             self._fuse = is_fuse(self.location)
