@@ -6,6 +6,7 @@ a traceback appears only with ``--debug``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -710,24 +711,14 @@ def _quit_at_once() -> None:
         os._exit(130)
 
 
-class _SignalCount:
-    """Signals one listener has seen."""
-
-    def __init__(self) -> None:
-        self.seen = 0
-
-    def arrived(self) -> int:
-        self.seen += 1
-        return self.seen
-
-
-_HANDLED = _SignalCount()
+#: Signals the Python-level handler has run for (each listener counts its own).
+_HANDLED = itertools.count(1)
 
 
 def _on_signal(signum: int, frame: object) -> None:
     """The Python-level handler, run by the main thread when it next runs Python code:
     the first unwinds the command, which then reports what it kept."""
-    if _HANDLED.arrived() > 1:
+    if next(_HANDLED) > 1:
         _quit_at_once()
     _announce_stop()
     raise KeyboardInterrupt
@@ -741,9 +732,9 @@ def _watch_signals(wakeup: socket.socket) -> None:
     delivered to another thread does not wake it. The C-level handler also writes
     each signal's number to ``wakeup`` (:func:`signal.set_wakeup_fd`), read here: the
     first stops every transfer, a second quits at once."""
-    seen = _SignalCount()
+    seen = itertools.count(1)
     while wakeup.recv(1):
-        if seen.arrived() > 1:
+        if next(seen) > 1:
             _quit_at_once()
         _announce_stop()
 

@@ -27,7 +27,7 @@ from metasync.backends.local import (
     LocalBackend,
 )
 from metasync.backends.publish import LINK, RENAME, describe_filesystem, probe_publish, publish
-from metasync.errors import PrimitiveMissing
+from metasync.errors import MetasyncError, PrimitiveMissing
 from tests.conftest import make_edge_case_tree, one_line_error, run_cli, snapshot
 from tests.servers.fsimages import fresh_folder
 
@@ -268,3 +268,33 @@ def test_push_warns_of_a_backend_whose_log_appends_fail(tmp_path: Path) -> None:
     assert "Pushed version" in push.stdout
     warnings = [line for line in push.stderr.splitlines() if "took no part" in line]
     assert len(warnings) == 1 and f"dir:{folders[2]}" in warnings[0], push.stderr
+
+
+def test_adding_a_stick_to_a_format_4_repository_makes_it_format_5(
+    tmp_path: Path, fs_images: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A repository of format 4 stays 4 until `backend add` brings in a folder of
+    register logs: that configuration says 5, which a format 4 reader refuses with
+    "upgrade" (it would read the stick's logs as empty)."""
+    from metasync import Repository, context, layout, lifecycle, objects
+
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "f.txt").write_text("data\n")
+    dirs = [tmp_path / "b0", tmp_path / "b1"]
+    for d in dirs:
+        d.mkdir()
+    with monkeypatch.context() as older:
+        older.setattr(lifecycle, "FORMAT_VERSION", 4)
+        older.setattr(context, "FORMAT_VERSION", 4)
+        with Repository.init(folder, [f"dir:{d}" for d in dirs], encrypt=False) as repo:
+            repo.push("first")
+            assert repo.config.format == 4
+    stick = fresh_folder(fs_images["exfat"])
+    with Repository.open(folder) as repo:
+        repo.add_backend(f"dir:{stick}")
+        assert repo.versions.load_config(repo.versions.learn_latest().config).format == 5
+    for module in (objects, layout, context):  # a format 4 reader
+        monkeypatch.setattr(module, "READABLE_FORMATS", (3, 4))
+    with pytest.raises(MetasyncError, match="upgrade metasync"):
+        Repository.clone(f"dir:{dirs[0]}", tmp_path / "old-reader", allow_unencrypted=True)
