@@ -203,50 +203,45 @@ def test_log_appends_by_no_replace_rename_lose_nothing(tmp_path: Path) -> None:
             client.close()
 
 
-class TestLocalBackendOnNtfs(BackendConformance):
-    """The conformance suite against ``dir:`` on an NTFS image (ntfs-3g): hard links,
-    case-sensitive; a FUSE driver, so no ``atomic_replace``. (exFAT and FAT under the FUSE
-    drivers here have no exclusive publish at all: refused above.)"""
+class _LocalBackendOnImage(BackendConformance):
+    """The conformance suite against ``dir:`` in a fresh folder of the ``kind`` image;
+    the instance must declare exactly the ``capabilities`` the class selects the
+    tests by (what it lacks is deselected with that reason, never skipped)."""
 
+    __test__ = False
+    kind = ""
     backend_class = LocalBackend
+    transient_faults = False  # a local folder has no connection to break
+
+    @pytest.fixture
+    def backend_location(self, fs_images: dict[str, Path]) -> Location:
+        return (f"dir:{fresh_folder(fs_images[self.kind])}", "ns")
+
+    @pytest.fixture
+    def unicode_location(self, fs_images: dict[str, Path]) -> Location:
+        return (f"dir:{fresh_folder(fs_images[self.kind], 'ünïcødé store ☃ 名前')}", "ns")
+
+    def test_declares_what_the_class_says(self, backend: LocalBackend) -> None:
+        assert backend.capabilities == self.capabilities
+
+
+class TestLocalBackendOnNtfs(_LocalBackendOnImage):
+    """NTFS (ntfs-3g): hard links, case-sensitive; a FUSE driver, so no
+    ``atomic_replace``. (exFAT and FAT under the FUSE drivers here have no exclusive
+    publish at all: refused above.)"""
+
+    __test__ = True
+    kind = "ntfs"
     capabilities = NTFS_CAPABILITIES
-    transient_faults = False  # a local folder has no connection to break
-
-    @pytest.fixture
-    def backend_location(self, fs_images: dict[str, Path]) -> Location:
-        return (f"dir:{fresh_folder(fs_images['ntfs'])}", "ns")
-
-    def test_declares_what_the_class_says(self, backend: LocalBackend) -> None:
-        """The instance on NTFS declares exactly the capabilities this class
-        selects the tests by."""
-        assert backend.capabilities == NTFS_CAPABILITIES
-
-    @pytest.fixture
-    def unicode_location(self, fs_images: dict[str, Path]) -> Location:
-        return (f"dir:{fresh_folder(fs_images['ntfs'], 'ünïcødé store ☃ 名前')}", "ns")
 
 
-class TestLocalBackendOnExfat(BackendConformance):
-    """The conformance suite against ``dir:`` on an exFAT image (exfat-fuse): register
-    logs, no exclusive create, case-insensitive, no atomic replace -- declared (``capabilities``), so
-    the tests needing them are deselected with that reason, never skipped."""
+class TestLocalBackendOnExfat(_LocalBackendOnImage):
+    """exFAT (exfat-fuse): register logs, no exclusive create, case-insensitive, no
+    atomic replace."""
 
-    backend_class = LocalBackend
+    __test__ = True
+    kind = "exfat"
     capabilities = NO_PUBLISH_CAPABILITIES
-    transient_faults = False  # a local folder has no connection to break
-
-    @pytest.fixture
-    def backend_location(self, fs_images: dict[str, Path]) -> Location:
-        return (f"dir:{fresh_folder(fs_images['exfat'])}", "ns")
-
-    @pytest.fixture
-    def unicode_location(self, fs_images: dict[str, Path]) -> Location:
-        return (f"dir:{fresh_folder(fs_images['exfat'], 'ünïcødé store ☃ 名前')}", "ns")
-
-    def test_declares_what_the_class_says(self, backend: LocalBackend) -> None:
-        """The instance on exFAT declares exactly the capabilities this class
-        selects the tests by."""
-        assert backend.capabilities == NO_PUBLISH_CAPABILITIES
 
 
 def test_push_warns_of_a_backend_whose_log_appends_fail(tmp_path: Path) -> None:
