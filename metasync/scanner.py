@@ -18,7 +18,7 @@ import unicodedata
 from collections import deque
 from collections.abc import Callable, Container, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from metasync.context import RepoContext
@@ -89,10 +89,16 @@ class Scanner:
             known = self.ctx.state.folder_traits
             device = os.stat(self.ctx.root).st_dev
             if known is None or known.device != device:
+                before = known
                 known = probe_traits(self.ctx.root, self.ctx.root / META_DIR)
+                recorded = known is not None
                 if known is None:  # not recorded: probed again next time
                     known = FolderTraits(device, *FolderTraits.POSIX)
-                elif self.ctx.exclusive:
+                if before is not None and not before.exec_bits:
+                    # Copied off a file system without exec bits (cp -a from exFAT):
+                    # the bits on disk are that system's (all set), not the user's.
+                    known = replace(known, exec_bits=False)
+                if recorded and self.ctx.exclusive:
                     self.ctx.state.folder_traits = known
             self._traits = known
         return self._traits
