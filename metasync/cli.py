@@ -688,6 +688,8 @@ _add_global_options(cli)
 
 
 _QUIT = threading.Lock()
+#: The signals that stop a command.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _announce_stop() -> None:
@@ -733,7 +735,9 @@ def _watch_signals(wakeup: socket.socket) -> None:
     each signal's number to ``wakeup`` (:func:`signal.set_wakeup_fd`), read here: the
     first stops every transfer, a second quits at once."""
     seen = itertools.count(1)
-    while wakeup.recv(1):
+    while signum := wakeup.recv(1):
+        if signum[0] not in _STOP_SIGNALS:  # a signal some library listens for
+            continue
         if next(seen) > 1:
             _quit_at_once()
         _announce_stop()
@@ -752,12 +756,14 @@ def _listen_for_signals() -> None:
     signal.set_wakeup_fd(write_end.fileno(), warn_on_full_buffer=False)
     threading.Thread(target=_watch_signals, args=(read_end,), name="signals",
                      daemon=True).start()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in _STOP_SIGNALS:
         signal.signal(sig, _on_signal)
 
 
 def main() -> None:
     """Console-script entry point."""
+    # pythonw.exe (the Windows service) has no standard streams: output goes nowhere.
+    sys.stdout, sys.stderr = (s or open(os.devnull, "w") for s in (sys.stdout, sys.stderr))  # noqa: SIM115
     _listen_for_signals()
     try:
         cli.main(standalone_mode=False)
