@@ -32,7 +32,9 @@ from metasync.fstraits import (
     NameRefused,
     cannot_hold,
     cannot_write,
+    clash_reason,
     name_refused,
+    not_written_note,
 )
 from metasync.graph import ObjectGraph
 from metasync.localdb import NOT_ON_DISK, IndexRow
@@ -40,7 +42,7 @@ from metasync.names import display_path
 from metasync.objects import TreeEntry, Version, same_entry
 from metasync.portable import O_CLOEXEC, O_NOFOLLOW, SYNC_ALL_FLUSHES_FILES, sync_all
 from metasync.progress import Reporter
-from metasync.scanner import Scanner, ScanResult, name_clashes, nfc
+from metasync.scanner import Scanner, ScanResult, name_clashes
 from metasync.state import LocalState
 from metasync.worktree import (
     CHUNK_MAX,
@@ -141,12 +143,6 @@ class FileWriter:
         return tmp, st
 
 
-def not_written_note(path: str, why: str) -> str:
-    """The one line that says a path of the tree is not on this disk, and why."""
-    return (f"cannot be written here: {display_path(path)}: {why}; it stays in the "
-            "repository (and on the other clients)")
-
-
 class RefusedNames:
     """The paths of one checkout that this folder cannot hold (a name too long or
     forbidden here, one the same as another's but for case or Unicode form, a
@@ -192,12 +188,7 @@ class RefusedNames:
         other = self.clashes.get(path)
         if other is None:
             return False
-        if nfc(path) == nfc(other):
-            why = f"the same name as {display_path(other)} in another Unicode form"
-        else:
-            why = (f"differs from {display_path(other)} only in case, and this folder "
-                   "does not tell case apart")
-        self.add(path, entry, why, result)
+        self.add(path, entry, clash_reason(path, other), result)
         return True
 
     def under(self, path: str) -> bool:

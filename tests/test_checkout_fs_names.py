@@ -55,7 +55,7 @@ def test_restore_on_a_case_insensitive_folder_writes_one_of_two_names(
     assert _master(g) == master
 
 
-def _nfd_clone(tmp_path: Path, make_nfc: bool = True) -> tuple[Path, Path]:
+def _nfd_clone(tmp_path: Path) -> tuple[Path, Path]:
     """``a`` with café.txt (NFC) pushed, and a clone ``g`` (this file system tells
     Unicode forms apart) in which it was renamed to its NFD spelling, as macOS
     gives it back."""
@@ -107,7 +107,7 @@ def test_a_new_file_in_a_folder_spelled_nfd_on_disk_joins_that_folder(tmp_path: 
         (root / NFC).mkdir()
         (root / NFC / "x.txt").write_text("x\n")
 
-    a, uris = _repo(tmp_path, tree)
+    _, uris = _repo(tmp_path, tree)
     g = tmp_path / "g"
     run_cli("clone", *uris, str(g), cwd=tmp_path)
     os.rename(g / NFC, g / NFD)
