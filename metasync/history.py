@@ -6,7 +6,7 @@ became master in, as far as this client saw it; :func:`draw_graph` lays it out a
 ``git log --graph`` does. ``standing`` says where the folder is against master.
 ``restore`` finds the version to restore from (a commit id prefix, a snapshot,
 ``~N``, or by default the newest version where the path differs from the
-folder) and writes it with the checkout's :class:`~metasync.checkout.FileWriter`:
+folder) and writes it with the checkout's :class:`~metasync.filewriter.FileWriter`:
 to a temporary file, flushed, renamed; a file in the way whose content is in no
 version is kept as a conflict copy first. Every parent folder is opened by
 :class:`~metasync.worktree.Folders`, never through a symbolic link: a link where
@@ -26,9 +26,10 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from metasync.checkout import FileWriter, now_stamp, replace_name
+from metasync.checkout import now_stamp, replace_name
 from metasync.context import RepoContext
 from metasync.errors import UsageError
+from metasync.filewriter import FileWriter
 from metasync.fstraits import (
     NAME_REFUSED,
     FolderTraits,
