@@ -157,3 +157,23 @@ def test_a_name_not_written_is_written_once_its_clash_is_gone(
     assert run_cli("status", cwd=g).stdout.splitlines()[-1] == CLEAN
     assert "Pushed" not in run_cli("push", cwd=g).stdout
     assert _master(g) == master
+
+
+def test_restore_writes_a_file_under_its_nfd_spelling_on_disk(tmp_path: Path) -> None:
+    """``restore`` of café.txt (NFC in history) whose name is NFD on disk wrote an
+    NFC twin beside it; now the file on disk is restored (an edit there kept as a
+    conflict copy, as anywhere)."""
+    a, g = _nfd_clone(tmp_path)
+    master = _master(a)
+    (g / f"{NFD}.txt").write_text("edited\n")
+    restore = run_cli("restore", f"{NFC}.txt", "--version", "~0", cwd=g, check=False)
+    assert restore.returncode == 0 and "Traceback" not in restore.stderr, restore.stderr
+    assert not _not_written(restore.stderr), restore.stderr
+    names = _names(g)
+    assert f"{NFD}.txt" in names and f"{NFC}.txt" not in names, names
+    assert (g / f"{NFD}.txt").read_text() == "one\n"
+    (copy,) = (n for n in names if n != f"{NFD}.txt")
+    assert "conflict" in copy
+    (g / copy).unlink()
+    assert run_cli("status", cwd=g).stdout.splitlines()[-1] == CLEAN
+    assert _master(g) == master
