@@ -177,3 +177,21 @@ def test_restore_writes_a_file_under_its_nfd_spelling_on_disk(tmp_path: Path) ->
     (g / copy).unlink()
     assert run_cli("status", cwd=g).stdout.splitlines()[-1] == CLEAN
     assert _master(g) == master
+
+
+def test_a_case_only_rename_upstream_of_an_unchanged_file_renames_it_here(
+        tmp_path: Path, fs_images: dict[str, Path]) -> None:
+    """The same rename of a file not edited here: the old name is deleted and the
+    new one written (nothing kept, nothing said), and the push has nothing to send."""
+    a, uris = _repo(tmp_path, lambda root: (root / "foo.txt").write_text("one\n"))
+    g = fresh_folder(fs_images["exfat"], "rename")
+    run_cli("clone", *uris, str(g), cwd=tmp_path)
+    os.rename(a / "foo.txt", a / "Foo.txt")
+    run_cli("push", cwd=a)
+    master = _master(a)
+    pull = run_cli("pull", cwd=g, check=False)
+    assert pull.returncode == 0 and not pull.stderr, pull.stderr
+    assert _names(g) == ["Foo.txt"]
+    assert run_cli("status", cwd=g).stdout.splitlines()[-1] == CLEAN
+    assert "Pushed" not in run_cli("push", cwd=g).stdout
+    assert _master(g) == master
