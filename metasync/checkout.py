@@ -3,9 +3,10 @@
 For each path, base = the tree the folder was checked out from, local = the folder now,
 remote = the new tree (the rules are in docs/design.md, "The folder"). Files are written
 to temporary files beside their targets by :class:`~metasync.filewriter.FileWriter`
-(which also serves ``restore``), flushed in batches and renamed into place; a file that changed since the scan
-the checkout planned with becomes a conflict copy instead of being replaced. A checkout is
-recorded as pending before it starts, so a crash leaves one the next command finishes.
+(which also serves ``restore``), flushed in batches and renamed into place; a file that
+changed since the scan the checkout planned with becomes a conflict copy instead of
+being replaced. A checkout is recorded as pending before it starts, so a crash leaves
+one the next command finishes.
 
 Every write, rename and delete is made relative to its parent folder opened by
 :class:`~metasync.worktree.Folders`, which never follows a symbolic link: a link
