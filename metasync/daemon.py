@@ -152,9 +152,8 @@ class Daemon:
     def run(self) -> int:
         """The daemon's main loop; returns an exit status."""
         self._setup_logging()
-        # The CLI's signal watcher (a second signal quits at once) is for commands a
-        # user runs; the daemon stops at its own pace, saying so in its status. Off
-        # first, so no signal between the two steps reaches it.
+        # Off first: the CLI's signal watcher (a second signal quits at once) is for
+        # commands a user runs; the daemon stops at its own pace, saying so.
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGTERM, signal.SIGINT):
             # Stop the transfers of a sync in progress too (each at its next piece):
