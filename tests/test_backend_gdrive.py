@@ -240,7 +240,8 @@ def test_damaged_log_entry_is_refused(gd: GDriveBackend, gdrive_service: GDriveS
     (entry,) = [i for i in emulator.items.values() if i.name == "log log-y 0000000001"]
     revision = entry.revisions[-1]
     path = emulator.blobs.path(revision.blob)
-    path.write_bytes(path.read_bytes()[:-1] + b"\0")
+    stored = path.read_bytes()
+    path.write_bytes(stored[:-1] + bytes([stored[-1] ^ 0xFF]))  # always a change
     fresh = open_backend(gd.uri, gd.namespace)
     with pytest.raises(FormatError):
         fresh.logs.fetch("log/y")

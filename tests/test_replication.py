@@ -23,22 +23,29 @@ from metasync.replicator import verify_stored
 NAMESPACE = "metasync"
 
 
-def _refuse(repo: Repository, monkeypatch: pytest.MonkeyPatch, backend_id: str,
-            fragments_only: bool = False) -> None:
+def _refuse(repo: Repository, monkeypatch: pytest.MonkeyPatch, backend_id: str | None,
+            fragments_only: bool = False) -> list[str]:
     """Make every write to ``backend_id`` of a whole copy (or, with
     ``fragments_only``, of a fragment) fail during this session, as a put that
-    raised would: the write does not happen and the backend counts as down."""
+    raised would: the write does not happen and the backend counts as down.
+    ``backend_id`` None: the first backend such a write goes to (the placement of a
+    few objects may give one backend none). Returns a list that holds the refused
+    backend's id once one was."""
     store = repo.store
     real = store.put_copy
+    chosen = [] if backend_id is None else [backend_id]
 
     def put_copy(target: str, stored_id: str, data: Any, key: str | None = None) -> str | None:
         is_fragment = key is not None and key != object_key(stored_id)
-        if target == backend_id and is_fragment == fragments_only:
+        if is_fragment == fragments_only and not chosen:
+            chosen.append(target)
+        if chosen and target == chosen[0] and is_fragment == fragments_only:
             store.down.setdefault(target, "refused (injected)")
             return "refused (injected)"
         return real(target, stored_id, data, key)
 
     monkeypatch.setattr(store, "put_copy", put_copy)
+    return chosen
 
 
 def _path(backend_dir: Path, key: str) -> Path:
@@ -54,7 +61,7 @@ def _dirs(tmp_path: Path, n: int) -> list[Path]:
 
 def _refused_repo(
     tmp_path: Path, passphrase: Callable[[], str], monkeypatch: pytest.MonkeyPatch,
-    *, size: int, refuse_index: int, fragments_only: bool = False,
+    *, size: int, refuse_index: int | None, fragments_only: bool = False,
     erasure: tuple[int, int] | None = None,
 ) -> tuple[Repository, list[Path], list[str], str]:
     """A repository over 3 folders (R=2, or ``erasure``) whose first push had every
@@ -68,9 +75,10 @@ def _refused_repo(
     repo = Repository.init(src, [f"dir:{d}" for d in dirs], replicas=2, erasure=erasure,
                            passphrase=passphrase)
     ids = list(repo.config.acceptors)
-    refused = ids[refuse_index]
-    _refuse(repo, monkeypatch, refused, fragments_only)
+    chosen = _refuse(repo, monkeypatch, None if refuse_index is None else ids[refuse_index],
+                     fragments_only)
     assert repo.push("first").missing_copies >= 1
+    refused = chosen[0]
     assert all(b == refused for _, b in repo.missing_copies())
     monkeypatch.undo()
     repo.close()
@@ -86,7 +94,7 @@ def test_repair_never_copies_a_rotten_copy(
     fsck then reports the rotten copy. (On main before the split, the push copied
     the zeros and cleared the row: both copies corrupt, nothing said.)"""
     repo, dirs, ids, refused = _refused_repo(tmp_path, passphrase, monkeypatch,
-                                             size=50_000, refuse_index=0)
+                                             size=50_000, refuse_index=None)
     missing = repo.missing_copies()
     by_id = dict(zip(ids, dirs, strict=True))
     rotten: dict[str, Path] = {}
@@ -120,7 +128,7 @@ def test_refused_copy_is_rewritten_from_a_verified_copy(
     """The same refusal without the rot: the next push writes every missed copy,
     byte for byte a good copy, and the missing count goes to 0."""
     repo, dirs, ids, _ = _refused_repo(tmp_path, passphrase, monkeypatch,
-                                       size=50_000, refuse_index=0)
+                                       size=50_000, refuse_index=None)
     missing = repo.missing_copies()
     result = repo.push()
     assert result.missing_copies == 0 and repo.missing_copies() == []
