@@ -141,8 +141,12 @@ def probe_publish(folder: str, write_temp: Callable[[bytes], str]) -> str | None
     try:
         for method in (LINK, RENAME):
             tag = secrets.token_hex(8)
-            first, second = write_temp(b"first " + tag.encode()), write_temp(b"second")
-            made += [first, second]
+            # Each one recorded as soon as it exists: a failing second write must not
+            # leave the first behind.
+            first = write_temp(b"first " + tag.encode())
+            made.append(first)
+            second = write_temp(b"second")
+            made.append(second)
             target = os.path.join(folder, os.path.basename(first) + "-probe")
             made.append(target)
             try:

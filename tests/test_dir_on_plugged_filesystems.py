@@ -11,6 +11,7 @@ links. The no-replace rename itself is exercised on the machine's own filesystem
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -107,13 +108,18 @@ def test_probe_finds_no_primitive_on(kind: str, fs_images: dict[str, Path]) -> N
     (PrimitiveMissing: not transient, so no retry hides it)."""
     folder = fresh_folder(fs_images[kind])
     assert probe_publish(str(folder), _temp_writer(folder)) is None
+    assert list(folder.iterdir()) == [], "the probe removes every file it made"
     assert describe_filesystem(str(folder)).startswith(FUSE_NAMES[kind])
     backend = LocalBackend(f"dir:{folder}", "ns")
     (folder / "ns").mkdir()
     with pytest.raises(PrimitiveMissing) as raised:
         backend.publish_method()
-    assert not raised.value.transient
-    assert str(raised.value) == backend.lacks_publish_message()
+    message = str(raised.value)
+    assert message.startswith(
+        f"dir:{folder} cannot hold metasync's logs: {FUSE_NAMES[kind]}{fs_images[kind]} "
+        "has neither hard links nor a no-replace rename, "), message
+    assert "\n" not in message
+    assert list((folder / "ns").iterdir()) == [], "the backend's probe leaves nothing"
     backend.create()  # a new folder: its logs become registers
     assert backend.uses_registers()
     assert backend.capabilities == NO_PUBLISH_CAPABILITIES
@@ -150,6 +156,28 @@ def _temp_writer(folder: Path):  # type: ignore[no-untyped-def]
         return str(path)
 
     return write
+
+
+@pytest.mark.parametrize("kind", ["exfat", "fat"])
+def test_probe_whose_second_write_fails_leaves_no_file_on(
+    kind: str, fs_images: dict[str, Path]
+) -> None:
+    """The probe writes two temporary files per primitive; when the second write
+    fails (the disk filled up), the error reaches the caller and the first file is
+    removed all the same."""
+    folder = fresh_folder(fs_images[kind])
+    write = _temp_writer(folder)
+    calls = iter(range(10**6))
+
+    def write_then_fill(data: bytes) -> str:
+        if next(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(data)
+
+    with pytest.raises(OSError) as raised:
+        probe_publish(str(folder), write_then_fill)
+    assert raised.value.errno == errno.ENOSPC
+    assert list(folder.iterdir()) == []
 
 
 def test_probe_prefers_hard_links(tmp_path: Path) -> None:
