@@ -28,7 +28,7 @@ from metasync.backends.local import (
     LocalBackend,
 )
 from metasync.backends.publish import LINK, RENAME, describe_filesystem, probe_publish, publish
-from metasync.errors import MetasyncError, PrimitiveMissing
+from metasync.errors import BackendError, BackendUnavailable, MetasyncError, PrimitiveMissing
 from tests.conftest import make_edge_case_tree, one_line_error, run_cli, snapshot
 from tests.servers.fsimages import fresh_folder
 
@@ -321,3 +321,42 @@ def test_adding_a_stick_to_a_format_4_repository_makes_it_format_5(
         monkeypatch.setattr(module, "READABLE_FORMATS", (3, 4))
     with pytest.raises(MetasyncError, match="upgrade metasync"):
         Repository.clone(f"dir:{dirs[0]}", tmp_path / "old-reader", allow_unencrypted=True)
+
+
+def test_a_stick_unplugged_at_the_first_log_operation_keeps_register_logs(
+    fs_images: dict[str, Path]
+) -> None:
+    """A daemon's backend whose first log operation finds the stick unplugged (its
+    namespace folder gone) fails as unreachable and decides nothing: plugged back,
+    its appends are registers that every other client reads, never entry files."""
+    stick = fresh_folder(fs_images["exfat"])
+    LocalBackend(f"dir:{stick}", "ns").create()
+    assert (stick / "ns" / REGISTERS_MARKER).is_file()
+    daemon = LocalBackend(f"dir:{stick}", "ns")
+    (stick / "ns").rename(stick / "away")  # unplugged
+    with pytest.raises(BackendUnavailable, match="missing or unreachable"):
+        daemon.logs.fetch("log")
+    (stick / "away").rename(stick / "ns")  # plugged back
+    assert type(daemon.logs.store()).__name__ == "RegisterLogs"  # type: ignore[attr-defined]
+    daemon.logs.append("log", b"x")
+    assert LocalBackend(f"dir:{stick}", "ns").logs.fetch("log") == [(0, b"x")]
+
+
+def test_a_marker_that_cannot_be_read_is_an_error_not_entry_logs(tmp_path: Path) -> None:
+    """Whether a folder's logs are registers is read from its marker; a marker that
+    cannot be read (here a symlink loop: ELOOP, as an I/O error would be) is the
+    backend's one-line error, and nothing is remembered: once it reads, the answer
+    is the marker's."""
+    store = tmp_path / "store"
+    (store / "ns").mkdir(parents=True)
+    marker = store / "ns" / REGISTERS_MARKER
+    marker.symlink_to(marker)
+    backend = LocalBackend(f"dir:{store}", "ns")
+    with pytest.raises(BackendError) as raised:
+        backend.logs.fetch("log")
+    assert str(raised.value).startswith(f"cannot read {REGISTERS_MARKER!r} on dir:{store}: ")
+    assert "\n" not in str(raised.value)
+    marker.unlink()
+    marker.write_text("registers\n")
+    assert backend.uses_registers()
+    assert type(backend.logs.store()).__name__ == "RegisterLogs"  # type: ignore[attr-defined]
