@@ -360,3 +360,36 @@ def test_a_marker_that_cannot_be_read_is_an_error_not_entry_logs(tmp_path: Path)
     marker.write_text("registers\n")
     assert backend.uses_registers()
     assert type(backend.logs.store()).__name__ == "RegisterLogs"  # type: ignore[attr-defined]
+
+
+def test_recover_adding_a_stick_to_a_format_4_repository_makes_it_format_5(
+    tmp_path: Path, fs_images: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`recover --add-backend` with a folder of register logs (an exFAT stick) gives
+    the new configuration format 5, as `backend add` does: a format 4 reader would
+    read the stick's logs as empty."""
+    from metasync import Repository, context, lifecycle
+
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "f.txt").write_text("data\n")
+    dirs = [tmp_path / f"b{i}" for i in range(3)]
+    for d in dirs:
+        d.mkdir()
+    with monkeypatch.context() as older:
+        older.setattr(lifecycle, "FORMAT_VERSION", 4)
+        older.setattr(context, "FORMAT_VERSION", 4)
+        with Repository.init(folder, [f"dir:{d}" for d in dirs], replicas=3,
+                             encrypt=False) as repo:
+            repo.push("first")
+            assert repo.config.format == 4
+    for d in dirs[:2]:
+        d.rename(d.with_name(d.name + "-lost"))
+    stick = fresh_folder(fs_images["exfat"])
+    rec = tmp_path / "rec"
+    run_cli("--timeout", "10", "recover", "--backend", f"dir:{dirs[2]}",
+            "--add-backend", f"dir:{stick}", "--yes", "--no-encrypt", str(rec))
+    assert (rec / "f.txt").read_text() == "data\n"
+    assert list(stick.rglob(REGISTERS_MARKER)), "the stick keeps register logs"
+    with Repository.open(rec) as repo:
+        assert repo.versions.load_config(repo.versions.learn_latest().config).format == 5
