@@ -741,7 +741,11 @@ class LocalBackend(Backend):
             self.publish_method()
             return
         except PrimitiveMissing:
-            if any(not name.startswith(TEMP_PREFIX) for name in os.listdir(self.root)):
+            try:
+                names = os.listdir(self.root)
+            except OSError as exc:
+                raise self._error(exc, REGISTERS_MARKER, "write", not_found=False) from exc
+            if any(not name.startswith(TEMP_PREFIX) for name in names):
                 raise
         tmp = self._write_temp(self.root, REGISTERS_MARKER, b"registers\n")
         try:

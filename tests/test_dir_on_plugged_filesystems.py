@@ -393,3 +393,29 @@ def test_recover_adding_a_stick_to_a_format_4_repository_makes_it_format_5(
     assert list(stick.rglob(REGISTERS_MARKER)), "the stick keeps register logs"
     with Repository.open(rec) as repo:
         assert repo.versions.load_config(repo.versions.learn_latest().config).format == 5
+
+
+def test_a_folder_that_cannot_be_listed_at_create_is_a_one_line_error(
+    fs_images: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a filesystem without an exclusive publish, create lists the namespace folder
+    to see whether it is new; a disk that fails that read (EIO, injected at the OS
+    call: a real stick fails so only when dying) gives the backend's error, one line
+    naming the folder, not a raw OSError -- and no marker."""
+    stick = fresh_folder(fs_images["exfat"])
+    backend = LocalBackend(f"dir:{stick}", "ns")
+    (stick / "ns").mkdir()
+    listdir = os.listdir
+
+    def failing_listdir(path: str = ".") -> list[str]:
+        if os.fspath(path) == backend.root:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", failing_listdir)
+    with pytest.raises(BackendError) as raised:
+        backend.create()
+    assert str(raised.value) == (f"cannot write {REGISTERS_MARKER!r} on dir:{stick}: "
+                                 f"{os.strerror(errno.EIO)}")
+    monkeypatch.undo()
+    assert not (stick / "ns" / REGISTERS_MARKER).exists()
