@@ -419,3 +419,25 @@ def test_a_folder_that_cannot_be_listed_at_create_is_a_one_line_error(
                                  f"{os.strerror(errno.EIO)}")
     monkeypatch.undo()
     assert not (stick / "ns" / REGISTERS_MARKER).exists()
+
+
+def test_the_volume_kind_is_read_only_from_a_device_or_an_image_file(tmp_path: Path) -> None:
+    """The mount source named in /proc/self/mountinfo is read for a boot sector only
+    if it is a block device or a regular file: anything else (a FIFO, which would
+    block the reader, a character device) is left alone. Here a FIFO holds an exFAT
+    boot sector: it is not read, and the bytes stay in it."""
+    from metasync.backends.publish import _volume_kind
+
+    sector = bytes(3) + b"EXFAT   " + bytes(501)
+    image = tmp_path / "image"
+    image.write_bytes(sector)
+    assert _volume_kind(str(image)) == "exFAT"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # a writer, so a reader would not block
+    try:
+        os.write(fd, sector)
+        assert _volume_kind(str(fifo)) is None
+        assert os.read(fd, 1024) == sector, "nothing was read from the FIFO"
+    finally:
+        os.close(fd)
