@@ -441,3 +441,31 @@ def test_the_volume_kind_is_read_only_from_a_device_or_an_image_file(tmp_path: P
         assert os.read(fd, 1024) == sector, "nothing was read from the FIFO"
     finally:
         os.close(fd)
+
+
+def test_an_acceptor_whose_last_request_was_a_failed_append_is_still_named(
+    tmp_path: Path
+) -> None:
+    """`failing_appends` names an acceptor whose log appends fail while it answers
+    the rest, even when the failed append was its last request of the operation (a
+    propose ends with appends); only one whose other requests failed is left out."""
+    from metasync import Repository
+    from metasync.objects import Version
+
+    folders = [tmp_path / f"b{i}" for i in range(3)]
+    for folder in folders:
+        folder.mkdir()
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a\n")
+    with Repository.init(src, [f"dir:{f}" for f in folders], encrypt=False) as repo:
+        repo.push("first")
+    logs = next(p for p in folders[2].rglob("log") if p.is_dir())
+    shutil.rmtree(logs)
+    logs.write_text("in the way\n")  # every append there now fails; reads answer
+    with Repository.open(src) as repo:
+        prev = repo.versions.prev
+        proposal = Version(prev.number + 1, prev.master, prev.config)
+        assert repo.versions.consensus.propose(proposal.number, proposal) == proposal
+        named = [repo.backend_name(b) for b in repo.versions.failing_appends()]
+    assert len(named) == 1 and f"dir:{folders[2]}" in named[0], named
