@@ -469,3 +469,33 @@ def test_an_acceptor_whose_last_request_was_a_failed_append_is_still_named(
         assert repo.versions.consensus.propose(proposal.number, proposal) == proposal
         named = [repo.backend_name(b) for b in repo.versions.failing_appends()]
     assert len(named) == 1 and f"dir:{folders[2]}" in named[0], named
+
+
+def test_adding_a_folder_already_marked_for_registers_makes_it_format_5(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder that holds the register-logs marker already (used before, or marked
+    by hand) keeps its logs as registers, even on a filesystem with hard links: `backend
+    add` makes the configuration format 5 all the same (docs/FORMAT.md §11.1), since a
+    format 4 reader would read those logs as empty."""
+    from metasync import Repository, context, lifecycle
+
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "f.txt").write_text("data\n")
+    dirs = [tmp_path / "b0", tmp_path / "b1"]
+    for d in dirs:
+        d.mkdir()
+    with monkeypatch.context() as older:
+        older.setattr(lifecycle, "FORMAT_VERSION", 4)
+        older.setattr(context, "FORMAT_VERSION", 4)
+        with Repository.init(folder, [f"dir:{d}" for d in dirs], encrypt=False) as repo:
+            repo.push("first")
+            namespace = repo.config.namespace
+    marked = tmp_path / "marked"
+    (marked / namespace).mkdir(parents=True)
+    (marked / namespace / REGISTERS_MARKER).write_text("registers\n")
+    with Repository.open(folder) as repo:
+        repo.add_backend(f"dir:{marked}")
+        assert repo.versions.load_config(repo.versions.learn_latest().config).format == 5
+    assert LocalBackend(f"dir:{marked}", namespace).uses_registers()
