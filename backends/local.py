@@ -672,15 +672,24 @@ class LocalBackend(Backend):
 
     def uses_registers(self) -> bool:
         """Whether this folder's logs are Disk Paxos registers: its namespace folder
-        holds :data:`REGISTERS_MARKER` (read once per instance; an unreachable folder
-        answers False, not remembered, and its operations then fail as unreachable)."""
+        holds :data:`REGISTERS_MARKER`. Read once per instance, and remembered only
+        when it could be read: a missing namespace folder answers False, not
+        remembered (its operations then fail as unreachable); a marker that cannot
+        be read (an I/O error, a dead mount) raises the backend's one-line
+        :class:`BackendError`, not remembered either."""
         if self._registers is None:
             try:
-                marked = os.path.isfile(os.path.join(self.root, REGISTERS_MARKER))
-            except OSError:
-                return False
-            if not marked and not os.path.isdir(self.root):
-                return False
+                st = os.stat(os.path.join(self.root, REGISTERS_MARKER))
+            except FileNotFoundError:
+                if not os.path.isdir(self.root):
+                    return False
+                marked = False
+            except OSError as exc:
+                # Not "absent": guessing entry logs here would write entry files into
+                # a folder of registers, which no other client reads.
+                raise self._error(exc, REGISTERS_MARKER, "read", not_found=False) from exc
+            else:
+                marked = stat.S_ISREG(st.st_mode)
             self._registers = marked
         return self._registers
 
@@ -690,7 +699,13 @@ class LocalBackend(Backend):
         filesystem (:func:`~.publish.is_fuse`); ``case_sensitive`` False where the
         filesystem ignores case (the namespace folder is found under another case
         that its parent does not list; asked once)."""
-        capabilities = REGISTER_CAPABILITIES if self.uses_registers() else ENTRY_CAPABILITIES
+        try:
+            registers = self.uses_registers()
+        except BackendError:
+            # Unreadable now: its operations fail on their own. A declaration must not
+            # raise (a consensus reads every acceptor's, one of them may be down).
+            registers = False
+        capabilities = REGISTER_CAPABILITIES if registers else ENTRY_CAPABILITIES
         if self._case_sensitive is None and os.path.isdir(self.root):
             swapped = self.namespace.swapcase()
             if swapped == self.namespace:
@@ -726,7 +741,11 @@ class LocalBackend(Backend):
             self.publish_method()
             return
         except PrimitiveMissing:
-            if any(not name.startswith(TEMP_PREFIX) for name in os.listdir(self.root)):
+            try:
+                names = os.listdir(self.root)
+            except OSError as exc:
+                raise self._error(exc, REGISTERS_MARKER, "write", not_found=False) from exc
+            if any(not name.startswith(TEMP_PREFIX) for name in names):
                 raise
         tmp = self._write_temp(self.root, REGISTERS_MARKER, b"registers\n")
         try:
@@ -749,11 +768,18 @@ class DirLogs(LogStore):
         self._lock = threading.Lock()
 
     def store(self) -> LogStore:
-        """The construction in use (decided once, at the first call)."""
+        """The construction in use, decided once: at the first call that finds the
+        namespace folder and reads whether it is marked. Until then each call raises
+        :class:`BackendUnavailable` (or the marker's read error) and remembers
+        nothing, so a stick unplugged at the first call is asked again."""
         with self._lock:
             if self._store is None:
-                self._store = (RegisterLogs(self.backend) if self.backend.uses_registers()
-                               else LocalLogs(self.backend))
+                backend = self.backend
+                backend._require_root()
+                registers = backend.uses_registers()
+                if backend._registers is None:  # the folder vanished since: not decided
+                    raise backend._unavailable()
+                self._store = RegisterLogs(backend) if registers else LocalLogs(backend)
             return self._store
 
     @property

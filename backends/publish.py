@@ -28,6 +28,7 @@ import ctypes.util
 import errno
 import os
 import secrets
+import stat
 import sys
 from collections.abc import Callable
 
@@ -141,8 +142,12 @@ def probe_publish(folder: str, write_temp: Callable[[bytes], str]) -> str | None
     try:
         for method in (LINK, RENAME):
             tag = secrets.token_hex(8)
-            first, second = write_temp(b"first " + tag.encode()), write_temp(b"second")
-            made += [first, second]
+            # Each one recorded as soon as it exists: a failing second write must not
+            # leave the first behind.
+            first = write_temp(b"first " + tag.encode())
+            made.append(first)
+            second = write_temp(b"second")
+            made.append(second)
             target = os.path.join(folder, os.path.basename(first) + "-probe")
             made.append(target)
             try:
@@ -182,12 +187,28 @@ _FUSE_DRIVERS = {"fusefat": "FAT", "exfat": "exFAT", "exfat-fuse": "exFAT", "ntf
                  "ntfs": "NTFS", "ntfs3": "NTFS"}
 
 
+def _readable_volume(mode: int) -> bool:
+    # A block device or an image file; never a FIFO (reading it blocks and takes
+    # another program's bytes) nor a character device (opening a tape rewinds it).
+    return stat.S_ISBLK(mode) or stat.S_ISREG(mode)
+
+
 def _volume_kind(source: str) -> str | None:
-    """exFAT, NTFS or FAT from the boot sector of ``source`` (a device or image
-    file), if it can be read here; None otherwise."""
+    """exFAT, NTFS or FAT from the boot sector of ``source`` (a block device or an
+    image file: the mount's source as /proc/self/mountinfo names it, which is not
+    trusted to be either), if it can be read here; None otherwise."""
     try:
-        with open(source, "rb") as f:
-            head = f.read(512)
+        if not _readable_volume(os.stat(source).st_mode):
+            return None
+        # Non-blocking, and checked again on what was opened: the name may have been
+        # replaced since the stat.
+        fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if not _readable_volume(os.fstat(fd).st_mode):
+                return None
+            head = os.read(fd, 512)
+        finally:
+            os.close(fd)
     except OSError:
         return None
     for offset, magic, kind in _SIGNATURES:

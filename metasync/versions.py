@@ -129,8 +129,14 @@ class Versions:
         consensus = self._consensus.get(self.config_id)
         if consensus is None:
             return {}
-        down = consensus.last_errors
-        return {b: why for b, why in consensus.failing_appends.items() if b not in down}
+        failing = consensus.failing_appends
+        # A failed append is recorded among the operation's errors too, as
+        # "<failed|unreachable>: <error>" beside "log appends fail: <error>": an
+        # acceptor whose latest error is its append's still answered the rest, so
+        # only one whose latest error is another request's counts as down.
+        down = {b for b, why in consensus.last_errors.items()
+                if b not in failing or why.partition(": ")[2] != failing[b].partition(": ")[2]}
+        return {b: why for b, why in failing.items() if b not in down}
 
     # ---------------------------------------------------------------- configurations
     def load_config(self, config_id: str) -> Config:

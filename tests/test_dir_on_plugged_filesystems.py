@@ -11,6 +11,7 @@ links. The no-replace rename itself is exercised on the machine's own filesystem
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,7 @@ from metasync.backends.local import (
     LocalBackend,
 )
 from metasync.backends.publish import LINK, RENAME, describe_filesystem, probe_publish, publish
-from metasync.errors import MetasyncError, PrimitiveMissing
+from metasync.errors import BackendError, BackendUnavailable, MetasyncError, PrimitiveMissing
 from tests.conftest import make_edge_case_tree, one_line_error, run_cli, snapshot
 from tests.servers.fsimages import fresh_folder
 
@@ -107,13 +108,18 @@ def test_probe_finds_no_primitive_on(kind: str, fs_images: dict[str, Path]) -> N
     (PrimitiveMissing: not transient, so no retry hides it)."""
     folder = fresh_folder(fs_images[kind])
     assert probe_publish(str(folder), _temp_writer(folder)) is None
+    assert list(folder.iterdir()) == [], "the probe removes every file it made"
     assert describe_filesystem(str(folder)).startswith(FUSE_NAMES[kind])
     backend = LocalBackend(f"dir:{folder}", "ns")
     (folder / "ns").mkdir()
     with pytest.raises(PrimitiveMissing) as raised:
         backend.publish_method()
-    assert not raised.value.transient
-    assert str(raised.value) == backend.lacks_publish_message()
+    message = str(raised.value)
+    assert message.startswith(
+        f"dir:{folder} cannot hold metasync's logs: {FUSE_NAMES[kind]}{fs_images[kind]} "
+        "has neither hard links nor a no-replace rename, "), message
+    assert "\n" not in message
+    assert list((folder / "ns").iterdir()) == [], "the backend's probe leaves nothing"
     backend.create()  # a new folder: its logs become registers
     assert backend.uses_registers()
     assert backend.capabilities == NO_PUBLISH_CAPABILITIES
@@ -150,6 +156,28 @@ def _temp_writer(folder: Path):  # type: ignore[no-untyped-def]
         return str(path)
 
     return write
+
+
+@pytest.mark.parametrize("kind", ["exfat", "fat"])
+def test_probe_whose_second_write_fails_leaves_no_file_on(
+    kind: str, fs_images: dict[str, Path]
+) -> None:
+    """The probe writes two temporary files per primitive; when the second write
+    fails (the disk filled up), the error reaches the caller and the first file is
+    removed all the same."""
+    folder = fresh_folder(fs_images[kind])
+    write = _temp_writer(folder)
+    calls = iter(range(10**6))
+
+    def write_then_fill(data: bytes) -> str:
+        if next(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(data)
+
+    with pytest.raises(OSError) as raised:
+        probe_publish(str(folder), write_then_fill)
+    assert raised.value.errno == errno.ENOSPC
+    assert list(folder.iterdir()) == []
 
 
 def test_probe_prefers_hard_links(tmp_path: Path) -> None:
@@ -293,3 +321,181 @@ def test_adding_a_stick_to_a_format_4_repository_makes_it_format_5(
         monkeypatch.setattr(module, "READABLE_FORMATS", (3, 4))
     with pytest.raises(MetasyncError, match="upgrade metasync"):
         Repository.clone(f"dir:{dirs[0]}", tmp_path / "old-reader", allow_unencrypted=True)
+
+
+def test_a_stick_unplugged_at_the_first_log_operation_keeps_register_logs(
+    fs_images: dict[str, Path]
+) -> None:
+    """A daemon's backend whose first log operation finds the stick unplugged (its
+    namespace folder gone) fails as unreachable and decides nothing: plugged back,
+    its appends are registers that every other client reads, never entry files."""
+    stick = fresh_folder(fs_images["exfat"])
+    LocalBackend(f"dir:{stick}", "ns").create()
+    assert (stick / "ns" / REGISTERS_MARKER).is_file()
+    daemon = LocalBackend(f"dir:{stick}", "ns")
+    (stick / "ns").rename(stick / "away")  # unplugged
+    with pytest.raises(BackendUnavailable, match="missing or unreachable"):
+        daemon.logs.fetch("log")
+    (stick / "away").rename(stick / "ns")  # plugged back
+    assert type(daemon.logs.store()).__name__ == "RegisterLogs"  # type: ignore[attr-defined]
+    daemon.logs.append("log", b"x")
+    assert LocalBackend(f"dir:{stick}", "ns").logs.fetch("log") == [(0, b"x")]
+
+
+def test_a_marker_that_cannot_be_read_is_an_error_not_entry_logs(tmp_path: Path) -> None:
+    """Whether a folder's logs are registers is read from its marker; a marker that
+    cannot be read (here a symlink loop: ELOOP, as an I/O error would be) is the
+    backend's one-line error, and nothing is remembered: once it reads, the answer
+    is the marker's."""
+    store = tmp_path / "store"
+    (store / "ns").mkdir(parents=True)
+    marker = store / "ns" / REGISTERS_MARKER
+    marker.symlink_to(marker)
+    backend = LocalBackend(f"dir:{store}", "ns")
+    with pytest.raises(BackendError) as raised:
+        backend.logs.fetch("log")
+    assert str(raised.value).startswith(f"cannot read {REGISTERS_MARKER!r} on dir:{store}: ")
+    assert "\n" not in str(raised.value)
+    marker.unlink()
+    marker.write_text("registers\n")
+    assert backend.uses_registers()
+    assert type(backend.logs.store()).__name__ == "RegisterLogs"  # type: ignore[attr-defined]
+
+
+def test_recover_adding_a_stick_to_a_format_4_repository_makes_it_format_5(
+    tmp_path: Path, fs_images: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`recover --add-backend` with a folder of register logs (an exFAT stick) gives
+    the new configuration format 5, as `backend add` does: a format 4 reader would
+    read the stick's logs as empty."""
+    from metasync import Repository, context, lifecycle
+
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "f.txt").write_text("data\n")
+    dirs = [tmp_path / f"b{i}" for i in range(3)]
+    for d in dirs:
+        d.mkdir()
+    with monkeypatch.context() as older:
+        older.setattr(lifecycle, "FORMAT_VERSION", 4)
+        older.setattr(context, "FORMAT_VERSION", 4)
+        with Repository.init(folder, [f"dir:{d}" for d in dirs], replicas=3,
+                             encrypt=False) as repo:
+            repo.push("first")
+            assert repo.config.format == 4
+    for d in dirs[:2]:
+        d.rename(d.with_name(d.name + "-lost"))
+    stick = fresh_folder(fs_images["exfat"])
+    rec = tmp_path / "rec"
+    run_cli("--timeout", "10", "recover", "--backend", f"dir:{dirs[2]}",
+            "--add-backend", f"dir:{stick}", "--yes", "--no-encrypt", str(rec))
+    assert (rec / "f.txt").read_text() == "data\n"
+    assert list(stick.rglob(REGISTERS_MARKER)), "the stick keeps register logs"
+    with Repository.open(rec) as repo:
+        assert repo.versions.load_config(repo.versions.learn_latest().config).format == 5
+
+
+def test_a_folder_that_cannot_be_listed_at_create_is_a_one_line_error(
+    fs_images: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a filesystem without an exclusive publish, create lists the namespace folder
+    to see whether it is new; a disk that fails that read (EIO, injected at the OS
+    call: a real stick fails so only when dying) gives the backend's error, one line
+    naming the folder, not a raw OSError -- and no marker."""
+    stick = fresh_folder(fs_images["exfat"])
+    backend = LocalBackend(f"dir:{stick}", "ns")
+    (stick / "ns").mkdir()
+    listdir = os.listdir
+
+    def failing_listdir(path: str = ".") -> list[str]:
+        if os.fspath(path) == backend.root:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", failing_listdir)
+    with pytest.raises(BackendError) as raised:
+        backend.create()
+    assert str(raised.value) == (f"cannot write {REGISTERS_MARKER!r} on dir:{stick}: "
+                                 f"{os.strerror(errno.EIO)}")
+    monkeypatch.undo()
+    assert not (stick / "ns" / REGISTERS_MARKER).exists()
+
+
+def test_the_volume_kind_is_read_only_from_a_device_or_an_image_file(tmp_path: Path) -> None:
+    """The mount source named in /proc/self/mountinfo is read for a boot sector only
+    if it is a block device or a regular file: anything else (a FIFO, which would
+    block the reader, a character device) is left alone. Here a FIFO holds an exFAT
+    boot sector: it is not read, and the bytes stay in it."""
+    from metasync.backends.publish import _volume_kind
+
+    sector = bytes(3) + b"EXFAT   " + bytes(501)
+    image = tmp_path / "image"
+    image.write_bytes(sector)
+    assert _volume_kind(str(image)) == "exFAT"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # a writer, so a reader would not block
+    try:
+        os.write(fd, sector)
+        assert _volume_kind(str(fifo)) is None
+        assert os.read(fd, 1024) == sector, "nothing was read from the FIFO"
+    finally:
+        os.close(fd)
+
+
+def test_an_acceptor_whose_last_request_was_a_failed_append_is_still_named(
+    tmp_path: Path
+) -> None:
+    """`failing_appends` names an acceptor whose log appends fail while it answers
+    the rest, even when the failed append was its last request of the operation (a
+    propose ends with appends); only one whose other requests failed is left out."""
+    from metasync import Repository
+    from metasync.objects import Version
+
+    folders = [tmp_path / f"b{i}" for i in range(3)]
+    for folder in folders:
+        folder.mkdir()
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a\n")
+    with Repository.init(src, [f"dir:{f}" for f in folders], encrypt=False) as repo:
+        repo.push("first")
+    logs = next(p for p in folders[2].rglob("log") if p.is_dir())
+    shutil.rmtree(logs)
+    logs.write_text("in the way\n")  # every append there now fails; reads answer
+    with Repository.open(src) as repo:
+        prev = repo.versions.prev
+        proposal = Version(prev.number + 1, prev.master, prev.config)
+        assert repo.versions.consensus.propose(proposal.number, proposal) == proposal
+        named = [repo.backend_name(b) for b in repo.versions.failing_appends()]
+    assert len(named) == 1 and f"dir:{folders[2]}" in named[0], named
+
+
+def test_adding_a_folder_already_marked_for_registers_makes_it_format_5(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder that holds the register-logs marker already (used before, or marked
+    by hand) keeps its logs as registers, even on a filesystem with hard links: `backend
+    add` makes the configuration format 5 all the same (docs/FORMAT.md §11.1), since a
+    format 4 reader would read those logs as empty."""
+    from metasync import Repository, context, lifecycle
+
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "f.txt").write_text("data\n")
+    dirs = [tmp_path / "b0", tmp_path / "b1"]
+    for d in dirs:
+        d.mkdir()
+    with monkeypatch.context() as older:
+        older.setattr(lifecycle, "FORMAT_VERSION", 4)
+        older.setattr(context, "FORMAT_VERSION", 4)
+        with Repository.init(folder, [f"dir:{d}" for d in dirs], encrypt=False) as repo:
+            repo.push("first")
+            namespace = repo.config.namespace
+    marked = tmp_path / "marked"
+    (marked / namespace).mkdir(parents=True)
+    (marked / namespace / REGISTERS_MARKER).write_text("registers\n")
+    with Repository.open(folder) as repo:
+        repo.add_backend(f"dir:{marked}")
+        assert repo.versions.load_config(repo.versions.learn_latest().config).format == 5
+    assert LocalBackend(f"dir:{marked}", namespace).uses_registers()

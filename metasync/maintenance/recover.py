@@ -345,9 +345,14 @@ class Recovery:
         replicas = min(old.replicas, len(specs))
         if old.erasure and erasure is None:
             replicas = min(old.erasure[1] - old.erasure[0] + 1, len(specs))
-        new = replace(old, backends=tuple(specs), acceptors=tuple(s.id for s in specs),
-                      replicas=replicas, erasure=erasure, gc_epoch=old.gc_epoch + 1)
+        # Prepared first: an added backend knows the format it needs only once its
+        # folder is made (a dir: folder of register logs needs format 5), as in
+        # `backend add`.
         self._prepare_added(added)
+        needed = max((b.format_needed() for b in added.values()), default=0)
+        new = replace(old, backends=tuple(specs), acceptors=tuple(s.id for s in specs),
+                      replicas=replicas, erasure=erasure, gc_epoch=old.gc_epoch + 1,
+                      format=max(old.format, needed))
         new_id = reconfig.store_config(new, ctx.pool.open(new).values())
         number = plan.highest_instance + RECOVERY_GAP
         version = Version(number, result.restored.master, new_id)
