@@ -111,6 +111,8 @@ class FatFuse(mfusepy.Operations):
     """The FUSE operations over one FAT32 image (single-threaded: no locking)."""
 
     use_ns = True
+    #: An unlinked file's open handles get no path (hard_remove): they use ``fh``.
+    flag_nullpath_ok = True
 
     def __init__(self, image: str) -> None:
         self.fat = PyFat(lazy_load=True)
@@ -120,6 +122,10 @@ class FatFuse(mfusepy.Operations):
         self.root: Entry = self.fat.root_dir
         self.bpc: int = self.fat.bytes_per_cluster
         self.eoc: int = PyFat.FAT_CLUSTER_VALUES[PyFat.FAT_TYPE_FAT32]["END_OF_CLUSTER_MAX"]
+        bpb = self.fat.bpb_header
+        data_start = bpb["BPB_RsvdSecCnt"] + bpb["BPB_NumFATs"] * bpb["BPB_FATSz32"]
+        #: Data clusters of the volume (the FAT itself may have room for more).
+        self.clusters: int = (self.fat._get_total_sectors() - data_start) // bpb["BPB_SecPerClus"]
         self.uid, self.gid = os.getuid(), os.getgid()
         self.handles: dict[int, Entry] = {}
         self.next_fh = 1
@@ -190,6 +196,12 @@ class FatFuse(mfusepy.Operations):
         except Exception as exc:
             raise _err(errno.ENOSPC) from exc
         self.fat_dirty = True
+        if clusters and clusters[-1] >= self.clusters + 2:
+            # pyfatfs looks through the whole FAT, whose last sector may describe
+            # clusters past the end of the volume: the volume is full.
+            for c in clusters:
+                self.fat.fat[c] = 0
+            raise _err(errno.ENOSPC)
         return clusters
 
     def _grow(self, e: Entry, clusters: int, chain: list[int]) -> list[int]:
@@ -230,10 +242,23 @@ class FatFuse(mfusepy.Operations):
         if self.fat_dirty:
             self.fat.flush_fat()
             self.fat_dirty = False
+        if to_disk:
+            self._write_fsinfo()
         fp = self.fat._PyFat__fp
         fp.flush()
         if to_disk:
             os.fsync(fp.fileno())
+
+    def _write_fsinfo(self) -> None:
+        """FAT32's FSInfo sector told the free cluster count (as vfat keeps it), so
+        fsck.fat finds nothing to correct."""
+        sector = self.fat.bpb_header["BPB_FSInfo"]
+        if sector in (0, 0xFFFF):
+            return
+        free = self.statfs("/")["f_bfree"]
+        self.fat._write_data_to_address(
+            free.to_bytes(4, "little") + (0xFFFFFFFF).to_bytes(4, "little"),
+            sector * self.fat.bpb_header["BPB_BytsPerSec"] + 488)
 
     def _touch(self, e: Entry) -> None:
         e.wrtdate, e.wrttime = _dos_time(time.time())
@@ -363,8 +388,7 @@ class FatFuse(mfusepy.Operations):
         return [".", "..", *(_name_of(e) for e in self._children(d))]
 
     def statfs(self, path: str) -> dict[str, int]:
-        total = min(len(self.fat.fat), PyFat.FAT_CLUSTER_VALUES[PyFat.FAT_TYPE_FAT32][
-            "MAX_DATA_CLUSTER"] + 1) - 2
+        total = self.clusters
         free = self.fat.fat[2:total + 2].count(0)
         return {"f_bsize": self.bpc, "f_frsize": self.bpc, "f_blocks": total, "f_bfree": free,
                 "f_bavail": free, "f_files": 0, "f_ffree": 0, "f_namemax": 1530}
