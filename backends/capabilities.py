@@ -41,6 +41,11 @@ class Capabilities:
     #: and ``sweep_temp_files`` finds and removes them (a backend without it keeps no
     #: partial upload that costs space).
     temp_files: bool = False
+    #: ``put`` over an existing key is atomic for readers: they see the old object or
+    #: the new one, never none. Some FUSE filesystems (exfat-fuse, fusefat) replace by
+    #: removing the old file first, so a read in that moment finds no object; every
+    #: reader still sees complete objects only.
+    atomic_replace: bool = True
 
 
 #: The values of the ``logs=`` option of a backend whose logs are exclusive creates

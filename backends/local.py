@@ -6,11 +6,18 @@ created by metasync (only the namespace folder inside it, by :meth:`create`), so
 an unmounted disk shows up as :class:`BackendUnavailable` instead of a fresh,
 empty folder silently filling the wrong disk.
 
-Crash safety relies on three POSIX guarantees:
+Crash safety relies on three guarantees of the filesystem:
 
 - ``rename`` over an existing file is atomic (``put``);
-- ``link`` fails with ``EEXIST`` if the name exists, and publishes a complete
-  file in one step (``put_if_absent`` and ``append``);
+- an exclusive publish -- ``link()``, or a no-replace rename where there are no hard
+  links (exFAT, FAT) -- fails if the name exists and gives a complete file its name
+  in one step (``put_if_absent`` and log appends; :mod:`.publish`). Which one a
+  folder honours is probed once per backend instance, at its first exclusive write
+  (so every command, and a disk mounted anew at the same path, is probed again). On
+  a filesystem with neither, a new namespace folder is marked for Disk Paxos register
+  logs (:data:`REGISTERS_MARKER`), which need no exclusive publish; a folder holding
+  entry-file logs there is refused with one line naming the filesystem
+  (:class:`PrimitiveMissing`);
 - after ``fsync`` of a file and of its folder, both survive power loss.
 
 Every write first goes to a temporary ``.tmp-<random>`` file in the destination
@@ -26,8 +33,10 @@ import errno
 import os
 import secrets
 import stat
+import threading
 from collections.abc import Iterator, Sequence
-from typing import BinaryIO
+from dataclasses import replace
+from typing import Any, BinaryIO, overload
 
 from metasync.backends import register
 from metasync.backends.base import (
@@ -41,13 +50,22 @@ from metasync.backends.base import (
     is_key_part,
     temp_path_parts,
 )
-from metasync.backends.logs import LogStore, entry_name, entry_position
+from metasync.backends.logs import LogStore, RegisterLogs, entry_name, entry_position
+from metasync.backends.publish import (
+    NAMES,
+    UNSUPPORTED,
+    describe_filesystem,
+    is_fuse,
+    probe_publish,
+    publish,
+)
 from metasync.errors import (
     BackendError,
     BackendFull,
     BackendUnavailable,
     InvalidKey,
     ObjectNotFound,
+    PrimitiveMissing,
     UsageError,
 )
 
@@ -65,8 +83,6 @@ _UNREACHABLE = _errnos("ENOTCONN", "ESTALE", "ENODEV", "ENXIO", "EHOSTDOWN", "EH
 _FULL = _errnos("ENOSPC", "EDQUOT")
 # A retry may well succeed.
 _TRANSIENT = _errnos("EAGAIN", "EBUSY", "EINTR", "ETIMEDOUT", "EIO")
-# link() is not supported by this filesystem (FAT, exFAT, some FUSE/SMB mounts).
-_NO_HARDLINKS = _errnos("EPERM", "ENOTSUP", "EOPNOTSUPP", "ENOSYS", "EXDEV")
 # fsync on a folder is not supported everywhere; durability is then best effort.
 _FSYNC_DIR_UNSUPPORTED = _errnos("EINVAL", "ENOTSUP", "EOPNOTSUPP", "EBADF", "EACCES", "EPERM")
 
@@ -101,26 +117,42 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
         view = view[written:]
 
 
-def _link_exclusive(source: str, target: str) -> bool:
-    """Give the complete file ``source`` the additional name ``target`` unless it exists.
+#: A ``dir:`` folder whose logs are entry files published exclusively (a filesystem
+#: with hard links or a no-replace rename): what the class declares.
+ENTRY_CAPABILITIES = Capabilities(
+    conditional_create=True,
+    compare_and_swap=False,
+    conditional_append=True,
+    range_reads=True,
+    max_object_size=None,
+    case_sensitive=True,
+    long_poll=False,
+    temp_files=True,
+)
+#: A ``dir:`` folder whose logs are Disk Paxos registers (:data:`REGISTERS_MARKER`): a
+#: filesystem with neither primitive, so creates are not exclusive (``put_if_absent``
+#: checks, then renames) and ``append_at`` is RegisterLogs' own (which never replaces
+#: a file). An instance also declares ``case_sensitive`` and ``atomic_replace`` False
+#: where its filesystem ignores case or is a FUSE one (:meth:`declared_capabilities`).
+REGISTER_CAPABILITIES = replace(ENTRY_CAPABILITIES, conditional_create=False)
+#: The file in a namespace folder saying that its logs are Disk Paxos registers
+#: (docs/FORMAT.md), written by ``create`` on a filesystem without an exclusive
+#: publish. ``=`` is no key character, so it is never listed nor taken by a key.
+REGISTERS_MARKER = "logs=registers"
 
-    Returns False if ``target`` already exists. The link count check is the classic
-    NFS-safe exclusive create: a retransmitted ``link`` may report ``EEXIST`` (or
-    another error) although the first transmission succeeded.
-    """
-    try:
-        os.link(source, target)
-        return True
-    except OSError as exc:
-        try:
-            linked = os.stat(source).st_nlink == 2
-        except OSError:
-            linked = False
-        if linked:
-            return True
-        if isinstance(exc, FileExistsError):
-            return False
-        raise
+
+class _Declared:
+    """The ``capabilities`` attribute of :class:`LocalBackend`: the class's
+    declaration read on the class (the conformance suite selects tests by it), the
+    folder's (:meth:`LocalBackend.declared_capabilities`) read on an instance."""
+
+    @overload
+    def __get__(self, obj: None, owner: Any) -> Capabilities: ...
+    @overload
+    def __get__(self, obj: LocalBackend, owner: Any) -> Capabilities: ...
+
+    def __get__(self, obj: LocalBackend | None, owner: Any) -> Capabilities:
+        return ENTRY_CAPABILITIES if obj is None else obj.declared_capabilities()
 
 
 @register
@@ -134,16 +166,9 @@ class LocalBackend(Backend):
 
     scheme = "dir"
     location_needs_mkdir = True
-    capabilities = Capabilities(
-        conditional_create=True,
-        compare_and_swap=False,
-        conditional_append=True,
-        range_reads=True,
-        max_object_size=None,
-        case_sensitive=True,
-        long_poll=False,
-        temp_files=True,
-    )
+    #: What the backend declares: :data:`ENTRY_CAPABILITIES` on the class, and on an
+    #: instance what its folder gives (:meth:`declared_capabilities`).
+    capabilities = _Declared()
 
     def __init__(self, uri: str, namespace: str) -> None:
         """Bind to ``<path>/<namespace>/``. Touches nothing on disk.
@@ -161,6 +186,14 @@ class LocalBackend(Backend):
         self.location: str = os.path.normpath(path)
         #: The namespace folder holding every key.
         self.root: str = os.path.join(self.location, *namespace.split("/"))
+        # The exclusive publish the folder honours: probed at first use (publish_method).
+        self._method: str | None = None
+        self._method_lock = threading.Lock()
+        # Whether the folder's logs are registers (REGISTERS_MARKER), and whether
+        # its filesystem ignores case: read at first need (declared_capabilities).
+        self._registers: bool | None = None
+        self._case_sensitive: bool | None = None
+        self._fuse: bool | None = None
 
     # --- helpers -------------------------------------------------------------------
     def _key(self, key: str) -> str:
@@ -281,24 +314,70 @@ class LocalBackend(Backend):
             raise self._error(exc, key, "write", not_found=False) from exc
 
     def _create_exclusive(self, key: str, data: bytes, folder: str, name: str) -> bool:
-        """Publish ``data`` as ``folder/name`` if absent: complete or not at all."""
+        """Publish ``data`` as ``folder/name`` if absent: complete or not at all.
+        Exclusive, except in a folder whose logs are registers (no primitive there):
+        then a check and a rename (``conditional_create`` is declared False)."""
         tmp = self._write_temp(folder, key, data)
+        target = os.path.join(folder, name)
         try:
-            created = _link_exclusive(tmp, os.path.join(folder, name))
+            if self.uses_registers():
+                if os.path.lexists(target):
+                    return False
+                os.replace(tmp, target)
+                return True
+            return self.publish(tmp, target, key, "create")
         except OSError as exc:
-            raise self._link_error(exc, key, "create", "exclusive creates") from exc
+            raise self._error(exc, key, "create", not_found=False) from exc
         finally:
             _unlink_quietly(tmp)
-        return created
 
-    def _link_error(self, exc: OSError, key: str, action: str, needed_for: str) -> BackendError:
-        """The error for a failed exclusive link: a clear one if hard links are missing."""
-        if exc.errno in _NO_HARDLINKS:
-            return BackendError(
-                f"cannot {action} {key!r} on {self.name}: the filesystem does not support "
-                f"hard links, which the dir: backend needs for {needed_for}"
-            )
-        return self._error(exc, key, action, not_found=False)
+    def publish_method(self) -> str:
+        """The exclusive publish (:data:`~.publish.LINK` or :data:`~.publish.RENAME`)
+        this backend's folder honours, probed (:func:`~.publish.probe_publish`) at
+        the first call on this instance. Raises :class:`PrimitiveMissing`, one line
+        naming the filesystem and what it lacks, if it honours neither."""
+        with self._method_lock:
+            if self._method is None:
+                self._require_root()
+                try:
+                    method = probe_publish(
+                        self.root, lambda data: self._write_temp(self.root, "probe", data))
+                except OSError as exc:
+                    raise self._error(exc, "probe", "write", not_found=False) from exc
+                if method is None:
+                    raise PrimitiveMissing(self.lacks_publish_message())
+                self._method = method
+            return self._method
+
+    def lacks_publish_message(self) -> str:
+        """The one line for a folder whose filesystem has no exclusive publish."""
+        return (
+            f"{self.name} cannot hold metasync's logs: {describe_filesystem(self.location)} "
+            "has neither hard links nor a no-replace rename, one of which the dir: backend "
+            "needs to give a file its name only if the name is free; use a folder on "
+            "another filesystem (ext4, NTFS, APFS), or mount this disk with the kernel's "
+            "own exfat or vfat driver rather than a FUSE one"
+        )
+
+    def publish(self, tmp: str, target: str, key: str, action: str) -> bool:
+        """Give the complete temp file ``tmp`` the name ``target`` unless it exists; True
+        if this call did. ``tmp`` may remain (the caller removes it). A primitive that
+        held when probed and is refused now means another disk is mounted at the path
+        meanwhile: the folder is probed again, once. Errors follow the backend contract
+        (``key`` and ``action`` name the operation in them)."""
+        try:
+            for again in (False, True):
+                method = self.publish_method()
+                try:
+                    return publish(method, tmp, target)
+                except OSError as exc:
+                    if exc.errno not in UNSUPPORTED or again:
+                        raise
+                    with self._method_lock:
+                        self._method = None
+        except OSError as exc:
+            raise self._error(exc, key, action, not_found=False) from exc
+        raise AssertionError("unreachable")
 
     # --- lifecycle -----------------------------------------------------------------
     def exists(self) -> bool:
@@ -306,13 +385,18 @@ class LocalBackend(Backend):
         return os.path.isdir(self.root)
 
     def create(self) -> None:
-        """Create the namespace folder (idempotent) inside the existing location folder.
+        """Create the namespace folder (idempotent) inside the existing location folder,
+        and probe its exclusive publish (:meth:`publish_method`).
 
-        Raises :class:`BackendUnavailable` naming the location if it does not exist:
+        Raises :class:`PrimitiveMissing` if the filesystem has none. Raises :class:`BackendUnavailable` naming the location if it does not exist:
         creating it could silently write onto the wrong disk when a drive is unmounted.
         """
         self.probe()
         self._create_namespace(self.location)
+        # Choose the logs now, before anything of a repository is written (init,
+        # backend add): entry files where the filesystem has an exclusive publish,
+        # else registers for a new folder.
+        self._choose_logs()
 
     def create_location(self) -> None:
         """Create the location folder and its parents (``--mkdir``)."""
@@ -387,8 +471,8 @@ class LocalBackend(Backend):
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create ``key`` holding ``data`` unless it exists; True if this call created it.
 
-        Atomic among concurrent processes (``link`` of a complete temp file), and a
-        reader never sees the object partially written.
+        Atomic among concurrent processes (an exclusive publish of a complete temp
+        file: :meth:`publish`), and a reader never sees the object partially written.
         """
         folder, name = self._parent_folder(key)
         try:
@@ -573,21 +657,131 @@ class LocalBackend(Backend):
 
     # --- logs ----------------------------------------------------------------------
     def specific_logs(self) -> LogStore:
-        """Logs as folders of hard-linked entry files (:class:`LocalLogs`)."""
-        return LocalLogs(self)
+        """Logs as folders of exclusively published entry files (:class:`LocalLogs`),
+        or Disk Paxos registers in a folder marked so: :class:`DirLogs` decides at
+        the first use."""
+        return DirLogs(self)
+
+    # --- which logs: entries or registers ---------------------------------------------
+    def uses_registers(self) -> bool:
+        """Whether this folder's logs are Disk Paxos registers: its namespace folder
+        holds :data:`REGISTERS_MARKER` (read once per instance; an unreachable folder
+        answers False, not remembered, and its operations then fail as unreachable)."""
+        if self._registers is None:
+            try:
+                marked = os.path.isfile(os.path.join(self.root, REGISTERS_MARKER))
+            except OSError:
+                return False
+            if not marked and not os.path.isdir(self.root):
+                return False
+            self._registers = marked
+        return self._registers
+
+    def declared_capabilities(self) -> Capabilities:
+        """What this folder gives: :data:`REGISTER_CAPABILITIES` where its logs are
+        registers, else :data:`ENTRY_CAPABILITIES`; ``atomic_replace`` False on a FUSE
+        filesystem (:func:`~.publish.is_fuse`); ``case_sensitive`` False where the
+        filesystem ignores case (the namespace folder is found under another case
+        that its parent does not list; asked once)."""
+        capabilities = REGISTER_CAPABILITIES if self.uses_registers() else ENTRY_CAPABILITIES
+        if self._case_sensitive is None and os.path.isdir(self.root):
+            swapped = self.namespace.swapcase()
+            if swapped == self.namespace:
+                self._case_sensitive = True  # no letter to tell by: as declared
+            else:
+                parent = os.path.dirname(self.root)
+                try:
+                    # Found under the swapped case though no entry is named so: the
+                    # filesystem ignores case. (Inode numbers cannot tell: FUSE
+                    # drivers give each spelling its own.)
+                    os.stat(os.path.join(parent, os.path.basename(swapped)))
+                    self._case_sensitive = os.path.basename(swapped) in os.listdir(parent)
+                except FileNotFoundError:
+                    self._case_sensitive = True
+                except OSError:
+                    pass  # unreachable now: left unknown, asked again later
+        if self._case_sensitive is False:
+            capabilities = replace(capabilities, case_sensitive=False)
+        if self._fuse is None:
+            self._fuse = is_fuse(self.location)
+        if self._fuse:
+            capabilities = replace(capabilities, atomic_replace=False)
+        return capabilities
+
+    def _choose_logs(self) -> None:
+        """At ``create``: an exclusive publish if the filesystem has one, else mark a
+        new, empty namespace folder for register logs. A folder that already holds a
+        repository with entry logs is refused instead (:class:`PrimitiveMissing`):
+        its entries must stay readable as they are."""
+        if self.uses_registers():
+            return
+        try:
+            self.publish_method()
+            return
+        except PrimitiveMissing:
+            if any(not name.startswith(TEMP_PREFIX) for name in os.listdir(self.root)):
+                raise
+        tmp = self._write_temp(self.root, REGISTERS_MARKER, b"registers\n")
+        try:
+            os.replace(tmp, os.path.join(self.root, REGISTERS_MARKER))
+            _fsync_dir(self.root)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            raise self._error(exc, REGISTERS_MARKER, "write", not_found=False) from exc
+        self._registers = True
+
+
+class DirLogs(LogStore):
+    """The logs of a ``dir:`` folder: :class:`LocalLogs` (entry files), or
+    :class:`~metasync.backends.logs.RegisterLogs` where the folder is marked for
+    registers (:meth:`LocalBackend.uses_registers`), chosen at the first call."""
+
+    def __init__(self, backend: LocalBackend) -> None:
+        self.backend = backend
+        self._store: LogStore | None = None
+        self._lock = threading.Lock()
+
+    def store(self) -> LogStore:
+        """The construction in use (decided once, at the first call)."""
+        with self._lock:
+            if self._store is None:
+                self._store = (RegisterLogs(self.backend) if self.backend.uses_registers()
+                               else LocalLogs(self.backend))
+            return self._store
+
+    @property
+    def primitive(self) -> str:
+        return self.store().primitive
+
+    def append(self, log: str, message: bytes) -> int:
+        return self.store().append(log, message)
+
+    def append_at(self, log: str, position: int, message: bytes) -> bool:
+        return self.store().append_at(log, position, message)
+
+    def fetch(self, log: str, start: int = 0) -> builtins.list[tuple[int, bytes]]:
+        return self.store().fetch(log, start)
+
+    def delete_log(self, log: str) -> int:
+        return self.store().delete_log(log)
 
 
 class LocalLogs(LogStore):
     """The logs of a ``dir:`` backend: log ``L`` is the folder ``L/`` and entry *p*
-    the file ``L/<p:010d>``, published complete by an exclusive ``link()``
-    (docs/FORMAT.md §11.1). Entries are read from disk on every fetch (no cache:
+    the file ``L/<p:010d>``, published complete by an exclusive ``link()`` or a
+    no-replace rename, whichever the filesystem has (docs/FORMAT.md §11.1; the same
+    file either way). Entries are read from disk on every fetch (no cache:
     a local read costs little)."""
-
-    primitive = "an exclusive hard link"
 
     def __init__(self, backend: LocalBackend) -> None:
         #: The backend whose folder holds the logs.
         self.backend = backend
+
+    @property
+    def primitive(self) -> str:
+        """The exclusive publish in use (once probed), for messages and records."""
+        method = self.backend._method
+        return NAMES[method] if method else "an exclusive hard link or a no-replace rename"
 
     def append(self, log: str, message: bytes) -> int:
         """Append ``message`` to the log folder ``log/``; return its position.
@@ -609,13 +803,15 @@ class LocalLogs(LogStore):
             try:
                 # Listed after the slow part (writing), so the guess is as fresh as possible.
                 position = self._next_position(folder)
-                while not _link_exclusive(tmp, os.path.join(folder, entry_name(position))):
+                target = os.path.join(folder, entry_name(position))
+                while not self.backend.publish(tmp, target, log, "append to"):
                     position += 1
+                    target = os.path.join(folder, entry_name(position))
             finally:
                 _unlink_quietly(tmp)
             _fsync_dir(folder)
         except OSError as exc:
-            raise self.backend._link_error(exc, log, "append to", "atomic appends") from exc
+            raise self.backend._error(exc, log, "append to", not_found=False) from exc
         return position
 
     def append_at(self, log: str, position: int, message: bytes) -> bool:
@@ -633,13 +829,14 @@ class LocalLogs(LogStore):
                 return False
             tmp = self.backend._write_temp(folder, log, message)
             try:
-                written = _link_exclusive(tmp, os.path.join(folder, entry_name(position)))
+                written = self.backend.publish(
+                    tmp, os.path.join(folder, entry_name(position)), log, "append to")
             finally:
                 _unlink_quietly(tmp)
             if written:
                 _fsync_dir(folder)
         except OSError as exc:
-            raise self.backend._link_error(exc, log, "append to", "atomic appends") from exc
+            raise self.backend._error(exc, log, "append to", not_found=False) from exc
         return written
 
     def _next_position(self, folder: str) -> int:

@@ -66,9 +66,9 @@ ADVICE: dict[tuple[str, str], str] = {
                         "to the URI's options",
     ("webdav", "WebdavLockLogs"): "add logs=registers to the URI's options (logs that need "
                                   "no locks)",
-    ("dir", "create"): "the filesystem's link() does not refuse an existing name; use a "
-                       "local filesystem with hard links",
-    ("dir", "LocalLogs"): "use a local filesystem with hard links",
+    ("dir", "create"): "the filesystem's link() or no-replace rename does not refuse an "
+                       "existing name; use a local filesystem such as ext4, NTFS or APFS",
+    ("dir", "LocalLogs"): "use a local filesystem such as ext4, NTFS or APFS",
     ("*", "RegisterLogs"): "writes are not seen at once by later reads and listings here; "
                            "metasync cannot keep its logs on this service",
     ("*", "create"): "the service does not make creates exclusive; metasync cannot keep its "
@@ -121,14 +121,18 @@ def _verify_once(backend: Backend) -> Verified:
         if caps.compare_and_swap:
             _compare_and_swap(backend, f"{scratch}/swap", written)
             checked.append("compare-and-swap")
-        try:
-            _log_appends(backend, log)
-        except PrimitiveMissing as exc:
-            # The backend's own message says what broke and what to do.
-            raise UsageError(
-                f"{backend.name} lacks {backend.logs.primitive}: a test append failed: {exc}"
-            ) from None
-        checked.append("log appends")
+        _log_appends(backend, log)
+        # Which primitive, where a backend chooses by probing (dir:: a hard link or a
+        # no-replace rename): the record then shows what this client uses there.
+        checked.append(f"log appends by {backend.logs.primitive}")
+    except PrimitiveMissing as exc:
+        # The backend's own message says what broke and what to do; one that names the
+        # backend already is the whole line (dir:'s filesystem without a primitive).
+        if str(exc).startswith(backend.name):
+            raise UsageError(str(exc)) from None
+        raise UsageError(
+            f"{backend.name} lacks {backend.logs.primitive}: a test append failed: {exc}"
+        ) from None
     finally:
         for key in written:
             with contextlib.suppress(BackendError):

@@ -301,8 +301,12 @@ def push(message: str, as_json: bool) -> None:
     with _open() as repo:
         result = repo.push(message)
         config = repo.config
+        # A backend whose log appends fail is outvoted silently otherwise; say so.
+        failing = {repo.backend_name(b): why for b, why in repo.versions.failing_appends().items()}
     # Each conflict copy was said as it was made (the reporter's note); not again here.
     warnings = [f"warning: {result.fork}"] if result.fork else []
+    warnings += [f"warning: backend {name} took no part in agreeing on the version ({why}); "
+                 "the others carry the history until it works again" for name, why in failing.items()]
     notes = []
     if result.short:
         wanted = f"R = {config.replicas}" + (

@@ -403,6 +403,10 @@ class Consensus:
         self.requests = 0
         self._next: Reading | None = None
         self._errors: dict[str, str] = {}
+        # Acceptor id -> why its latest log append failed; kept across operations
+        # until one of its appends succeeds (a backend whose appends keep failing is
+        # outvoted silently otherwise, while its reads and hints still work).
+        self._append_errors: dict[str, str] = {}
         self._wrote = False
         #: Seconds a compaction waits after a mark (see :meth:`compact_logs`).
         self.log_grace = log_grace
@@ -509,6 +513,12 @@ class Consensus:
         """Acceptor id -> why it failed, for the last operation's failed requests."""
         return dict(self._errors)
 
+    @property
+    def failing_appends(self) -> dict[str, str]:
+        """Acceptor id -> why, for each acceptor whose latest log append (in any
+        operation of this object) failed."""
+        return dict(self._append_errors)
+
     # --- driving -----------------------------------------------------------------------
     def run(self, protocol: Run[T]) -> T:
         """Drive a protocol generator to its result, doing its I/O."""
@@ -601,9 +611,13 @@ class Consensus:
                 err = out.error
                 why = "unreachable" if isinstance(err, BackendUnavailable) else "failed"
                 self._errors[req.acceptor] = f"{why}: {err}"
+                if isinstance(req, Append):
+                    self._append_errors[req.acceptor] = f"log appends fail: {err}"
                 failed.add(req.acceptor)
                 replies.append(None)
             else:
+                if isinstance(req, Append):
+                    self._append_errors.pop(req.acceptor, None)
                 answered.add(req.acceptor)
                 replies.append(out.reply)
         for acceptor in answered - failed:

@@ -115,9 +115,22 @@ class Versions:
             self.ctx.reporter.note(message)
 
     def consensus_errors(self) -> dict[str, str]:
-        """Acceptor id -> why it failed, in the last agreement this client ran."""
+        """Acceptor id -> why it failed, in the last agreement this client ran, or
+        why its log appends keep failing (its latest one failed)."""
         consensus = self._consensus.get(self.config_id)
-        return consensus.last_errors if consensus is not None else {}
+        if consensus is None:
+            return {}
+        return {**consensus.failing_appends, **consensus.last_errors}
+
+    def failing_appends(self) -> dict[str, str]:
+        """Acceptor id -> why, for each acceptor whose log appends keep failing while
+        it answered the rest of the last operation: outvoted and otherwise unnoticed
+        (one that does not answer at all is reported as unreachable anyway)."""
+        consensus = self._consensus.get(self.config_id)
+        if consensus is None:
+            return {}
+        down = consensus.last_errors
+        return {b: why for b, why in consensus.failing_appends.items() if b not in down}
 
     # ---------------------------------------------------------------- configurations
     def load_config(self, config_id: str) -> Config:

@@ -1,0 +1,270 @@
+"""``dir:`` backends on the filesystems a user plugs in: exFAT, FAT32 and NTFS images
+mounted with FUSE (tests/servers/fsimages.py), and how the backend chooses its logs
+by probing its folder (backends/publish.py, backends/local.py; docs/backends.md,
+"dir: on USB sticks, SD cards and other filesystems").
+
+The FUSE drivers here (exfat-fuse, fusefat: libfuse 2) have neither hard links nor a
+no-replace rename (renameat2 answers EINVAL), so a new ``dir:`` backend there keeps
+its logs as Disk Paxos registers (marked in its folder); NTFS through ntfs-3g has hard
+links. The no-replace rename itself is exercised on the machine's own filesystem.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from metasync.backends.conformance import BackendConformance, Location
+from metasync.backends.local import (
+    ENTRY_CAPABILITIES,
+    REGISTER_CAPABILITIES,
+    REGISTERS_MARKER,
+    LocalBackend,
+)
+from metasync.backends.publish import LINK, RENAME, describe_filesystem, probe_publish, publish
+from metasync.errors import PrimitiveMissing
+from tests.conftest import make_edge_case_tree, one_line_error, run_cli, snapshot
+from tests.servers.fsimages import fresh_folder
+
+#: What the case-insensitive images without an exclusive publish declare.
+NO_PUBLISH_CAPABILITIES = replace(REGISTER_CAPABILITIES, case_sensitive=False,
+                                  atomic_replace=False)
+#: What a folder on NTFS through ntfs-3g declares: hard links, case-sensitive, but a
+#: FUSE driver (a replaced file is missing for a moment).
+NTFS_CAPABILITIES = replace(ENTRY_CAPABILITIES, atomic_replace=False)
+
+#: How the fixture's drivers appear in the one-line error.
+FUSE_NAMES = {"exfat": "fuseblk (exFAT) at ", "fat": "fuse.fusefat (FAT) at "}
+
+
+def test_exfat_stick_and_one_local_folder_push_and_clone(
+    tmp_path: Path, fs_images: dict[str, Path]
+) -> None:
+    """The issue's scenario: an exFAT stick and one local folder. init, push and a
+    clone through either backend work, and the stick takes part in every agreement:
+    it holds the log entries (as registers) that a clone through it alone reads."""
+    stick = fresh_folder(fs_images["exfat"])
+    local = tmp_path / "local"
+    local.mkdir()
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "hello.txt").write_text("hello\n")
+    run_cli("init", str(src), "--backend", f"dir:{stick}", "--backend", f"dir:{local}")
+    run_cli("push", cwd=src)
+    (src / "more.txt").write_text("more\n")
+    push = run_cli("push", cwd=src)
+    assert "warning" not in push.stderr
+    for i, backend in enumerate((stick, local)):
+        clone = tmp_path / f"clone{i}"
+        run_cli("clone", f"dir:{backend}", str(clone))
+        assert snapshot(clone) == snapshot(src)
+    namespaces = [p.parent for p in stick.rglob(REGISTERS_MARKER)]
+    assert len(namespaces) == 1
+    entries = [p for p in namespaces[0].rglob("*") if p.is_file() and p.name.isdigit()]
+    assert len(entries) >= 2, "the stick holds the decided entries of both versions"
+    assert not list((local).rglob(REGISTERS_MARKER)), "the local folder keeps entry logs"
+
+
+@pytest.mark.parametrize("kind", ["exfat", "fat"])
+def test_entry_logs_on_a_filesystem_without_publish_are_refused_in_one_line(
+    kind: str, tmp_path: Path, fs_images: dict[str, Path]
+) -> None:
+    """A repository whose dir: logs are entry files (made where hard links work),
+    copied onto a filesystem with no exclusive publish: cloning from it is refused in
+    one line naming the filesystem, where it is mounted and what it lacks -- never the
+    consensus error -- and no folder is made."""
+    made = tmp_path / "made"
+    made.mkdir()
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "hello.txt").write_text("hello\n")
+    run_cli("init", str(src), "--backend", f"dir:{made}")
+    run_cli("push", cwd=src)
+    stick = fresh_folder(fs_images[kind])
+    for path in sorted(made.rglob("*")):  # contents only: FAT keeps no modes
+        target = stick / path.relative_to(made)
+        if path.is_dir():
+            target.mkdir()
+        else:
+            shutil.copyfile(path, target)
+    clone = tmp_path / "clone"
+    proc = run_cli("clone", f"dir:{stick}", str(clone), check=False)
+    line = one_line_error(proc, f"dir:{stick} cannot hold metasync's logs",
+                          FUSE_NAMES[kind] + str(fs_images[kind]),
+                          "neither hard links nor a no-replace rename")
+    assert "could not agree" not in line
+    assert not clone.exists()
+
+
+@pytest.mark.parametrize("kind", ["exfat", "fat"])
+def test_probe_finds_no_primitive_on(kind: str, fs_images: dict[str, Path]) -> None:
+    """The probe's own answer on the real filesystem, and the backend's error type
+    (PrimitiveMissing: not transient, so no retry hides it)."""
+    folder = fresh_folder(fs_images[kind])
+    assert probe_publish(str(folder), _temp_writer(folder)) is None
+    assert describe_filesystem(str(folder)).startswith(FUSE_NAMES[kind])
+    backend = LocalBackend(f"dir:{folder}", "ns")
+    (folder / "ns").mkdir()
+    with pytest.raises(PrimitiveMissing) as raised:
+        backend.publish_method()
+    assert not raised.value.transient
+    assert str(raised.value) == backend.lacks_publish_message()
+    backend.create()  # a new folder: its logs become registers
+    assert backend.uses_registers()
+    assert backend.capabilities == NO_PUBLISH_CAPABILITIES
+    other = LocalBackend(f"dir:{folder}", "ns")
+    assert other.capabilities == NO_PUBLISH_CAPABILITIES
+    assert type(other.logs.store()).__name__ == "RegisterLogs"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", ["exfat", "fat", "ntfs"])
+def test_edge_case_tree_round_trips_through_a_backend_on(
+    kind: str, tmp_path: Path, fs_images: dict[str, Path]
+) -> None:
+    """The edge-case tree pushed to a ``dir:`` backend on the image (with a local
+    folder) clones back into a normal folder identical, through either backend."""
+    backend = fresh_folder(fs_images[kind])
+    local = tmp_path / "local"
+    local.mkdir()
+    src = tmp_path / "src"
+    make_edge_case_tree(src)
+    run_cli("init", str(src), "--backend", f"dir:{backend}", "--backend", f"dir:{local}")
+    run_cli("push", cwd=src)
+    for i, where in enumerate((backend, local)):
+        clone = tmp_path / f"clone{i}"
+        run_cli("clone", f"dir:{where}", str(clone))
+        assert snapshot(clone) == snapshot(src)
+
+
+def _temp_writer(folder: Path):  # type: ignore[no-untyped-def]
+    counter = iter(range(10**6))
+
+    def write(data: bytes) -> str:
+        path = folder / f".tmp-test-{next(counter)}-{os.getpid()}"
+        path.write_bytes(data)
+        return str(path)
+
+    return write
+
+
+def test_probe_prefers_hard_links(tmp_path: Path) -> None:
+    """On the test machine's own filesystem both primitives hold; a hard link is
+    chosen (what every existing client uses), and the probe removes its files."""
+    assert probe_publish(str(tmp_path), _temp_writer(tmp_path)) == LINK
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("method", [LINK, RENAME])
+def test_publish_refuses_an_existing_name(method: str, tmp_path: Path) -> None:
+    """Either primitive publishes a complete file to a free name and refuses a taken
+    one, leaving the first file's bytes and (rename) the loser's temp file."""
+    write = _temp_writer(tmp_path)
+    first, second = write(b"first"), write(b"second")
+    target = str(tmp_path / "entry")
+    assert publish(method, first, target)
+    assert not publish(method, second, target)
+    assert Path(target).read_bytes() == b"first"
+    assert Path(second).read_bytes() == b"second"
+
+
+def test_log_appends_by_no_replace_rename_lose_nothing(tmp_path: Path) -> None:
+    """Appends published by the no-replace rename (the primitive of exFAT and FAT
+    under Linux's own drivers, forced here on the machine's filesystem): 6 clients x
+    25 racing appends give 150 contiguous entries, each message exactly once, and the
+    files are the ones hard-link clients write (readers need no change)."""
+    store = tmp_path / "store"
+    store.mkdir()
+    clients = [LocalBackend(f"dir:{store}", "ns") for _ in range(6)]
+    clients[0].create()
+    for client in clients:
+        client._method = RENAME  # the choice the probe makes where link() is refused
+    try:
+        def run(index: int) -> list[int]:
+            return [clients[index].logs.append("log", f"{index}:{i}".encode())
+                    for i in range(25)]
+
+        with ThreadPoolExecutor(6) as pool:
+            positions = [p for ps in pool.map(run, range(6)) for p in ps]
+        assert sorted(positions) == list(range(150))
+        reader = LocalBackend(f"dir:{store}", "ns")
+        entries = reader.logs.fetch("log")
+        assert [p for p, _ in entries] == list(range(150))
+        assert sorted(m for _, m in entries) == sorted(
+            f"{c}:{i}".encode() for c in range(6) for i in range(25))
+        assert all(n.isdigit() for n in os.listdir(store / "ns" / "log"))
+        assert clients[0].logs.primitive == "a no-replace rename"
+    finally:
+        for client in clients:
+            client.close()
+
+
+class TestLocalBackendOnNtfs(BackendConformance):
+    """The conformance suite against ``dir:`` on an NTFS image (ntfs-3g): hard links,
+    case-sensitive; a FUSE driver, so no ``atomic_replace``. (exFAT and FAT under the FUSE
+    drivers here have no exclusive publish at all: refused above.)"""
+
+    backend_class = LocalBackend
+    capabilities = NTFS_CAPABILITIES
+    transient_faults = False  # a local folder has no connection to break
+
+    @pytest.fixture
+    def backend_location(self, fs_images: dict[str, Path]) -> Location:
+        return (f"dir:{fresh_folder(fs_images['ntfs'])}", "ns")
+
+    def test_declares_what_the_class_says(self, backend: LocalBackend) -> None:
+        """The instance on NTFS declares exactly the capabilities this class
+        selects the tests by."""
+        assert backend.capabilities == NTFS_CAPABILITIES
+
+    @pytest.fixture
+    def unicode_location(self, fs_images: dict[str, Path]) -> Location:
+        return (f"dir:{fresh_folder(fs_images['ntfs'], 'ünïcødé store ☃ 名前')}", "ns")
+
+
+class TestLocalBackendOnExfat(BackendConformance):
+    """The conformance suite against ``dir:`` on an exFAT image (exfat-fuse): register
+    logs, no exclusive create, case-insensitive, no atomic replace -- declared (``capabilities``), so
+    the tests needing them are deselected with that reason, never skipped."""
+
+    backend_class = LocalBackend
+    capabilities = NO_PUBLISH_CAPABILITIES
+    transient_faults = False  # a local folder has no connection to break
+
+    @pytest.fixture
+    def backend_location(self, fs_images: dict[str, Path]) -> Location:
+        return (f"dir:{fresh_folder(fs_images['exfat'])}", "ns")
+
+    @pytest.fixture
+    def unicode_location(self, fs_images: dict[str, Path]) -> Location:
+        return (f"dir:{fresh_folder(fs_images['exfat'], 'ünïcødé store ☃ 名前')}", "ns")
+
+    def test_declares_what_the_class_says(self, backend: LocalBackend) -> None:
+        """The instance on exFAT declares exactly the capabilities this class
+        selects the tests by."""
+        assert backend.capabilities == NO_PUBLISH_CAPABILITIES
+
+
+def test_push_warns_of_a_backend_whose_log_appends_fail(tmp_path: Path) -> None:
+    """A backend whose log appends fail is outvoted by the others; the push still
+    succeeds but says which backend took no part and why, instead of nothing."""
+    folders = [tmp_path / f"b{i}" for i in range(3)]
+    for folder in folders:
+        folder.mkdir()
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a\n")
+    run_cli("init", str(src), *(a for f in folders for a in ("--backend", f"dir:{f}")))
+    run_cli("push", cwd=src)
+    logs = next(p for p in folders[2].rglob("log") if p.is_dir())
+    shutil.rmtree(logs)
+    logs.write_text("in the way\n")  # every append there now fails
+    (src / "b.txt").write_text("b\n")
+    push = run_cli("push", cwd=src)
+    assert "Pushed version" in push.stdout
+    warnings = [line for line in push.stderr.splitlines() if "took no part" in line]
+    assert len(warnings) == 1 and f"dir:{folders[2]}" in warnings[0], push.stderr
