@@ -23,7 +23,8 @@ libfuse binding, behaving as Linux's vfat does with its default options:
 Everything is kept in memory and written to the image on fsync, release (close)
 and unmount, so data survives an unmount. Only FAT32 is served. The process runs
 in the foreground, single-threaded, and prints ``ready`` on stdout once the kernel
-has sent FUSE's INIT, that is once the mount is live.
+has sent FUSE's INIT, that is once the mount is live. In /proc/self/mountinfo the
+mount's type is ``fuse.fatfuse`` and its source the image file.
 """
 
 from __future__ import annotations
@@ -63,10 +64,16 @@ def _err(code: int) -> mfusepy.FuseOSError:
 
 
 def _name_of(entry: Entry) -> str:
-    try:
-        return entry.get_long_name()
-    except Exception:  # no long name: the 8.3 one, lower-cased as Linux shows it
-        return entry.get_short_name()
+    """The entry's long name, else its 8.3 one (kept on the entry: decoding long
+    names on every lookup made a folder of thousands of entries crawl)."""
+    name: str | None = getattr(entry, "_fatfuse_name", None)
+    if name is None:
+        try:
+            name = entry.get_long_name()
+        except Exception:  # no long name
+            name = entry.get_short_name()
+        entry._fatfuse_name = name
+    return name
 
 
 def _dos_time(ts: float) -> tuple[int, int]:
@@ -132,6 +139,7 @@ class FatFuse(mfusepy.Operations):
         #: Files unlinked while open: their clusters are freed at the last close.
         self.orphans: set[int] = set()
         self.dirty_dirs: dict[int, Entry] = {}
+        self.chains: dict[int, list[int]] = {}
         self.fat_dirty = False
 
     # -- lookup -----------------------------------------------------------------
@@ -141,12 +149,22 @@ class FatFuse(mfusepy.Operations):
         dirs, files, _ = d.get_entries()
         return dirs + files
 
+    def _index(self, d: Entry) -> dict[str, Entry]:
+        """``d``'s entries by folded long and short name (long names win), built
+        at the first lookup in ``d`` and kept up to date by _attach and _detach."""
+        index: dict[str, Entry] | None = getattr(d, "_fatfuse_index", None)
+        if index is None:
+            index = {}
+            children = self._children(d)
+            for e in children:
+                index[_fold(e.get_short_name())] = e
+            for e in children:
+                index[_fold(_name_of(e))] = e
+            d._fatfuse_index = index
+        return index
+
     def _find(self, d: Entry, name: str) -> Entry | None:
-        key = _fold(name)
-        for e in self._children(d):
-            if _fold(_name_of(e)) == key or _fold(e.get_short_name()) == key:
-                return e
-        return None
+        return self._index(d).get(_fold(name))
 
     def _resolve(self, path: str) -> Entry:
         e = self.root
@@ -188,7 +206,30 @@ class FatFuse(mfusepy.Operations):
     # -- on-disk structures -----------------------------------------------------
 
     def _chain(self, first: int) -> list[int]:
-        return list(self.fat.get_cluster_chain(first)) if first else []
+        """The cluster chain starting at ``first`` (cached: walking a 100 MB file's
+        chain on every 128 KiB write would be quadratic). Only _grow changes it."""
+        if not first:
+            return []
+        chain = self.chains.get(first)
+        if chain is None:
+            chain = self.chains[first] = list(self.fat.get_cluster_chain(first))
+        return chain
+
+    def _runs(self, chain: list[int], pos: int, size: int) -> list[tuple[int, int]]:
+        """(image address, length) of the contiguous pieces holding bytes
+        ``pos..pos+size`` of a file or folder whose clusters are ``chain``."""
+        runs: list[tuple[int, int]] = []
+        end = pos + size
+        while pos < end:
+            i, off = divmod(pos, self.bpc)
+            n = min(self.bpc - off, end - pos)
+            address = self.fat.get_data_cluster_address(chain[i]) + off
+            if runs and runs[-1][0] + runs[-1][1] == address:
+                runs[-1] = (runs[-1][0], runs[-1][1] + n)
+            else:
+                runs.append((address, n))
+            pos += n
+        return runs
 
     def _allocate(self, count: int) -> list[int]:
         try:
@@ -211,12 +252,15 @@ class FatFuse(mfusepy.Operations):
         new = self._allocate(clusters - len(chain))
         if chain:
             self.fat.fat[chain[-1]] = new[0]
-        else:
-            e.set_cluster(new[0])
-        return chain + new
+            chain.extend(new)  # the cached list
+            return chain
+        e.set_cluster(new[0])
+        self.chains[new[0]] = new
+        return new
 
     def _free(self, first: int) -> None:
         if first:
+            self.chains.pop(first, None)
             self.fat.free_cluster_chain(first)
             self.fat_dirty = True
 
@@ -231,9 +275,10 @@ class FatFuse(mfusepy.Operations):
         need = max(1, math.ceil(len(data) / self.bpc))
         chain = self._grow(d, need, chain)
         data += b"\0" * (len(chain) * self.bpc - len(data))
-        for i, c in enumerate(chain):
-            self.fat._write_data_to_address(data[i * self.bpc:(i + 1) * self.bpc],
-                                            self.fat.get_data_cluster_address(c))
+        done = 0
+        for address, n in self._runs(chain, 0, len(data)):
+            self.fat._write_data_to_address(data[done:done + n], address)
+            done += n
 
     def _sync(self, to_disk: bool = False) -> None:
         for d in list(self.dirty_dirs.values()):
@@ -277,17 +322,25 @@ class FatFuse(mfusepy.Operations):
 
     @staticmethod
     def _set_name(e: Entry, name: str, short: EightDotThree) -> None:
+        e._fatfuse_name = name
         e.name = short
         e.lfn_entry = None if short.get_unpadded_filename() == name else _lfn_entry(name, short)
 
     def _attach(self, d: Entry, e: Entry) -> None:
+        index = self._index(d)
         e._parent = None
         d.add_subdirectory(e)
+        index.setdefault(_fold(e.get_short_name()), e)
+        index[_fold(_name_of(e))] = e
         self._mark(d)
 
     def _detach(self, e: Entry) -> Entry:
         d = e.get_parent_dir()
         d._get_entries_raw().remove(e)
+        index = self._index(d)
+        for key in (_fold(e.get_short_name()), _fold(_name_of(e))):
+            if index.get(key) is e:
+                del index[key]
         self._mark(d)
         return d
 
@@ -297,14 +350,11 @@ class FatFuse(mfusepy.Operations):
         size = max(0, min(size, e.filesize - offset))
         if not size:
             return b""
-        chain = self._chain(e.get_cluster())
+        fp, base = self.fat._PyFat__fp, self.fat._PyFat__fp_offset
         out = bytearray()
-        pos = offset
-        while len(out) < size:
-            c, off = chain[pos // self.bpc], pos % self.bpc
-            n = min(self.bpc - off, size - len(out))
-            out += self.fat.read_cluster_contents(c)[off:off + n]
-            pos += n
+        for address, n in self._runs(self._chain(e.get_cluster()), offset, size):
+            fp.seek(base + address)
+            out += fp.read(n)
         return bytes(out)
 
     def _write(self, e: Entry, data: bytes, offset: int) -> int:
@@ -314,13 +364,9 @@ class FatFuse(mfusepy.Operations):
             self._write(e, b"\0" * (offset - e.filesize), e.filesize)
         chain = self._grow(e, math.ceil((offset + len(data)) / self.bpc),
                            self._chain(e.get_cluster()))
-        pos, done = offset, 0
-        while done < len(data):
-            c, off = chain[pos // self.bpc], pos % self.bpc
-            n = min(self.bpc - off, len(data) - done)
-            self.fat._write_data_to_address(data[done:done + n],
-                                            self.fat.get_data_cluster_address(c) + off)
-            pos += n
+        done = 0
+        for address, n in self._runs(chain, offset, len(data)):
+            self.fat._write_data_to_address(data[done:done + n], address)
             done += n
         e.filesize = max(e.filesize, offset + len(data))
         self._touch(e)
@@ -342,7 +388,9 @@ class FatFuse(mfusepy.Operations):
             self._free(chain[keep])
             if keep:
                 self.fat.fat[chain[keep - 1]] = self.eoc
+                del chain[keep:]
             else:
+                self.chains.pop(e.get_cluster(), None)
                 e.set_cluster(0)
         e.filesize = length
         self._touch(e)
@@ -586,7 +634,7 @@ def main(argv: list[str]) -> int:
         return 2
     image, mountpoint = argv
     mfusepy.FUSE(FatFuse(image), mountpoint, foreground=True, nothreads=True,
-                 hard_remove=True, fsname="fatfuse", subtype="vfat")
+                 hard_remove=True, big_writes=True, fsname=os.path.abspath(image), subtype="fatfuse")
     return 0
 
 

@@ -36,9 +36,10 @@ import pytest
 
 #: Size of each image (sparse: it costs only what is written).
 IMAGE_SIZE = 512 * 1024 * 1024
-#: The FAT image is smaller: its driver is pure Python and reads the whole FAT at
-#: mount. 1 KiB clusters keep it FAT32 (at least 65525 clusters).
-FAT_IMAGE_SIZE = 128 * 1024 * 1024
+#: The FAT image is smaller: its driver is pure Python and rewrites the whole FAT
+#: on each close of a written file. 256 MiB holds the conformance suite's 100 MB
+#: object; 2 KiB clusters keep it FAT32 (at least 65525 clusters), the FAT 512 KiB.
+FAT_IMAGE_SIZE = 256 * 1024 * 1024
 #: How long the FAT driver may take to mount before the fixture gives up.
 FAT_MOUNT_TIMEOUT = 60
 #: Every kind the fixture mounts.
@@ -70,7 +71,7 @@ class Mounted:
             self.loop = _run("losetup", "--find", "--show", str(image))
             _run("mount.exfat-fuse", self.loop, str(mountpoint))
         elif kind == "fat":
-            _run("mkfs.vfat", "-F", "32", "-s", "2", str(image))
+            _run("mkfs.vfat", "-F", "32", "-s", "4", str(image))
             self._mount_fat()
         elif kind == "ntfs":
             _run("mkntfs", "--fast", "--force", str(image))
