@@ -261,6 +261,11 @@ class TestLocalBackendOnFat(TestLocalBackendOnExfat):
     def unicode_location(self, fs_images: dict[str, Path]) -> Location:
         return (f"dir:{fresh_folder(fs_images['fat'], 'ünïcødé store ☃ 名前')}", "ns")
 
+    @pytest.mark.xfail(strict=True, reason="vfat drops a name's trailing dots, so the key "
+                       "'...' is an empty name there (ENOENT), and 'a.' would be 'a'")
+    def test_odd_but_valid_keys(self, backend: LocalBackend) -> None:
+        super().test_odd_but_valid_keys(backend)
+
 
 def test_push_warns_of_a_backend_whose_log_appends_fail(tmp_path: Path) -> None:
     """A backend whose log appends fail is outvoted by the others; the push still
