@@ -36,6 +36,7 @@ import os
 import stat
 import sys
 import time
+import zlib
 from typing import Any
 
 import mfusepy
@@ -94,6 +95,47 @@ def _posix_time(date: int, tm: int) -> float:
         return 315532800.0
     return time.mktime(((date >> 9) + 1980, max((date >> 5) & 0xF, 1), max(date & 0x1F, 1),
                         tm >> 11, (tm >> 5) & 0x3F, (tm & 0x1F) * 2, 0, 0, -1))
+
+
+#: Characters an 8.3 name holds besides letters and digits.
+_SHORT_OK = set("!#$%&'()-@^_`{}~")
+
+
+def _short_name(name: str, taken: set[str]) -> str:
+    """An 8.3 alias for ``name`` not in ``taken`` (upper-case aliases of the
+    folder): ``name`` itself if it is one, else its first letters with ``~N``, and
+    after four of those a hash of the name, as vfat makes them (pyfatfs's helper
+    tries ~1, ~2, ... against a list: quadratic in a folder of similar names)."""
+    if EightDotThree.is_8dot3_conform(name) and name not in taken:
+        return name
+
+    def mapped(part: str) -> str:
+        return "".join(c.upper() if c.isascii() and (c.isalnum() or c in _SHORT_OK)
+                       else "" if c in " ." else "_" for c in part)
+
+    stem, dot, ext = name.rpartition(".")
+    if not dot:
+        stem, ext = name, ""
+    base, ext = mapped(stem), mapped(ext)
+    if not base:  # ".hidden": the part after the dot is all there is
+        base, ext = ext or "_", ""
+    base, ext = base[:8], ext[:3]
+    suffix = f".{ext}" if ext else ""
+    for i in range(1, 5):
+        short = f"{base[:6]}~{i}{suffix}"
+        if short not in taken:
+            return short
+    digest = f"{zlib.crc32(name.encode('utf-8', 'surrogateescape')) & 0xFFFF:04X}"
+    for i in range(1, 10):
+        short = f"{base[:2]}{digest}~{i}{suffix}"
+        if short not in taken:
+            return short
+    for i in range(10, 1_000_000):
+        tail = f"~{i}"
+        short = f"{base[:8 - len(tail)]}{tail}{suffix}"
+        if short not in taken:
+            return short
+    raise mfusepy.FuseOSError(errno.ENOSPC)
 
 
 def _lfn_entry(name: str, short: EightDotThree) -> FATLongDirectoryEntry:
@@ -166,6 +208,9 @@ class FatFuse(mfusepy.Operations):
                 index[_fold(_name_of(e))] = e
             d._fatfuse_index = index
         return index
+
+    def _short_names(self, d: Entry) -> set[str]:
+        return {e.get_short_name().upper() for e in self._children(d)}
 
     def _find(self, d: Entry, name: str) -> Entry | None:
         return self._index(d).get(_fold(name))
@@ -338,7 +383,7 @@ class FatFuse(mfusepy.Operations):
 
     def _new_entry(self, d: Entry, name: str, attr: int, cluster: int = 0) -> Entry:
         short = EightDotThree()
-        short.set_str_name(EightDotThree.make_8dot3_name(name, d))
+        short.set_str_name(_short_name(name, self._short_names(d)))
         e = Entry.new(name=short, tz=None, encoding=short.encoding, attr=attr, cluster=cluster)
         self._set_name(e, name, short)
         e.wrtdate, e.wrttime = _dos_time(time.time())
@@ -595,7 +640,7 @@ class FatFuse(mfusepy.Operations):
                 self._release_data(dst)
         old_parent = self._detach(src)
         short = EightDotThree()
-        short.set_str_name(EightDotThree.make_8dot3_name(stored, d))
+        short.set_str_name(_short_name(stored, self._short_names(d)))
         self._set_name(src, stored, short)
         self._attach(d, src)
         if src.is_directory() and old_parent is not d:
