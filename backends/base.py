@@ -123,6 +123,13 @@ class Backend(ABC):
         rclone do; see :attr:`location_needs_mkdir`). The default creates nothing: the
         service has no such folder, or it must exist (an S3 bucket)."""
 
+    def format_needed(self) -> int:
+        """The lowest repository format version (docs/FORMAT.md) whose readers read
+        what this backend's namespace holds; 0: any. A configuration that names the
+        backend says at least this version, so older clients refuse the repository
+        with "upgrade" instead of misreading it."""
+        return 0
+
     @abstractmethod
     def create(self) -> None:
         """Create the namespace. The service location itself must already exist

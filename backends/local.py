@@ -139,6 +139,8 @@ REGISTER_CAPABILITIES = replace(ENTRY_CAPABILITIES, conditional_create=False)
 #: (docs/FORMAT.md), written by ``create`` on a filesystem without an exclusive
 #: publish. ``=`` is no key character, so it is never listed nor taken by a key.
 REGISTERS_MARKER = "logs=registers"
+#: The repository format version that introduced :data:`REGISTERS_MARKER`.
+REGISTER_LOGS_FORMAT = 5
 
 
 class _Declared:
@@ -663,6 +665,11 @@ class LocalBackend(Backend):
         return DirLogs(self)
 
     # --- which logs: entries or registers ---------------------------------------------
+    def format_needed(self) -> int:
+        """Format 5 for a folder of register logs: older clients would read its logs as
+        entry files and find none (docs/FORMAT.md, §11.1)."""
+        return REGISTER_LOGS_FORMAT if self.uses_registers() else 0
+
     def uses_registers(self) -> bool:
         """Whether this folder's logs are Disk Paxos registers: its namespace folder
         holds :data:`REGISTERS_MARKER` (read once per instance; an unreachable folder

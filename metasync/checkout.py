@@ -1,17 +1,21 @@
 """Checkout: moving the folder from one tree to another without losing a local change.
 
 For each path, base = the tree the folder was checked out from, local = the folder now,
-remote = the new tree (the rules are in docs/design.md, "The folder"). Files are written to
-temporary files beside their targets by the :class:`FileWriter` (which also serves
-``restore``), flushed in batches and renamed into place; a file that changed since the scan
-the checkout planned with becomes a conflict copy instead of being replaced. A checkout is
-recorded as pending before it starts, so a crash leaves one the next command finishes.
+remote = the new tree (the rules are in docs/design.md, "The folder"). Files are written
+to temporary files beside their targets by :class:`~metasync.filewriter.FileWriter`
+(which also serves ``restore``), flushed in batches and renamed into place; a file that
+changed since the scan the checkout planned with becomes a conflict copy instead of
+being replaced. A checkout is recorded as pending before it starts, so a crash leaves
+one the next command finishes.
 
 Every write, rename and delete is made relative to its parent folder opened by
 :class:`~metasync.worktree.Folders`, which never follows a symbolic link: a link
 in the place of a folder (put there by history, or by a local change during the
 checkout) is moved aside as a conflict copy and a real folder made, so nothing
-is ever written outside the repository's folder.
+is ever written outside the repository's folder. A name the scan found spelled
+otherwise on disk (another Unicode form: :func:`~metasync.scanner.respell`) is
+written, replaced and deleted as spelled there (:func:`disk_path`), so the folder
+never holds two spellings of one file.
 """
 
 from __future__ import annotations
@@ -22,35 +26,37 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
+from itertools import chain
 from pathlib import Path
 
 from metasync.context import RepoContext
-from metasync.errors import CorruptObject, ObjectUnavailable
+from metasync.errors import ObjectUnavailable
 from metasync.faults import crash_point
+from metasync.filewriter import FileWriter
 from metasync.fstraits import (
     NAME_REFUSED,
     NameRefused,
     cannot_hold,
     cannot_write,
+    clash_reason,
     name_refused,
+    not_written_note,
 )
 from metasync.graph import ObjectGraph
 from metasync.localdb import NOT_ON_DISK, IndexRow
 from metasync.names import display_path
 from metasync.objects import TreeEntry, Version, same_entry
-from metasync.portable import O_CLOEXEC, O_NOFOLLOW, SYNC_ALL_FLUSHES_FILES, sync_all
+from metasync.portable import sync_all
 from metasync.progress import Reporter
-from metasync.scanner import Scanner, ScanResult, name_clashes, nfc
+from metasync.scanner import Scanner, ScanResult, name_clashes
 from metasync.state import LocalState
 from metasync.worktree import (
-    CHUNK_MAX,
     Folders,
     InTheWay,
     ScanEntry,
     lstat_at,
     lstat_name,
     remove_stale_temps,
-    temp_name,
 )
 
 #: The ref a file that cannot be read stands for in the local side of a checkout:
@@ -88,63 +94,6 @@ class PullResult:
 def now_stamp() -> str:
     """The local time as conflict-copy names show it."""
     return datetime.now().strftime("%Y-%m-%d %H%M%S")
-
-
-class FileWriter:
-    """Writes files and links of stored content to temporary files in an open
-    folder (the caller renames them into place in the same folder)."""
-
-    def __init__(self, ctx: RepoContext, graph: ObjectGraph) -> None:
-        self.ctx = ctx
-        self.graph = graph
-
-    def write_temp(
-        self, folder: int, entry: TreeEntry, chunks: list[tuple[str, int]],
-        prefetched: dict[str, bytes] | None = None, *, durable: bool = False,
-    ) -> tuple[str, os.stat_result | None]:
-        """Write one file or link to a new temporary name in the folder open as
-        ``folder`` (a descriptor from :class:`~metasync.worktree.Folders`); return
-        the name and, for a file, its final stat (size, mtime and inode survive the
-        rename). ``durable`` fsyncs the file (a checkout flushes whole batches
-        instead). Every blob's length is checked against the tree."""
-        tmp = temp_name()
-        if entry.type == "link":
-            os.symlink(entry.ref, tmp, dir_fd=folder)
-            return tmp, None
-        mode = self.ctx.file_modes[entry.executable]
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC,
-                     mode, dir_fd=folder)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                holes = False
-                for group in chunk_groups(chunks):
-                    data = prefetched if prefetched is not None else self.graph.read_blobs(group)
-                    for blob_id, length in group:
-                        piece = data[blob_id]
-                        if len(piece) != length:
-                            raise CorruptObject(f"blob {blob_id[:12]} has the wrong length")
-                        if all_zero(piece):
-                            fh.seek(length, os.SEEK_CUR)  # a hole: a sparse file stays sparse
-                            holes = True
-                        else:
-                            fh.write(piece)
-                        self.ctx.reporter.advance(length)
-                if holes:
-                    fh.truncate()  # the size, if the file ends in a hole
-                fh.flush()
-                if durable or not SYNC_ALL_FLUSHES_FILES:
-                    os.fsync(fh.fileno())
-                st = os.fstat(fh.fileno())
-        except BaseException:
-            os.unlink(tmp, dir_fd=folder)
-            raise
-        return tmp, st
-
-
-def not_written_note(path: str, why: str) -> str:
-    """The one line that says a path of the tree is not on this disk, and why."""
-    return (f"cannot be written here: {display_path(path)}: {why}; it stays in the "
-            "repository (and on the other clients)")
 
 
 class RefusedNames:
@@ -192,12 +141,7 @@ class RefusedNames:
         other = self.clashes.get(path)
         if other is None:
             return False
-        if nfc(path) == nfc(other):
-            why = f"the same name as {display_path(other)} in another Unicode form"
-        else:
-            why = (f"differs from {display_path(other)} only in case, and this folder "
-                   "does not tell case apart")
-        self.add(path, entry, why, result)
+        self.add(path, entry, clash_reason(path, other), result)
         return True
 
     def under(self, path: str) -> bool:
@@ -221,13 +165,13 @@ class RefusedNames:
             self.reporter.note(not_written_note(path, why))
 
     def make_folder(self, folders: Folders, path: str, entry: TreeEntry, aside: InTheWay,
-                    result: PullResult) -> bool:
-        """Make the folder ``path`` (and its parents); False if this file system
-        refused its name or a parent's."""
+                    result: PullResult, where: str) -> bool:
+        """Make the folder ``path`` at ``where`` (its spelling on disk), and its
+        parents; False if this file system refused its name or a parent's."""
         if self.refuses(path, entry, result):
             return False
         try:
-            folders.release(folders.make(path, aside))
+            folders.release(folders.make(where, aside))
         except OSError as exc:
             if exc.errno not in NAME_REFUSED:
                 raise
@@ -247,6 +191,8 @@ class Checkout:
         self.writer = FileWriter(ctx, graph)
         #: What the scan the current checkout planned with saw, by path.
         self._seen: dict[str, ScanEntry] = {}
+        #: Paths of :attr:`_seen` spelled otherwise on disk: path -> :func:`disk_path`.
+        self._spelled: dict[str, str] = {}
         #: The folders of the current checkout (see :meth:`run`).
         self._folders: Folders
         #: Folders the current checkout's scan could not read (:func:`apply_waiting`).
@@ -314,7 +260,7 @@ class Checkout:
     ) -> None:
         scan = self.scanner.scan(None)
         self._seen = scan.seen
-        self._refused.clashes = name_clashes(remote, self._seen, self.scanner.traits.case_insensitive)
+        self._spelled = {p: e.disk for p, e in self._seen.items() if e.disk}
         local = local_side(scan)
         self.sealed = SealedFolders.of(scan, self.ctx.reporter)
         stamp = now_stamp()
@@ -323,17 +269,17 @@ class Checkout:
             have = local.get(source)
             if (copy not in local and have is not None and copy in remote
                     and same_entry(have, remote[copy]) and same_entry(have, base.get(source))
-                    and _move(self._folders, source, copy, aside)):
+                    and _move(self._folders, self._on_disk(source), self._on_disk(copy), aside)):
                 local[copy] = local.pop(source)
                 self._seen.pop(source, None)
         scanned = {e.path: e for e in scan.rows}
-        writes, deletes = self._plan(base, remote, local, stamp, result)
+        writes, deletes = plan(self, base, remote, local, stamp, result)
         crash_point("checkout:planned")
         folders = self._folders
         for path in deletes:
             if path not in self._seen:
                 continue  # not on this disk (a path it cannot hold): nothing to delete
-            parent, _, name = path.rpartition("/")
+            parent, _, name = self._on_disk(path).rpartition("/")
             with folders.opened(parent) as fd:
                 # No folder there (a link or a file now): nothing of this tree to delete.
                 existing = lstat_name(fd, name) if fd is not None else None
@@ -351,12 +297,13 @@ class Checkout:
         for path in sorted((p for p, e in base.items() if e.type == "dir" and p not in remote
                             and not self.sealed.holding(p)),
                            key=lambda p: p.count("/"), reverse=True):
-            parent, _, name = path.rpartition("/")
+            where = self._on_disk(path)
+            parent, _, name = where.rpartition("/")
             with folders.opened(parent) as fd:
                 try:
                     if fd is not None:
                         os.rmdir(name, dir_fd=fd)  # a link there fails: rmdir never follows
-                        folders.forget(path)
+                        folders.forget(where)
                 except OSError:
                     pass
         for path in sorted((p for p, e in remote.items() if e.type == "dir" and not self.sealed.holding(p)),
@@ -368,7 +315,8 @@ class Checkout:
             if path in local and local[path].type == "dir" and path not in self._seen:  # refused before: said once
                 self._refused.add(path, remote[path], None, result)
                 continue
-            self._refused.make_folder(folders, path, remote[path], aside, result)
+            self._refused.make_folder(folders, path, remote[path], aside, result,
+                                      self._on_disk(path))
         rows = self._write_files(writes, stamp, result, scanned)
         db = self.ctx.db
         with db.transaction():
@@ -382,48 +330,6 @@ class Checkout:
             written = {path for path, _ in writes}
             db.upsert_index(r for r in scan.rows if r.path not in written)
 
-    def _plan(
-        self, base: dict[str, TreeEntry], remote: dict[str, TreeEntry],
-        local: dict[str, TreeEntry], stamp: str, result: PullResult,
-    ) -> tuple[list[tuple[str, TreeEntry]], list[str]]:
-        """The files to write and to delete (docs/design.md's table); local files in
-        the way of a remote change become conflict copies now."""
-        writes: list[tuple[str, TreeEntry]] = []
-        deletes: list[str] = []
-        for path in sorted(set(base) | set(remote)):
-            b, n, loc = base.get(path), remote.get(path), local.get(path)
-            if self.sealed.leaves(path, changed=not same_entry(n, b)):
-                continue
-            if n is not None and n.type == "dir":
-                # Folders are created later. A file that master replaced by a folder
-                # goes if unchanged here; if changed, creating the folder keeps it as
-                # a conflict copy.
-                if b is not None and b.type != "dir" and same_entry(loc, b):
-                    deletes.append(path)
-                continue
-            if b is not None and b.type == "dir" and n is None:
-                continue  # a removed folder: its contents are paths of their own
-            if same_entry(n, b) or same_entry(loc, n):
-                continue
-            if same_entry(loc, b):
-                if n is None:
-                    deletes.append(path)
-                else:
-                    writes.append((path, n))
-            elif n is None:
-                self.ctx.reporter.note(f"kept {display_path(path)}: deleted remotely but changed here")
-            else:
-                # Not on disk (an index row): nothing to keep; another name may answer.
-                if (loc is not None and loc.type != "dir"
-                        and (path in self._seen or loc.ref == UNREAD_REF)):
-                    copy = self._conflict_copy(path, stamp)
-                    if copy is not None:
-                        result.conflicts.append(copy)
-                        self.ctx.reporter.note(f"conflict: your version of {display_path(path)} is now "
-                                               f"{display_path(copy)}")
-                writes.append((path, n))
-        return writes, deletes
-
     def _changed_since_scan(self, path: str, st: os.stat_result) -> bool:
         """True if ``path`` (now ``st``) differs in size or mtime from the scan the
         pull planned with (or did not exist then): replacing it could lose an edit."""
@@ -433,13 +339,19 @@ class Checkout:
     def _conflict_copy(self, path: str, stamp: str) -> str | None:
         """Rename ``path`` to a free conflict name beside it; None if nothing is there
         (or its folder is no longer a folder of this tree: a link is not followed)."""
-        with self._folders.opened(path.rpartition("/")[0]) as fd:
-            if fd is None or lstat_name(fd, path.rpartition("/")[2]) is None:
+        where = self._on_disk(path)
+        with self._folders.opened(where.rpartition("/")[0]) as fd:
+            if fd is None or lstat_name(fd, where.rpartition("/")[2]) is None:
                 return None
-            return self._move_aside(fd, path, stamp)
+            return self._move_aside(fd, where, stamp)
 
     def _move_aside(self, fd: int, path: str, stamp: str) -> str:
         return self._folders.move_aside(fd, path, self.ctx.device, stamp)
+
+    def _on_disk(self, path: str) -> str:
+        """``path`` as spelled on disk (:func:`disk_path`): what a checkout writes,
+        replaces and deletes, so it never makes a second spelling beside it."""
+        return disk_path(self._spelled, path) if self._spelled else path
 
     def _in_the_way(self, stamp: str, result: PullResult) -> InTheWay:
         """What :class:`Folders` does with a file or link where a folder must be: keep
@@ -481,7 +393,7 @@ class Checkout:
                 continue
             if parent and parent not in ensured:
                 try:
-                    folders.release(folders.make(parent, aside))
+                    folders.release(folders.make(self._on_disk(parent), aside))
                 except OSError as exc:
                     if exc.errno not in NAME_REFUSED:
                         raise
@@ -532,7 +444,7 @@ class Checkout:
                 if not fut.cancelled() and fut.exception() is None:
                     pending.extend(fut.result())
             for (path, _, _), tmp, _ in pending:
-                _drop_temp(self._folders, path, tmp)
+                _drop_temp(self._folders, self._on_disk(path), tmp)
             raise
         finally:
             reporter.finish()
@@ -551,7 +463,7 @@ class Checkout:
             """Rename into a free or unchanged place; False leaves it to the slow path,
             None: this file system refused the name (the temporary file is removed)."""
             (path, entry, _), tmp, _ = item
-            name = path.rpartition("/")[2]
+            name = self._on_disk(path).rpartition("/")[2]
             if fd is None:
                 return False
             try:
@@ -574,7 +486,7 @@ class Checkout:
         done: list[bool | None] = []
         with folders.cursor() as cursor:
             for item in pending:
-                done.append(fast(item, cursor.at(item[0][0].rpartition("/")[0])))
+                done.append(fast(item, cursor.at(self._on_disk(item[0][0]).rpartition("/")[0])))
                 crash_point("checkout:rename")
         rows: list[IndexRow] = []
         for ((path, entry, _), tmp, st), ok in zip(pending, done, strict=True):
@@ -586,7 +498,7 @@ class Checkout:
                 except OSError as exc:
                     if exc.errno not in NAME_REFUSED:
                         raise
-                    _drop_temp(self._folders, path, tmp)
+                    _drop_temp(self._folders, self._on_disk(path), tmp)
                     self._refused.add(path, entry, cannot_hold(exc), result)
                     continue
             result.written += 1
@@ -597,18 +509,19 @@ class Checkout:
 
     def _install_slow(self, path: str, tmp: str, stamp: str, result: PullResult) -> None:
         """Put ``tmp`` at ``path`` where a folder or a changed file is in the way."""
-        parent, _, name = path.rpartition("/")
+        where = self._on_disk(path)
+        parent, _, name = where.rpartition("/")
         with self._folders.made(parent, self._in_the_way(stamp, result)) as fd:
             existing = lstat_at(fd, name)
             if existing is not None and stat.S_ISDIR(existing.st_mode):
                 try:
                     os.rmdir(name, dir_fd=fd)
-                    self._folders.forget(path)
+                    self._folders.forget(where)
                 except OSError:
-                    result.conflicts.append(self._move_aside(fd, path, stamp))
+                    result.conflicts.append(self._move_aside(fd, where, stamp))
             elif existing is not None and self._changed_since_scan(path, existing):
                 # Edited (or created) while we were downloading: keep it.
-                copy = self._move_aside(fd, path, stamp)
+                copy = self._move_aside(fd, where, stamp)
                 result.conflicts.append(copy)
                 self.ctx.reporter.note(f"conflict: {display_path(path)} changed during the pull; "
                                        f"kept as {display_path(copy)}")
@@ -624,7 +537,7 @@ class Checkout:
             with self._folders.cursor(aside) as cursor:
                 for plan in job:
                     path, entry, chunks = plan
-                    fd = cursor.at(path.rpartition("/")[0])
+                    fd = cursor.at(self._on_disk(path).rpartition("/")[0])
                     assert fd is not None  # made, never None
                     try:
                         done.append((plan, *self.writer.write_temp(fd, entry, chunks, prefetched)))
@@ -632,7 +545,7 @@ class Checkout:
                         self._refused.failed(path, entry, exc)
         except BaseException:
             for (path, _, _), tmp, _ in done:
-                _drop_temp(self._folders, path, tmp)
+                _drop_temp(self._folders, self._on_disk(path), tmp)
             raise
         return done
 
@@ -649,6 +562,78 @@ def local_side(scan: ScanResult) -> dict[str, TreeEntry]:
         if not u.folder:
             local[u.path] = TreeEntry(u.path.rpartition("/")[2], "file", UNREAD_REF)
     return local
+
+
+def plan(
+    co: Checkout, base: dict[str, TreeEntry], remote: dict[str, TreeEntry],
+    local: dict[str, TreeEntry], stamp: str, result: PullResult,
+) -> tuple[list[tuple[str, TreeEntry]], list[str]]:
+    """The files ``co`` writes and deletes (docs/design.md's table); local files in
+    the way of a remote change become conflict copies now. Sets the names of the
+    tree that are one here with another that stays (``co._refused.clashes``)."""
+    writes: list[tuple[str, TreeEntry]] = []
+    deletes: list[str] = []
+    for path in sorted(set(base) | set(remote)):
+        b, n, loc = base.get(path), remote.get(path), local.get(path)
+        if co.sealed.leaves(path, changed=not same_entry(n, b)):
+            continue
+        if n is not None and n.type == "dir":
+            # Folders are created later. A file that master replaced by a folder
+            # goes if unchanged here; if changed, creating the folder keeps it as
+            # a conflict copy.
+            if b is not None and b.type != "dir" and same_entry(loc, b):
+                deletes.append(path)
+            continue
+        if b is not None and b.type == "dir" and n is None:
+            continue  # a removed folder: its contents are paths of their own
+        if same_entry(n, b) or same_entry(loc, n):
+            continue
+        if same_entry(loc, b):
+            if n is None:
+                deletes.append(path)
+            else:
+                writes.append((path, n))
+        elif n is None:
+            co.ctx.reporter.note(f"kept {display_path(path)}: deleted remotely but changed here")
+        else:
+            # Not on disk (an index row): nothing to keep; another name may answer.
+            if (loc is not None and loc.type != "dir"
+                    and (path in co._seen or loc.ref == UNREAD_REF)):
+                copy = co._conflict_copy(path, stamp)
+                if copy is not None:
+                    result.conflicts.append(copy)
+                    co.ctx.reporter.note(f"conflict: your version of {display_path(path)} is now "
+                                         f"{display_path(copy)}")
+            writes.append((path, n))
+    # One name here with a path of the new tree or a local one that stays (an
+    # edit kept over a remote case-only rename): the one on disk is kept.
+    case_insensitive = co.scanner.traits.case_insensitive
+    gone = set(deletes)
+    kept = (p for p in local if p not in remote and p not in gone)
+    clashes = co._refused.clashes = name_clashes(chain(remote, kept), co._seen, case_insensitive)
+    # A path not on disk (an index row) because it was one name with another of
+    # the last tree is written once that clash is gone.
+    absent = [p for p, e in local.items() if p not in co._seen and e.type != "dir"
+              and e.ref != UNREAD_REF and p not in clashes and same_entry(e, remote.get(p))
+              and same_entry(e, base.get(p)) and not co.sealed.holding(p)]
+    if absent:
+        before = name_clashes(base, co._seen, case_insensitive)
+        writes += [(p, remote[p]) for p in absent if p in before]
+    return writes, deletes
+
+
+def disk_path(spelled: dict[str, str], path: str) -> str:
+    """``path`` as spelled on disk, given the scan's paths spelled otherwise there
+    (``spelled``: index path -> path on disk, :func:`~metasync.scanner.respell`):
+    its own spelling, else its nearest such folder's with the rest of ``path``."""
+    if path in spelled:
+        return spelled[path]
+    parent = path.rpartition("/")[0]
+    while parent:
+        if parent in spelled:
+            return spelled[parent] + path[len(parent):]
+        parent = parent.rpartition("/")[0]
+    return path
 
 
 def _move(folders: Folders, source: str, copy: str, aside: InTheWay) -> bool:
@@ -772,29 +757,3 @@ class SealedFolders:
             b = base.get(folder)
             waiting.setdefault(folder, b.ref if b is not None and b.type == "dir" else "")
         state.waiting_folders = waiting
-
-
-#: Zeros to compare chunks with (a chunk is at most CHUNK_MAX bytes; allocated by
-#: calloc, so its pages cost nothing until read, and then map the zero page).
-_ZEROS = bytes(CHUNK_MAX)
-
-
-def all_zero(data: bytes) -> bool:
-    """True if ``data`` (not empty) is all zero bytes. A chunk with content almost
-    always fails on its first or last byte; the others are compared by one memcmp
-    (``startswith``), which stops at the first non-zero byte."""
-    return (bool(data) and not data[0] and not data[-1] and len(data) <= CHUNK_MAX
-            and _ZEROS.startswith(data))
-
-
-def chunk_groups(chunks: list[tuple[str, int]], budget: int = 8 * 1024 * 1024) -> list[list[tuple[str, int]]]:
-    """Split a file's chunks into groups of about ``budget`` bytes (bounded memory)."""
-    groups: list[list[tuple[str, int]]] = [[]]
-    size = 0
-    for blob_id, length in chunks:
-        if groups[-1] and size + length > budget:
-            groups.append([])
-            size = 0
-        groups[-1].append((blob_id, length))
-        size += length
-    return [g for g in groups if g] or [[]]

@@ -6,6 +6,7 @@ a traceback appears only with ``--debug``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -687,6 +688,8 @@ _add_global_options(cli)
 
 
 _QUIT = threading.Lock()
+#: The signals that stop a command.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _announce_stop() -> None:
@@ -710,24 +713,14 @@ def _quit_at_once() -> None:
         os._exit(130)
 
 
-class _SignalCount:
-    """Signals one listener has seen."""
-
-    def __init__(self) -> None:
-        self.seen = 0
-
-    def arrived(self) -> int:
-        self.seen += 1
-        return self.seen
-
-
-_HANDLED = _SignalCount()
+#: Signals the Python-level handler has run for (each listener counts its own).
+_HANDLED = itertools.count(1)
 
 
 def _on_signal(signum: int, frame: object) -> None:
     """The Python-level handler, run by the main thread when it next runs Python code:
     the first unwinds the command, which then reports what it kept."""
-    if _HANDLED.arrived() > 1:
+    if next(_HANDLED) > 1:
         _quit_at_once()
     _announce_stop()
     raise KeyboardInterrupt
@@ -741,9 +734,11 @@ def _watch_signals(wakeup: socket.socket) -> None:
     delivered to another thread does not wake it. The C-level handler also writes
     each signal's number to ``wakeup`` (:func:`signal.set_wakeup_fd`), read here: the
     first stops every transfer, a second quits at once."""
-    seen = _SignalCount()
-    while wakeup.recv(1):
-        if seen.arrived() > 1:
+    seen = itertools.count(1)
+    while signum := wakeup.recv(1):
+        if signum[0] not in _STOP_SIGNALS:  # a signal some library listens for
+            continue
+        if next(seen) > 1:
             _quit_at_once()
         _announce_stop()
 
@@ -761,12 +756,14 @@ def _listen_for_signals() -> None:
     signal.set_wakeup_fd(write_end.fileno(), warn_on_full_buffer=False)
     threading.Thread(target=_watch_signals, args=(read_end,), name="signals",
                      daemon=True).start()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in _STOP_SIGNALS:
         signal.signal(sig, _on_signal)
 
 
 def main() -> None:
     """Console-script entry point."""
+    # pythonw.exe (the Windows service) has no standard streams: output goes nowhere.
+    sys.stdout, sys.stderr = (s or open(os.devnull, "w") for s in (sys.stdout, sys.stderr))  # noqa: SIM115
     _listen_for_signals()
     try:
         cli.main(standalone_mode=False)

@@ -152,13 +152,13 @@ class Daemon:
     def run(self) -> int:
         """The daemon's main loop; returns an exit status."""
         self._setup_logging()
+        # Off first: the CLI's signal watcher (a second signal quits at once) is for
+        # commands a user runs; the daemon stops at its own pace, saying so.
+        signal.set_wakeup_fd(-1)
         for sig in (signal.SIGTERM, signal.SIGINT):
             # Stop the transfers of a sync in progress too (each at its next piece):
             # what was uploaded is kept and the next sync continues.
             signal.signal(sig, lambda *_: self.stop(cancel=True))
-        # The CLI's signal watcher (a second signal quits at once) is for commands a
-        # user runs; the daemon stops at its own pace, saying so in its status.
-        signal.set_wakeup_fd(-1)
         pid_fd = self._take_pid_file()
         observer = self._watch()
         self._write_status()

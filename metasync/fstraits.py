@@ -15,10 +15,12 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from metasync.names import display_path
 from metasync.portable import O_CLOEXEC
 
 #: What a file system answers when it cannot hold a name: too long (another
@@ -152,3 +154,18 @@ def cannot_write(kind: str, exc: OSError) -> str | None:
     if exc.errno == errno.EFBIG:
         return cannot_hold(exc)
     return None
+
+
+def not_written_note(path: str, why: str) -> str:
+    """The one line that says a path of the tree is not on this disk, and why."""
+    return (f"cannot be written here: {display_path(path)}: {why}; it stays in the "
+            "repository (and on the other clients)")
+
+
+def clash_reason(path: str, other: str) -> str:
+    """Why ``path`` is not written where ``other`` is (the two are one name here:
+    :func:`~metasync.scanner.name_clashes`)."""
+    if unicodedata.normalize("NFC", path) == unicodedata.normalize("NFC", other):
+        return f"the same name as {display_path(other)} in another Unicode form"
+    return (f"differs from {display_path(other)} only in case, and this folder "
+            "does not tell case apart")

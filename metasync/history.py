@@ -6,7 +6,7 @@ became master in, as far as this client saw it; :func:`draw_graph` lays it out a
 ``git log --graph`` does. ``standing`` says where the folder is against master.
 ``restore`` finds the version to restore from (a commit id prefix, a snapshot,
 ``~N``, or by default the newest version where the path differs from the
-folder) and writes it with the checkout's :class:`~metasync.checkout.FileWriter`:
+folder) and writes it with the checkout's :class:`~metasync.filewriter.FileWriter`:
 to a temporary file, flushed, renamed; a file in the way whose content is in no
 version is kept as a conflict copy first. Every parent folder is opened by
 :class:`~metasync.worktree.Folders`, never through a symbolic link: a link where
@@ -19,20 +19,30 @@ from __future__ import annotations
 import heapq
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from metasync.checkout import FileWriter, not_written_note, now_stamp, replace_name
+from metasync.checkout import now_stamp, replace_name
 from metasync.context import RepoContext
 from metasync.errors import UsageError
-from metasync.fstraits import NAME_REFUSED, cannot_hold, cannot_write
+from metasync.filewriter import FileWriter
+from metasync.fstraits import (
+    NAME_REFUSED,
+    FolderTraits,
+    cannot_hold,
+    cannot_write,
+    clash_reason,
+    not_written_note,
+    probe_traits,
+)
 from metasync.graph import ANCESTRY_LIMIT, ObjectGraph
 from metasync.names import display_path
 from metasync.objects import Commit, Config, TreeEntry
+from metasync.scanner import name_clashes, nfc
 from metasync.versions import Versions
 from metasync.worktree import (
     META_DIR,
@@ -40,6 +50,7 @@ from metasync.worktree import (
     Folders,
     InTheWay,
     ScanEntry,
+    is_ignored,
     lstat_at,
 )
 
@@ -180,10 +191,13 @@ def repo_path(path: str) -> str:
 class History:
     """The history of one repository, read and restored from."""
 
-    def __init__(self, ctx: RepoContext, versions: Versions, graph: ObjectGraph) -> None:
+    def __init__(self, ctx: RepoContext, versions: Versions, graph: ObjectGraph,
+                 traits: Callable[[], FolderTraits]) -> None:
         self.ctx = ctx
         self.versions = versions
         self.graph = graph
+        #: The traits of the repository's folder (the scanner's, probed once).
+        self.traits = traits
         self.writer = FileWriter(ctx, graph)
 
     def log(self, limit: int | None = None) -> list[LogEntry]:
@@ -248,18 +262,29 @@ class History:
                 head = self.graph.head_commit()
                 current = self.graph.flatten(head.tree) if head is not None else {}
                 root, prefix = self.ctx.root, path
+                case_insensitive = self.traits().case_insensitive
             else:
                 dest = Path(to).absolute()
                 dest.parent.mkdir(parents=True, exist_ok=True)  # named by the user: followed
                 current, root, prefix = {}, dest.parent, dest.name
+                probed = probe_traits(root, root)
+                case_insensitive = probed is not None and probed.case_insensitive
             result = RestoreResult(commit_id, commit.time_ns, str(root / prefix))
             stamp = now_stamp()
+            dests = {(f"{prefix}/{p[len(path):].lstrip('/')}" if p != path else prefix): e
+                     for p, e in wanted.items()}
             with Folders(root) as folders:
                 aside = self._in_the_way(folders, current, stamp, result)
-                for p, entry in sorted(wanted.items()):
-                    rel = p[len(path):].lstrip("/")
-                    dest_rel = f"{prefix}/{rel}" if rel else prefix
-                    self._restore_entry(folders, aside, entry, dest_rel, current.get(dest_rel),
+                names = RestoreNames(folders, list(dests), case_insensitive)
+                for dest_rel, entry in sorted(dests.items()):
+                    if any(dest_rel.startswith(f + "/") for f in result.not_written):
+                        continue  # in a folder already said
+                    where, why = names.place(dest_rel)
+                    if why is not None:
+                        result.not_written.append(dest_rel)
+                        self.ctx.reporter.note(not_written_note(dest_rel, why))
+                        continue
+                    self._restore_entry(folders, aside, entry, where, current.get(dest_rel),
                                         stamp, result)
         return result
 
@@ -335,8 +360,6 @@ class History:
                        in_head: TreeEntry | None, stamp: str, result: RestoreResult) -> None:
         """Write ``entry`` at ``path`` (relative to ``folders``' root); what this file
         system cannot hold is said and left out."""
-        if any(path.startswith(f + "/") for f in result.not_written):
-            return  # in a folder already said
         try:
             self._write_entry(folders, aside, entry, path, in_head, stamp, result)
         except OSError as exc:
@@ -420,3 +443,53 @@ class History:
         except (OSError, FileChanged):
             return False
         return hashed.ref == entry.ref
+
+
+class RestoreNames:
+    """Where each path of a restore is written in a folder that may hold one name
+    for two of history's (:func:`~metasync.scanner.name_clashes`, as a checkout):
+    a path whose name is on disk in another Unicode form is written under that
+    spelling (the scan takes it for the path); one that is one name with another
+    file here, or another restored path, is not written (its caller says so), so a
+    restore never moves a file aside to write its twin and the next push never
+    turns that into a deletion."""
+
+    def __init__(self, folders: Folders, dests: list[str], case_insensitive: bool) -> None:
+        self.folders = folders
+        self.case_insensitive = case_insensitive
+        #: The names to restore in each folder (by its path in the restore).
+        self.wanted: dict[str, set[str]] = {}
+        for d in dests:
+            parent, _, name = d.rpartition("/")
+            self.wanted.setdefault(parent, set()).add(name)
+        #: Folders of the restore spelled otherwise on disk: path -> path on disk.
+        self.spelled: dict[str, str] = {}
+        #: Per folder: the names on disk, and the clashes (loser -> winner) there.
+        self.looked: dict[str, tuple[set[str], dict[str, str]]] = {}
+
+    def place(self, path: str) -> tuple[str, str | None]:
+        """The path to write ``path`` at, and None; or ``path`` and why it cannot be
+        written here. Parents are placed before their children (sorted order)."""
+        parent, _, name = path.rpartition("/")
+        disk_parent = self.spelled.get(parent, parent)
+        if parent not in self.looked:
+            on_disk: set[str] = set()
+            with self.folders.opened(disk_parent) as fd:
+                if fd is not None:
+                    on_disk = {n for n in os.listdir(fd) if not is_ignored(n)}
+            names = self.wanted.get(parent, set())
+            self.looked[parent] = (on_disk, name_clashes(names | on_disk, on_disk,
+                                                         self.case_insensitive))
+        on_disk, clashes = self.looked[parent]
+        winner = clashes.get(name)
+        if winner is None or name in on_disk:
+            written = name
+        elif (winner in on_disk and winner not in self.wanted.get(parent, ())
+              and nfc(winner) == nfc(name)):
+            written = winner  # this file, spelled otherwise on disk
+        else:
+            return path, clash_reason(path, f"{parent}/{winner}" if parent else winner)
+        where = f"{disk_parent}/{written}" if disk_parent else written
+        if where != path:
+            self.spelled[path] = where
+        return where, None

@@ -18,6 +18,7 @@ has exactly one stored spelling.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 import os
 import sqlite3
@@ -101,6 +102,28 @@ def _index_row(r: tuple[Any, ...]) -> IndexRow:
     return _make_row((path_of(r[0]), r[1], path_of(r[2]), *r[3:]))
 
 
+def _wal_works_beside(path: Path) -> bool:
+    """Whether a scratch database in WAL mode works in ``path``'s folder: told
+    apart, on an I/O error, a file system that cannot hold WAL (its error comes
+    again on a new database) from a real, passing I/O error on ``path``."""
+    scratch = path.with_name(f"wal-probe-{os.urandom(6).hex()}.db")
+    try:
+        conn = sqlite3.connect(str(scratch), isolation_level=None)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.executescript("CREATE TABLE t (x); INSERT INTO t VALUES (1);")
+            conn.execute("SELECT x FROM t").fetchall()
+        finally:
+            conn.close()
+        return True
+    except sqlite3.OperationalError:
+        return False
+    finally:
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            with contextlib.suppress(OSError):
+                os.unlink(f"{scratch}{suffix}")
+
+
 class LocalDB:
     """Thin typed wrapper over the SQLite file. Use from one thread."""
 
@@ -119,8 +142,8 @@ class LocalDB:
             # WAL maps a shared-memory file beside the database; on a file system
             # that cannot (fusefat, some network mounts) every read fails with an
             # I/O error. A rollback journal needs only file locks.
-            if "disk I/O error" not in str(exc):
-                raise
+            if "disk I/O error" not in str(exc) or _wal_works_beside(path):
+                raise  # a real I/O error, not this file system's lack of WAL
             self.conn.close()
             self._leave_wal()
             wal = False

@@ -30,10 +30,10 @@ from typing import Any, ClassVar, Literal
 from metasync.errors import CorruptObject, FormatError
 
 #: The repository format this metasync writes for new repositories (docs/FORMAT.md).
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 #: Every format it reads (and keeps writing, for a repository made in it, until a
 #: change that needs the newer one, such as a key rotation).
-READABLE_FORMATS = (3, 4)
+READABLE_FORMATS = (3, 4, 5)
 #: Days a version stays restorable by default (``retention_days``).
 DEFAULT_RETENTION_DAYS = 30
 #: Most erasure-coded fragments per object.

@@ -111,7 +111,7 @@ class Repository:
     def history(self) -> History:
         from metasync.history import History
 
-        return History(self._ctx, self.versions, self.graph)
+        return History(self._ctx, self.versions, self.graph, lambda: self.scanner.traits)
 
     # ============================================================== lifecycle
     @classmethod

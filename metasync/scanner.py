@@ -18,7 +18,7 @@ import unicodedata
 from collections import deque
 from collections.abc import Callable, Container, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from metasync.context import RepoContext
@@ -89,10 +89,16 @@ class Scanner:
             known = self.ctx.state.folder_traits
             device = os.stat(self.ctx.root).st_dev
             if known is None or known.device != device:
+                before = known
                 known = probe_traits(self.ctx.root, self.ctx.root / META_DIR)
+                recorded = known is not None
                 if known is None:  # not recorded: probed again next time
                     known = FolderTraits(device, *FolderTraits.POSIX)
-                elif self.ctx.exclusive:
+                if before is not None and not before.exec_bits:
+                    # Copied off a file system without exec bits (cp -a from exFAT):
+                    # the bits on disk are that system's (all set), not the user's.
+                    known = replace(known, exec_bits=False)
+                if recorded and self.ctx.exclusive:
                     self.ctx.state.folder_traits = known
             self._traits = known
         return self._traits
@@ -303,9 +309,10 @@ def respell(entries: dict[str, ScanEntry], missing: list[IndexRow]) -> list[Inde
     (not found as spelled) in another Unicode form -- macOS gives back decomposed
     (NFD) the names another client wrote composed (NFC), as git's
     ``core.precomposeUnicode`` knows -- for that indexed name: it is re-keyed under
-    the index's spelling (its ``disk`` field keeps the one on disk, to read it by),
-    and so are folders on the way to such names. Returns the rows whose names were
-    found so."""
+    the index's spelling (its ``disk`` field keeps the one on disk, to read and
+    write it by), and so are folders on the way to such names, with everything in
+    them (a file added there goes in the index's folder, not a second one spelled
+    otherwise). Returns the rows whose names were found so."""
     rows = {nfc(r.path): r for r in missing}
     folders: dict[str, str] = {}
     for r in missing:
@@ -314,15 +321,22 @@ def respell(entries: dict[str, ScanEntry], missing: list[IndexRow]) -> list[Inde
             folders[nfc(parent)] = parent
             parent = parent.rpartition("/")[0]
     found: list[IndexRow] = []
-    for path in [p for p in entries if not p.isascii()]:
+    moved: dict[str, str] = {}  # folders re-keyed: path on disk -> the index's
+    # Folders before what they hold, so a path's folder is re-keyed first.
+    for path in sorted((p for p in entries if not p.isascii()), key=lambda p: p.count("/")):
         e = entries[path]
-        key = nfc(path)
+        parent, _, name = path.rpartition("/")
+        spelled = f"{moved[parent]}/{name}" if parent in moved else path
+        key = nfc(spelled)
         row = rows.get(key) if e.type != "dir" else None
         target = row.path if row is not None else folders.get(key) if e.type == "dir" else None
-        if target is None or target == path or target in entries:
+        target = target or spelled
+        if target == path or target in entries:
             continue
         del entries[path]
         entries[target] = e._replace(path=target, disk=path)
+        if e.type == "dir":
+            moved[path] = target
         if row is not None:
             found.append(row)
     return found

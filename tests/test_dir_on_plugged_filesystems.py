@@ -27,7 +27,7 @@ from metasync.backends.local import (
     LocalBackend,
 )
 from metasync.backends.publish import LINK, RENAME, describe_filesystem, probe_publish, publish
-from metasync.errors import PrimitiveMissing
+from metasync.errors import MetasyncError, PrimitiveMissing
 from tests.conftest import make_edge_case_tree, one_line_error, run_cli, snapshot
 from tests.servers.fsimages import fresh_folder
 
@@ -203,50 +203,45 @@ def test_log_appends_by_no_replace_rename_lose_nothing(tmp_path: Path) -> None:
             client.close()
 
 
-class TestLocalBackendOnNtfs(BackendConformance):
-    """The conformance suite against ``dir:`` on an NTFS image (ntfs-3g): hard links,
-    case-sensitive; a FUSE driver, so no ``atomic_replace``. (exFAT and FAT under the FUSE
-    drivers here have no exclusive publish at all: refused above.)"""
+class _LocalBackendOnImage(BackendConformance):
+    """The conformance suite against ``dir:`` in a fresh folder of the ``kind`` image;
+    the instance must declare exactly the ``capabilities`` the class selects the
+    tests by (what it lacks is deselected with that reason, never skipped)."""
 
+    __test__ = False
+    kind = ""
     backend_class = LocalBackend
+    transient_faults = False  # a local folder has no connection to break
+
+    @pytest.fixture
+    def backend_location(self, fs_images: dict[str, Path]) -> Location:
+        return (f"dir:{fresh_folder(fs_images[self.kind])}", "ns")
+
+    @pytest.fixture
+    def unicode_location(self, fs_images: dict[str, Path]) -> Location:
+        return (f"dir:{fresh_folder(fs_images[self.kind], 'ünïcødé store ☃ 名前')}", "ns")
+
+    def test_declares_what_the_class_says(self, backend: LocalBackend) -> None:
+        assert backend.capabilities == self.capabilities
+
+
+class TestLocalBackendOnNtfs(_LocalBackendOnImage):
+    """NTFS (ntfs-3g): hard links, case-sensitive; a FUSE driver, so no
+    ``atomic_replace``. (exFAT and FAT under the FUSE drivers here have no exclusive
+    publish at all: refused above.)"""
+
+    __test__ = True
+    kind = "ntfs"
     capabilities = NTFS_CAPABILITIES
-    transient_faults = False  # a local folder has no connection to break
-
-    @pytest.fixture
-    def backend_location(self, fs_images: dict[str, Path]) -> Location:
-        return (f"dir:{fresh_folder(fs_images['ntfs'])}", "ns")
-
-    def test_declares_what_the_class_says(self, backend: LocalBackend) -> None:
-        """The instance on NTFS declares exactly the capabilities this class
-        selects the tests by."""
-        assert backend.capabilities == NTFS_CAPABILITIES
-
-    @pytest.fixture
-    def unicode_location(self, fs_images: dict[str, Path]) -> Location:
-        return (f"dir:{fresh_folder(fs_images['ntfs'], 'ünïcødé store ☃ 名前')}", "ns")
 
 
-class TestLocalBackendOnExfat(BackendConformance):
-    """The conformance suite against ``dir:`` on an exFAT image (exfat-fuse): register
-    logs, no exclusive create, case-insensitive, no atomic replace -- declared (``capabilities``), so
-    the tests needing them are deselected with that reason, never skipped."""
+class TestLocalBackendOnExfat(_LocalBackendOnImage):
+    """exFAT (exfat-fuse): register logs, no exclusive create, case-insensitive, no
+    atomic replace."""
 
-    backend_class = LocalBackend
+    __test__ = True
+    kind = "exfat"
     capabilities = NO_PUBLISH_CAPABILITIES
-    transient_faults = False  # a local folder has no connection to break
-
-    @pytest.fixture
-    def backend_location(self, fs_images: dict[str, Path]) -> Location:
-        return (f"dir:{fresh_folder(fs_images['exfat'])}", "ns")
-
-    @pytest.fixture
-    def unicode_location(self, fs_images: dict[str, Path]) -> Location:
-        return (f"dir:{fresh_folder(fs_images['exfat'], 'ünïcødé store ☃ 名前')}", "ns")
-
-    def test_declares_what_the_class_says(self, backend: LocalBackend) -> None:
-        """The instance on exFAT declares exactly the capabilities this class
-        selects the tests by."""
-        assert backend.capabilities == NO_PUBLISH_CAPABILITIES
 
 
 class TestLocalBackendOnFat(TestLocalBackendOnExfat):
@@ -286,3 +281,33 @@ def test_push_warns_of_a_backend_whose_log_appends_fail(tmp_path: Path) -> None:
     assert "Pushed version" in push.stdout
     warnings = [line for line in push.stderr.splitlines() if "took no part" in line]
     assert len(warnings) == 1 and f"dir:{folders[2]}" in warnings[0], push.stderr
+
+
+def test_adding_a_stick_to_a_format_4_repository_makes_it_format_5(
+    tmp_path: Path, fs_images: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A repository of format 4 stays 4 until `backend add` brings in a folder of
+    register logs: that configuration says 5, which a format 4 reader refuses with
+    "upgrade" (it would read the stick's logs as empty)."""
+    from metasync import Repository, context, layout, lifecycle, objects
+
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "f.txt").write_text("data\n")
+    dirs = [tmp_path / "b0", tmp_path / "b1"]
+    for d in dirs:
+        d.mkdir()
+    with monkeypatch.context() as older:
+        older.setattr(lifecycle, "FORMAT_VERSION", 4)
+        older.setattr(context, "FORMAT_VERSION", 4)
+        with Repository.init(folder, [f"dir:{d}" for d in dirs], encrypt=False) as repo:
+            repo.push("first")
+            assert repo.config.format == 4
+    stick = fresh_folder(fs_images["exfat"])
+    with Repository.open(folder) as repo:
+        repo.add_backend(f"dir:{stick}")
+        assert repo.versions.load_config(repo.versions.learn_latest().config).format == 5
+    for module in (objects, layout, context):  # a format 4 reader
+        monkeypatch.setattr(module, "READABLE_FORMATS", (3, 4))
+    with pytest.raises(MetasyncError, match="upgrade metasync"):
+        Repository.clone(f"dir:{dirs[0]}", tmp_path / "old-reader", allow_unencrypted=True)

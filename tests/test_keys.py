@@ -345,7 +345,7 @@ def test_legacy_repository_clones_and_passwd_converts_it(
     with Repository.open(folder) as repo:
         assert repo.versions.load_config(repo.versions.learn_latest().config).format == 3
         repo.rotate_keys()
-        assert repo.versions.load_config(repo.versions.learn_latest().config).format == 4
+        assert repo.versions.load_config(repo.versions.learn_latest().config).format == FORMAT_VERSION
     run_cli("pull", cwd=tmp_path / "c3", passphrase=None)
     run_cli("fsck", cwd=tmp_path / "c3", passphrase=None)
 

@@ -36,7 +36,7 @@ import pytest
 
 from conftest import METASYNC, PASSPHRASE, backend_dirs, run_cli
 from metasync.maintenance import reconfig
-from metasync.objects import BackendSpec, Config
+from metasync.objects import FORMAT_VERSION, BackendSpec, Config
 from metasync.repository import Repository
 from tests.servers.webdav import WebdavServer
 
@@ -351,6 +351,6 @@ def test_a_folder_of_older_metasync_keeps_using_its_backends_after_the_upgrade(
     db = LocalDB(a / ".metasync" / "state.db")
     try:
         state = LocalState(db)
-        assert state.format == 4 and len(state.uri_overrides) == 2
+        assert state.format == FORMAT_VERSION and len(state.uri_overrides) == 2
     finally:
         db.close()

@@ -255,7 +255,8 @@ class Reconfiguration:
             if spec.uri in {b.uri for b in config.backends}:
                 raise UsageError(f"{spec.uri} is already a backend of this repository")
             return replace(config, backends=(*config.backends, spec),
-                           acceptors=(*config.acceptors, spec.id))
+                           acceptors=(*config.acceptors, spec.id),
+                           format=max(config.format, backend.format_needed()))
 
         try:
             return self.reconfigure(make_new)
