@@ -244,17 +244,13 @@ class TestLocalBackendOnExfat(_LocalBackendOnImage):
     capabilities = NO_PUBLISH_CAPABILITIES
 
 
-class TestLocalBackendOnFat(TestLocalBackendOnExfat):
-    """The conformance suite against ``dir:`` on a FAT32 image (tests/servers/fatfuse.py,
-    vfat's rules): what exFAT declares, for the same reasons."""
+class TestLocalBackendOnFat(_LocalBackendOnImage):
+    """FAT32 (tests/servers/fatfuse.py, vfat's rules): what exFAT declares, for the
+    same reasons."""
 
-    @pytest.fixture
-    def backend_location(self, fs_images: dict[str, Path]) -> Location:
-        return (f"dir:{fresh_folder(fs_images['fat'])}", "ns")
-
-    @pytest.fixture
-    def unicode_location(self, fs_images: dict[str, Path]) -> Location:
-        return (f"dir:{fresh_folder(fs_images['fat'], 'ünïcødé store ☃ 名前')}", "ns")
+    __test__ = True
+    kind = "fat"
+    capabilities = NO_PUBLISH_CAPABILITIES
 
     @pytest.mark.xfail(strict=True, reason="vfat drops a name's trailing dots, so the key "
                        "'...' is an empty name there (ENOENT), and 'a.' would be 'a'")
