@@ -34,7 +34,9 @@ from metasync.errors import ObjectUnavailable
 from metasync.faults import crash_point
 from metasync.filewriter import FileWriter
 from metasync.fstraits import (
+    DROPS_DOT,
     NAME_REFUSED,
+    FolderTraits,
     NameRefused,
     cannot_hold,
     cannot_write,
@@ -104,8 +106,10 @@ class RefusedNames:
     the tree, so it is neither shown as deleted nor dropped by the next commit.
     Thread-safe (file writers add from worker threads)."""
 
-    def __init__(self, reporter: Reporter, result: PullResult) -> None:
+    def __init__(self, reporter: Reporter, result: PullResult, traits: FolderTraits) -> None:
         self.reporter = reporter
+        #: The folder's traits: a name ending in a dot where they drop it is refused.
+        self.traits = traits
         #: The checkout's result, whose ``not_written`` lists them.
         self.result = result
         #: Their index rows, by path.
@@ -134,9 +138,13 @@ class RefusedNames:
     def refuses(self, path: str, entry: TreeEntry, result: PullResult) -> bool:
         """True (and recorded) if ``path`` cannot be made here before anything is
         tried: a folder above it was refused, or it clashes with another name of
-        the tree (:attr:`clashes`)."""
+        the tree (:attr:`clashes`), or this folder would write it without its
+        trailing dot (another name here, :meth:`FolderTraits.drops_dot`)."""
         if self.under(path):
             self.add(path, entry, None, result)
+            return True
+        if self.traits.drops_dot(path):
+            self.add(path, entry, DROPS_DOT, result)
             return True
         other = self.clashes.get(path)
         if other is None:
@@ -246,7 +254,7 @@ class Checkout:
         ``moves`` maps new paths to paths whose current content they take (a merge's
         conflict copies of local versions): renamed locally instead of downloaded.
         """
-        self._refused = RefusedNames(self.ctx.reporter, result)
+        self._refused = RefusedNames(self.ctx.reporter, result, self.scanner.traits)
         with Folders(self.root) as folders:
             self._folders = folders
             self._run(base, remote, result, moves)

@@ -34,6 +34,9 @@ NAME_REFUSED = frozenset({errno.ENAMETOOLONG, errno.EILSEQ, errno.EINVAL})
 #: FAT: ENOSYS; the kernel's vfat: EPERM; some network mounts: EOPNOTSUPP).
 LINKS_REFUSED = frozenset({errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP})
 
+#: Why a name ending in a dot is not written where the folder drops trailing dots.
+DROPS_DOT = "this file system drops a name's trailing dot (it would be another name here)"
+
 
 class NameRefused(OSError):
     """This file system refused a name, whatever errno it said it with (see
@@ -90,46 +93,63 @@ class FolderTraits:
     - ``exec_bits``: a file's exec bit sticks (not on exFAT, FAT, NTFS through
       ntfs-3g): where it does not, the scan takes each file's exec bit from the
       index, never from the disk.
+    - ``trailing_dots``: a name's trailing dots stay (not on Linux's vfat, nor on
+      Windows, which drop them without an error: ``a.`` is written as ``a``).
+      Where they do not, a name ending in a dot is one this folder cannot hold
+      (:meth:`drops_dot`). None in a record written before it was probed: taken as
+      keeping them, and probed again (``Scanner.traits``).
     """
 
     device: int
     case_insensitive: bool
     exec_bits: bool
+    trailing_dots: bool | None = True
 
     #: What a folder that could not be probed is taken to be (a POSIX file system).
-    POSIX: ClassVar[tuple[bool, bool]] = (False, True)
+    POSIX: ClassVar[tuple[bool, bool, bool]] = (False, True, True)
+
+    def drops_dot(self, name: str) -> bool:
+        """True if this folder would silently write the name ``name`` without its
+        trailing dot (so it cannot hold ``name``: that is another name here)."""
+        return self.trailing_dots is False and name.endswith(".")
 
     def to_json(self) -> dict[str, object]:
         return {"device": self.device, "case_insensitive": self.case_insensitive,
-                "exec_bits": self.exec_bits}
+                "exec_bits": self.exec_bits, "trailing_dots": self.trailing_dots}
 
     @classmethod
     def from_json(cls, raw: object) -> FolderTraits | None:
-        """The record ``raw`` describes; None for anything else (probed again)."""
+        """The record ``raw`` describes; None for anything else (probed again). A
+        record without ``trailing_dots`` (older code's) has None there."""
         if not isinstance(raw, dict):
             return None
         dev, case, bits = raw.get("device"), raw.get("case_insensitive"), raw.get("exec_bits")
         if not (isinstance(dev, int) and isinstance(case, bool) and isinstance(bits, bool)):
             return None
-        return cls(dev, case, bits)
+        dots = raw.get("trailing_dots")
+        return cls(dev, case, bits, dots if isinstance(dots, bool) else None)
 
 
 def probe_traits(root: Path, meta: Path) -> FolderTraits | None:
     """Probe the file system of the folder ``root`` with a scratch file in ``meta``
     (its ``.metasync``, a child: same file system, and on Linux's per-folder case
-    folding the same flag): create it in lower case, look it up in upper case; create
-    it without exec bits and set one. None if no scratch file can be made there (a
-    read-only mount: nothing will be written either)."""
+    folding the same flag): create it with a name ending in a dot and list ``meta``
+    to see whether the dot stayed; look it up in upper case; create it without exec
+    bits and set one. None if no scratch file can be made there (a read-only mount:
+    nothing will be written either)."""
     name = f"probe-{os.urandom(6).hex()}"
-    path = meta / name
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o644)
+        fd = os.open(meta / f"{name}.", os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o644)
     except OSError:
         return None
     try:
         st = os.fstat(fd)
         os.close(fd)
-        case_insensitive = os.path.lexists(meta / name.upper())
+        # vfat and Windows drop the dot without an error: only the listing tells.
+        listed = set(os.listdir(meta))
+        trailing_dots = f"{name}." in listed or name not in listed
+        path = meta / (f"{name}." if trailing_dots else name)
+        case_insensitive = os.path.lexists(meta / path.name.upper())
         exec_bits = False
         if not st.st_mode & stat.S_IXUSR:  # exFAT and FAT show every file executable
             try:
@@ -138,11 +158,12 @@ def probe_traits(root: Path, meta: Path) -> FolderTraits | None:
             except OSError:
                 pass  # fusefat: ENOSYS
     finally:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    return FolderTraits(os.stat(root).st_dev, case_insensitive, exec_bits)
+        for spelling in (f"{name}.", name):
+            try:
+                os.unlink(meta / spelling)
+            except FileNotFoundError:
+                pass
+    return FolderTraits(os.stat(root).st_dev, case_insensitive, exec_bits, trailing_dots)
 
 
 def cannot_write(kind: str, exc: OSError) -> str | None:

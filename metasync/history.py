@@ -31,6 +31,7 @@ from metasync.context import RepoContext
 from metasync.errors import UsageError
 from metasync.filewriter import FileWriter
 from metasync.fstraits import (
+    DROPS_DOT,
     NAME_REFUSED,
     FolderTraits,
     cannot_hold,
@@ -262,20 +263,20 @@ class History:
                 head = self.graph.head_commit()
                 current = self.graph.flatten(head.tree) if head is not None else {}
                 root, prefix = self.ctx.root, path
-                case_insensitive = self.traits().case_insensitive
+                traits = self.traits()
             else:
                 dest = Path(to).absolute()
                 dest.parent.mkdir(parents=True, exist_ok=True)  # named by the user: followed
                 current, root, prefix = {}, dest.parent, dest.name
                 probed = probe_traits(root, root)
-                case_insensitive = probed is not None and probed.case_insensitive
+                traits = probed or FolderTraits(0, *FolderTraits.POSIX)
             result = RestoreResult(commit_id, commit.time_ns, str(root / prefix))
             stamp = now_stamp()
             dests = {(f"{prefix}/{p[len(path):].lstrip('/')}" if p != path else prefix): e
                      for p, e in wanted.items()}
             with Folders(root) as folders:
                 aside = self._in_the_way(folders, current, stamp, result)
-                names = RestoreNames(folders, list(dests), case_insensitive)
+                names = RestoreNames(folders, list(dests), traits)
                 for dest_rel, entry in sorted(dests.items()):
                     if any(dest_rel.startswith(f + "/") for f in result.not_written):
                         continue  # in a folder already said
@@ -452,11 +453,13 @@ class RestoreNames:
     spelling (the scan takes it for the path); one that is one name with another
     file here, or another restored path, is not written (its caller says so), so a
     restore never moves a file aside to write its twin and the next push never
-    turns that into a deletion."""
+    turns that into a deletion. Nor is a name ending in a dot where the folder
+    drops trailing dots (:meth:`~metasync.fstraits.FolderTraits.drops_dot`)."""
 
-    def __init__(self, folders: Folders, dests: list[str], case_insensitive: bool) -> None:
+    def __init__(self, folders: Folders, dests: list[str], traits: FolderTraits) -> None:
         self.folders = folders
-        self.case_insensitive = case_insensitive
+        self.case_insensitive = traits.case_insensitive
+        self.traits = traits
         #: The names to restore in each folder (by its path in the restore).
         self.wanted: dict[str, set[str]] = {}
         for d in dests:
@@ -471,6 +474,8 @@ class RestoreNames:
         """The path to write ``path`` at, and None; or ``path`` and why it cannot be
         written here. Parents are placed before their children (sorted order)."""
         parent, _, name = path.rpartition("/")
+        if self.traits.drops_dot(name):
+            return path, DROPS_DOT
         disk_parent = self.spelled.get(parent, parent)
         if parent not in self.looked:
             on_disk: set[str] = set()

@@ -88,7 +88,8 @@ class Scanner:
         if self._traits is None:
             known = self.ctx.state.folder_traits
             device = os.stat(self.ctx.root).st_dev
-            if known is None or known.device != device:
+            # An older record has not probed trailing dots (None): probed again.
+            if known is None or known.device != device or known.trailing_dots is None:
                 before = known
                 known = probe_traits(self.ctx.root, self.ctx.root / META_DIR)
                 recorded = known is not None
