@@ -202,7 +202,7 @@ def _volume_kind(source: str) -> str | None:
             return None
         # Non-blocking, and checked again on what was opened: the name may have been
         # replaced since the stat.
-        fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(source, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
         try:
             if not _readable_volume(os.fstat(fd).st_mode):
                 return None
