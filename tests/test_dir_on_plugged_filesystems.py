@@ -307,26 +307,37 @@ def test_push_warns_of_a_backend_whose_log_appends_fail(tmp_path: Path) -> None:
     assert len(warnings) == 1 and f"dir:{folders[2]}" in warnings[0], push.stderr
 
 
+def _format_4_repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                   backends: int = 2) -> tuple[Path, list[Path], str]:
+    """A repository made as format 4 metasync makes it (R = ``backends``, one push,
+    no encryption) over ``backends`` folders: its folder, the folders, its namespace."""
+    from metasync import Repository, context, lifecycle
+
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "f.txt").write_text("data\n")
+    dirs = [tmp_path / f"b{i}" for i in range(backends)]
+    for d in dirs:
+        d.mkdir()
+    with monkeypatch.context() as older:
+        older.setattr(lifecycle, "FORMAT_VERSION", 4)
+        older.setattr(context, "FORMAT_VERSION", 4)
+        with Repository.init(folder, [f"dir:{d}" for d in dirs], replicas=backends,
+                             encrypt=False) as repo:
+            repo.push("first")
+            assert repo.config.format == 4
+            return folder, dirs, repo.config.namespace
+
+
 def test_adding_a_stick_to_a_format_4_repository_makes_it_format_5(
     tmp_path: Path, fs_images: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A repository of format 4 stays 4 until `backend add` brings in a folder of
     register logs: that configuration says 5, which a format 4 reader refuses with
     "upgrade" (it would read the stick's logs as empty)."""
-    from metasync import Repository, context, layout, lifecycle, objects
+    from metasync import Repository, context, layout, objects
 
-    folder = tmp_path / "repo"
-    folder.mkdir()
-    (folder / "f.txt").write_text("data\n")
-    dirs = [tmp_path / "b0", tmp_path / "b1"]
-    for d in dirs:
-        d.mkdir()
-    with monkeypatch.context() as older:
-        older.setattr(lifecycle, "FORMAT_VERSION", 4)
-        older.setattr(context, "FORMAT_VERSION", 4)
-        with Repository.init(folder, [f"dir:{d}" for d in dirs], encrypt=False) as repo:
-            repo.push("first")
-            assert repo.config.format == 4
+    folder, dirs, _ = _format_4_repo(tmp_path, monkeypatch)
     stick = fresh_folder(fs_images["exfat"])
     with Repository.open(folder) as repo:
         repo.add_backend(f"dir:{stick}")
@@ -382,21 +393,9 @@ def test_recover_adding_a_stick_to_a_format_4_repository_makes_it_format_5(
     """`recover --add-backend` with a folder of register logs (an exFAT stick) gives
     the new configuration format 5, as `backend add` does: a format 4 reader would
     read the stick's logs as empty."""
-    from metasync import Repository, context, lifecycle
+    from metasync import Repository
 
-    folder = tmp_path / "repo"
-    folder.mkdir()
-    (folder / "f.txt").write_text("data\n")
-    dirs = [tmp_path / f"b{i}" for i in range(3)]
-    for d in dirs:
-        d.mkdir()
-    with monkeypatch.context() as older:
-        older.setattr(lifecycle, "FORMAT_VERSION", 4)
-        older.setattr(context, "FORMAT_VERSION", 4)
-        with Repository.init(folder, [f"dir:{d}" for d in dirs], replicas=3,
-                             encrypt=False) as repo:
-            repo.push("first")
-            assert repo.config.format == 4
+    _, dirs, _ = _format_4_repo(tmp_path, monkeypatch, backends=3)
     for d in dirs[:2]:
         d.rename(d.with_name(d.name + "-lost"))
     stick = fresh_folder(fs_images["exfat"])
@@ -492,20 +491,9 @@ def test_adding_a_folder_already_marked_for_registers_makes_it_format_5(
     by hand) keeps its logs as registers, even on a filesystem with hard links: `backend
     add` makes the configuration format 5 all the same (docs/FORMAT.md §11.1), since a
     format 4 reader would read those logs as empty."""
-    from metasync import Repository, context, lifecycle
+    from metasync import Repository
 
-    folder = tmp_path / "repo"
-    folder.mkdir()
-    (folder / "f.txt").write_text("data\n")
-    dirs = [tmp_path / "b0", tmp_path / "b1"]
-    for d in dirs:
-        d.mkdir()
-    with monkeypatch.context() as older:
-        older.setattr(lifecycle, "FORMAT_VERSION", 4)
-        older.setattr(context, "FORMAT_VERSION", 4)
-        with Repository.init(folder, [f"dir:{d}" for d in dirs], encrypt=False) as repo:
-            repo.push("first")
-            namespace = repo.config.namespace
+    folder, _, namespace = _format_4_repo(tmp_path, monkeypatch)
     marked = tmp_path / "marked"
     (marked / namespace).mkdir(parents=True)
     (marked / namespace / REGISTERS_MARKER).write_text("registers\n")
