@@ -611,7 +611,7 @@ class Consensus:
                 err = out.error
                 why = "unreachable" if isinstance(err, BackendUnavailable) else "failed"
                 self._errors[req.acceptor] = f"{why}: {err}"
-                if isinstance(req, Append):
+                if isinstance(req, Append) and why == "failed":  # not merely down
                     self._append_errors[req.acceptor] = f"log appends fail: {err}"
                 failed.add(req.acceptor)
                 replies.append(None)
