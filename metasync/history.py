@@ -274,11 +274,20 @@ class History:
             stamp = now_stamp()
             dests = {(f"{prefix}/{p[len(path):].lstrip('/')}" if p != path else prefix): e
                      for p, e in wanted.items()}
+            parts = prefix.split("/")[:-1]
+            above = ["/".join(parts[: i + 1]) for i in range(len(parts))]
             with Folders(root) as folders:
                 aside = self._in_the_way(folders, current, stamp, result)
-                names = RestoreNames(folders, list(dests), traits)
+                names = RestoreNames(folders, [*above, *dests], traits)
+                for up in above:  # as the disk spells them, or not at all
+                    why = names.place(up)[1]
+                    if why is not None:
+                        result.not_written.append(prefix)
+                        self.ctx.reporter.note(not_written_note(prefix, why))
+                        break
                 for dest_rel, entry in sorted(dests.items()):
-                    if any(dest_rel.startswith(f + "/") for f in result.not_written):
+                    if any(dest_rel == f or dest_rel.startswith(f + "/")
+                           for f in result.not_written):
                         continue  # in a folder already said
                     where, why = names.place(dest_rel)
                     if why is not None:

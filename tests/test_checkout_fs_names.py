@@ -195,3 +195,28 @@ def test_a_case_only_rename_upstream_of_an_unchanged_file_renames_it_here(
     assert run_cli("status", cwd=g).stdout.splitlines()[-1] == CLEAN
     assert "Pushed" not in run_cli("push", cwd=g).stdout
     assert _master(g) == master
+
+
+def test_restore_under_a_folder_that_is_another_name_here_writes_nothing(
+        tmp_path: Path, fs_images: dict[str, Path]) -> None:
+    """History holds Dir/f and dir/f; on exFAT the clone writes Dir/ and says dir/f.
+    ``restore dir/f`` wrote into Dir/f (the folder lookup ignores case), and the
+    next push sent dir/f's content as a change of Dir/f. Now the folders above a
+    restored path are placed as the disk spells them: dir/ is one name with Dir/
+    here, so nothing is written and it is said."""
+    def tree(root: Path) -> None:
+        for folder, text in (("Dir", "upper\n"), ("dir", "lower\n")):
+            (root / folder).mkdir()
+            (root / folder / "f").write_text(text)
+    a, uris = _repo(tmp_path, tree)
+    master = _master(a)
+    g = fresh_folder(fs_images["exfat"], "restore-above")
+    run_cli("clone", *uris, str(g), cwd=tmp_path)
+    assert _names(g) == ["Dir"]
+    restore = run_cli("restore", "dir/f", "--version", "~0", cwd=g, check=False)
+    assert restore.returncode == 0 and "Traceback" not in restore.stderr, restore.stderr
+    said = _not_written(restore.stderr)
+    assert list(said) == ["dir/f"] and "case" in said["dir/f"], restore.stderr
+    assert (g / "Dir" / "f").read_text() == "upper\n"
+    assert "Pushed" not in run_cli("push", cwd=g).stdout
+    assert _master(g) == master
