@@ -31,6 +31,9 @@ class Capabilities:
     case_sensitive: bool = True
     #: ``poll`` can block until a change (long-poll) rather than only compare tokens.
     long_poll: bool = False
+    #: How :meth:`Backend.change_feed` learns of changes: ``notify``, ``longpoll``,
+    #: ``cursor`` or ``poll`` (see :mod:`metasync.backends.feeds`).
+    change_feed: str = "poll"
     #: ``share`` gives another user of the service access to the namespace folder.
     sharing: bool = False
     #: ``logs.delete_log`` removes a whole log, so pPaxos log compaction frees its
