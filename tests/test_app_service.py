@@ -1,0 +1,287 @@
+"""``metasync service``: one process for many folders (issue 19).
+
+Real ``metasync service`` processes, each with its own config folder
+(``XDG_CONFIG_HOME``), over real ``dir:`` backends; the CLI's ``add-folder``,
+``remove-folder`` and ``folders`` as a user runs them. Repositories are set up
+in-process through ``metasync.Repository`` (the same code ``init``/``clone`` run)
+to keep the set-up of ten folders short.
+
+Nothing sleeps to synchronise: every wait polls a condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import METASYNC, PASSPHRASE, one_line_error, run_cli
+from metasync import Repository
+
+FAST = ["--settle", "0.2", "--poll", "0.3", "--rescan", "3"]
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str,
+               detail: Callable[[], str] | None = None) -> Any:
+    """Poll ``condition`` every 0.1 s until it returns something truthy (returned);
+    fail with ``what`` (and ``detail()``) at the deadline."""
+    deadline = time.monotonic() + timeout
+    tick = threading.Event()
+    while True:
+        try:
+            result = condition()
+            if result:
+                return result
+        except (OSError, ValueError):
+            pass  # a file being replaced: not yet
+        if time.monotonic() >= deadline:
+            pytest.fail(f"not within {timeout:g} s: {what}" + (f"\n{detail()}" if detail else ""))
+        tick.wait(0.1)
+
+
+def make_folder(root: Path, backends: list[Path], content: str = "hello\n") -> Path:
+    """A metasync folder at ``root`` on ``backends`` (created), with one pushed file."""
+    root.mkdir()
+    for b in backends:
+        b.mkdir()
+    (root / "hello.txt").write_text(content)
+    repo = Repository.init(root, [f"dir:{b}" for b in backends], replicas=1, encrypt=False)
+    with repo:
+        repo.push("start")
+    return root
+
+
+def clone_of(backend: Path, root: Path) -> Path:
+    Repository.clone(f"dir:{backend}", root, allow_unencrypted=True).close()
+    return root
+
+
+def daemon_json(root: Path) -> dict[str, Any]:
+    """The status the service's thread for ``root`` keeps (as a ``metasync daemon`` does)."""
+    try:
+        doc: dict[str, Any] = json.loads((root / ".metasync" / "daemon.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc
+
+
+@dataclass
+class Service:
+    config: Path
+    proc: subprocess.Popen[bytes]
+    out: Path
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace")[-6000:]
+
+    def cli(self, *args: str, check: bool = True, cwd: Path | None = None,
+            ) -> subprocess.CompletedProcess[str]:
+        """A CLI command with this service's config folder."""
+        return run_cli(*args, check=check, cwd=cwd,
+                       env_extra={"XDG_CONFIG_HOME": str(self.config.parent)})
+
+
+@dataclass
+class Services:
+    tmp: Path
+    running: list[Service] = field(default_factory=list)
+
+    def config(self, name: str) -> Path:
+        """The config folder ``$XDG_CONFIG_HOME/metasync`` of a service called ``name``."""
+        return self.tmp / f"xdg-{name}" / "metasync"
+
+    def start(self, name: str, *args: str) -> Service:
+        config = self.config(name)
+        config.parent.mkdir(exist_ok=True)
+        out = self.tmp / f"service-{name}-{len(self.running)}.out"
+        env = dict(os.environ, METASYNC_PASSPHRASE=PASSPHRASE, XDG_CONFIG_HOME=str(config.parent))
+        with open(out, "wb") as fh:
+            proc = subprocess.Popen([METASYNC, "service", "--listen", "127.0.0.1:0", *FAST, *args],
+                                    env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
+        service = Service(config, proc, out)
+        self.running.append(service)
+
+        def up() -> bool:
+            assert proc.poll() is None, f"the service exited at once:\n{service.output()}"
+            doc = json.loads((config / "running.json").read_text())
+            return bool(doc.get("pid") == proc.pid)
+        wait_until(up, 20, f"service {name} running", service.output)
+        return service
+
+    def stop(self, service: Service) -> None:
+        """SIGTERM: the service stops every folder and exits 0."""
+        self.running.remove(service)
+        service.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = service.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            service.proc.kill()
+            service.proc.wait()
+            pytest.fail(f"the service did not stop within 60 s of SIGTERM:\n{service.output()}")
+        assert rc == 0, f"the service exited {rc}:\n{service.output()}"
+        assert not (service.config / "running.json").exists()
+
+
+@pytest.fixture
+def services(tmp_path: Path) -> Iterator[Services]:
+    s = Services(tmp_path)
+    yield s
+    for service in list(s.running):
+        s.stop(service)
+
+
+def _cli(config: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return run_cli(*args, check=check, env_extra={"XDG_CONFIG_HOME": str(config.parent)})
+
+
+# ============================================================== the registry
+def test_add_remove_folders_and_a_damaged_registry(tmp_path: Path) -> None:
+    """add-folder takes only a metasync folder, once; remove-folder only a registered
+    one; each mistake is one line. ``folders`` lists them; the API key is kept 0600
+    and stays the same; a damaged folders.json is one line naming it and the fix."""
+    config = tmp_path / "xdg" / "metasync"
+    a = make_folder(tmp_path / "A", [tmp_path / "bA"])
+    plain = tmp_path / "plain"
+    plain.mkdir()
+
+    one_line_error(_cli(config, "add-folder", str(plain), check=False),
+                   "not a metasync folder", "metasync init")
+    one_line_error(_cli(config, "add-folder", str(tmp_path / "nowhere"), check=False),
+                   "does not exist")
+    added = _cli(config, "add-folder", str(a)).stdout
+    assert "registered" in added and str(a) in added, added
+    one_line_error(_cli(config, "add-folder", str(a), check=False), "registered already")
+
+    listed = json.loads(_cli(config, "folders", "--json").stdout)
+    assert [f["path"] for f in listed["folders"]] == [str(a)]
+    assert listed["service"] is None and listed["folders"][0]["state"] == "stopped"
+    folder_id = listed["folders"][0]["id"]
+    assert len(folder_id) == 8 and int(folder_id, 16) >= 0
+
+    key = _cli(config, "service", "api-key").stdout.strip()
+    assert len(key) >= 32 and _cli(config, "service", "api-key").stdout.strip() == key
+    assert stat.S_IMODE((config / "api-key").stat().st_mode) == 0o600
+
+    one_line_error(_cli(config, "remove-folder", str(plain), check=False),
+                   "not a registered folder", "metasync folders")
+    assert folder_id in _cli(config, "remove-folder", folder_id).stdout
+    assert json.loads(_cli(config, "folders", "--json").stdout)["folders"] == []
+
+    (config / "folders.json").write_text('{"folders": [{"id": "zz", "path": "rel"}]')
+    for args in (["folders"], ["add-folder", str(a)], ["remove-folder", str(a)]):
+        one_line_error(_cli(config, *args, check=False),
+                       str(config / "folders.json"), "damaged", "metasync add-folder")
+    (config / "folders.json").write_text('{"folders": [{"id": "12345678", "path": "relative"}]}')
+    one_line_error(_cli(config, "folders", check=False), "damaged", "a bad entry")
+    (config / "service.json").write_text('{"port": "eighty"}')
+    one_line_error(_cli(config, "service", check=False), str(config / "service.json"), "damaged")
+
+
+# ============================================================== two services
+def test_two_services_side_by_side(services: Services, tmp_path: Path) -> None:
+    """Two services with two config folders run at once, each syncing its clone of
+    one repository: a file written in one arrives in the other. A folder added to a
+    running service starts syncing; a second runner of a folder (``metasync daemon
+    start`` there, the other service, a second service on the same config folder)
+    is refused with one line; a removed folder is let go."""
+    backend = tmp_path / "backend"
+    a = make_folder(tmp_path / "A", [backend])
+    b = clone_of(backend, tmp_path / "B")
+    one = services.start("one")
+    two = services.start("two")
+    one.cli("add-folder", str(a))
+    wait_until(lambda: daemon_json(a).get("state") == "idle"
+               and daemon_json(a).get("pid") == one.proc.pid, 20,
+               "the running service picked up the added folder", one.output)
+    two.cli("add-folder", str(b))
+    wait_until(lambda: daemon_json(b).get("state") == "idle"
+               and daemon_json(b).get("pid") == two.proc.pid, 20,
+               "the second service picked up its folder", two.output)
+
+    (a / "from-a.txt").write_text("written in A\n")
+    wait_until(lambda: (b / "from-a.txt").read_text() == "written in A\n", 30,
+               "A's new file in B", lambda: one.output() + two.output())
+
+    listed = json.loads(one.cli("folders", "--json").stdout)
+    assert listed["service"]["pid"] == one.proc.pid
+    assert [(f["path"], f["state"]) for f in listed["folders"]] == [(str(a), "idle")]
+
+    # Second runners of A, each refused with one line.
+    one_line_error(run_cli("daemon", "start", cwd=a, check=False), "already runs")
+    two.cli("add-folder", str(a))
+    wait_until(lambda: "another metasync daemon or service runs this folder" in two.output(),
+               20, "the second service refusing A", two.output)
+    config = one.config
+    second = subprocess.run([METASYNC, "service", "--listen", "127.0.0.1:0"], capture_output=True,
+                            text=True, env=dict(os.environ, XDG_CONFIG_HOME=str(config.parent)),
+                            stdin=subprocess.DEVNULL, timeout=60)
+    one_line_error(second, "a metasync service already runs", str(config))
+    assert daemon_json(a).get("pid") == one.proc.pid and one.proc.poll() is None
+
+    # Removed from service one: A is let go (service two, retrying, may take it).
+    two.cli("remove-folder", str(a))
+    one.cli("remove-folder", str(a))
+    wait_until(lambda: daemon_json(a).get("state") == "stopped", 20, "A let go", one.output)
+    services.stop(one)
+    services.stop(two)
+
+
+# ============================================================== isolation
+def test_ten_folders_one_without_backends_one_deleted_the_others_sync(
+        services: Services, tmp_path: Path) -> None:
+    """One service, 10 folders (each its own repository on its own ``dir:`` backend).
+    One folder's backend vanishes, another folder's directory is deleted: those two
+    show ``offline`` and ``paused`` with the reason, the other eight still sync a new
+    file (their version advances and it reaches a clone), and the service runs on."""
+    folders = [make_folder(tmp_path / f"F{i}", [tmp_path / f"b{i}"], f"folder {i}\n")
+               for i in range(10)]
+    config = services.config("ten")
+    for f in folders:
+        _cli(config, "add-folder", str(f))
+    service = services.start("ten")
+    wait_until(lambda: all(daemon_json(f).get("state") == "idle" for f in folders), 30,
+               "all ten folders idle", service.output)
+    versions = {f: daemon_json(f)["version"] for f in folders}
+
+    no_backend, deleted, healthy = folders[0], folders[1], folders[2:]
+    shutil.move(tmp_path / "b0", tmp_path / "b0-away")
+    shutil.rmtree(deleted)
+    for f in [no_backend, *healthy]:
+        (f / "new.txt").write_text(f"new in {f.name}\n")
+
+    def shown() -> str:
+        return service.output() + "\n" + "\n".join(f"{f.name}: {daemon_json(f)}" for f in folders)
+
+    wait_until(lambda: all(daemon_json(f).get("version", 0) > versions[f] for f in healthy), 40,
+               "the eight healthy folders pushed their new file", shown)
+    wait_until(lambda: daemon_json(no_backend).get("state") == "offline", 30,
+               "the folder without its backend offline", shown)
+    assert "unreachable" in daemon_json(no_backend)["reason"], daemon_json(no_backend)
+    assert daemon_json(no_backend)["version"] == versions[no_backend]
+    deleted_id = json.loads(_cli(config, "folders", "--json").stdout)["folders"][1]["id"]
+    wait_until(lambda: f"event paused {deleted_id}: {deleted}" in service.output(), 20,
+               "the deleted folder paused by the service", shown)
+    assert "is gone" in service.output().split(f"event paused {deleted_id}: ")[1].splitlines()[0]
+
+    # The new files are on the backends: a clone of the last folder has its file.
+    clone = clone_of(tmp_path / "b9", tmp_path / "clone9")
+    assert (clone / "new.txt").read_text() == "new in F9\n"
+    listed = {f["path"]: f for f in json.loads(_cli(config, "folders", "--json").stdout)["folders"]}
+    assert listed[str(no_backend)]["state"] == "offline"
+    assert listed[str(deleted)]["state"] == "paused" and "gone" in listed[str(deleted)]["reason"]
+    # (a healthy folder may be in its periodic rescan right now)
+    assert all(listed[str(f)]["state"] in ("idle", "syncing") for f in healthy), listed
+    assert service.proc.poll() is None
+    services.stop(service)
