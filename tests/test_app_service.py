@@ -285,3 +285,92 @@ def test_ten_folders_one_without_backends_one_deleted_the_others_sync(
     assert all(listed[str(f)]["state"] in ("idle", "syncing") for f in healthy), listed
     assert service.proc.poll() is None
     services.stop(service)
+
+
+# ============================================================== in one process
+def test_fleet_restarts_a_failed_folder_and_steers_each_alone(tmp_path: Path) -> None:
+    """The Fleet in this process (real daemons in threads, real ``dir:`` backends):
+    an error escaping one folder's loop (its folder held by another command when
+    the daemon starts) shows ``error`` with the reason and the folder is started again
+    after a backoff, the other syncing meanwhile. Pause, resume and sync now act on
+    one folder; a guard-paused folder shows what it would delete and syncs on resume;
+    a backend failing past the threshold is told once, and again when it is back;
+    the counters and backend usage move."""
+    from metasync.app.fleet import Fleet
+    from metasync.app.registry import Registry
+    from metasync.daemon import Settings
+
+    busy = make_folder(tmp_path / "busy", [tmp_path / "b0"])
+    main = make_folder(tmp_path / "main", [tmp_path / "b1"])
+    for i in range(12):
+        (main / f"f{i:02}.txt").write_text(f"file {i}\n")
+    registry = Registry(tmp_path / "config")
+    ids = [registry.add(busy).id, registry.add(main).id]
+    settings = Settings(settle=0.2, poll=0.3, rescan=60, failing_after=0.5, usage_every=0)
+    fleet = Fleet(registry, settings, restart_after=0.3)
+    held = Repository.open(busy)  # a command holds the folder as the service starts
+    try:
+        fleet.start()
+        runner, other = fleet.get(ids[0]), fleet.get(ids[1])
+        wait_until(lambda: runner.snapshot()["state"] == "error", 20, "the held folder in error",
+                   lambda: str(runner.snapshot()))
+        assert "started again in" in runner.snapshot()["reason"], runner.snapshot()
+        wait_until(lambda: other.snapshot()["state"] == "idle"
+                   and other.snapshot()["version"] == 2, 20, "the other folder synced",
+                   lambda: str(other.snapshot()))
+    finally:
+        held.close()
+    try:
+        wait_until(lambda: runner.snapshot()["state"] == "idle", 20, "the held folder restarted",
+                   lambda: str(runner.snapshot()))
+        assert any(e.kind == "error" and e.folder == ids[0] for e in fleet.events.since(0))
+
+        # Pause and resume one folder; sync now.
+        runner.pause()
+        wait_until(lambda: runner.snapshot()["state"] == "paused", 10, "paused")
+        assert runner.snapshot()["reason"] == "paused by the user"
+        assert other.snapshot()["state"] == "idle"
+        (busy / "while-paused.txt").write_text("waits\n")
+        syncs = runner.stats().syncs
+        runner.resume()
+        wait_until(lambda: runner.snapshot()["version"] == 2, 20, "the paused change synced")
+        wait_until(lambda: runner.stats().syncs > syncs, 10, "counted")
+        syncs = runner.stats().syncs
+        runner.sync_now()
+        wait_until(lambda: runner.stats().syncs > syncs, 10, "sync now ran a sync")
+        stats = runner.stats()
+        assert stats.bytes_up > 0 and stats.last_success is not None and stats.sync_seconds > 0
+        backends = runner.snapshot()["backends"]
+        assert backends and backends[0]["health"] == "ok" and backends[0]["objects"] > 0
+        assert backends[0]["latency_ms"] is not None
+
+        # The deletion guard: what it would delete, then resume lets it through.
+        for i in range(10):
+            (main / f"f{i:02}.txt").unlink()
+        wait_until(lambda: other.snapshot()["state"] == "paused", 20, "guard-paused",
+                   lambda: str(other.snapshot()))
+        assert other.snapshot()["would_delete"] == [f"f{i:02}.txt" for i in range(10)]
+        assert any(e.kind == "paused" and e.folder == ids[1] for e in fleet.events.since(0))
+        other.resume()
+        wait_until(lambda: other.snapshot()["state"] == "idle"
+                   and other.snapshot()["version"] == 3, 20, "the deletion synced on resume")
+        assert other.snapshot()["would_delete"] == []
+
+        # A backend failing past the threshold is told once; its return too.
+        last = fleet.events.last
+        shutil.move(tmp_path / "b0", tmp_path / "b0-away")
+        wait_until(lambda: [e for e in fleet.events.since(last) if e.kind == "backend-failing"],
+                   20, "backend-failing told", lambda: str(runner.snapshot()))
+        snap = runner.snapshot()["backends"][0]
+        assert snap["failing_since"] is not None and "unreachable" in snap["last_error"]
+        assert other.snapshot()["state"] == "idle"
+        shutil.move(tmp_path / "b0-away", tmp_path / "b0")
+        wait_until(lambda: [e for e in fleet.events.since(last) if e.kind == "backend-ok"],
+                   20, "backend-ok told", lambda: str(runner.snapshot()))
+        told = [e.kind for e in fleet.events.since(last) if e.folder == ids[0]]
+        assert told.count("backend-failing") == 1, told
+        assert runner.snapshot()["backends"][0]["failing_since"] is None
+    finally:
+        fleet.stop()
+    assert all(not r.alive() for r in (runner, other))
+    assert daemon_json(busy)["state"] == daemon_json(main)["state"] == "stopped"
