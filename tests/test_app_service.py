@@ -219,7 +219,10 @@ def test_two_services_side_by_side(services: Services, tmp_path: Path) -> None:
     assert [(f["path"], f["state"]) for f in listed["folders"]] == [(str(a), "idle")]
 
     # Second runners of A, each refused with one line.
-    one_line_error(run_cli("daemon", "start", cwd=a, check=False), "already runs")
+    one_line_error(run_cli("daemon", "start", cwd=a, check=False), "already runs",
+                   "the service runs it")
+    one_line_error(run_cli("daemon", "stop", cwd=a, check=False), "the metasync service runs")
+    assert run_cli("daemon", "status", "--json", cwd=a).stdout.count('"idle"') == 1
     two.cli("add-folder", str(a))
     wait_until(lambda: "another metasync daemon or service runs this folder" in two.output(),
                20, "the second service refusing A", two.output)

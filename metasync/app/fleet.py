@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from metasync.app.registry import RegisteredFolder, Registry
+from metasync.context import PID_FILE
 from metasync.daemon import Daemon, Settings, close_logging, setup_logging, take_daemon_lock
 from metasync.daemon_health import BackendStats, FolderStats
 from metasync.errors import MetasyncError, UsageError
@@ -262,6 +263,9 @@ class FolderRunner:
             raise UsageError(f"another metasync daemon or service runs this folder ({exc})") from exc
         daemon = Daemon(self.path, self.settings, self._emit, self._stats)
         try:
+            # A daemon.pid left by a `metasync daemon` that was killed is stale (the
+            # lock is ours now): `daemon stop` must not signal that pid.
+            (self.path / META_DIR / PID_FILE).unlink(missing_ok=True)
             setup_logging(daemon.log, daemon.meta)
             if self._user_paused:
                 daemon.pause()
