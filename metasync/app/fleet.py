@@ -35,14 +35,13 @@ Process-wide state that could couple folders, and what is done about it:
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -175,8 +174,10 @@ class FolderRunner:
 
     # --- what it shows -------------------------------------------------------------
     def stats(self) -> FolderStats:
-        """A copy of the counters since the service started this folder."""
-        return copy.deepcopy(self._stats)
+        """A copy of the counters since the service started this folder (taken
+        while the folder's thread may be counting: each field is read once)."""
+        backends = {name: replace(b) for name, b in dict(self._stats.backends).items()}
+        return replace(self._stats, backends=backends)
 
     def snapshot(self) -> dict[str, Any]:
         """The folder object of docs/api.md."""
