@@ -164,6 +164,44 @@ def test_every_route_refuses_without_the_key_and_with_a_foreign_host(service: Se
     assert len(s.ok("GET", "/rest/folders")) == 2
 
 
+def test_the_page_is_served_from_its_folder_only(service: Service, tmp_path: Path) -> None:
+    """index.html at /, the other files at /static/NAME, with a content security
+    policy allowing nothing from elsewhere; nothing outside the folder, nothing
+    hidden, however the path is spelled."""
+    s = service
+    page = tmp_path / "page"
+    page.mkdir()
+    (page / "index.html").write_text("<!doctype html><title>metasync</title>")
+    (page / "app.js").write_text("console.log('hi');")
+    (page / ".hidden").write_text("secret")
+    (tmp_path / "outside.txt").write_text("secret")
+    web = WebServer(s.fleet, s.registry, "127.0.0.1", 0, static=page)
+    web.start()
+    try:
+        def get(path: str) -> Answer:
+            conn = http.client.HTTPConnection("127.0.0.1", web.port, timeout=DEADLINE)
+            try:
+                conn.request("GET", path, headers={"X-API-Key": s.registry.api_key()})
+                r = conn.getresponse()
+                return Answer(r.status, r.headers, r.read())
+            finally:
+                conn.close()
+
+        r = get("/")
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/html")
+        assert "default-src 'self'" in r.headers["Content-Security-Policy"]
+        assert r.headers["X-Frame-Options"] == "DENY"
+        r = get("/static/app.js")
+        assert r.status == 200 and b"console.log" in r.body
+        assert "javascript" in r.headers["Content-Type"]
+        for bad in ("/static/../outside.txt", "/static/%2e%2e/outside.txt", "/..%2foutside.txt",
+                    "/static/.hidden", "/.hidden", "/static/%2fetc%2fpasswd", "/nothing.js"):
+            r = get(bad)
+            assert r.status == 404 and b"secret" not in r.body, (bad, r.status)
+    finally:
+        web.stop()
+
+
 def _cookies(answer: Answer) -> dict[str, str]:
     """name -> the whole Set-Cookie line."""
     return {line.split("=", 1)[0]: line for line in answer.headers.get_all("Set-Cookie") or []}
@@ -455,6 +493,9 @@ def test_events_are_served_since_an_id(service: Service) -> None:
     later = s.ok("GET", f"/rest/events?since={last}")
     assert [e["message"] for e in later["events"] if e["kind"] == "paused"] == ["B paused"]
     assert all(e["id"] > last for e in later["events"])
+    # An id from an earlier run of the service (ids start again): every event is new.
+    again = s.ok("GET", f"/rest/events?since={later['last'] + 1000}")
+    assert again["events"] == s.ok("GET", "/rest/events?since=0")["events"]
 
 
 class _NotificationServer:
