@@ -111,6 +111,7 @@ class WebServer:
             raise UsageError(f"the web server did not start within {START_WAIT:g} s")
         if self._error is not None:
             self._thread.join()
+            self._thread = self._loop = None
             raise UsageError(f"cannot listen on {self.host}:{self.port} ({self._error}); pick "
                              "another with --listen 127.0.0.1:PORT") from self._error
         self.notifier.start()
