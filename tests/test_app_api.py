@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -312,6 +313,27 @@ def test_untrusted_paths_are_refused(service: Service) -> None:
     (s.a / "outside.txt").symlink_to("/etc/hostname")
     r = s.call("GET", f"/rest/folders/{fid}/file?path=outside.txt")
     assert r.status == 404
+
+
+def test_a_name_that_is_not_utf8_round_trips_in_its_display_form(service: Service) -> None:
+    """Paths go out and come back in the display form of docs/cli.md: a name whose
+    bytes are not UTF-8 is listed quoted, and that text downloads it (on disk and
+    at a version), its bytes intact."""
+    s = service
+    fid = s.ids["a"]
+    name = os.fsdecode(b"caf\xe9.txt")
+    (s.a / name).write_bytes(b"latin-1 name\n")
+    wait_for(lambda: (s.b / name).is_file(), "the file in B")
+    wait_for(lambda: _synced_same_version(s), "both idle")
+    version = s.folder("a")["version"]
+    shown = next(e["path"] for e in s.ok("GET", f"/rest/folders/{fid}/tree?version={version}")
+                 if e["path"].startswith('"caf'))
+    assert shown == '"caf\\351.txt"'
+    for query in (f"path={urllib.parse.quote(shown)}",
+                  f"path={urllib.parse.quote(shown)}&version={version}"):
+        r = s.call("GET", f"/rest/folders/{fid}/file?{query}")
+        assert r.status == 200 and r.body == b"latin-1 name\n", (query, r.status, r.body)
+        assert "caf%E9.txt" in r.headers["Content-Disposition"]
 
 
 def _metric(text: str, name: str, **labels: str) -> float:

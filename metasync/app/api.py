@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -187,7 +188,8 @@ class Api:
                 response = web.StreamResponse(headers={
                     "Content-Type": "application/octet-stream",
                     "Content-Disposition": "attachment; filename*=UTF-8''"
-                                           + urllib.parse.quote(download.name, safe=""),
+                                           # bytes: a name that is not UTF-8 still quotes
+                                           + urllib.parse.quote(os.fsencode(download.name), safe=""),
                     "Content-Length": str(download.size),
                     "Cache-Control": "no-store",
                 })
