@@ -131,7 +131,14 @@ class Api:
 
     async def remove_folder(self, request: web.Request) -> web.Response:
         runner = self._runner(request)
-        await self.blocking(self.fleet.remove, runner.id)
+
+        def remove() -> None:
+            try:
+                self.fleet.remove(runner.id)
+            except KeyError:
+                raise ApiError(404, f"folder {runner.id} was removed already") from None
+
+        await self.blocking(remove)
         return json_response({"removed": runner.id, "path": str(runner.path)})
 
     async def _act(self, request: web.Request, action: str) -> web.Response:
