@@ -33,6 +33,7 @@ from metasync.cli_common import (
     json_option,
 )
 from metasync.cli_daemon import auth, daemon
+from metasync.cli_gui import gui
 from metasync.cli_history import log, say_standing
 from metasync.cli_install import completion, version_option
 from metasync.cli_keys import key
@@ -680,7 +681,7 @@ def share(email: str) -> None:
                    err=True)
 
 
-for _command in (auth, log, daemon, key, completion, *APP_COMMANDS):
+for _command in (auth, log, daemon, key, completion, gui, *APP_COMMANDS):
     cli.add_command(_command)
 _add_global_options(cli)
 
