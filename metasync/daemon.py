@@ -61,11 +61,13 @@ WOULD_DELETE_MAX = 1000
 def change_message(changes: list[Change], device: str) -> str:
     """The message of a commit the daemon makes: how many paths changed on which
     device, naming the first few (``3 files changed on laptop: a.txt, b.txt,
-    c.txt``); empty without changes. Folders count only when no file changed."""
-    paths = [c.path for c in changes if c.type != "dir"]
+    c.txt``); empty without changes. Folders count only when no file changed. Names
+    are in display form: a message is text, and a name that is not UTF-8 must not make
+    the commit, the log or an event unwritable."""
+    paths = [display_path(c.path) for c in changes if c.type != "dir"]
     what = "file"
     if not paths:
-        paths, what = [c.path + "/" for c in changes], "folder"
+        paths, what = [display_path(c.path) + "/" for c in changes], "folder"
     if not paths:
         return ""
     named = ", ".join(paths[:MESSAGE_PATHS])
@@ -564,7 +566,8 @@ def setup_logging(log: logging.Logger, meta: Path) -> None:
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
     try:
         handler: logging.Handler = logging.handlers.RotatingFileHandler(
-            meta / LOG_FILE, maxBytes=1_000_000, backupCount=3)
+            meta / LOG_FILE, maxBytes=1_000_000, backupCount=3, encoding="utf-8",
+            errors="backslashreplace")
     except OSError:
         handler = logging.StreamHandler()
     handler.setFormatter(fmt)

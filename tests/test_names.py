@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -113,6 +114,10 @@ def test_names_that_are_not_utf8_go_through_status_push_and_clone(tmp_path: Path
 
     run_cli("clone", uris[0], "--backend", uris[1], str(tmp_path / "g"), cwd=tmp_path)
     assert _tree(tmp_path / "g") == _tree(folder)
+    # The commit's message and the log name it in display form (a raw name made the
+    # log handler fail on every line that named it, and the service's events too).
+    logged = (folder / ".metasync" / "daemon.log").read_text(encoding="utf-8")
+    assert re.search(r"synced version 1: 1 file changed on .*: caf\\xe9\.txt", logged), logged
     assert "Nothing to commit, folder clean" in run_cli("status", cwd=tmp_path / "g").stdout
 
     # An edit and a delete of such a file are seen and carried over too.
