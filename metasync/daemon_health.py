@@ -120,7 +120,8 @@ class Health:
         self.health: dict[str, str] = {}
         self.last_error: dict[str, str] = {}
         #: Backend name -> (objects, bytes) it stores for this repository.
-        self.usage: dict[str, tuple[int, int]] = {}
+        #: Per backend: objects, bytes, declared capacity (GB), the mapping's share.
+        self.usage: dict[str, tuple[int, int, float, float]] = {}
         self._usage_at = float("-inf")
         self._told_failing: set[str] = set()
         self._sink = sink
@@ -186,4 +187,5 @@ class Health:
         except MetasyncError as exc:
             self.log.info("could not read what the backends store: %s", exc)
             return
-        self.usage = {public_uri(b.uri): (b.objects, b.bytes) for b in listing.backends}
+        self.usage = {public_uri(b.uri): (b.objects, b.bytes, b.capacity, b.share)
+                      for b in listing.backends}

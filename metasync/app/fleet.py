@@ -213,14 +213,15 @@ class FolderRunner:
         out = []
         for name in sorted(set(health) | set(usage)):
             b = stats.get(name, BackendStats())
-            objects, size = usage.get(name, (None, None))
+            objects, size, capacity, share = usage.get(name, (None, None, None, None))
             out.append({"name": name, "health": health.get(name, "ok"),
                         "last_error": h.last_error.get(name, ""),
                         "failing_since": b.failing_since, "latency_ms": b.latency_ms,
                         "objects": objects, "bytes": size,
-                        # A configuration's capacities are weights (only ratios
-                        # matter, docs/FORMAT.md), not sizes: none to show.
-                        "capacity": None})
+                        # As `backend add --capacity GB` declared it (the mapping uses
+                        # only the ratios), and the share of copies that gives it.
+                        "capacity": None if capacity is None else int(capacity * 1e9),
+                        "share": share})
         return out
 
     # --- the thread ------------------------------------------------------------------
