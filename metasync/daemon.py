@@ -128,7 +128,7 @@ class Daemon:
         self._acceptors: dict[str, Backend] = {}
         self._acceptors_config = ""
         self._names: dict[str, str] = {}
-        self._allow_deletes = False
+        self._allow_deletes = self._guard_held = False
         self._remote_pending = False
         self._rebalance_after = 0.0
 
@@ -392,6 +392,11 @@ class Daemon:
         if self.status.state != "paused":
             self.log.warning("paused: %s", reason)
             self.health.emit("paused", reason)
+        # Only a resume of the deletion guard's own pause lets its deletions through:
+        # resuming a pause the user asked for, or one for a missing folder, must not
+        # switch the guard off for whatever the next sync finds.
+        self._allow_deletes = False
+        self._guard_held = would_delete is not None
         self.status.state = "paused"
         self.status.reason = reason
         self.status.would_delete = [display_path(p) for p in (would_delete or [])[:WOULD_DELETE_MAX]]
@@ -404,7 +409,7 @@ class Daemon:
             resume.unlink(missing_ok=True)
             self._resume_asked = False
             self.log.info("resumed by the user")
-            self._allow_deletes = True
+            self._allow_deletes = self._guard_held
         elif self._user_paused:
             return
         elif "is gone" in self.status.reason and (self.meta / "state.db").is_file():

@@ -347,11 +347,17 @@ def test_fleet_restarts_a_failed_folder_and_steers_each_alone(tmp_path: Path) ->
         assert backends and backends[0]["health"] == "ok" and backends[0]["objects"] > 0
         assert backends[0]["latency_ms"] is not None
 
-        # The deletion guard: what it would delete, then resume lets it through.
+        # The deletion guard: what it would delete, then resume lets it through. The
+        # deletions happen while the user has paused the folder: resuming that pause
+        # is no consent to them (it switched the guard off, and they were pushed).
+        other.pause()
+        wait_until(lambda: other.snapshot()["state"] == "paused", 10, "paused by the user")
         for i in range(10):
             (main / f"f{i:02}.txt").unlink()
-        wait_until(lambda: other.snapshot()["state"] == "paused", 20, "guard-paused",
+        other.resume()
+        wait_until(lambda: other.snapshot()["would_delete"], 20, "guard-paused",
                    lambda: str(other.snapshot()))
+        assert other.snapshot()["state"] == "paused"
         assert other.snapshot()["would_delete"] == [f"f{i:02}.txt" for i in range(10)]
         assert any(e.kind == "paused" and e.folder == ids[1] for e in fleet.events.since(0))
         other.resume()
