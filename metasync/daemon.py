@@ -129,6 +129,7 @@ class Daemon:
         self._acceptors_config = ""
         self._names: dict[str, str] = {}
         self._allow_deletes = self._guard_held = False
+        self._conflicts: list[str] = []  # conflict copies made here, as paths
         self._remote_pending = False
         self._rebalance_after = 0.0
 
@@ -317,22 +318,10 @@ class Daemon:
         self._allow_deletes = False
         st = repo.status()
         record_unsynced(self.status, st.problems, self.log)
-        tracked = repo.tracked_files()
-        deleted = [c.path for c in st.changes if c.kind == "deleted" and c.type != "dir"]
-        if not allow and self._too_many(len(deleted), tracked):
-            self._pause(f"{len(deleted)} of {tracked} files were deleted here at once; run "
-                        "`metasync daemon resume` to sync that, or restore them", deleted)
+        latest, held = guard_deletions(repo, st.changes, None if allow else self.settings.delete_share)
+        if held is not None:
+            self._pause(*held)
             raise _Paused
-        latest = repo.learn_latest()
-        if latest.number > repo.prev.number and latest.master and repo.prev.master and not allow:
-            before_tree = repo.tree_at(repo.prev.master)
-            after_tree = repo.tree_at(latest.master)
-            before = _file_count(before_tree)
-            gone = [p for p, e in before_tree.items() if e.type != "dir" and p not in after_tree]
-            if self._too_many(len(gone), before):
-                self._pause(f"version {latest.number} deletes {len(gone)} of {before} files; "
-                            "run `metasync daemon resume` to take it", gone)
-                raise _Paused
         # Copies a backend missed while away are rewritten by a push, so one runs
         # for them too, even with nothing new.
         missed = bool(repo.missing_copies())
@@ -344,7 +333,7 @@ class Daemon:
             if result.conflicts:
                 shown = [display_path(c) for c in result.conflicts]
                 self.log.info("conflicts: %s", ", ".join(shown))
-                self.status.conflicts += shown
+                self._conflicts += result.conflicts
                 self.health.stats.conflicts += len(shown)
                 self.health.emit("conflict", f"{len(shown)} conflict copy(ies): {', '.join(shown[:5])}")
             if not result.up_to_date and result.version is not None:
@@ -364,6 +353,10 @@ class Daemon:
         self._rebalance_after = finish_rebalance(repo, self.log, self._rebalance_after)
         self._watch_acceptors(repo)
         self.status.version = repo.prev.number
+        # The conflict copies this daemon made that are still here: one resolved
+        # (removed or renamed, here or elsewhere) is no longer listed.
+        self._conflicts = [c for c in self._conflicts if os.path.lexists(self.root / c)]
+        self.status.conflicts = [display_path(c) for c in self._conflicts]
         self.status.state = "idle"
         self.status.reason = ""
         self.status.last_sync = time.time()
@@ -383,9 +376,6 @@ class Daemon:
                 self.status.unpushed = st.unpushed
         except MetasyncError as exc:
             self.log.warning("could not commit locally: %s", exc)
-
-    def _too_many(self, deleted: int, total: int) -> bool:
-        return total >= GUARD_MIN_FILES and deleted > self.settings.delete_share * total
 
     def _pause(self, reason: str, would_delete: list[str] | None = None) -> None:
         """Pause for ``reason``; ``would_delete``: what the held-back sync deletes."""
@@ -562,6 +552,34 @@ class LocalWatch:
         if self._ignore is None:
             self._ignore = IgnoreRules.load(self.root) or IgnoreRules([])
         return not self._ignore.ignores("/".join(parts), is_dir=os.path.isdir(path))
+
+
+def guard_deletions(repo: Repository, changes: list[Change],
+                    share: float | None) -> tuple[Any, tuple[str, list[str]] | None]:
+    """The deletion guard, before a sync: ``(latest version, None)`` if the sync may
+    go on, else ``(latest, (why, paths it would delete))`` when it would delete more
+    than ``share`` of the files here (``changes``) or take a version deleting that
+    much of the previous one. ``share`` None: the user said to go on. The latest
+    version is learnt only once the local check passed."""
+    deleted = [c.path for c in changes if c.kind == "deleted" and c.type != "dir"]
+    tracked = repo.tracked_files()
+
+    def too_many(count: int, total: int) -> bool:
+        return share is not None and total >= GUARD_MIN_FILES and count > share * total
+
+    if too_many(len(deleted), tracked):
+        return None, (f"{len(deleted)} of {tracked} files were deleted here at once; run "
+                      "`metasync daemon resume` to sync that, or restore them", deleted)
+    latest = repo.learn_latest()
+    if latest.number > repo.prev.number and latest.master and repo.prev.master:
+        before_tree = repo.tree_at(repo.prev.master)
+        after_tree = repo.tree_at(latest.master)
+        before = _file_count(before_tree)
+        gone = [p for p, e in before_tree.items() if e.type != "dir" and p not in after_tree]
+        if too_many(len(gone), before):
+            return latest, (f"version {latest.number} deletes {len(gone)} of {before} files; "
+                            "run `metasync daemon resume` to take it", gone)
+    return latest, None
 
 
 def setup_logging(log: logging.Logger, meta: Path) -> None:

@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from metasync import Repository
-from metasync.app.auth import CSRF_COOKIE, SESSION_COOKIE, make_token
+from metasync.app.auth import CSRF_COOKIE, SESSION_COOKIE, cookie_name, make_token
 from metasync.app.fleet import Fleet
 from metasync.app.registry import Registry
 from metasync.app.web import WebServer
@@ -214,7 +215,10 @@ def test_login_token_works_once_and_sets_an_httponly_cookie_with_csrf(service: S
     r = s.call("GET", "/login?token=" + urllib.parse.quote(token), key=False)
     assert r.status == 303 and r.headers["Location"] == "/"
     cookies = _cookies(r)
-    session_line, csrf_line = cookies[SESSION_COOKIE], cookies[CSRF_COOKIE]
+    # Named for the port: another service on 127.0.0.1 gets cookies of its own.
+    session_name, csrf_name = (cookie_name(SESSION_COOKIE, s.web.port),
+                               cookie_name(CSRF_COOKIE, s.web.port))
+    session_line, csrf_line = cookies[session_name], cookies[csrf_name]
     assert "HttpOnly" in session_line and "SameSite=Strict" in session_line
     assert "HttpOnly" not in csrf_line and "SameSite=Strict" in csrf_line  # the page reads it
     session = session_line.split(";")[0].split("=", 1)[1]
@@ -224,10 +228,12 @@ def test_login_token_works_once_and_sets_an_httponly_cookie_with_csrf(service: S
     nonce, expiry, mac = token.split(".")
     forged = f"{nonce}x.{expiry}.{mac}"
     for bad in (forged, make_token(s.registry.api_key(), now=time.time() - 3600),
-                make_token("another-key-entirely-0123456789"), "", "a.b.c"):
+                make_token("another-key-entirely-0123456789"), "", "a.b.c",
+                # not ASCII digits, or no expiry make_token writes: 401, not a 500
+                "a.\u00b2.b", "a." + "9" * 5000 + ".b"):
         assert s.call("GET", "/login?token=" + urllib.parse.quote(bad), key=False).status == 401
     # The cookie reads; changes need the CSRF header equal to the cookie.
-    jar = {"Cookie": f"{SESSION_COOKIE}={session}; {CSRF_COOKIE}={csrf}"}
+    jar = {"Cookie": f"{session_name}={session}; {csrf_name}={csrf}"}
     r = s.call("GET", "/rest/folders", key=False, headers=jar)
     assert r.status == 200 and len(r.json()) == 2
     sync = f"/rest/folders/{s.ids['a']}/sync"
@@ -237,7 +243,7 @@ def test_login_token_works_once_and_sets_an_httponly_cookie_with_csrf(service: S
     assert r.status == 200 and r.json()["id"] == s.ids["a"]
     # A made-up session is no session.
     r = s.call("GET", "/rest/folders", key=False,
-               headers={"Cookie": f"{SESSION_COOKIE}=made-up; {CSRF_COOKIE}={csrf}"})
+               headers={"Cookie": f"{session_name}=made-up; {csrf_name}={csrf}"})
     assert r.status == 401
 
 
@@ -258,7 +264,7 @@ def test_gui_prints_a_login_address_that_signs_in(service: Service, tmp_path: Pa
     parsed = urllib.parse.urlsplit(url)
     assert parsed.netloc == f"127.0.0.1:{s.web.port}" and parsed.path == "/login"
     r = s.call("GET", f"{parsed.path}?{parsed.query}", key=False)
-    assert r.status == 303 and SESSION_COOKIE in _cookies(r)
+    assert r.status == 303 and cookie_name(SESSION_COOKIE, s.web.port) in _cookies(r)
 
 
 # ============================================================== folders
@@ -315,7 +321,7 @@ def test_untrusted_paths_are_refused(service: Service) -> None:
     s = service
     fid = s.ids["a"]
     for bad in ["../A/hello.txt", "/etc/passwd", "a/../../x", "hello.txt\x00x", ".metasync/state.db",
-                "..", '"unterminated']:
+                ".METASYNC/config", "..", '"unterminated']:
         q = urllib.parse.quote(bad)
         for method, path, body in [
             ("GET", f"/rest/folders/{fid}/file?path={q}", None),
@@ -331,6 +337,10 @@ def test_untrusted_paths_are_refused(service: Service) -> None:
     (s.a / "outside.txt").symlink_to("/etc/hostname")
     r = s.call("GET", f"/rest/folders/{fid}/file?path=outside.txt")
     assert r.status == 404
+    # Nor is a FIFO opened (an open for reading would wait for a writer forever).
+    os.mkfifo(s.a / "pipe")
+    r = s.call("GET", f"/rest/folders/{fid}/file?path=pipe")
+    assert r.status == 404 and "not a file" in r.json()["error"]
 
 
 def test_a_name_that_is_not_utf8_round_trips_in_its_display_form(service: Service) -> None:
@@ -653,3 +663,29 @@ def test_no_session_bus_is_no_error(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     events.emit("paused", "f0000001", "y")
     dead.stop()  # returns: the failed send was logged, not raised
     assert dead.sent == 0
+
+
+def test_two_first_calls_for_the_api_key_agree(tmp_path: Path) -> None:
+    """The service starting while `metasync gui` runs: both make a key at once, and
+    both must end up with the one the file holds (each kept its own before)."""
+    registries = [Registry(tmp_path / "config") for _ in range(8)]
+    barrier = threading.Barrier(len(registries))
+
+    def first_call(registry: Registry) -> str:
+        barrier.wait(timeout=30)
+        return registry.api_key()
+
+    with ThreadPoolExecutor(len(registries)) as pool:
+        keys = set(pool.map(first_call, registries))
+    assert keys == {(tmp_path / "config" / "api-key").read_text().strip()}
+    assert (tmp_path / "config" / "api-key").stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in (tmp_path / "config").iterdir()] == ["api-key"]
+
+
+def test_the_service_refuses_to_listen_beyond_this_machine(tmp_path: Path) -> None:
+    """Plain HTTP with the key in every request: an address other than loopback is
+    refused in one line (it served the whole API to the network)."""
+    env = {"XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    for listen in ("0.0.0.0:0", "[::]:0", "192.168.1.10:8384"):
+        proc = run_cli("service", "--listen", listen, check=False, env_extra=env)
+        one_line_error(proc, "the service listens only on this machine", "--listen 127.0.0.1")

@@ -69,14 +69,28 @@ class Api:
     def __init__(self, fleet: Fleet, registry: Registry) -> None:
         self.fleet = fleet
         self.registry = registry
+        # Reads of memory and steering (snapshots, pause, sync now) share one pool;
+        # what opens a folder's repository runs in that folder's own pool, so a folder
+        # whose backend never answers or whose lock is held queues only its own calls,
+        # never the list of folders, /metrics or another folder's restore.
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="metasync-api")
+        self._folder_pools: dict[str, ThreadPoolExecutor] = {}
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        for pool in [self.pool, *self._folder_pools.values()]:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in a worker thread, awaited."""
+        """``fn(*args)`` in a worker thread, awaited; ``fn`` reads memory only."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def in_folder(self, runner: FolderRunner, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, which opens ``runner``'s repository, in that folder's pool."""
+        pool = self._folder_pools.get(runner.id)
+        if pool is None:
+            pool = self._folder_pools[runner.id] = ThreadPoolExecutor(
+                max_workers=2, thread_name_prefix=f"metasync-api-{runner.id}")
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     def routes(self) -> list[web.RouteDef]:
         f = "/rest/folders/{id}"
@@ -161,19 +175,19 @@ class Api:
 
     async def status(self, request: web.Request) -> web.Response:
         runner = self._runner(request)
-        return json_response(await self.blocking(folder_ops.status, runner.path))
+        return json_response(await self.in_folder(runner, folder_ops.status, runner.path))
 
     # ------------------------------------------------------------ history and files
     async def activity(self, request: web.Request) -> web.Response:
         runner = self._runner(request)
         limit = _int_query(request, "limit", 20, 1, MAX_ACTIVITY)
-        return json_response(await self.blocking(folder_ops.activity, runner.path, limit))
+        return json_response(await self.in_folder(runner, folder_ops.activity, runner.path, limit))
 
     async def tree(self, request: web.Request) -> web.Response:
         runner = self._runner(request)
         folder = parse_path(request.query.get("path"), root_ok=True)
         version = request.query.get("version")
-        return json_response(await self.blocking(folder_ops.tree, runner.path, version, folder))
+        return json_response(await self.in_folder(runner, folder_ops.tree, runner.path, version, folder))
 
     async def file(self, request: web.Request) -> web.StreamResponse:
         runner = self._runner(request)
@@ -216,19 +230,19 @@ class Api:
         runner = self._runner(request)
         body = await _body(request)
         path = parse_path(body.get("path"))
-        restored = await self.blocking(folder_ops.restore, runner.path, path, body.get("version"))
+        restored = await self.in_folder(runner, folder_ops.restore, runner.path, path, body.get("version"))
         await self.blocking(runner.sync_now)
         return json_response({"restored": restored})
 
     # ------------------------------------------------------------ conflicts
     async def conflicts(self, request: web.Request) -> web.Response:
         runner = self._runner(request)
-        return json_response(await self.blocking(folder_ops.conflicts, runner.path))
+        return json_response(await self.in_folder(runner, folder_ops.conflicts, runner.path))
 
     async def resolve(self, request: web.Request) -> web.Response:
         runner = self._runner(request)
         body = await _body(request)
-        left = await self.blocking(folder_ops.resolve, runner.path, body.get("copy"),
+        left = await self.in_folder(runner, folder_ops.resolve, runner.path, body.get("copy"),
                                    body.get("keep"))
         await self.blocking(runner.sync_now)
         return json_response(left)

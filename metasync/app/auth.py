@@ -11,7 +11,7 @@ Three credentials, checked in :class:`Gate`:
   ``SameSite=Strict`` cookie (Jupyter's token login). Anyone who can read the key
   file can make a token -- exactly who could send the key itself;
 - that session cookie. A state-changing call made with it must repeat the
-  ``metasync-csrf`` cookie's value in the ``X-CSRF-Token`` header (double submit):
+  ``metasync-csrf-PORT`` cookie's value in the ``X-CSRF-Token`` header (double submit):
   a page from another site can make the browser send the cookie, but cannot read
   it to set the header.
 
@@ -34,6 +34,13 @@ TOKEN_TTL = 120
 #: The session cookie and the CSRF cookie (and its header).
 SESSION_COOKIE = "metasync-session"
 CSRF_COOKIE = "metasync-csrf"
+
+
+def cookie_name(base: str, port: int) -> str:
+    """``base`` for the service on ``port``: a browser sends 127.0.0.1's cookies to
+    every port, so two services (or a restart on another port) must not overwrite
+    each other's session."""
+    return f"{base}-{port}"
 CSRF_HEADER = "X-CSRF-Token"
 API_KEY_HEADER = "X-API-Key"
 #: Host names a loopback-only service answers to (with or without its port).
@@ -94,7 +101,10 @@ class Gate:
         precisely: the caller answers 401 either way)."""
         now = time.time() if now is None else now
         parts = token.split(".")
-        if len(parts) != 3 or not parts[1].isdigit():
+        # ASCII digits, at most 12 of them ("²" is a digit to str.isdigit, and int()
+        # refuses it; a 5,000-digit number is no expiry make_token writes).
+        if len(parts) != 3 or not (parts[1].isascii() and parts[1].isdecimal()
+                                   and len(parts[1]) <= 12):
             return None
         nonce, expiry_text, mac = parts
         expiry = int(expiry_text)

@@ -64,6 +64,8 @@ MAX_RESTART = 300.0
 EVENTS_KEPT = 1000
 
 log = logging.getLogger("metasync.app")
+#: Seconds the service waits for its folders to finish their step when it stops.
+STOP_GRACE = 30.0
 
 
 @dataclass(frozen=True)
@@ -318,8 +320,15 @@ class Fleet:
         try:
             for r in runners:
                 r.stop(wait=False)
+            # Bounded: a folder stuck in a call that never returns (a hung network
+            # mount) must not keep the service from stopping; it is named instead.
+            deadline = time.monotonic() + STOP_GRACE
             for r in runners:
-                r.stop()
+                r.stop(timeout=max(0.0, deadline - time.monotonic()))
+            stuck = [str(r.path) for r in runners if r.alive()]
+            if stuck:
+                log.warning("stopping without waiting longer for %s (still in a step after "
+                            "%g s)", ", ".join(stuck), STOP_GRACE)
         finally:
             if cancel:
                 CANCEL.clear()

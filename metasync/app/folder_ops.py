@@ -37,7 +37,7 @@ from metasync.errors import (
 from metasync.merge import device_label
 from metasync.names import display_path, parse_display_path
 from metasync.objects import TreeEntry
-from metasync.portable import O_CLOEXEC, O_NOFOLLOW
+from metasync.portable import O_CLOEXEC, O_NOFOLLOW, O_NONBLOCK
 from metasync.repository import Repository
 from metasync.worktree import META_DIR
 
@@ -100,7 +100,9 @@ def parse_path(text: object, *, root_ok: bool = False) -> str:
     parts = [p for p in path.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise ApiError(400, f"{text!r} leaves the folder (..); give a path inside it")
-    if parts and parts[0] == META_DIR:
+    # Case-folded: on a case-insensitive disk (macOS, Windows, exFAT) ".METASYNC"
+    # is metasync's own folder too.
+    if parts and parts[0].casefold() == META_DIR.casefold():
         raise ApiError(400, f"{META_DIR} is metasync's own folder; give a path of your files")
     if not parts and not root_ok:
         raise ApiError(400, "give a path inside the folder (it is empty)")
@@ -293,7 +295,9 @@ def disk_file(root: Path, path: str) -> Download:
     try:
         folder = _open_folder(root, parent)
         try:
-            fd = os.open(name, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC, dir_fd=folder)
+            # Non-blocking open: a FIFO in the folder would block the open forever
+            # (a thread lost per request); it is refused below, then reads block.
+            fd = os.open(name, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK, dir_fd=folder)
         finally:
             os.close(folder)
     except OSError:
@@ -302,6 +306,8 @@ def disk_file(root: Path, path: str) -> Download:
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise ApiError(404, f"{_shown(path)} is not a file in the folder")
+    if O_NONBLOCK:
+        os.set_blocking(fd, True)
 
     def pieces() -> Iterator[bytes]:
         with os.fdopen(fd, "rb") as fh:

@@ -48,8 +48,10 @@ class FleetCollector(Collector):
         down = CounterMetricFamily(c + "downloaded_bytes", "Bytes downloaded", labels=FOLDER)
         pending = GaugeMetricFamily(c + "pending_changes", "Local changes not synced yet",
                                     labels=FOLDER)
-        conflicts = GaugeMetricFamily(c + "conflicts", "Conflict copies in the folder",
-                                      labels=FOLDER)
+        conflicts = GaugeMetricFamily(c + "conflicts", "Conflict copies this service made that "
+                                      "are still in the folder", labels=FOLDER)
+        conflicts_made = CounterMetricFamily(c + "conflicts_made", "Conflict copies made",
+                                             labels=FOLDER)
         last = GaugeMetricFamily(c + "last_success_timestamp_seconds",
                                  "When the last sync succeeded (Unix time)", labels=FOLDER)
         state = GaugeMetricFamily(c + "state", "1 for the folder's state", labels=[*FOLDER, "state"])
@@ -77,7 +79,8 @@ class FleetCollector(Collector):
             up.add_metric(labels, stats.bytes_up)
             down.add_metric(labels, stats.bytes_down)
             pending.add_metric(labels, stats.pending_changes)
-            conflicts.add_metric(labels, stats.conflicts)
+            conflicts.add_metric(labels, len(snap.get("conflicts", [])))
+            conflicts_made.add_metric(labels, stats.conflicts)
             if stats.last_success is not None:
                 last.add_metric(labels, stats.last_success)
             for s in STATES:
@@ -96,7 +99,7 @@ class FleetCollector(Collector):
                     stored.add_metric(bl, info["bytes"])
                 if isinstance(info.get("capacity"), (int, float)):
                     capacity.add_metric(bl, info["capacity"])
-        yield from (syncs, duration, errors, up, down, pending, conflicts, last, state,
+        yield from (syncs, duration, errors, up, down, pending, conflicts, conflicts_made, last, state,
                     requests, b_errors, b_up, latency, stored, capacity)
 
 

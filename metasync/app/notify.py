@@ -14,6 +14,7 @@ thread of its own talks to the bus, so a slow or stuck bus never holds a sync.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -61,7 +62,8 @@ class Notifier:
 
     def stop(self) -> None:
         if self._thread is not None:
-            self._queue.put(None)
+            with contextlib.suppress(queue.Full):  # a slow bus must not hold up a stop
+                self._queue.put_nowait(None)
             self._thread.join(timeout=BUS_TIMEOUT * 2)
             self._thread = None
 

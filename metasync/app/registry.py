@@ -192,7 +192,20 @@ class Registry:
         except FileNotFoundError:
             self._ensure_dir()
             key = secrets.token_urlsafe(32)
-            write_atomic(path, (key + "\n").encode(), 0o600)
+            # Published by a hard link, which fails if the file exists: of two first
+            # calls at once (the service starting while `metasync gui` runs), one
+            # key wins and both return it; a rename would let the loser's process
+            # keep a key the file no longer holds.
+            temp = path.with_name(f".{API_KEY_FILE}.{secrets.token_hex(6)}.tmp")
+            write_atomic(temp, (key + "\n").encode(), 0o600)
+            try:
+                os.link(temp, path)
+            except FileExistsError:
+                return self.api_key()
+            except OSError:
+                os.replace(temp, path)  # no hard links in this folder's file system
+            finally:
+                temp.unlink(missing_ok=True)
             return key
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"cannot read the API key {path} ({exc}); delete it to make "

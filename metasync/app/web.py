@@ -19,6 +19,7 @@ content security policy that allows nothing from elsewhere.
 from __future__ import annotations
 
 import asyncio
+import html
 import logging
 import mimetypes
 import threading
@@ -36,6 +37,7 @@ from metasync.app.auth import (
     SESSION_COOKIE,
     UNSAFE_METHODS,
     Gate,
+    cookie_name,
 )
 from metasync.app.folder_ops import ApiError
 from metasync.app.metrics import CONTENT_TYPE, Metrics
@@ -73,7 +75,7 @@ def _is_page(request: web.Request) -> bool:
 
 def _refuse(request: web.Request, status: int, why: str) -> web.Response:
     if _is_page(request) and request.method == "GET":
-        return web.Response(text=LOGIN_HELP.format(why=why), status=status,
+        return web.Response(text=LOGIN_HELP.format(why=html.escape(why)), status=status,
                             content_type="text/html")
     return json_response({"error": why}, status=status)
 
@@ -83,6 +85,11 @@ class WebServer:
 
     def __init__(self, fleet: Fleet, registry: Registry, host: str, port: int,
                  static: Path = STATIC) -> None:
+        if host.strip("[]") not in ("127.0.0.1", "::1", "localhost"):
+            # Plain HTTP with the key in every request: never beyond this machine (a
+            # Host check does not stop a caller on the network, who can send any Host).
+            raise UsageError(f"the service listens only on this machine, not on {host}; "
+                             "use --listen 127.0.0.1:PORT (or [::1]:PORT)")
         self.fleet = fleet
         #: The page's folder (tests may give another).
         self.static = static.resolve()
@@ -190,13 +197,14 @@ class WebServer:
             if not self.gate.key_ok(key):
                 return _refuse(request, 401, "wrong API key; `metasync service api-key` prints it")
             return await handler(request)
-        session = request.cookies.get(SESSION_COOKIE)
+        session = request.cookies.get(cookie_name(SESSION_COOKIE, self.port))
         if self.gate.session_csrf(session) is None:
             return _refuse(request, 401, "not signed in: send the X-API-Key header "
                                          "(`metasync service api-key` prints it), or run "
                                          "`metasync gui`")
         if request.method in UNSAFE_METHODS and not self.gate.csrf_ok(
-                session, request.cookies.get(CSRF_COOKIE), request.headers.get(CSRF_HEADER)):
+                session, request.cookies.get(cookie_name(CSRF_COOKIE, self.port)),
+                request.headers.get(CSRF_HEADER)):
             return _refuse(request, 403, f"missing or wrong {CSRF_HEADER} header; reload the page")
         return await handler(request)
 
@@ -228,9 +236,10 @@ class WebServer:
             return _refuse(request, 401, "this login link is used, expired or wrong")
         session, csrf = opened
         response = web.Response(status=303, headers={"Location": "/"})
-        response.set_cookie(SESSION_COOKIE, session, httponly=True, samesite="Strict", path="/")
+        response.set_cookie(cookie_name(SESSION_COOKIE, self.port), session, httponly=True,
+                            samesite="Strict", path="/")
         # Read by the page's script and sent back as X-CSRF-Token (double submit).
-        response.set_cookie(CSRF_COOKIE, csrf, samesite="Strict", path="/")
+        response.set_cookie(cookie_name(CSRF_COOKIE, self.port), csrf, samesite="Strict", path="/")
         response.headers.update(SECURITY_HEADERS)
         return response
 
