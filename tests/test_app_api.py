@@ -689,3 +689,22 @@ def test_the_service_refuses_to_listen_beyond_this_machine(tmp_path: Path) -> No
     for listen in ("0.0.0.0:0", "[::]:0", "192.168.1.10:8384"):
         proc = run_cli("service", "--listen", listen, check=False, env_extra=env)
         one_line_error(proc, "the service listens only on this machine", "--listen 127.0.0.1")
+
+
+def test_a_folder_held_up_stalls_only_its_own_calls(service: Service) -> None:
+    """Folder B's lock held by another command (or its backend hanging): calls that
+    open B's repository wait for it, and the list of folders, A's calls and
+    /metrics answer meanwhile (they queued behind B's in one shared pool before)."""
+    s = service
+    copy = "gone (conflict elsewhere 2026-01-01 000000).txt"
+    with ThreadPoolExecutor(6) as pool:
+        with Repository.open(s.b, wait=60):
+            stuck = [pool.submit(s.call, "POST", f"/rest/folders/{s.ids['b']}/conflicts/resolve",
+                                 body={"copy": copy, "keep": "both"}) for _ in range(6)]
+            assert s.call("GET", "/rest/folders").status == 200
+            assert s.call("GET", f"/rest/folders/{s.ids['a']}/activity").status == 200
+            assert s.call("GET", "/metrics").status == 200
+            # B's calls are all still waiting for its lock, which this test holds.
+            assert not any(f.done() for f in stuck)
+        # Let go: each of B's calls runs, and answers that no such conflict exists.
+        assert {f.result().status for f in stuck} == {404}
