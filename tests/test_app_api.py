@@ -635,11 +635,12 @@ def test_desktop_notification_reaches_the_session_bus(tmp_path: Path) -> None:
     try:
         notifier.start()
         events.emit("synced", "f0000001", "synced version 3")
-        events.emit("conflict", "f0000001", "notes.txt: both changed it")
+        # A name from another device is text, never markup the server renders.
+        events.emit("conflict", "f0000001", "<img src=x>notes.txt: both changed it")
         assert server.got.wait(DEADLINE), "no Notify call reached the bus"
         [call] = server.calls  # (app, replaces, icon, summary, body, actions, hints, timeout)
         assert call[0] == "metasync" and call[3] == "metasync: conflict"
-        assert call[4] == "notes.txt: both changed it"
+        assert call[4] == "&lt;img src=x&gt;notes.txt: both changed it"
     finally:
         notifier.stop()
         server.close()

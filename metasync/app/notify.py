@@ -15,6 +15,7 @@ thread of its own talks to the bus, so a slow or stuck bus never holds a sync.
 from __future__ import annotations
 
 import contextlib
+import html
 import logging
 import os
 import queue
@@ -97,8 +98,11 @@ class Notifier:
                              bus_name="org.freedesktop.Notifications",
                              interface="org.freedesktop.Notifications")
         # Notify(app_name, replaces_id, app_icon, summary, body, actions, hints, timeout)
+        # The body may carry markup (<b>, <a href>, <img src>) the server renders:
+        # names and messages come from other devices, so they go in as text.
         msg = new_method_call(target, "Notify", "susssasa{sv}i",
-                              (APP_NAME, 0, "", summary, body, [], {}, -1))
+                              (APP_NAME, 0, "", summary, html.escape(body, quote=False), [],
+                               {}, -1))
         reply = self._conn.send_and_get_reply(msg, timeout=BUS_TIMEOUT)
         from jeepney import MessageType
 
