@@ -41,6 +41,7 @@ from metasync.names import display_path
 from metasync.portable import process_alive, try_lock
 from metasync.progress import CANCEL, NullReporter
 from metasync.repository import Repository
+from metasync.watch_status import answer_status
 from metasync.worktree import IGNORE_FILE, META_DIR, TEMP_PREFIX, IgnoreRules, ScanProblems
 
 STATUS_FILE = "daemon.json"
@@ -160,7 +161,7 @@ class Daemon:
             # what was uploaded is kept and the next sync continues.
             signal.signal(sig, lambda *_: self.stop(cancel=True))
         pid_fd = self._take_pid_file()
-        observer = self._watch()
+        observer = answer_status(self._watch(), self.root, self._relevant, self.log)
         self._write_status()
         self.log.info("watching %s (settle %gs, poll %gs)", self.root,
                       self.settings.settle, self.settings.poll)
