@@ -379,6 +379,9 @@ def answer_status(observer: Any, root: Path, relevant: Callable[[str], bool],
         server.stop()
         return observer
     # The answers end with the watch they come from: when the daemon stops it.
-    threading.Thread(target=lambda: (observer.join(), server.stop()), daemon=True,
-                     name=f"status end {root.name}").start()
+    def end_with_the_watch() -> None:
+        observer.join()
+        server.stop()
+
+    threading.Thread(target=end_with_the_watch, daemon=True, name=f"status end {root.name}").start()
     return observer

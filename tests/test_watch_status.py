@@ -16,10 +16,11 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
-from conftest import METASYNC, PASSPHRASE, run_cli
 
+from conftest import METASYNC, PASSPHRASE, run_cli
 from metasync.entry import fast_status_flags
 from metasync.watch_client import PROTOCOL, SOCKET_NAME
 
@@ -171,8 +172,8 @@ class _Impostor:
     """A server on ``.metasync/daemon.sock`` that answers every request with a
     made-up status (what another local user would try)."""
 
-    ANSWER = {"json": '{"impostor": true}', "text": [["out", "all is well (impostor)"]],
-              "how": "cache"}
+    ANSWER: ClassVar[dict[str, Any]] = {
+        "json": '{"impostor": true}', "text": [["out", "all is well (impostor)"]], "how": "cache"}
 
     def __init__(self, meta: Path) -> None:
         self.sock = socket.socket(socket.AF_UNIX)
