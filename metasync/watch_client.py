@@ -17,9 +17,11 @@ scans as it always did. No fast path where the OS has no unix sockets (Windows).
 
 from __future__ import annotations
 
+# The C module under `socket`: the Python one loads selectors, enum and array first,
+# a few milliseconds this path exists to save.
+import _socket
 import json
 import os
-import socket
 import stat
 import sys
 
@@ -86,15 +88,14 @@ def socket_address(meta_fd: int, meta: str) -> str | None:
     return path if len(os.fsencode(path)) <= MAX_SOCKET_PATH else None
 
 
-def peer_uid(sock: socket.socket) -> int | None:
-    """The user id of the process at the other end of ``sock`` (Linux), else None."""
-    option = getattr(socket, "SO_PEERCRED", None)
+def peer_uid(sock: _socket.socket) -> int | None:
+    """The user id of the process at the other end of ``sock`` (Linux: ``struct
+    ucred``, three native ints: pid, uid, gid), else None."""
+    option = getattr(_socket, "SO_PEERCRED", None)
     if option is None:
         return None
-    import struct
-
-    creds = sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i"))
-    return int(struct.unpack("3i", creds)[1])
+    creds = sock.getsockopt(_socket.SOL_SOCKET, option, 12)
+    return int.from_bytes(creds[4:8], sys.byteorder)
 
 
 def ask(cwd: str, offline: bool, timeout: float = ANSWER_TIMEOUT) -> dict[str, Any] | None:
@@ -102,7 +103,7 @@ def ask(cwd: str, offline: bool, timeout: float = ANSWER_TIMEOUT) -> dict[str, A
     text ``status --json`` prints, "text": [[stream, line], ...] the text form
     prints ("out": stdout unless --quiet, "err": stderr), "how": "cache" or
     "scan"}``; None when no daemon of this user answers (see the module doc)."""
-    if not hasattr(socket, "AF_UNIX") or not hasattr(os, "geteuid"):
+    if not hasattr(_socket, "AF_UNIX") or not hasattr(os, "geteuid"):
         return None
     root = find_root(cwd)
     if root is None:
@@ -128,22 +129,27 @@ def ask(cwd: str, offline: bool, timeout: float = ANSWER_TIMEOUT) -> dict[str, A
 
 def _exchange(address: str, request: dict[str, Any], timeout: float) -> dict[str, Any] | None:
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout)
-            sock.connect(address)
-            uid = peer_uid(sock)
-            if uid is not None and uid != os.geteuid():
-                return None  # someone else's process listens there
-            sock.sendall(json.dumps(request).encode() + b"\n")
-            sock.shutdown(socket.SHUT_WR)
-            chunks, size = [], 0
-            while chunk := sock.recv(1 << 16):
-                chunks.append(chunk)
-                size += len(chunk)
-                if size > MAX_ANSWER:
-                    return None
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    except OSError:
+        return None
+    try:
+        sock.settimeout(timeout)
+        sock.connect(address)
+        uid = peer_uid(sock)
+        if uid is not None and uid != os.geteuid():
+            return None  # someone else's process listens there
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        sock.shutdown(_socket.SHUT_WR)
+        chunks, size = [], 0
+        while chunk := sock.recv(1 << 16):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_ANSWER:
+                return None
     except OSError:
         return None  # a stale socket (refused), a daemon that stopped or hangs
+    finally:
+        sock.close()
     try:
         reply = json.loads(b"".join(chunks))
     except ValueError:
