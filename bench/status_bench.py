@@ -69,7 +69,9 @@ def _wait_for_answer(metasync: str, repo: Path, env: dict[str, str], limit: floa
         if "answered by the daemon" in proc.stderr:
             return
         tick.wait(0.5)
-    raise BenchError(f"the daemon did not answer `status` within {limit:g} s")
+    log_tail = (repo / ".metasync" / "daemon.log").read_text().splitlines()[-15:]
+    raise BenchError(f"the daemon did not answer `status` within {limit:g} s; the last "
+                     f"status said: {proc.stderr}\nthe daemon's log ends:\n" + "\n".join(log_tail))
 
 
 def bench(tree: Path, scratch: Path, metasync: str, pairs: int) -> dict[str, Any]:

@@ -172,6 +172,7 @@ class StatusServer:
         self._sock_id: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._refused = ""  # why the last request was not answered
 
     # --- events ------------------------------------------------------------------
     def _attach(self) -> None:
@@ -287,7 +288,9 @@ class StatusServer:
         except (_Refused, ValueError, MetasyncError, OSError, sqlite3.Error) as exc:
             self.answers["refused"] += 1
             reply["why"] = str(exc)
-            self.log.debug("status not answered: %s", exc)
+            if reply["why"] != self._refused:  # said once, not at every request
+                self.log.info("`metasync status` scans by itself: %s", exc)
+            self._refused = reply["why"]
         except Exception as exc:  # a bug: the command scans; the daemon goes on
             self.answers["refused"] += 1
             reply["why"] = f"internal error: {type(exc).__name__}"
