@@ -21,6 +21,7 @@ import click
 
 from metasync import watch_client
 from metasync.backends import public_uri
+from metasync.cli_app import APP_COMMANDS
 from metasync.cli_common import (
     STATE,
     _echo_json,
@@ -661,11 +662,8 @@ def share(email: str) -> None:
                    err=True)
 
 
-cli.add_command(auth)
-cli.add_command(log)
-cli.add_command(daemon)
-cli.add_command(key)
-cli.add_command(completion)
+for _command in (auth, log, daemon, key, completion, *APP_COMMANDS):
+    cli.add_command(_command)
 _add_global_options(cli)
 
 
