@@ -371,8 +371,8 @@ def answer_status(observer: Any, root: Path, relevant: Callable[[str], bool],
     (the daemon's started watchdog observer, or None without a watch) until the
     observer stops; returns ``observer``. Where it cannot (no watch, no unix
     sockets, the socket cannot be made: logged), ``status`` scans by itself."""
-    if observer is None or not hasattr(socket, "AF_UNIX"):
-        return observer
+    if observer is None or not hasattr(socket, "AF_UNIX") or not hasattr(os, "geteuid"):
+        return observer  # no unix sockets, or no owners to check them by (Windows)
     server = StatusServer(root, observer, relevant, log)
     try:
         server.start()
