@@ -201,7 +201,11 @@ class StatusServer:
                     seen = self._cookies.get(name)
                 if seen is not None:
                     seen.set()
-        if any(self.relevant(p) for p in paths):
+        try:
+            relevant = any(self.relevant(p) for p in paths)
+        except Exception:  # never in the watch's way; unsure: it counts
+            relevant = True
+        if relevant:
             with self._cond:
                 self._events += 1
 
