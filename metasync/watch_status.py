@@ -201,7 +201,11 @@ class StatusServer:
                     seen = self._cookies.get(name)
                 if seen is not None:
                     seen.set()
-        if any(self.relevant(p) for p in paths):
+        try:
+            relevant = any(self.relevant(p) for p in paths)
+        except Exception:  # never in the watch's way; unsure: it counts
+            relevant = True
+        if relevant:
             with self._cond:
                 self._events += 1
 
@@ -371,8 +375,8 @@ def answer_status(observer: Any, root: Path, relevant: Callable[[str], bool],
     (the daemon's started watchdog observer, or None without a watch) until the
     observer stops; returns ``observer``. Where it cannot (no watch, no unix
     sockets, the socket cannot be made: logged), ``status`` scans by itself."""
-    if observer is None or not hasattr(socket, "AF_UNIX"):
-        return observer
+    if observer is None or not hasattr(socket, "AF_UNIX") or not hasattr(os, "geteuid"):
+        return observer  # no unix sockets, or no owners to check them by (Windows)
     server = StatusServer(root, observer, relevant, log)
     try:
         server.start()

@@ -224,3 +224,30 @@ def test_service_install_writes_the_one_unit(tmp_path: Path, monkeypatch) -> Non
     service = _unit(unit.read_text())["Service"]
     assert shlex.split(service["ExecStart"])[-1] == "service"
     assert service["Environment"] == f"XDG_CONFIG_HOME={tmp_path / 'conf'}"
+
+
+def test_service_install_enables_the_unit(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """With systemctl (a stand-in script recording its arguments): the unit is
+    reloaded and enabled and started (`enable --now metasync.service`), and a folder
+    daemon's unit found beside it is named with how to remove it."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    systemctl = bin_dir / "systemctl"
+    systemctl.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    systemctl.chmod(0o755)
+    units = tmp_path / "conf" / "systemd" / "user"
+    units.mkdir(parents=True)
+    (units / "metasync-0123456789ab.service").write_text("[Unit]\n")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "conf"))
+    monkeypatch.setenv("PATH", str(bin_dir))
+    result = CliRunner().invoke(service_install, [])
+    assert result.exit_code == 0, result.output
+    assert calls.read_text().splitlines() == ["--user daemon-reload",
+                                              "--user enable --now metasync.service"]
+    assert f"installed and started metasync.service ({units / 'metasync.service'})" in result.output
+    assert "metasync-0123456789ab.service" in result.output
+    assert "systemctl --user disable --now" in result.output
