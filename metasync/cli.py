@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from metasync import watch_client
 from metasync.backends import public_uri
 from metasync.cli_app import APP_COMMANDS
 from metasync.cli_common import (
@@ -34,7 +35,7 @@ from metasync.cli_common import (
 )
 from metasync.cli_daemon import auth, daemon
 from metasync.cli_gui import gui
-from metasync.cli_history import log, say_standing
+from metasync.cli_history import log
 from metasync.cli_install import completion, version_option
 from metasync.cli_keys import key
 from metasync.committer import problems_json
@@ -42,6 +43,7 @@ from metasync.errors import Interrupted, MetasyncError, UsageError
 from metasync.names import display_path
 from metasync.progress import CANCEL
 from metasync.repository import DEFAULT_NAMESPACE, Repository
+from metasync.watch_status import scan_answer
 
 if TYPE_CHECKING:  # loaded by gc and fsck only (start-up time)
     from metasync.maintenance.gc import TempSweep
@@ -249,39 +251,19 @@ PARTIAL_EXIT = 3
 @json_option
 @click.option("--offline", is_flag=True,
               help="Do not ask the backends for the newest version (no behind/ahead line).")
-def status(as_json: bool, offline: bool) -> None:
+@click.option("--scan", is_flag=True,
+              help="Scan the folder even when its daemon could answer from its watch.")
+def status(as_json: bool, offline: bool, scan: bool) -> None:
     """Show changes in the folder that are not committed yet, and whether the folder
-    is behind master (versions to pull) or ahead (local commits to push)."""
-    standing, unknown = None, ""
-    with _open(read_only=True) as repo:
-        st = repo.status()
-        if not offline:
-            try:
-                standing = repo.history.standing()
-            except MetasyncError as exc:
-                unknown = str(exc)
-    if as_json:
-        doc = st.to_json()
-        doc.update({"latest": standing.latest if standing else None,
-                    "behind": standing.behind if standing else None,
-                    "ahead": standing.ahead if standing else None})
-        _echo_json(doc)
-        return
-    _say(f"On version {st.version}" + (" (local commits not pushed)" if st.unpushed else ""))
-    if unknown:
-        click.echo(f"note: could not learn the newest version ({unknown})", err=True)
-    elif standing is not None:
-        say_standing(standing)
-    if not st.changes and not st.problems.unreadable:
-        _say("Nothing to commit, folder clean")
-    symbols = {"added": "A", "modified": "M", "deleted": "D"}
-    for c in st.changes:
-        suffix = "/" if c.type == "dir" else ""
-        _say(f"  {symbols[c.kind]} {display_path(c.path + suffix)}")
-    for u in st.problems.unreadable:
-        _say(f"  cannot read: {display_path(u.display())} ({u.reason})")
-    for u in st.problems.special:
-        _say(f"  skipped: {display_path(u.display())} ({u.reason})")
+    is behind master (versions to pull) or ahead (local commits to push). A daemon
+    or service watching the folder answers without a scan (docs/daemon.md)."""
+    answer = None if scan else watch_client.ask(os.getcwd(), offline)
+    if answer is None:
+        with _open(read_only=True) as repo:
+            answer = scan_answer(repo, offline)
+    elif STATE.debug:
+        click.echo(f"metasync: status answered by the daemon ({answer['how']})", err=True)
+    watch_client.emit(answer, as_json, STATE.quiet)
 
 
 @cli.command()

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from metasync.cli_common import _say
-from metasync.cli_daemon import _settings_options
+from metasync.cli_daemon import _settings_options, service_install
 from metasync.errors import UsageError
 
 
@@ -95,6 +95,9 @@ def run_service(registry: Any, settings: Any, listen: tuple[str, int] | None) ->
         fleet.stop(cancel=True)
         registry.clear_running()
         os.close(lock_fd)
+
+
+service.add_command(service_install)  # `metasync service install` (metasync.service)
 
 
 @service.command("api-key")

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 import click
 
 from metasync.errors import UsageError
-from metasync.names import display_path, is_utf8
+from metasync.names import text_only
 from metasync.progress import NullReporter
 from metasync.repository import Repository
 
@@ -147,14 +147,4 @@ def _echo_json(doc: Any) -> None:
     bytes) is given in its quoted display form, which
     :func:`metasync.names.parse_display_path` turns back into the bytes: no lone
     surrogate is ever emitted."""
-    click.echo(json.dumps(_text_only(doc), indent=2))
-
-
-def _text_only(doc: Any) -> Any:
-    if isinstance(doc, str):
-        return doc if is_utf8(doc) else display_path(doc)
-    if isinstance(doc, dict):
-        return {_text_only(k): _text_only(v) for k, v in doc.items()}
-    if isinstance(doc, (list, tuple)):
-        return [_text_only(v) for v in doc]
-    return doc
+    click.echo(json.dumps(text_only(doc), indent=2))

@@ -232,7 +232,18 @@ def daemon_resume() -> None:
 @daemon.command("install-service")
 def daemon_install_service() -> None:
     """Run the daemon for this folder from logon on: a systemd user unit on Linux, a
-    launchd agent on macOS, a Task Scheduler logon task on Windows; started now."""
+    launchd agent on macOS, a Task Scheduler logon task on Windows; started now.
+    (For every folder in one process: `metasync service install`, docs/app.md.)"""
     from metasync.service import install
 
     _say(install(_repo_root()))
+
+
+@click.command("install")
+def service_install() -> None:
+    """Run `metasync service` (every folder added with `metasync add-folder`) from
+    logon on: one systemd user unit on Linux, a launchd agent on macOS, a Task
+    Scheduler logon task on Windows; started now (docs/app.md)."""
+    from metasync.service import install_app
+
+    _say(install_app())

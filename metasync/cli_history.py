@@ -1,5 +1,4 @@
-"""``metasync log`` and ``status``'s line on where the folder stands against master
-(docs/cli.md, "History")."""
+"""``metasync log`` (docs/cli.md, "History")."""
 
 from __future__ import annotations
 
@@ -7,24 +6,8 @@ from datetime import datetime
 
 import click
 
-from metasync.cli_common import _echo_json, _open, _say, json_option
-from metasync.history import GraphRow, LogEntry, Standing, draw_graph
-
-
-def say_standing(standing: Standing) -> None:
-    """One line on where the folder is against master (nothing when level)."""
-    def plural(n: int, what: str) -> str:
-        return f"{n} {what}{'' if n == 1 else 's'}"
-
-    behind, ahead = standing.behind, standing.ahead
-    if behind and ahead:
-        _say(f"Your folder has diverged from master: {plural(ahead, 'local commit')} not "
-             f"pushed, {plural(behind, 'version')} not pulled; run metasync push (it merges)")
-    elif behind:
-        _say(f"Your folder is behind master by {plural(behind, 'version')}; run metasync pull")
-    elif ahead:
-        _say(f"Your folder is ahead of master by {plural(ahead, 'local commit')}; "
-             "run metasync push")
+from metasync.cli_common import _echo_json, _open, json_option
+from metasync.history import GraphRow, LogEntry, draw_graph
 
 
 @click.command()

@@ -43,6 +43,7 @@ from metasync.names import display_path
 from metasync.portable import process_alive, try_lock
 from metasync.progress import CANCEL
 from metasync.repository import Repository
+from metasync.watch_status import answer_status
 from metasync.worktree import IGNORE_FILE, META_DIR, TEMP_PREFIX, IgnoreRules, ScanProblems
 
 STATUS_FILE = "daemon.json"
@@ -192,7 +193,8 @@ class Daemon:
         thread in the service. The caller holds the folder's daemon lock
         (:func:`take_daemon_lock`) and has set up the log; nothing here touches
         process-wide state (signals, the pid file, :data:`CANCEL`)."""
-        observer = self._watch()
+        observer = answer_status(self._watch(), self.root,
+                                 LocalWatch(self.root, lambda: None).relevant, self.log)
         self._write_status()
         self.log.info("watching %s (settle %gs, poll %gs)", self.root,
                       self.settings.settle, self.settings.poll)

@@ -90,6 +90,19 @@ def is_utf8(path: str) -> bool:
     return True
 
 
+def text_only(doc: Any) -> Any:
+    """``doc`` (JSON-ready) with every string that is not valid UTF-8 (a file name's
+    raw bytes) in its quoted display form, which :func:`parse_display_path` turns
+    back into the bytes: JSON output never carries a lone surrogate."""
+    if isinstance(doc, str):
+        return doc if is_utf8(doc) else display_path(doc)
+    if isinstance(doc, dict):
+        return {text_only(k): text_only(v) for k, v in doc.items()}
+    if isinstance(doc, (list, tuple)):
+        return [text_only(v) for v in doc]
+    return doc
+
+
 def json_path(path: str, key: str = "path") -> dict[str, Any]:
     """The JSON fields for one name under ``key``: ``{key: name}`` if the name is
     valid UTF-8, else ``{key: display form, key + "_base64": exact bytes}`` (a JSON

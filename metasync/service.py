@@ -1,6 +1,9 @@
-"""The service that runs ``metasync daemon`` for one folder from logon on, in the
-service manager of each OS: a systemd user unit on Linux, a launchd agent on macOS,
-a Task Scheduler logon task on Windows.
+"""What starts metasync at logon, in the service manager of each OS: a systemd
+user unit on Linux, a launchd agent on macOS, a Task Scheduler logon task on
+Windows. Two kinds: the ONE unit of the user's service (``metasync service``:
+every registered folder; :class:`AppService`, :func:`install_app`; docs/app.md,
+"Starting at logon"), and the older unit of one folder's daemon (``metasync
+daemon`` in that folder; :class:`Service`, :func:`install`; docs/daemon.md).
 
 Each file's content comes from one pure function of a :class:`Service` (folder,
 command, name): :func:`systemd_unit`, :func:`launchd_plist`, :func:`task_xml`, so
@@ -35,6 +38,14 @@ RESTART_DELAY = 10
 STOP_TIMEOUT = 90
 #: The Task Scheduler XML namespace.
 TASK_NS = "http://schemas.microsoft.com/windows/2004/02/mit/task"
+#: The name of the user's one service: ``metasync.service`` (systemd), the task
+#: ``metasync``; launchd's label is :data:`APP_LABEL`.
+APP_NAME = "metasync"
+APP_LABEL = "org.metasync.service"
+#: Where the service's folder registry and settings are (metasync.app.registry,
+#: backends.cloud): carried into the service's environment when the installing
+#: command has them, so the service reads the same config folder.
+CONFIG_ENV = ("METASYNC_CONFIG_DIR", "XDG_CONFIG_HOME")
 
 
 @dataclass(frozen=True)
@@ -64,27 +75,55 @@ def service_name(root: PurePath) -> str:
     return f"metasync-{hashlib.sha256(str(root).encode()).hexdigest()[:12]}"
 
 
-def daemon_command(executable: str, platform: str) -> tuple[str, ...]:
-    """The command a service runs for the daemon, for the interpreter
-    ``executable`` on ``platform`` (a ``sys.platform`` value). On Windows the
-    windowless ``pythonw.exe`` beside it (a logon task would otherwise open a
-    console window); elsewhere the ``metasync`` script beside it (what ``pip`` and
-    ``pipx`` install). Without those, the interpreter runs the module."""
+def daemon_command(executable: str, platform: str, command: str = "daemon") -> tuple[str, ...]:
+    """The command line a service runs for ``metasync COMMAND`` (``daemon``, or
+    ``service``), for the interpreter ``executable`` on ``platform`` (a
+    ``sys.platform`` value). On Windows the windowless ``pythonw.exe`` beside it (a
+    logon task would otherwise open a console window); elsewhere the ``metasync``
+    script beside it (what ``pip`` and ``pipx`` install). Without those, the
+    interpreter runs the module."""
     exe = Path(executable)
     if platform == "win32":
         windowless = exe.with_name("pythonw.exe")
         program = str(windowless) if windowless.exists() else executable
-        return (program, "-m", "metasync.cli", "daemon")
+        return (program, "-m", "metasync.cli", command)
     script = exe.with_name("metasync")
     if script.exists():
-        return (str(script), "daemon")
-    return (executable, "-m", "metasync.cli", "daemon")
+        return (str(script), command)
+    return (executable, "-m", "metasync.cli", command)
 
 
 def service_for(root: Path) -> Service:
     """The service of ``root`` on this computer."""
     root = root.absolute()
     return Service(root, daemon_command(sys.executable, sys.platform), service_name(root))
+
+
+@dataclass(frozen=True)
+class AppService:
+    """The user's one service: ``command`` runs ``metasync service`` (no folder: it
+    syncs every registered one); ``env``: the variables naming the config folder
+    (:data:`CONFIG_ENV`) that the installing command had, for the service to read
+    the same registry; ``log``: where launchd sends its output."""
+
+    command: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    log: str = ""
+
+
+def app_service_for(environ: dict[str, str] | None = None) -> AppService:
+    """The service on this computer, for the environment ``environ`` (default:
+    this process's)."""
+    environ = dict(os.environ if environ is None else environ)
+    env = tuple((name, environ[name]) for name in CONFIG_ENV if environ.get(name))
+    for name, value in env:
+        if not os.path.isabs(value):
+            raise UsageError(f"{name}={value} is not an absolute path; the service would not "
+                             "find it from its own folder: set it to an absolute path")
+    import platformdirs
+
+    log = platformdirs.user_log_path("metasync", appauthor=False) / "service.log"
+    return AppService(daemon_command(sys.executable, sys.platform, "service"), env, str(log))
 
 
 # --- content -------------------------------------------------------------------------
@@ -97,6 +136,15 @@ def _systemd_arg(arg: str) -> str:
     if arg and not any(c in arg for c in " \t\"'\\;"):
         return arg
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _systemd_env(assignment: str) -> str:
+    """``NAME=value`` as one ``Environment=`` word: ``%`` doubled (a specifier;
+    ``$`` is not expanded there), quoted with C escapes when it has a blank."""
+    assignment = assignment.replace("%", "%%")
+    if not any(c in assignment for c in " \t\"'\\"):
+        return assignment
+    return '"' + assignment.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _one_line(what: str, text: str) -> str:
@@ -127,6 +175,56 @@ def systemd_unit(svc: Service) -> str:
     )
 
 
+def app_systemd_unit(app: AppService) -> str:
+    """The systemd user unit of the service (``~/.config/systemd/user/metasync.service``):
+    no folder in it; it runs in the home folder."""
+    command = " ".join(_systemd_arg(_one_line("the command", a)) for a in app.command)
+    env = "".join(f"Environment={_systemd_env(_one_line(name, f'{name}={value}'))}\n"
+                  for name, value in app.env)
+    return (
+        "[Unit]\n"
+        "Description=metasync: every registered folder in sync (metasync service)\n"
+        "After=network-online.target\n\n"
+        "[Service]\n"
+        "WorkingDirectory=~\n"
+        f"{env}"
+        f"ExecStart={command}\n"
+        "Restart=on-failure\n"
+        f"RestartSec={RESTART_DELAY}\n"
+        "KillSignal=SIGTERM\n"
+        f"TimeoutStopSec={STOP_TIMEOUT}\n\n"
+        "[Install]\n"
+        "WantedBy=default.target\n"
+    )
+
+
+def app_launchd_plist(app: AppService) -> bytes:
+    """The launchd agent of the service (``~/Library/LaunchAgents/org.metasync.service.plist``):
+    started at login, again when it exits with a failure; output to ``app.log``."""
+    doc: dict[str, object] = {
+        "Label": APP_LABEL,
+        "ProgramArguments": list(app.command),
+        "RunAtLoad": True,
+        "KeepAlive": {"SuccessfulExit": False},
+        "ThrottleInterval": RESTART_DELAY,
+        "ExitTimeOut": STOP_TIMEOUT,
+        "ProcessType": "Background",
+        "StandardOutPath": app.log,
+        "StandardErrorPath": app.log,
+    }
+    if app.env:
+        doc["EnvironmentVariables"] = dict(app.env)
+    return plistlib.dumps(doc)
+
+
+def app_task_xml(app: AppService, user: str) -> bytes:
+    """The Task Scheduler task of the service (as :func:`task_xml`, without a
+    folder). A task has no environment of its own: the service reads the config
+    folder the user's environment names."""
+    return _task("metasync: every registered folder in sync (metasync service)",
+                 APP_NAME, app.command, None, user)
+
+
 def launchd_plist(svc: Service) -> bytes:
     """The launchd agent (``~/Library/LaunchAgents/<label>.plist``): started at
     load (login), started again when it exits with a failure, output to the
@@ -151,6 +249,12 @@ def task_xml(svc: Service, user: str) -> bytes:
     ``schtasks`` reads it: at ``user``'s logon, as that user without elevation, run
     the daemon in the folder; restart it when it fails; no time limit; one
     instance."""
+    return _task(f"metasync: keep {svc.root} in sync", svc.name, svc.command, str(svc.root),
+                 user)
+
+
+def _task(description: str, name: str, command: tuple[str, ...], workdir: str | None,
+          user: str) -> bytes:
     ET.register_namespace("", TASK_NS)
 
     def el(parent: ET.Element, tag: str, text: str | None = None) -> ET.Element:
@@ -161,8 +265,8 @@ def task_xml(svc: Service, user: str) -> bytes:
 
     task = ET.Element(f"{{{TASK_NS}}}Task", {"version": "1.2"})
     info = el(task, "RegistrationInfo")
-    el(info, "Description", f"metasync: keep {svc.root} in sync")
-    el(info, "URI", "\\" + svc.name)
+    el(info, "Description", description)
+    el(info, "URI", "\\" + name)
     trigger = el(el(task, "Triggers"), "LogonTrigger")
     el(trigger, "Enabled", "true")
     el(trigger, "UserId", user)
@@ -184,9 +288,10 @@ def task_xml(svc: Service, user: str) -> bytes:
     actions = el(task, "Actions")
     actions.set("Context", "Author")
     run = el(actions, "Exec")
-    el(run, "Command", svc.command[0])
-    el(run, "Arguments", subprocess.list2cmdline(svc.command[1:]))
-    el(run, "WorkingDirectory", str(svc.root))
+    el(run, "Command", command[0])
+    el(run, "Arguments", subprocess.list2cmdline(command[1:]))
+    if workdir is not None:
+        el(run, "WorkingDirectory", workdir)
     ET.indent(task)
     text = '<?xml version="1.0" encoding="UTF-16"?>\n' + ET.tostring(task, encoding="unicode")
     return text.encode("utf-16")  # with the byte-order mark
@@ -269,3 +374,71 @@ def install(root: Path) -> str:
         return _install_systemd(svc)
     raise UsageError(f"no service manager is known for {sys.platform}; start `metasync daemon` "
                      "in this folder from your system's startup instead")
+
+
+# --- install: the user's one service ---------------------------------------------------
+
+
+def _systemd_dir() -> Path:
+    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "systemd" / "user"
+
+
+def _folder_units(unit_dir: Path) -> list[str]:
+    """The per-folder daemon units (``metasync-<id>.service``) installed in ``unit_dir``."""
+    try:
+        return sorted(p.name for p in unit_dir.glob("metasync-*.service"))
+    except OSError:
+        return []
+
+
+def install_app(app: AppService | None = None) -> str:
+    """Install and start the user's one service (``metasync service``) in this OS's
+    service manager; returns what was done, with a note naming per-folder daemon
+    units still installed (a folder's daemon and the service cannot both sync it:
+    the one that starts second leaves that folder to the first). Raises UsageError
+    (naming the file written and the command to finish by hand) when the manager is
+    missing or refuses."""
+    app = app or app_service_for()
+    if sys.platform == "win32":
+        user = os.environ.get("USERNAME") or ""
+        domain = os.environ.get("USERDOMAIN")
+        if not user:
+            raise UsageError("USERNAME is not set, so the logon task has no user; set it and retry")
+        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
+        path = base / "metasync" / "tasks" / f"{APP_NAME}.xml"
+        _write(path, app_task_xml(app, f"{domain}\\{user}" if domain else user))
+        _run(path, "schtasks", ["/Create", "/XML", str(path), "/TN", APP_NAME, "/F"],
+             f'schtasks /Create /XML "{path}" /TN {APP_NAME}')
+        _run(path, "schtasks", ["/Run", "/TN", APP_NAME], f"schtasks /Run /TN {APP_NAME}")
+        return f"installed and started the logon task {APP_NAME} ({path})"
+    if sys.platform == "darwin":
+        path = Path.home() / "Library" / "LaunchAgents" / f"{APP_LABEL}.plist"
+        _write(path, app_launchd_plist(app))
+        Path(app.log).parent.mkdir(parents=True, exist_ok=True)
+        domain = f"gui/{os.getuid()}"
+        launchctl = shutil.which("launchctl")
+        if launchctl is not None:  # a reinstall: unload the old agent first
+            subprocess.run([launchctl, "bootout", f"{domain}/{APP_LABEL}"], capture_output=True)
+        _run(path, "launchctl", ["bootstrap", domain, str(path)],
+             f"launchctl bootstrap {domain} {path}")
+        return f"installed and started {APP_LABEL} ({path})"
+    if not sys.platform.startswith("linux"):
+        raise UsageError(f"no service manager is known for {sys.platform}; start `metasync "
+                         "service` from your system's startup instead")
+    unit_dir = _systemd_dir()
+    name = f"{APP_NAME}.service"
+    path = unit_dir / name
+    _write(path, app_systemd_unit(app).encode())
+    hint = f"systemctl --user enable --now {name}"
+    if shutil.which("systemctl") is None:
+        raise UsageError(f"wrote {path}, but systemctl is not available to enable it; "
+                         f"run `{hint}` where it is")
+    _run(path, "systemctl", ["--user", "daemon-reload"], hint)
+    _run(path, "systemctl", ["--user", "enable", "--now", name], hint)
+    done = f"installed and started {name} ({path})"
+    folders = _folder_units(unit_dir)
+    if folders:
+        done += (f"\nnote: {len(folders)} folder daemon unit(s) are installed too "
+                 f"({', '.join(folders)}); the service runs every folder added with "
+                 "`metasync add-folder`: remove each with `systemctl --user disable --now UNIT`")
+    return done

@@ -1,0 +1,62 @@
+"""The ``metasync`` console script: answers ``metasync status`` from the daemon
+watching the folder before loading the rest of the CLI (docs/daemon.md, "status
+from the watch"); every other command, and ``status`` when no daemon answers,
+goes to :func:`metasync.cli.main`.
+
+Only ``status`` with the options below is tried here (global ones before it too);
+anything else (``--timeout``, ``--scan``, ``--help``, a typo) is the CLI's to
+parse. This module imports nothing heavy: that is its point.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+#: The options the fast path understands, and what each sets.
+_OPTIONS = {"--json": "json", "-q": "quiet", "--quiet": "quiet", "--debug": "debug"}
+#: Options of the ``status`` command itself (not the group's).
+_STATUS_OPTIONS = {"--offline": "offline"}
+
+
+def fast_status_flags(argv: list[str]) -> set[str] | None:
+    """The flags of ``metasync status`` given as ``argv`` (without the program) if
+    the fast path can take it, else None."""
+    if "status" not in argv:
+        return None
+    at = argv.index("status")
+    flags = set()
+    for i, arg in enumerate(argv):
+        if i == at:
+            continue
+        flag = _OPTIONS.get(arg) or (_STATUS_OPTIONS.get(arg) if i > at else None)
+        if flag is None:
+            return None
+        flags.add(flag)
+    return flags
+
+
+def main() -> None:
+    """Console-script entry point."""
+    flags = fast_status_flags(sys.argv[1:])
+    if flags is not None and sys.stdout is not None and sys.stderr is not None:
+        from metasync import watch_client
+
+        answer = watch_client.ask(os.getcwd(), "offline" in flags)
+        if answer is not None:
+            if "debug" in flags:
+                sys.stderr.write(f"metasync: status answered by the daemon ({answer['how']})\n")
+            try:
+                watch_client.emit(answer, "json" in flags, "quiet" in flags)
+            except OSError as exc:  # as the CLI says it (a closed pipe)
+                sys.stderr.write(f"metasync: error: {exc.strerror or exc}; run with --debug "
+                                 "for details\n")
+                sys.exit(2)
+            sys.exit(0)
+    from metasync.cli import main as cli_main
+
+    cli_main()
+
+
+if __name__ == "__main__":
+    main()
