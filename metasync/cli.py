@@ -32,6 +32,7 @@ from metasync.cli_common import (
     json_option,
 )
 from metasync.cli_daemon import auth, daemon
+from metasync.cli_gui import gui
 from metasync.cli_history import log, say_standing
 from metasync.cli_install import completion, version_option
 from metasync.cli_keys import key
@@ -684,6 +685,7 @@ cli.add_command(log)
 cli.add_command(daemon)
 cli.add_command(key)
 cli.add_command(completion)
+cli.add_command(gui)
 _add_global_options(cli)
 
 

@@ -27,6 +27,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,12 +35,13 @@ from typing import Any
 from metasync.backends import Backend, open_backend, public_uri
 from metasync.committer import Change
 from metasync.context import DAEMON_LOCK, PID_FILE, daemon_running
+from metasync.daemon_health import EventSink, Health, LogNotes, Settings
 from metasync.errors import BackendError, FolderBusy, Interrupted, MetasyncError, UsageError
 from metasync.faults import pause_point, watch_failure
 from metasync.layout import HINT_KEY
 from metasync.names import display_path
 from metasync.portable import process_alive, try_lock
-from metasync.progress import CANCEL, NullReporter
+from metasync.progress import CANCEL
 from metasync.repository import Repository
 from metasync.worktree import IGNORE_FILE, META_DIR, TEMP_PREFIX, IgnoreRules, ScanProblems
 
@@ -52,6 +54,8 @@ GUARD_MIN_FILES = 10
 REBALANCE_RETRY = 3600.0
 #: Paths a daemon commit's message names; more are counted ("and 4 more").
 MESSAGE_PATHS = 5
+#: Paths ``would_delete`` keeps (the count is in the reason).
+WOULD_DELETE_MAX = 1000
 
 
 def change_message(changes: list[Change], device: str) -> str:
@@ -67,18 +71,6 @@ def change_message(changes: list[Change], device: str) -> str:
     named = ", ".join(paths[:MESSAGE_PATHS])
     more = f" and {len(paths) - MESSAGE_PATHS} more" if len(paths) > MESSAGE_PATHS else ""
     return f"{len(paths)} {what}{'s' if len(paths) != 1 else ''} changed on {device}: {named}{more}"
-
-
-@dataclass
-class Settings:
-    #: Quiet seconds after the last local change before committing.
-    settle: float = 3.0
-    #: Seconds between checks of the backends for others' changes.
-    poll: float = 10.0
-    #: Seconds between full checks (local scan and remote version) whatever happens.
-    rescan: float = 60.0
-    #: Largest share of the folder's files one sync may delete without confirmation.
-    delete_share: float = 0.5
 
 
 @dataclass
@@ -100,39 +92,36 @@ class DaemonStatus:
     skipped: list[str] = field(default_factory=list)
     version: int = 0
     updated: float = 0.0
+    #: While the deletion guard holds a sync back: the paths it would delete.
+    would_delete: list[str] = field(default_factory=list)
+
 
 
 class _Paused(Exception):
     """A sync stopped itself to ask the user first."""
 
 
-class _LogNotes(NullReporter):
-    """The daemon's reporter: what a command would print as a note (a path it
-    could not write, a conflict copy) goes to the daemon's log."""
-
-    def __init__(self, log: logging.Logger) -> None:
-        super().__init__()
-        self.log = log
-
-    def note(self, message: str) -> None:
-        self.log.warning("%s", message)
+__all__ = ["Daemon", "DaemonStatus", "EventSink", "Health", "LocalWatch", "Settings",
+           "close_logging", "read_status", "running_pid", "setup_logging", "take_daemon_lock"]
 
 
 class Daemon:
     """Runs until :meth:`stop` (or SIGTERM/SIGINT in :meth:`run`)."""
 
-    def __init__(self, root: Path, settings: Settings | None = None) -> None:
+    def __init__(self, root: Path, settings: Settings | None = None,
+                 events: EventSink | None = None) -> None:
         self.root = root.absolute()
         self.meta = self.root / META_DIR
         self.settings = settings or Settings()
         self.status = DaemonStatus(pid=os.getpid())
         self.log = logging.getLogger(f"metasync.daemon.{id(self)}")
-        self._notes = _LogNotes(self.log)
+        self.health = Health(self.settings, self.log, events)
+        self._notes = LogNotes(self.log, self.health.stats)
+        self._resume_asked = self._user_paused = False
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._dirty = True  # the folder may have changed while no daemon ran
         self._last_event = 0.0
-        self._ignore: IgnoreRules | None = None
         self._tokens: dict[str, str | None] = {}
         self._acceptors: dict[str, Backend] = {}
         self._acceptors_config = ""
@@ -149,9 +138,34 @@ class Daemon:
         self._stopping.set()
         self._wake.set()
 
+    def pause(self) -> None:
+        """Stop syncing until :meth:`resume` (a sync running now finishes first)."""
+        self._user_paused = True
+        self._wake.set()
+
+    def resume(self) -> None:
+        """Leave a pause; a sync the deletion guard held back runs (as the
+        ``daemon.resume`` file does). Nothing if not paused."""
+        self._user_paused = False
+        if self.status.state == "paused":
+            self._resume_asked = True
+        self._wake.set()
+
+    def sync_now(self) -> None:
+        """Sync at once: a full check of the folder and the backends."""
+        self._remote_pending = True
+        self._dirty = True
+        self._last_event = 0.0
+        self._wake.set()
+
+    def progress(self) -> dict[str, int] | None:
+        """The transfer of the sync running now (bytes done of total), else None."""
+        return self._notes.progress() if self.status.state == "syncing" else None
+
     def run(self) -> int:
-        """The daemon's main loop; returns an exit status."""
-        self._setup_logging()
+        """The daemon as a process: its log, signals and pid file around :meth:`serve`;
+        returns an exit status."""
+        setup_logging(self.log, self.meta)
         # Off first: the CLI's signal watcher (a second signal quits at once) is for
         # commands a user runs; the daemon stops at its own pace, saying so.
         signal.set_wakeup_fd(-1)
@@ -160,6 +174,21 @@ class Daemon:
             # what was uploaded is kept and the next sync continues.
             signal.signal(sig, lambda *_: self.stop(cancel=True))
         pid_fd = self._take_pid_file()
+        try:
+            self.serve()
+        finally:
+            try:
+                (self.meta / PID_FILE).unlink(missing_ok=True)
+            except OSError:
+                pass
+            os.close(pid_fd)
+        return 0
+
+    def serve(self) -> None:
+        """The loop, until :meth:`stop`: what :meth:`run` runs, and each folder's
+        thread in the service. The caller holds the folder's daemon lock
+        (:func:`take_daemon_lock`) and has set up the log; nothing here touches
+        process-wide state (signals, the pid file, :data:`CANCEL`)."""
         observer = self._watch()
         self._write_status()
         self.log.info("watching %s (settle %gs, poll %gs)", self.root,
@@ -180,20 +209,17 @@ class Daemon:
             self.status.state = "stopped"
             self._write_status()
             self.log.info("stopped")
-            try:
-                (self.meta / PID_FILE).unlink(missing_ok=True)
-            except OSError:
-                pass
-            os.close(pid_fd)
             for b in self._acceptors.values():
                 b.close()
-        return 0
 
     def _loop(self) -> None:
         next_poll = 0.0
         next_rescan = time.monotonic() + self.settings.rescan
         while not self._stopping.is_set():
             now = time.monotonic()
+            self.health.check_failing()
+            if self._user_paused and self.status.state != "paused":
+                self._pause("paused by the user")
             if self.status.state == "paused":
                 self._check_paused()
                 self._wake.wait(1.0)
@@ -233,12 +259,17 @@ class Daemon:
         self._dirty = False
         self.status.state = "syncing"
         self._write_status()
+        started = time.monotonic()
         try:
             with Repository.open(self.root, self._notes, wait=0) as repo:
                 try:
                     self._sync_repo(repo)
                 finally:
                     self._record_backends(repo)
+                self.health.stats.syncs += 1
+                self.health.stats.sync_seconds += time.monotonic() - started
+                self.health.stats.last_success = self.status.last_sync
+                self.health.refresh_usage(repo)
         except _Paused:
             return
         except FolderBusy:
@@ -253,6 +284,7 @@ class Daemon:
         except BackendError as exc:
             self.status.state = "offline"
             self.status.reason = str(exc)
+            self.health.stats.errors += 1
             self.log.warning("offline: %s", exc)
             self._commit_offline()
         except MetasyncError as exc:
@@ -284,20 +316,20 @@ class Daemon:
         st = repo.status()
         record_unsynced(self.status, st.problems, self.log)
         tracked = repo.tracked_files()
-        deleted = sum(1 for c in st.changes if c.kind == "deleted" and c.type != "dir")
-        if not allow and self._too_many(deleted, tracked):
-            self._pause(f"{deleted} of {tracked} files were deleted here at once; run "
-                        "`metasync daemon resume` to sync that, or restore them")
+        deleted = [c.path for c in st.changes if c.kind == "deleted" and c.type != "dir"]
+        if not allow and self._too_many(len(deleted), tracked):
+            self._pause(f"{len(deleted)} of {tracked} files were deleted here at once; run "
+                        "`metasync daemon resume` to sync that, or restore them", deleted)
             raise _Paused
         latest = repo.learn_latest()
         if latest.number > repo.prev.number and latest.master and repo.prev.master and not allow:
             before_tree = repo.tree_at(repo.prev.master)
             after_tree = repo.tree_at(latest.master)
             before = _file_count(before_tree)
-            gone = sum(1 for p, e in before_tree.items() if e.type != "dir" and p not in after_tree)
-            if self._too_many(gone, before):
-                self._pause(f"version {latest.number} deletes {gone} of {before} files; run "
-                            "`metasync daemon resume` to take it")
+            gone = [p for p, e in before_tree.items() if e.type != "dir" and p not in after_tree]
+            if self._too_many(len(gone), before):
+                self._pause(f"version {latest.number} deletes {len(gone)} of {before} files; "
+                            "run `metasync daemon resume` to take it", gone)
                 raise _Paused
         # Copies a backend missed while away are rewritten by a push, so one runs
         # for them too, even with nothing new.
@@ -311,9 +343,13 @@ class Daemon:
                 shown = [display_path(c) for c in result.conflicts]
                 self.log.info("conflicts: %s", ", ".join(shown))
                 self.status.conflicts += shown
+                self.health.stats.conflicts += len(shown)
+                self.health.emit("conflict", f"{len(shown)} conflict copy(ies): {', '.join(shown[:5])}")
             if not result.up_to_date and result.version is not None:
                 self.log.info("synced version %d: %s", result.version.number,
                               message or "changes from other clients")
+                self.health.emit("synced", f"version {result.version.number}: "
+                                           f"{message or 'changes from other clients'}")
             if result.short:
                 self.log.warning(
                     "version %d has fewer copies than the configuration asks for of %d "
@@ -323,31 +359,14 @@ class Daemon:
             # Copies any client spilled while a backend was away go home once it is
             # back, whoever wrote them (a push does this too).
             repo.repair_copies()
-        self._finish_rebalance(repo)
+        self._rebalance_after = finish_rebalance(repo, self.log, self._rebalance_after)
         self._watch_acceptors(repo)
         self.status.version = repo.prev.number
         self.status.state = "idle"
         self.status.reason = ""
         self.status.last_sync = time.time()
-        self.status.pending_changes = 0
+        self.status.pending_changes = self.health.stats.pending_changes = 0
         self.status.unpushed = False
-
-    def _finish_rebalance(self, repo: Repository) -> None:
-        """Finish the rebalance a configuration change made here left undone (a crash
-        right after its decision, or a backend that did not answer): copies left on
-        a removed backend or by the old placement are moved and dropped, as
-        ``metasync rebalance`` does. It reads every backend's listing, so one that
-        stays unclean is tried again after REBALANCE_RETRY seconds, not every cycle."""
-        if time.monotonic() < self._rebalance_after or not repo.rebalance_pending():
-            return
-        report = repo.rebalance()
-        self.log.info("finished the rebalance of a configuration change: %d copies written, "
-                      "%d dropped", report.copied, report.dropped)
-        if repo.rebalance_pending():
-            self._rebalance_after = time.monotonic() + REBALANCE_RETRY
-            self.log.warning("the rebalance of a configuration change is not complete yet "
-                             "(%d copies kept, unreachable: %s); it is tried again later",
-                             report.kept, ", ".join(sorted(report.unreachable)) or "none")
 
     def _commit_offline(self) -> None:
         """Backends unreachable: keep local changes as a local commit, pushed later."""
@@ -358,7 +377,7 @@ class Daemon:
                     self.log.info("committed locally while offline: %s", message)
                 st = repo.status()
                 record_unsynced(self.status, st.problems, self.log)
-                self.status.pending_changes = len(st.changes)
+                self.status.pending_changes = self.health.stats.pending_changes = len(st.changes)
                 self.status.unpushed = st.unpushed
         except MetasyncError as exc:
             self.log.warning("could not commit locally: %s", exc)
@@ -366,32 +385,42 @@ class Daemon:
     def _too_many(self, deleted: int, total: int) -> bool:
         return total >= GUARD_MIN_FILES and deleted > self.settings.delete_share * total
 
-    def _pause(self, reason: str) -> None:
+    def _pause(self, reason: str, would_delete: list[str] | None = None) -> None:
+        """Pause for ``reason``; ``would_delete``: what the held-back sync deletes."""
         if self.status.state != "paused":
             self.log.warning("paused: %s", reason)
+            self.health.emit("paused", reason)
         self.status.state = "paused"
         self.status.reason = reason
+        self.status.would_delete = [display_path(p) for p in (would_delete or [])[:WOULD_DELETE_MAX]]
         self._write_status()
 
     def _check_paused(self) -> None:
         """Leave the pause when the user resumes, or when a missing folder is back."""
         resume = self.meta / RESUME_FILE
-        if resume.exists():
+        if resume.exists() or self._resume_asked:
             resume.unlink(missing_ok=True)
+            self._resume_asked = False
             self.log.info("resumed by the user")
             self._allow_deletes = True
+        elif self._user_paused:
+            return
         elif "is gone" in self.status.reason and (self.meta / "state.db").is_file():
             self.log.info("%s is back", self.root)
         else:
             return
         self.status.state = "idle"
         self.status.reason = ""
+        self.status.would_delete = []
         self._dirty = True
         self._last_event = 0.0
 
     def _fail(self, exc: BaseException) -> None:
+        if self.status.state != "error" or self.status.reason != str(exc):
+            self.health.emit("error", str(exc))
         self.status.state = "error"
         self.status.reason = str(exc)
+        self.health.stats.errors += 1
         self.log.error("sync failed: %s", exc)
 
     # --- remote changes --------------------------------------------------------------
@@ -417,10 +446,13 @@ class Daemon:
         """True if some acceptor's ``latest`` hint changed since the last look."""
         moved = False
         for backend_id, backend in self._acceptors.items():
+            started = time.monotonic()
             try:
                 token = backend.poll(HINT_KEY)
-            except MetasyncError:
+            except MetasyncError as exc:
+                self.health.polled(self._names[backend_id], 0.0, str(exc))
                 continue
+            self.health.polled(self._names[backend_id], time.monotonic() - started, None)
             if self._tokens.get(backend_id, "unseen") != token:
                 moved = True
             self._tokens[backend_id] = token
@@ -431,77 +463,31 @@ class Daemon:
         for backend_id, why in repo.health().items():
             health[self._names.get(backend_id, backend_id)] = why
         self.status.backends = health
+        for name, why in health.items():
+            self.health.observe(name, why)
 
     # --- local changes -------------------------------------------------------------------
     def _watch(self) -> Any:
-        from watchdog.events import FileSystemEvent, FileSystemEventHandler
-        from watchdog.observers import Observer
+        """Watch the folder (None, and ``watching`` "scanning", if the OS cannot)."""
+        def changed() -> None:
+            self._dirty = True
+            self._last_event = time.monotonic()
+            self._wake.set()
 
-        daemon = self
-
-        class Handler(FileSystemEventHandler):
-            def on_any_event(self, event: FileSystemEvent) -> None:
-                if event.event_type in ("opened", "closed_no_write"):
-                    return
-                paths = [event.src_path, getattr(event, "dest_path", "")]
-                if any(daemon._relevant(os.fsdecode(p)) for p in paths if p):
-                    daemon._dirty = True
-                    daemon._last_event = time.monotonic()
-                    daemon._wake.set()
-
-        observer = Observer()
-        observer.schedule(Handler(), str(self.root), recursive=True)
         try:
-            injected = watch_failure()
-            if injected is not None:
-                raise injected
-            observer.start()
+            return LocalWatch(self.root, changed).start()
         except OSError as exc:
             # ENOSPC from inotify: the user's watch limit is used up.
             self.log.warning("cannot watch %s (%s); scanning every %gs instead",
                              self.root, exc, self.settings.poll)
             self.status.watching = "scanning"
             return None
-        return observer
-
-    def _relevant(self, path: str) -> bool:
-        try:
-            rel = os.path.relpath(path, self.root)
-        except ValueError:
-            return False
-        if rel == "." or rel == ".." or rel.startswith(".." + os.sep):
-            return rel == "."
-        parts = rel.split(os.sep)
-        if parts[0] == META_DIR or parts[-1].startswith(TEMP_PREFIX):
-            return False
-        if rel == IGNORE_FILE:
-            self._ignore = None
-            return True
-        if self._ignore is None:
-            self._ignore = IgnoreRules.load(self.root) or IgnoreRules([])
-        return not self._ignore.ignores("/".join(parts), is_dir=os.path.isdir(path))
 
     # --- files -------------------------------------------------------------------------
-    def _setup_logging(self) -> None:
-        self.log.setLevel(logging.INFO)
-        self.log.propagate = False
-        fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
-        try:
-            handler: logging.Handler = logging.handlers.RotatingFileHandler(
-                self.meta / LOG_FILE, maxBytes=1_000_000, backupCount=3)
-        except OSError:
-            handler = logging.StreamHandler()
-        handler.setFormatter(fmt)
-        self.log.addHandler(handler)
-
     def _take_pid_file(self) -> int:
-        """One daemon per folder: an exclusive lock on ``daemon.lock`` while it runs
-        (the returned descriptor), and its pid in ``daemon.pid`` for ``daemon stop``."""
-        fd = os.open(self.meta / DAEMON_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-        if not try_lock(fd):
-            os.close(fd)
-            raise UsageError(f"a metasync daemon already runs for {self.root}; "
-                             "see `metasync daemon status`")
+        """One daemon per folder: the daemon lock (:func:`take_daemon_lock`; the
+        returned descriptor holds it), and its pid in ``daemon.pid`` for ``daemon stop``."""
+        fd = take_daemon_lock(self.root)
         try:
             _write_pid(self.meta)
         except BaseException:
@@ -518,6 +504,110 @@ class Daemon:
             os.replace(tmp, path)
         except OSError:
             pass  # the folder is gone: the log says why
+
+
+class LocalWatch:
+    """The watchdog observer of one folder: calls ``changed`` for each event on a
+    path that syncs (not ``.metasync/``, not a checkout's temporary files, not an
+    ignored path)."""
+
+    def __init__(self, root: Path, changed: Callable[[], None]) -> None:
+        self.root = root
+        self.changed = changed
+        self._ignore: IgnoreRules | None = None
+
+    def start(self) -> Any:
+        """The started observer; OSError if the OS cannot watch (no inotify left)."""
+        from watchdog.events import FileSystemEvent, FileSystemEventHandler
+        from watchdog.observers import Observer
+
+        watch = self
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event: FileSystemEvent) -> None:
+                if event.event_type in ("opened", "closed_no_write"):
+                    return
+                paths = [event.src_path, getattr(event, "dest_path", "")]
+                if any(watch.relevant(os.fsdecode(p)) for p in paths if p):
+                    watch.changed()
+
+        observer = Observer()
+        observer.schedule(Handler(), str(self.root), recursive=True)
+        injected = watch_failure()
+        if injected is not None:
+            raise injected
+        observer.start()
+        return observer
+
+    def relevant(self, path: str) -> bool:
+        try:
+            rel = os.path.relpath(path, self.root)
+        except ValueError:
+            return False
+        if rel == "." or rel == ".." or rel.startswith(".." + os.sep):
+            return rel == "."
+        parts = rel.split(os.sep)
+        if parts[0] == META_DIR or parts[-1].startswith(TEMP_PREFIX):
+            return False
+        if rel == IGNORE_FILE:
+            self._ignore = None
+            return True
+        if self._ignore is None:
+            self._ignore = IgnoreRules.load(self.root) or IgnoreRules([])
+        return not self._ignore.ignores("/".join(parts), is_dir=os.path.isdir(path))
+
+
+def setup_logging(log: logging.Logger, meta: Path) -> None:
+    """A daemon's log goes to ``meta/daemon.log`` (rotated), else to stderr."""
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
+    try:
+        handler: logging.Handler = logging.handlers.RotatingFileHandler(
+            meta / LOG_FILE, maxBytes=1_000_000, backupCount=3)
+    except OSError:
+        handler = logging.StreamHandler()
+    handler.setFormatter(fmt)
+    log.addHandler(handler)
+
+
+def close_logging(log: logging.Logger) -> None:
+    """Close and drop ``log``'s handlers (a daemon that ends inside a bigger process)."""
+    for handler in list(log.handlers):
+        log.removeHandler(handler)
+        handler.close()
+
+
+def take_daemon_lock(root: Path) -> int:
+    """One daemon per folder, in any process (a ``metasync daemon`` or a service):
+    an exclusive lock on ``daemon.lock``, held while the returned descriptor is
+    open. UsageError if another holds it; OSError if the folder is not there."""
+    fd = os.open(root / META_DIR / DAEMON_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    if not try_lock(fd):
+        os.close(fd)
+        raise UsageError(f"a metasync daemon already runs for {root} (or the service "
+                         "runs it); see `metasync daemon status`")
+    return fd
+
+
+def finish_rebalance(repo: Repository, log: logging.Logger, after: float) -> float:
+    """Finish the rebalance a configuration change made here left undone (a crash
+    right after its decision, or a backend that did not answer): copies left on
+    a removed backend or by the old placement are moved and dropped, as
+    ``metasync rebalance`` does. It reads every backend's listing, so one that
+    stays unclean is tried again after REBALANCE_RETRY seconds, not every cycle: the
+    monotonic time before which it is not tried (``after``) is returned."""
+    if time.monotonic() < after or not repo.rebalance_pending():
+        return after
+    report = repo.rebalance()
+    log.info("finished the rebalance of a configuration change: %d copies written, "
+             "%d dropped", report.copied, report.dropped)
+    if repo.rebalance_pending():
+        after = time.monotonic() + REBALANCE_RETRY
+        log.warning("the rebalance of a configuration change is not complete yet "
+                    "(%d copies kept, unreachable: %s); it is tried again later",
+                    report.kept, ", ".join(sorted(report.unreachable)) or "none")
+    return after
 
 
 def _write_pid(meta: Path) -> None:
