@@ -19,7 +19,10 @@ const S = {
   route: { id: null, tab: "overview", version: null, path: "" },
   activity: { key: null, items: [] },
   conflicts: { key: null, items: [] },
-  history: { key: null, entries: [] },
+  history: { key: null, entries: [], latest: null },
+  // Folder id -> {key, n}: how many conflict copies its folder holds now (GET .../conflicts,
+  // asked again when the folder's version or its conflict field changes).
+  conflictCounts: {},
   signedOut: false,
   // What each panel was last drawn from: a panel is redrawn only when that changes,
   // so a poll never replaces a button under the pointer or an open comparison.
@@ -212,8 +215,8 @@ function renderFolderList() {
     h("a", { href: routeHash(f.id, S.route.tab), "aria-current": sel && sel.id === f.id ? "page" : null },
       h("span", { class: "label" }, f.label || f.path),
       h("span", { class: "state", "data-state": f.state }, STATE_TEXT[f.state] || f.state),
-      f.conflicts && f.conflicts.length
-        ? h("span", { class: "count bad", title: "conflicts" }, `${f.conflicts.length} conflict${f.conflicts.length === 1 ? "" : "s"}`)
+      conflictsOf(f)
+        ? h("span", { class: "count bad", "data-role": "conflicts" }, `${conflictsOf(f)} conflict${conflictsOf(f) === 1 ? "" : "s"}`)
         : null,
       h("span", { class: "muted small" }, "synced ", ago(f.last_sync)))));
   $("folders").replaceChildren(...items);
@@ -261,7 +264,7 @@ function renderFolder(f) {
     $("would-delete-list").replaceChildren(...shown);
   }
 
-  const n = (f.conflicts || []).length;
+  const n = conflictsOf(f);
   $("conflict-count").textContent = n ? String(n) : "";
   for (const tab of document.querySelectorAll("#tabs [role=tab]")) {
     const on = tab.dataset.tab === S.route.tab;
@@ -270,6 +273,24 @@ function renderFolder(f) {
     show($("panel-" + tab.dataset.tab), on);
   }
   renderBackends(f);
+}
+
+function conflictsOf(f) {
+  const known = S.conflictCounts[f.id];
+  return known ? known.n : (f.conflicts || []).length;
+}
+
+function conflictKey(f) { return `${f.version}:${JSON.stringify(f.conflicts || [])}`; }
+
+/** Count each folder's conflicts whenever what could change them changed. */
+async function refreshConflictCounts() {
+  for (const f of S.folders) {
+    const key = conflictKey(f);
+    if (S.conflictCounts[f.id] && S.conflictCounts[f.id].key === key) continue;
+    const items = await api("GET", folderUrl(f.id, "/conflicts"));
+    S.conflictCounts[f.id] = { key, n: items.length };
+    if (current() && current().id === f.id) S.conflicts = { key: `${f.id}:${key}`, items };
+  }
 }
 
 // ---- backends: a hand-drawn SVG bar chart of each one's share of its capacity
@@ -288,7 +309,7 @@ function renderBackends(f) {
       h("td", { class: "num" }, b.objects === null || b.objects === undefined ? "—" : b.objects.toLocaleString()),
       h("td", { class: "num" }, bytes(b.bytes)),
       h("td", { class: "num" }, b.capacity ? bytes(b.capacity) : "not set"),
-      h("td", { class: "last-error" }, b.last_error || ""));
+      h("td", { class: "last-error" }, b.last_error && b.last_error !== b.health ? b.last_error : ""));
   });
   $("backends").tBodies[0].replaceChildren(...rows);
   $("backend-chart").replaceChildren(backendChart(backends));
@@ -348,15 +369,18 @@ function renderActivity(f) {
 
 function renderConflicts(f) {
   const items = S.conflicts.items.map((c) => {
+    // The copy carries the device that made its version: this one's when mine is the copy.
     const mineIsPath = c.mine === "path";
     const mine = mineIsPath ? c.path : c.copy;
     const theirs = mineIsPath ? c.copy : c.path;
     const preview = h("div", { class: "compare", hidden: true });
     return h("li", { "data-path": c.path, "data-copy": c.copy },
-      h("p", {}, h("strong", {}, c.path), h("span", { class: "muted" }, ` — changed here and on ${c.device} at the same time`)),
+      h("p", {}, h("strong", {}, c.path), h("span", { class: "muted" }, " — changed on two devices before either saw the other's change")),
       h("ul", { class: "versions" },
-        h("li", {}, "Mine: ", h("a", { class: "open-mine", href: fileUrl(f.id, mine), download: basename(mine) }, mine)),
-        h("li", {}, `Theirs (${c.device}): `, h("a", { class: "open-theirs", href: fileUrl(f.id, theirs), download: basename(theirs) }, theirs))),
+        h("li", {}, mineIsPath ? "Mine: " : `Mine (${c.device}, this device): `,
+          h("a", { class: "open-mine", href: fileUrl(f.id, mine), download: basename(mine) }, mine)),
+        h("li", {}, mineIsPath ? `Theirs (${c.device}): ` : "Theirs: ",
+          h("a", { class: "open-theirs", href: fileUrl(f.id, theirs), download: basename(theirs) }, theirs))),
       h("div", { class: "buttons" },
         h("button", { type: "button", class: "compare-button", onclick: () => compare(f.id, mine, theirs, preview) }, "Compare"),
         h("button", { type: "button", "data-keep": "mine", onclick: (e) => resolve(f.id, c.copy, "mine", e.target) }, "Keep mine"),
@@ -391,9 +415,11 @@ async function resolve(id, copy, keep, button) {
   button.disabled = true;
   try {
     S.conflicts.items = await api("POST", folderUrl(id, "/conflicts/resolve"), { copy, keep });
+    const f = current();
     S.conflicts.key = null; // the folder's next poll fetches the list again
+    S.conflictCounts[id] = { key: null, n: S.conflicts.items.length };
     S.drawn.conflicts = null;
-    renderConflicts(current());
+    renderConflicts(f);
     await pollFolders();
   } catch (exc) {
     err.textContent = `Could not resolve ${copy}: ${exc.message}`;
@@ -434,7 +460,9 @@ function renderHistory(f) {
     h("td", { class: "name" },
       e.type === "dir"
         ? h("a", { class: "dir", href: routeHash(f.id, "history", S.route.version, e.path) }, e.name + "/")
-        : h("span", {}, e.name, e.type === "link" ? h("span", { class: "muted" }, " (symbolic link)") : null)),
+        : h("span", {}, e.name, e.type === "link" ? h("span", { class: "muted" }, " (symbolic link)") : null),
+      S.history.latest && !S.history.latest.has(e.path)
+        ? h("span", { class: "gone", "data-role": "gone" }, "deleted since") : null),
     h("td", { class: "num" }, e.type === "file" ? bytes(e.size) : ""),
     h("td", { class: "actions" },
       e.type === "file"
@@ -513,10 +541,11 @@ async function refreshPanel() {
     }
   }
   if (tab === "conflicts") {
-    const key = `${f.id}:${f.version}:${JSON.stringify(f.conflicts || [])}`;
+    const key = `${f.id}:${conflictKey(f)}`;
     if (S.conflicts.key !== key) {
       const items = await api("GET", folderUrl(f.id, "/conflicts"));
       S.conflicts = { key, items };
+      S.conflictCounts[f.id] = { key: conflictKey(f), n: items.length };
     }
     draw("conflicts", S.conflicts.key, () => renderConflicts(f));
   }
@@ -529,10 +558,21 @@ async function refreshPanel() {
       if (S.route.path) q.set("path", S.route.path);
       try {
         const entries = await api("GET", folderUrl(f.id, "/tree?" + q.toString()));
-        S.history = { key, entries };
+        // In an older version, mark what the latest one no longer has (what a restore brings back).
+        let latest = null;
+        if (version && version !== f.version) {
+          const lq = new URLSearchParams();
+          if (S.route.path) lq.set("path", S.route.path);
+          try {
+            latest = new Set((await api("GET", folderUrl(f.id, "/tree?" + lq.toString()))).map((e) => e.path));
+          } catch (exc) {
+            latest = new Set(); // the folder itself is gone in the latest version
+          }
+        }
+        S.history = { key, entries, latest };
         $("history-error").hidden = true;
       } catch (exc) {
-        S.history = { key, entries: [] };
+        S.history = { key, entries: [], latest: null };
         $("history-error").textContent = `Cannot show version ${version}: ${exc.message}`;
         $("history-error").hidden = false;
       }
@@ -551,6 +591,7 @@ async function tick() {
     if (!S.system) S.system = await api("GET", "/rest/system");
     await pollFolders();
     await pollEvents();
+    await refreshConflictCounts();
     render();
     await refreshPanel();
     setConnected(true);
