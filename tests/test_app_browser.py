@@ -36,7 +36,6 @@ from typing import Any
 import pytest
 
 from conftest import METASYNC, snapshot
-
 from metasync import Repository
 from metasync.localdb import LocalDB
 from metasync.state import LocalState
@@ -56,7 +55,8 @@ if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
 
 REPO = Path(__file__).resolve().parent.parent
 SHOTS = REPO / "docs" / "img"
-FAST = ["--settle", "0.3", "--poll", "0.3", "--rescan", "3"]
+# Fast timings; a backend failing for 1 s is worth a notification.
+FAST = ["--settle", "0.3", "--poll", "0.3", "--rescan", "3", "--failing-after", "1"]
 WAIT = 45.0  # seconds any one condition may take on a loaded 2-core machine
 
 
@@ -435,6 +435,8 @@ def test_a_conflict_is_listed_opened_and_resolved_so_both_services_converge(
     until(browser, lambda d: css(d, "#conflicts-empty:not([hidden])"), "no conflicts left")
     until(browser, lambda d: not css(d, "#folders [data-role='conflicts']"),
           "the folder list to show no conflict")
+    assert css(browser, f"#events li[data-kind='conflict'][data-folder='{world.a.ids['Notes']}']"), \
+        "no conflict notification"
 
     wait_until(lambda: world.a.settled("Notes") and world.b.settled("Notes")
                and snapshot(a) == snapshot(b), "A and B to converge after the resolutions")
@@ -450,6 +452,7 @@ def test_a_guard_paused_folder_shows_what_it_would_delete_and_resume_syncs_it(
         world: World, browser: WebDriver) -> None:
     a, b = world.root("A", "Photos"), world.root("B", "Photos")
     open_folder(browser, world, "Photos", "overview")
+    fid_a = world.a.ids["Photos"]
     doomed = sorted(GUARDED)[:20]
     for name in doomed:
         (a / name).unlink()
@@ -460,6 +463,8 @@ def test_a_guard_paused_folder_shows_what_it_would_delete_and_resume_syncs_it(
                     for li in css(browser, "#would-delete-list li[data-path]"))
     assert listed == doomed
     assert "20" in css(browser, "#action-resume")[0].text
+    until(browser, lambda d: css(d, f"#events li[data-kind='paused'][data-folder='{fid_a}']"),
+          "a notification that Photos paused")
     shot(browser, "guard")
     assert set(files(b)) == set(GUARDED), "B lost files while A was paused"
 
@@ -490,8 +495,40 @@ def test_an_unreachable_backend_turns_red_and_back(world: World, browser: WebDri
         assert failing.find_element(By.CSS_SELECTOR, ".dot.bad")
         # Its bar in the chart turns red too.
         assert css(browser, f"#backend-chart g.bad[data-backend$='{store.name}']")
+        until(browser, lambda d: css(d, "#events li[data-kind='backend-failing']"),
+              "a notification that the backend fails")
         shot(browser, "backend-down")
     finally:
         away.rename(store)
     until(browser, lambda d: css(d, row + "[data-health='ok']"), "the backend green again")
     assert not css(browser, "#backend-chart g.bad")
+    until(browser, lambda d: css(d, "#events li[data-kind='backend-ok']"),
+          "a notification that the backend is back")
+
+
+def test_a_folder_added_from_the_page_starts_syncing(world: World, browser: WebDriver) -> None:
+    """A path that is not a metasync folder is refused with the reason; a metasync
+    folder's path registers it, and the page shows it syncing."""
+    open_folder(browser, world, "Notes", "overview")
+    field_, submit = css(browser, "#add-folder-path")[0], css(browser, "#add-folder-submit")[0]
+    field_.send_keys(str(world.tmp))
+    submit.click()
+    error = until(browser, lambda d: css(d, "#add-folder-error:not([hidden])"),
+                  "the page to say why the path was refused")[0]
+    assert "metasync" in error.text
+    assert len(css(browser, "#folders li[data-folder-id]")) == 2
+
+    music = world.tmp / "A" / "Music"
+    music.mkdir()
+    (music / "song.txt").write_text("la la la\n")
+    with Repository.init(music, [f"dir:{world.tmp / 'music-store'}"], replicas=1,
+                         encrypt=False, mkdir=True) as repo:
+        repo.push("start")
+    field_.clear()
+    field_.send_keys(str(music))
+    submit.click()
+    until(browser, lambda d: css(d, "#folder-label")[0].text == "Music"
+          and css(d, "#folder-state[data-state='idle']") and css(d, "#add-folder-error[hidden]"),
+          "the added folder shown, synced")
+    assert len(css(browser, "#folders li[data-folder-id]")) == 3
+    assert str(music) in world.a.cli("folders")
