@@ -49,7 +49,7 @@ function h(tag, attrs, ...children) {
     else if (k === "dataset") Object.assign(el.dataset, v);
     else el.setAttribute(k, v === true ? "" : String(v));
   }
-  for (const c of children.flat()) {
+  for (const c of children.flat(Infinity)) {
     if (c === null || c === undefined || c === false) continue;
     el.append(c instanceof Node ? c : document.createTextNode(String(c)));
   }
@@ -59,7 +59,7 @@ function h(tag, attrs, ...children) {
 function svg(tag, attrs, ...children) {
   const el = document.createElementNS("http://www.w3.org/2000/svg", tag);
   for (const [k, v] of Object.entries(attrs || {})) el.setAttribute(k, String(v));
-  for (const c of children.flat()) {
+  for (const c of children.flat(Infinity)) {
     if (c === null || c === undefined) continue;
     el.append(c instanceof Node ? c : document.createTextNode(String(c)));
   }
@@ -299,17 +299,18 @@ function renderBackends(f) {
   const backends = f.backends || [];
   const rows = backends.map((b) => {
     const ok = b.health === "ok";
+    // The reason it fails, and a past error of a backend that answers again.
+    const why = ok ? b.last_error : b.health;
     return h("tr", { "data-backend": b.name, "data-health": ok ? "ok" : "failing" },
       h("th", { scope: "row" }, h("code", {}, b.name)),
       h("td", { class: "health" },
-        h("span", { class: "dot " + (ok ? "ok" : "bad"), "aria-hidden": "true" }),
-        ok ? "OK" : h("span", {}, "Failing", b.failing_since ? [" since ", timeEl(b.failing_since)] : null,
-          h("span", { class: "muted" }, ": " + b.health))),
+        h("div", {}, h("span", { class: "dot " + (ok ? "ok" : "bad"), "aria-hidden": "true" }),
+          ok ? "OK" : ["Failing", b.failing_since ? [" since ", timeEl(b.failing_since)] : null]),
+        why ? h("div", { class: "why", title: why }, ok ? "last error: " + why : why) : null),
       h("td", { class: "num" }, b.latency_ms === null || b.latency_ms === undefined ? "—" : b.latency_ms.toFixed(1) + " ms"),
       h("td", { class: "num" }, b.objects === null || b.objects === undefined ? "—" : b.objects.toLocaleString()),
       h("td", { class: "num" }, bytes(b.bytes)),
-      h("td", { class: "num" }, b.capacity ? bytes(b.capacity) : "not set"),
-      h("td", { class: "last-error" }, b.last_error && b.last_error !== b.health ? b.last_error : ""));
+      h("td", { class: "num" }, b.capacity ? bytes(b.capacity) : "not set"));
   });
   $("backends").tBodies[0].replaceChildren(...rows);
   $("backend-chart").replaceChildren(backendChart(backends));
@@ -507,7 +508,7 @@ function renderEvents() {
   h("div", {}, h("strong", {}, EVENT_TEXT[e.kind] || e.kind), " · ",
     h("a", { href: routeHash(e.folder, e.kind === "conflict" ? "conflicts" : "overview") }, label(e.folder)),
     " · ", timeEl(e.time)),
-  h("div", { class: "message" }, e.message)));
+  h("div", { class: "message", title: e.message }, e.message)));
   $("events").replaceChildren(...items);
   show($("events-empty"), !items.length);
 }
