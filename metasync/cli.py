@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from metasync.backends import public_uri
+from metasync.cli_app import APP_COMMANDS
 from metasync.cli_common import (
     STATE,
     _echo_json,
@@ -680,12 +681,8 @@ def share(email: str) -> None:
                    err=True)
 
 
-cli.add_command(auth)
-cli.add_command(log)
-cli.add_command(daemon)
-cli.add_command(key)
-cli.add_command(completion)
-cli.add_command(gui)
+for _command in (auth, log, daemon, key, completion, gui, *APP_COMMANDS):
+    cli.add_command(_command)
 _add_global_options(cli)
 
 

@@ -125,7 +125,10 @@ def daemon_start(settle: float, poll: float, rescan: float, delete_share: float)
 
     root = _repo_root()
     if daemon_running(root):
-        raise UsageError(f"a metasync daemon already runs for {root} (pid {running_pid(root)})")
+        pid = running_pid(root)
+        raise UsageError(f"a metasync daemon already runs for {root} (pid {pid})" if pid else
+                         f"a metasync daemon already runs for {root} (the service runs it; "
+                         "see `metasync folders`)")
     args = [sys.executable, "-m", "metasync.cli", "daemon", "--settle", repr(settle),
             "--poll", repr(poll), "--rescan", repr(rescan), "--delete-share", repr(delete_share)]
     with open(root / ".metasync" / LOG_FILE, "ab") as log:
@@ -161,6 +164,9 @@ def daemon_stop() -> None:
 
     root = _repo_root()
     pid = running_pid(root)
+    if pid is None and daemon_running(root):
+        raise UsageError(f"the metasync service runs {root}; stop it there with "
+                         "`metasync remove-folder`, or stop the service")
     if pid is None:
         _say("no metasync daemon runs for this folder")
         return

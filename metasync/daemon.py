@@ -35,7 +35,7 @@ from typing import Any
 from metasync.backends import Backend, open_backend, public_uri
 from metasync.committer import Change
 from metasync.context import DAEMON_LOCK, PID_FILE, daemon_running
-from metasync.daemon_health import EventSink, Health, LogNotes, Settings
+from metasync.daemon_health import EventSink, FolderStats, Health, LogNotes, Settings
 from metasync.errors import BackendError, FolderBusy, Interrupted, MetasyncError, UsageError
 from metasync.faults import pause_point, watch_failure
 from metasync.layout import HINT_KEY
@@ -101,21 +101,21 @@ class _Paused(Exception):
     """A sync stopped itself to ask the user first."""
 
 
-__all__ = ["Daemon", "DaemonStatus", "EventSink", "Health", "LocalWatch", "Settings",
+__all__ = ["Daemon", "DaemonStatus", "EventSink", "FolderStats", "Health", "LocalWatch", "Settings",
            "close_logging", "read_status", "running_pid", "setup_logging", "take_daemon_lock"]
 
 
 class Daemon:
     """Runs until :meth:`stop` (or SIGTERM/SIGINT in :meth:`run`)."""
 
-    def __init__(self, root: Path, settings: Settings | None = None,
-                 events: EventSink | None = None) -> None:
+    def __init__(self, root: Path, settings: Settings | None = None, events: EventSink | None = None,
+                 stats: FolderStats | None = None) -> None:
         self.root = root.absolute()
         self.meta = self.root / META_DIR
         self.settings = settings or Settings()
         self.status = DaemonStatus(pid=os.getpid())
         self.log = logging.getLogger(f"metasync.daemon.{id(self)}")
-        self.health = Health(self.settings, self.log, events)
+        self.health = Health(self.settings, self.log, events, stats)
         self._notes = LogNotes(self.log, self.health.stats)
         self._resume_asked = self._user_paused = False
         self._wake = threading.Event()

@@ -110,10 +110,12 @@ class Health:
     backend's health, last error and latency, what each stores; and the events of
     changes worth a notice. Written by the daemon's thread; read by others."""
 
-    def __init__(self, settings: Settings, log: logging.Logger, sink: EventSink | None) -> None:
+    def __init__(self, settings: Settings, log: logging.Logger, sink: EventSink | None,
+                 stats: FolderStats | None = None) -> None:
         self.settings = settings
         self.log = log
-        self.stats = FolderStats()
+        #: Counters; a caller that restarts daemons passes the same one to each.
+        self.stats = stats if stats is not None else FolderStats()
         #: Backend name -> "ok" or why it fails; the last reason each failed for.
         self.health: dict[str, str] = {}
         self.last_error: dict[str, str] = {}

@@ -353,8 +353,8 @@ def _copies(root: Path) -> list[tuple[str, str, str]]:
             if m is None:
                 continue
             original = m["stem"] + (f".{m['ext']}" if m["ext"] is not None else "")
-            join = (lambda n: f"{rel}/{n}") if rel else (lambda n: n)
-            found.append((join(original), join(name), m["device"]))
+            prefix = f"{rel}/" if rel else ""
+            found.append((prefix + original, prefix + name, m["device"]))
     return sorted(found)
 
 
@@ -379,10 +379,9 @@ def _conflicts(repo: Repository) -> list[Conflict]:
     mine = device_label(repo.device)
     out = []
     for path, copy, device in _copies(repo.root):
-        if device != mine:
-            side = "path"
-        else:  # the same name here: ask the history (two devices may share a name)
-            side = "copy" if _made_here(repo, copy) else "path"
+        # Another device's name: the copy is theirs. This device's name: ask the
+        # history (two devices may share a name).
+        side = "path" if device != mine or not _made_here(repo, copy) else "copy"
         out.append(Conflict(path, copy, device, side))
     return out
 

@@ -8,6 +8,7 @@ folder (``$XDG_CONFIG_HOME/metasync`` on Linux, via platformdirs):
 | ``api-key`` | the web page's and REST API's key, ``0600`` |
 | ``running.json`` | ``{"pid": N, "host": H, "port": P}`` while a service runs |
 | ``registry.lock`` | held while a command changes ``folders.json`` |
+| ``service.lock`` | held while a service runs (one per config folder) |
 
 Every file is written atomically (a temporary file, fsync, rename). Every file is
 read as input that may be damaged (a hand edit, a disk fault): a damaged file is a
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from metasync.errors import UsageError
-from metasync.portable import lock, process_alive
+from metasync.portable import lock, process_alive, try_lock
 from metasync.worktree import META_DIR
 
 FOLDERS_FILE = "folders.json"
@@ -35,6 +36,7 @@ SERVICE_FILE = "service.json"
 API_KEY_FILE = "api-key"
 RUNNING_FILE = "running.json"
 LOCK_FILE = "registry.lock"
+SERVICE_LOCK_FILE = "service.lock"
 DEFAULT_LISTEN = ("127.0.0.1", 8384)
 _ID = re.compile(r"^[0-9a-f]{8}$")
 _KEY = re.compile(r"^[A-Za-z0-9_-]{16,128}$")
@@ -213,6 +215,19 @@ class Registry:
             raise UsageError(f"{self.config_dir / SERVICE_FILE} is damaged (host must be a "
                              "name, port 0-65535); repair or delete it")
         return host, port
+
+    def hold_service_lock(self) -> int:
+        """One service per config folder: an exclusive lock on ``service.lock``,
+        held while the returned descriptor is open. UsageError if another holds it."""
+        self._ensure_dir()
+        fd = os.open(self.config_dir / SERVICE_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        if not try_lock(fd):
+            os.close(fd)
+            running = self.read_running() or {}
+            where = f" (pid {running['pid']}, port {running['port']})" if running else ""
+            raise UsageError(f"a metasync service already runs for {self.config_dir}{where}; "
+                             "stop it first, or give another config folder ($XDG_CONFIG_HOME)")
+        return fd
 
     def write_running(self, host: str, port: int) -> None:
         """Say where this process's service listens (``running.json``)."""

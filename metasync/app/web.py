@@ -81,8 +81,11 @@ def _refuse(request: web.Request, status: int, why: str) -> web.Response:
 class WebServer:
     """The page and the API of one fleet (docs/api.md)."""
 
-    def __init__(self, fleet: Fleet, registry: Registry, host: str, port: int) -> None:
+    def __init__(self, fleet: Fleet, registry: Registry, host: str, port: int,
+                 static: Path = STATIC) -> None:
         self.fleet = fleet
+        #: The page's folder (tests may give another).
+        self.static = static.resolve()
         self.registry = registry
         self.host = host
         #: The port asked for (0: any free one); the one listened on once started.
@@ -108,6 +111,7 @@ class WebServer:
             raise UsageError(f"the web server did not start within {START_WAIT:g} s")
         if self._error is not None:
             self._thread.join()
+            self._thread = self._loop = None
             raise UsageError(f"cannot listen on {self.host}:{self.port} ({self._error}); pick "
                              "another with --listen 127.0.0.1:PORT") from self._error
         self.notifier.start()
@@ -236,15 +240,16 @@ class WebServer:
                                                 "Cache-Control": "no-store"})
 
     async def page(self, request: web.Request) -> web.StreamResponse:
-        """A file of the page (``index.html`` for ``/``); nothing outside STATIC."""
+        """A file of the page (``index.html`` for ``/``, ``/static/NAME`` or ``/NAME``
+        for the others); nothing outside the page's folder, no hidden file."""
         name = request.match_info.get("name", "") or "index.html"
         if name.startswith("static/"):
             name = name[len("static/"):]
         parts = name.split("/")
         if any(p in ("", ".", "..") or p.startswith(".") or "\\" in p or "\0" in p for p in parts):
             raise ApiError(404, f"{request.path} is not a page of this service")
-        path = STATIC.joinpath(*parts)
-        if not path.is_file() or STATIC not in path.resolve().parents:
+        path = self.static.joinpath(*parts)
+        if not path.is_file() or self.static not in path.resolve().parents:
             raise ApiError(404, f"{request.path} is not a page of this service")
         kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
         return web.Response(body=path.read_bytes(), content_type=kind,
