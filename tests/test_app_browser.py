@@ -278,6 +278,27 @@ def css(driver: WebDriver | WebElement, selector: str) -> list[WebElement]:
     return driver.find_elements(By.CSS_SELECTOR, selector)
 
 
+def attrs(driver: WebDriver, selector: str, name: str) -> list[str]:
+    """Attribute ``name`` of every element ``selector`` matches, read in one step (the
+    page redraws lists as it polls: elements found earlier may be gone)."""
+    found: list[str] = driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].map(e => e.getAttribute(arguments[1]))",
+        selector, name)
+    return found
+
+
+def click(driver: WebDriver, selector: str, what: str) -> None:
+    """Click the element ``selector`` matches, finding it again if a redraw replaced it."""
+    def clicked(d: WebDriver) -> bool:
+        found = css(d, selector)
+        if not found:
+            return False
+        found[0].click()
+        return True
+
+    until(driver, clicked, what)
+
+
 def open_folder(driver: WebDriver, world: World, label: str, tab: str, query: str = "") -> None:
     """Show folder ``label`` of service A on ``tab`` (the page's own links look the same)."""
     fid = world.a.ids[label]
@@ -314,8 +335,7 @@ def test_the_page_refuses_access_without_the_key(world: World, browser: WebDrive
     assert refused.value.code == 401
 
     sign_in(browser, world.a)
-    listed = {li.get_attribute("data-folder-id") for li in css(browser, "#folders li")}
-    assert listed == set(world.a.ids.values())
+    assert set(attrs(browser, "#folders li", "data-folder-id")) == set(world.a.ids.values())
     # The cookie it set is HttpOnly: the page's script cannot read the session.
     assert "session" not in browser.execute_script("return document.cookie").lower()
 
@@ -325,11 +345,11 @@ def test_a_new_file_shows_in_activity_then_reaches_the_other_service(
     open_folder(browser, world, "Notes", "activity")
     data = random.Random(1).randbytes(3000)
     (world.root("A", "Notes") / "report.pdf").write_bytes(data)
-    entry = until(browser, lambda d: css(
-        d, "#activity > li[data-version] li[data-path='report.pdf'][data-kind='added']"),
-        "report.pdf to appear as added in A's activity")
-    version = entry[0].find_element(By.XPATH, "ancestor::li[@data-version]")
-    assert "laptop" in version.text
+    added = ("//ol[@id='activity']/li[@data-version]"
+             "[.//li[@data-path='report.pdf' and @data-kind='added']]")
+    text = until(browser, lambda d: [e.text for e in d.find_elements(By.XPATH, added)],
+                 "report.pdf to appear as added in A's activity")[0]
+    assert "laptop" in text
     shot(browser, "activity")
     b_file = world.root("B", "Notes") / "report.pdf"
     wait_until(lambda: b_file.read_bytes() == data, "report.pdf to reach service B's folder")
@@ -364,18 +384,18 @@ def test_a_file_deleted_three_versions_ago_is_restored_from_the_history_view(
         css(browser, "#history-older")[0].click()
         until(browser, lambda d, v=shown - 1: css(d, "#history-version")[0]
               .get_attribute("value") == str(v), "the previous version")
-    row = until(browser, lambda d: css(d, "#history-tree tr[data-path='budget.xlsx']"),
-                f"budget.xlsx in version {had_it}'s tree")[0]
-    assert row.find_element(By.CSS_SELECTOR, "[data-role='gone']").text == "deleted since"
+    row = "#history-tree tr[data-path='budget.xlsx']"
+    until(browser, lambda d: css(d, row), f"budget.xlsx in version {had_it}'s tree")
+    assert attrs(browser, row + " [data-role='gone']", "data-role") == ["gone"]
     assert not css(browser, "#history-tree tr[data-path='notes.txt'] [data-role='gone']")
     shot(browser, "history")
     # Downloading that version's file gives its bytes...
-    row.find_element(By.CSS_SELECTOR, "a.download").click()
+    click(browser, row + " a.download", "Download")
     wait_until(lambda: any(p.read_bytes() == data for p in downloads.iterdir()
                            if not p.name.endswith(".crdownload")),
                "the downloaded budget.xlsx of that version")
     # ... and restoring it puts them back here and, synced, on service B.
-    row.find_element(By.CSS_SELECTOR, "button.restore").click()
+    click(browser, row + " button.restore", "Restore")
     until(browser, lambda d: css(d, "#history-status:not([hidden])"), "the page to say restored")
     assert "budget.xlsx" in css(browser, "#history-status")[0].text
     wait_until(lambda: (a / "budget.xlsx").read_bytes() == data, "budget.xlsx restored on A")
@@ -386,6 +406,21 @@ def test_a_file_deleted_three_versions_ago_is_restored_from_the_history_view(
 def _conflict_row(driver: WebDriver, path: str) -> WebElement | None:
     rows = css(driver, f"#conflicts > li[data-path='{path}']")
     return rows[0] if rows else None
+
+
+def _compared(path: str) -> Callable[[WebDriver], list[str] | None]:
+    """A wait for the page's side-by-side view of conflict ``path``, asking for it
+    (again, if a redraw closed it) until it shows."""
+    row = f"#conflicts > li[data-path='{path}']"
+
+    def shown(d: WebDriver) -> list[str] | None:
+        texts = [e.text for e in css(d, row + " .compare pre")]
+        if len(texts) == 2:
+            return texts
+        css(d, row + " button.compare-button")[0].click()
+        return None
+
+    return shown
 
 
 def test_a_conflict_is_listed_opened_and_resolved_so_both_services_converge(
@@ -411,27 +446,23 @@ def test_a_conflict_is_listed_opened_and_resolved_so_both_services_converge(
     css(browser, "#action-resume")[0].click()
     until(browser, lambda d: _conflict_row(d, "notes.txt") and _conflict_row(d, "plan.txt"),
           "both conflicts listed on A's page")
-    assert css(browser, "#conflict-count")[0].text == "2"
+    # Once A's sync has committed the copies, the list stays as it is.
+    wait_until(lambda: world.a.settled("Notes"), "A to sync the conflict copies")
+    until(browser, lambda d: css(d, "#conflict-count")[0].text == "2", "two conflicts counted")
 
     # Both versions open (download) from the page, with the bytes each side wrote.
-    row = _conflict_row(browser, "notes.txt")
-    assert row is not None
     for link in ("a.open-mine", "a.open-theirs"):
-        row.find_element(By.CSS_SELECTOR, link).click()
+        click(browser, f"#conflicts > li[data-path='notes.txt'] {link}", link)
     wait_until(lambda: {mine["notes.txt"], theirs["notes.txt"]} <= {
         p.read_bytes() for p in downloads.iterdir() if not p.name.endswith(".crdownload")},
         "both versions of notes.txt downloaded")
-    row.find_element(By.CSS_SELECTOR, "button.compare-button").click()
-    texts = until(browser, lambda d: [e.text for e in css(d, "#conflicts .compare pre")],
-                  "the two versions side by side")
+    texts = until(browser, _compared("notes.txt"), "the two versions side by side")
     assert texts == [mine["notes.txt"].decode().strip(), theirs["notes.txt"].decode().strip()]
     shot(browser, "conflicts")
 
-    row.find_element(By.CSS_SELECTOR, "button[data-keep='both']").click()
+    click(browser, "#conflicts > li[data-path='notes.txt'] button[data-keep='both']", "keep both")
     until(browser, lambda d: _conflict_row(d, "notes.txt") is None, "notes.txt resolved")
-    plan = _conflict_row(browser, "plan.txt")
-    assert plan is not None
-    plan.find_element(By.CSS_SELECTOR, "button[data-keep='mine']").click()
+    click(browser, "#conflicts > li[data-path='plan.txt'] button[data-keep='mine']", "keep mine")
     until(browser, lambda d: css(d, "#conflicts-empty:not([hidden])"), "no conflicts left")
     until(browser, lambda d: not css(d, "#folders [data-role='conflicts']"),
           "the folder list to show no conflict")
@@ -459,9 +490,7 @@ def test_a_guard_paused_folder_shows_what_it_would_delete_and_resume_syncs_it(
     until(browser, lambda d: css(d, "#folder-state[data-state='paused']")
           and len(css(d, "#would-delete-list li[data-path]")) == 20,
           "A's Photos paused, listing what it would delete")
-    listed = sorted(li.get_attribute("data-path")
-                    for li in css(browser, "#would-delete-list li[data-path]"))
-    assert listed == doomed
+    assert sorted(attrs(browser, "#would-delete-list li[data-path]", "data-path")) == doomed
     assert "20" in css(browser, "#action-resume")[0].text
     until(browser, lambda d: css(d, f"#events li[data-kind='paused'][data-folder='{fid_a}']"),
           "a notification that Photos paused")
@@ -490,9 +519,8 @@ def test_an_unreachable_backend_turns_red_and_back(world: World, browser: WebDri
     away = store.with_name(store.name + "-unplugged")
     store.rename(away)
     try:
-        failing = until(browser, lambda d: css(d, row + "[data-health='failing']"),
-                        "the unplugged backend to turn red")[0]
-        assert failing.find_element(By.CSS_SELECTOR, ".dot.bad")
+        until(browser, lambda d: css(d, row + "[data-health='failing'] .dot.bad"),
+              "the unplugged backend to turn red")
         # Its bar in the chart turns red too.
         assert css(browser, f"#backend-chart g.bad[data-backend$='{store.name}']")
         until(browser, lambda d: css(d, "#events li[data-kind='backend-failing']"),

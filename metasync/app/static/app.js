@@ -167,7 +167,9 @@ function parseRoute() {
   S.route = {
     id: id || null,
     tab: ["overview", "activity", "conflicts", "history"].includes(tab) ? tab : "overview",
-    version: version && /^\d+$/.test(version) ? Number(version) : null,
+    // A version number, or a commit id (hex) for a commit this device never had as master.
+    version: !version ? null : /^\d+$/.test(version) ? Number(version)
+      : /^[0-9a-f]{4,64}$/i.test(version) ? version : null,
     path: q.get("path") || "",
   };
 }
@@ -354,11 +356,16 @@ function renderActivity(f) {
     const shown = changes.slice(0, 12).map((c) => h("li", { "data-kind": c.kind, "data-path": c.path },
       h("span", { class: "kind " + c.kind, title: c.kind }, { added: "+", modified: "~", deleted: "−" }[c.kind] || "?"),
       " ", c.path));
-    if (changes.length > 12) shown.push(h("li", { class: "muted" }, `and ${changes.length - 12} more`));
-    return h("li", { "data-version": v.version },
+    const more = changes.length - shown.length + (v.more || 0);
+    if (more > 0) shown.push(h("li", { class: "muted" }, `and ${more} more`));
+    // A commit merged in from another device has no version number here: named by its id.
+    const named = v.version !== null && v.version !== undefined;
+    const ref = named ? v.version : (v.commit || "").slice(0, 12);
+    return h("li", { "data-version": named ? v.version : null, "data-commit": v.commit || null },
       h("div", { class: "version-head" },
-        h("strong", {}, "Version " + v.version), " · ", h("span", { class: "device" }, v.device || "?"), " · ", timeEl(v.time),
-        h("a", { class: "browse", href: routeHash(f.id, "history", v.version) }, "Browse files")),
+        h("strong", {}, named ? "Version " + v.version : "Commit " + ref), " · ",
+        h("span", { class: "device" }, v.device || "?"), " · ", timeEl(v.time),
+        ref ? h("a", { class: "browse", href: routeHash(f.id, "history", ref) }, "Browse files") : null),
       v.message ? h("p", { class: "message" }, v.message) : null,
       h("ul", { class: "changes" }, shown));
   });
@@ -436,14 +443,16 @@ function historyVersion(f) { return S.route.version || f.version || null; }
 function renderHistory(f) {
   const version = historyVersion(f);
   const input = $("history-version");
-  if (document.activeElement !== input) input.value = version || "";
+  if (document.activeElement !== input) input.value = typeof version === "number" ? version : "";
   input.max = f.version || 1;
-  $("history-older").disabled = !version || version <= 1;
-  $("history-newer").disabled = !version || version >= (f.version || 0);
-  const known = S.activity.items.find((v) => v.version === version);
+  const numbered = typeof version === "number";
+  $("history-older").disabled = !numbered || version <= 1;
+  $("history-newer").disabled = !numbered || version >= (f.version || 0);
+  const known = S.activity.items.find((v) => v.version === version
+    || (!numbered && v.commit && v.commit.startsWith(String(version))));
   $("history-message").textContent = known
     ? `${known.device} · ${when(known.time)}${known.message ? " · " + known.message : ""}`
-    : (version === f.version ? "the latest version" : "");
+    : (version === f.version ? "the latest version" : numbered ? "" : `commit ${version}`);
 
   const parts = S.route.path ? S.route.path.split("/") : [];
   const crumbs = [h("a", { href: routeHash(f.id, "history", S.route.version), "data-path": "" }, f.label || "/")];
@@ -522,11 +531,13 @@ async function pollFolders() {
 
 async function pollEvents() {
   const out = await api("GET", "/rest/events?since=" + S.lastEvent);
-  if (out && out.events && out.events.length) {
-    S.events.push(...out.events);
-    S.events = S.events.slice(-EVENTS_KEPT);
-  }
-  if (out && typeof out.last === "number") S.lastEvent = Math.max(S.lastEvent, out.last);
+  if (!out) return;
+  // A restarted service numbers its events from 1 again and, asked for more than it
+  // has, answers all of them: what the page showed is from the earlier run.
+  if (typeof out.last === "number" && out.last < S.lastEvent) S.events = [];
+  S.events.push(...(out.events || []));
+  S.events = S.events.slice(-EVENTS_KEPT);
+  if (typeof out.last === "number") S.lastEvent = out.last;
 }
 
 /** Fetch what the open tab shows, when what it depends on changed. */
@@ -664,14 +675,13 @@ function init() {
     if (v >= 1) go("history", v, S.route.path);
   });
   $("history-older").addEventListener("click", () => {
-    const f = current();
-    const v = historyVersion(f);
-    if (v > 1) go("history", v - 1, S.route.path);
+    const v = historyVersion(current());
+    if (typeof v === "number" && v > 1) go("history", v - 1, S.route.path);
   });
   $("history-newer").addEventListener("click", () => {
     const f = current();
     const v = historyVersion(f);
-    if (v < f.version) go("history", v + 1, S.route.path);
+    if (typeof v === "number" && v < f.version) go("history", v + 1, S.route.path);
   });
   $("history-latest").addEventListener("click", () => go("history", null, S.route.path));
   tick();
