@@ -189,22 +189,23 @@ GUARDED = {f"img{i:02d}.jpg": f"photo {i}\n".encode() for i in range(25)}
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    tmp = tmp_path_factory.mktemp("app-browser")
+def world() -> Iterator[World]:
+    # A short folder of its own: its paths show in the screenshots.
+    tmp = Path(tempfile.mkdtemp(prefix="metasync-page-"))
     roots: dict[tuple[str, str], Path] = {}
     backends: dict[str, list[Path]] = {}
     contents = {"Notes": {"notes.txt": b"shopping: milk\n", "plan.txt": b"plan: rest\n"},
                 "Photos": GUARDED}
     for label, tree in contents.items():
         backends[label] = [tmp / f"{label.lower()}-store-{n}" for n in (1, 2)]
-        a = tmp / "A" / label
+        a = tmp / "laptop" / label
         a.mkdir(parents=True)
         for name, data in tree.items():
             (a / name).write_bytes(data)
         with Repository.init(a, [f"dir:{b}" for b in backends[label]], replicas=2,
                              encrypt=False, mkdir=True) as repo:
             repo.push("start")
-        b = tmp / "B" / label
+        b = tmp / "desktop" / label
         b.parent.mkdir(exist_ok=True)
         Repository.clone(f"dir:{backends[label][0]}", b, allow_unencrypted=True).close()
         set_device(a, "laptop")
@@ -223,6 +224,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     finally:
         problems = [p for p in (svc.stop() for svc in services.values()) if p]
     assert not problems, "\n".join(problems)
+    shutil.rmtree(tmp, ignore_errors=True)  # kept when a service failed, to look at
 
 
 # ---------------------------------------------------------------- the browser
@@ -546,7 +548,7 @@ def test_a_folder_added_from_the_page_starts_syncing(world: World, browser: WebD
     assert "metasync" in error.text
     assert len(css(browser, "#folders li[data-folder-id]")) == 2
 
-    music = world.tmp / "A" / "Music"
+    music = world.tmp / "laptop" / "Music"
     music.mkdir()
     (music / "song.txt").write_text("la la la\n")
     with Repository.init(music, [f"dir:{world.tmp / 'music-store'}"], replicas=1,
