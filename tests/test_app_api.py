@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -292,6 +293,24 @@ def test_folder_list_pause_resume_sync_and_errors(service: Service) -> None:
     assert r.status == 400 and "JSON" in r.json()["error"]
 
 
+def test_a_folder_removed_and_added_again(service: Service) -> None:
+    """DELETE forgets a folder (its files stay); POST registers it again and it syncs."""
+    s = service
+    gone = s.ok("DELETE", f"/rest/folders/{s.ids['b']}")
+    assert gone["removed"] == s.ids["b"]
+    assert [f["id"] for f in s.ok("GET", "/rest/folders")] == [s.ids["a"]]
+    assert s.call("GET", f"/rest/folders/{s.ids['b']}").status == 404
+    assert (s.b / "hello.txt").read_text() == "hello\n"
+    r = s.call("POST", "/rest/folders", body={"path": str(s.b)})
+    assert r.status == 201, r.body
+    again = r.json()
+    assert again["path"] == str(s.b) and again["id"] != s.ids["b"]
+    assert s.call("POST", "/rest/folders", body={"path": str(s.b)}).status == 400  # twice
+    s.ids["b"] = again["id"]
+    (s.a / "after.txt").write_text("after\n")
+    wait_for(lambda: (s.b / "after.txt").is_file(), "the re-added folder syncing")
+
+
 def test_untrusted_paths_are_refused(service: Service) -> None:
     s = service
     fid = s.ids["a"]
@@ -312,6 +331,27 @@ def test_untrusted_paths_are_refused(service: Service) -> None:
     (s.a / "outside.txt").symlink_to("/etc/hostname")
     r = s.call("GET", f"/rest/folders/{fid}/file?path=outside.txt")
     assert r.status == 404
+
+
+def test_a_name_that_is_not_utf8_round_trips_in_its_display_form(service: Service) -> None:
+    """Paths go out and come back in the display form of docs/cli.md: a name whose
+    bytes are not UTF-8 is listed quoted, and that text downloads it (on disk and
+    at a version), its bytes intact."""
+    s = service
+    fid = s.ids["a"]
+    name = os.fsdecode(b"caf\xe9.txt")
+    (s.a / name).write_bytes(b"latin-1 name\n")
+    wait_for(lambda: (s.b / name).is_file(), "the file in B")
+    wait_for(lambda: _synced_same_version(s), "both idle")
+    version = s.folder("a")["version"]
+    shown = next(e["path"] for e in s.ok("GET", f"/rest/folders/{fid}/tree?version={version}")
+                 if e["path"].startswith('"caf'))
+    assert shown == '"caf\\351.txt"'
+    for query in (f"path={urllib.parse.quote(shown)}",
+                  f"path={urllib.parse.quote(shown)}&version={version}"):
+        r = s.call("GET", f"/rest/folders/{fid}/file?{query}")
+        assert r.status == 200 and r.body == b"latin-1 name\n", (query, r.status, r.body)
+        assert "caf%E9.txt" in r.headers["Content-Disposition"]
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
@@ -362,6 +402,36 @@ def test_activity_shows_a_pushed_file_and_metrics_counters_move(service: Service
     text = s.call("GET", "/metrics").body.decode()
     assert _metric(text, "metasync_folder_state", folder=a_id) == 1.0  # one state at a time
     assert _metric(text, "metasync_backend_requests_total", folder=a_id) > 0
+
+
+def test_a_backend_gone_shows_down_in_metrics_and_back_up(service: Service, tmp_path: Path) -> None:
+    """metasync_backend_up of a backend whose folder disappears goes to 0 (and the
+    folder object says why), and back to 1 when it returns."""
+    s = service
+    a_id = s.ids["a"]
+    wait_for(lambda: _synced_same_version(s), "both idle")
+    store = tmp_path / "s2"
+
+    def up() -> float | None:
+        text = s.call("GET", "/metrics").body.decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if (sample.name == "metasync_backend_up" and sample.labels["folder"] == a_id
+                        and sample.labels["backend"].endswith("s2")):
+                    return sample.value
+        return None
+
+    wait_for(lambda: up() == 1.0, "s2 up")
+    store.rename(tmp_path / "s2-away")
+    try:
+        (s.a / "while-away.txt").write_text("x\n")
+        wait_for(lambda: up() == 0.0, "s2 down in /metrics")
+        backend = next(b for b in s.folder("a")["backends"] if b["name"].endswith("s2"))
+        assert backend["health"] != "ok"
+    finally:
+        (tmp_path / "s2-away").rename(store)
+    s.ok("POST", f"/rest/folders/{a_id}/sync")
+    wait_for(lambda: up() == 1.0, "s2 back up in /metrics")
 
 
 def test_tree_file_and_restore_round_trip_byte_for_byte(service: Service) -> None:

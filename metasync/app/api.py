@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -130,7 +131,14 @@ class Api:
 
     async def remove_folder(self, request: web.Request) -> web.Response:
         runner = self._runner(request)
-        await self.blocking(self.fleet.remove, runner.id)
+
+        def remove() -> None:
+            try:
+                self.fleet.remove(runner.id)
+            except KeyError:
+                raise ApiError(404, f"folder {runner.id} was removed already") from None
+
+        await self.blocking(remove)
         return json_response({"removed": runner.id, "path": str(runner.path)})
 
     async def _act(self, request: web.Request, action: str) -> web.Response:
@@ -187,7 +195,8 @@ class Api:
                 response = web.StreamResponse(headers={
                     "Content-Type": "application/octet-stream",
                     "Content-Disposition": "attachment; filename*=UTF-8''"
-                                           + urllib.parse.quote(download.name, safe=""),
+                                           # bytes: a name that is not UTF-8 still quotes
+                                           + urllib.parse.quote(os.fsencode(download.name), safe=""),
                     "Content-Length": str(download.size),
                     "Cache-Control": "no-store",
                 })
