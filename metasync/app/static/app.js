@@ -26,7 +26,10 @@ const S = {
   signedOut: false,
   // What each panel was last drawn from: a panel is redrawn only when that changes,
   // so a poll never replaces a button under the pointer or an open comparison.
-  drawn: { activity: null, conflicts: null, history: null },
+  drawn: {
+    activity: null, conflicts: null, history: null, events: null, folders: null, doomed: null,
+    backends: null,
+  },
 };
 
 function draw(panel, key, fn) {
@@ -97,7 +100,15 @@ function ago(t) {
 function when(t) { return t ? new Date(t * 1000).toLocaleString() : ""; }
 
 function timeEl(t) {
-  return h("time", { datetime: t ? new Date(t * 1000).toISOString() : null, title: when(t) }, ago(t));
+  return h("time", { datetime: t ? new Date(t * 1000).toISOString() : null, title: when(t), "data-t": t || null }, ago(t));
+}
+
+/** Bring every "… ago" on the page up to date, without redrawing what holds it. */
+function refreshTimes() {
+  for (const el of document.querySelectorAll("time[data-t]")) {
+    const text = ago(Number(el.dataset.t));
+    if (el.textContent !== text) el.textContent = text;
+  }
 }
 
 const STATE_TEXT = {
@@ -152,8 +163,10 @@ function setSignedOut(out) {
 
 function setConnected(ok, why) {
   const el = $("connection");
+  const text = ok ? "connected" : "disconnected: " + why;
+  if (el.textContent === text) return;  // a live region: said again only when it changes
   el.dataset.connected = ok ? "true" : "false";
-  el.textContent = ok ? "connected" : "disconnected: " + why;
+  el.textContent = text;
 }
 
 // ------------------------------------------------------------------ routing
@@ -203,7 +216,10 @@ function render() {
   show($("no-folders"), !f);
   show($("folder"), !!f);
   if (f) renderFolder(f);
-  renderEvents();
+  // The notifications are a live region: redrawn only when they change.
+  draw("events", `${S.events.length ? S.events[S.events.length - 1].id : 0}:${S.events.length}:${S.folders.map((x) => x.label).join("/")}`,
+    renderEvents);
+  refreshTimes();
 }
 
 function renderSystem() {
@@ -213,6 +229,11 @@ function renderSystem() {
 
 function renderFolderList() {
   const sel = current();
+  // Redrawn only when it changes, so a poll never replaces a link being clicked.
+  const key = JSON.stringify([sel && sel.id, S.route.tab,
+    S.folders.map((f) => [f.id, f.label, f.path, f.state, f.last_sync, conflictsOf(f)])]);
+  if (S.drawn.folders === key) return;
+  S.drawn.folders = key;
   const items = S.folders.map((f) => h("li", { "data-folder-id": f.id },
     h("a", { href: routeHash(f.id, S.route.tab), "aria-current": sel && sel.id === f.id ? "page" : null },
       h("span", { class: "label" }, f.label || f.path),
@@ -220,7 +241,7 @@ function renderFolderList() {
       conflictsOf(f)
         ? h("span", { class: "count bad", "data-role": "conflicts" }, `${conflictsOf(f)} conflict${conflictsOf(f) === 1 ? "" : "s"}`)
         : null,
-      h("span", { class: "muted small" }, "synced ", ago(f.last_sync)))));
+      h("span", { class: "muted small" }, "synced ", timeEl(f.last_sync)))));
   $("folders").replaceChildren(...items);
 }
 
@@ -258,7 +279,9 @@ function renderFolder(f) {
   $("action-sync").disabled = paused || f.state === "stopped";
 
   show($("would-delete"), paused && doomed.length > 0);
-  if (doomed.length) {
+  if (doomed.length && S.drawn.doomed !== JSON.stringify(doomed)) {
+    // Redrawn only when it changes: a poll keeps the list where it was scrolled.
+    S.drawn.doomed = JSON.stringify(doomed);
     $("would-delete-title").textContent =
       `Paused before deleting ${doomed.length} file${doomed.length === 1 ? "" : "s"}`;
     const shown = doomed.slice(0, LIST_SHOWN).map((p) => h("li", { "data-path": p }, p));
@@ -274,7 +297,7 @@ function renderFolder(f) {
     tab.tabIndex = on ? 0 : -1;
     show($("panel-" + tab.dataset.tab), on);
   }
-  renderBackends(f);
+  draw("backends", JSON.stringify(f.backends || []), () => renderBackends(f));
 }
 
 function conflictsOf(f) {
