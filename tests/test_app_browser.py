@@ -202,13 +202,14 @@ def world() -> Iterator[World]:
         a.mkdir(parents=True)
         for name, data in tree.items():
             (a / name).write_bytes(data)
-        with Repository.init(a, [f"dir:{b}" for b in backends[label]], replicas=2,
-                             encrypt=False, mkdir=True) as repo:
-            repo.push("start")
+        Repository.init(a, [f"dir:{b}" for b in backends[label]], replicas=2, encrypt=False,
+                        mkdir=True).close()
+        set_device(a, "laptop")
+        with Repository.open(a) as repo:
+            repo.push("the first files")
         b = tmp / "desktop" / label
         b.parent.mkdir(exist_ok=True)
         Repository.clone(f"dir:{backends[label][0]}", b, allow_unencrypted=True).close()
-        set_device(a, "laptop")
         set_device(b, "desktop")
         roots[("A", label)], roots[("B", label)] = a, b
     services = {side: Service(side, tmp / f"config-{side}") for side in ("A", "B")}
