@@ -426,8 +426,12 @@ def test_a_backend_gone_shows_down_in_metrics_and_back_up(service: Service, tmp_
     try:
         (s.a / "while-away.txt").write_text("x\n")
         wait_for(lambda: up() == 0.0, "s2 down in /metrics")
-        backend = next(b for b in s.folder("a")["backends"] if b["name"].endswith("s2"))
-        assert backend["health"] != "ok"
+
+        def said() -> bool:
+            b = next(b for b in s.folder("a")["backends"] if b["name"].endswith("s2"))
+            return b["health"] != "ok" or b["failing_since"] is not None
+
+        wait_for(said, "the folder object saying s2 fails")
     finally:
         (tmp_path / "s2-away").rename(store)
     s.ok("POST", f"/rest/folders/{a_id}/sync")
