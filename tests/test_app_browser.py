@@ -341,6 +341,14 @@ def test_the_page_refuses_access_without_the_key(world: World, browser: WebDrive
     assert set(attrs(browser, "#folders li", "data-folder-id")) == set(world.a.ids.values())
     # The cookie it set is HttpOnly: the page's script cannot read the session.
     assert "session" not in browser.execute_script("return document.cookie").lower()
+    # A state-changing call with the cookie but without the CSRF header (what a form
+    # or script of another site could make the browser send) is refused.
+    fid = world.a.ids["Notes"]
+    status = browser.execute_async_script(
+        "fetch(arguments[0], {method: 'POST'}).then(r => arguments[1](r.status))",
+        f"/rest/folders/{fid}/pause")
+    assert status == 403
+    assert world.a.folder("Notes")["state"] != "paused"
 
 
 def test_a_new_file_shows_in_activity_then_reaches_the_other_service(
