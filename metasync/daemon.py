@@ -570,8 +570,9 @@ def guard_deletions(repo: Repository, changes: list[Change],
         return share is not None and total >= GUARD_MIN_FILES and count > share * total
 
     if too_many(len(deleted), tracked):
-        return None, (f"{len(deleted)} of {tracked} files were deleted here at once; run "
-                      "`metasync daemon resume` to sync that, or restore them", deleted)
+        return None, (f"{len(deleted)} of {tracked} files were deleted here at once; resume "
+                      "(`metasync daemon resume`, or Resume on the service's page) to sync "
+                      "that, or restore them", deleted)
     latest = repo.learn_latest()
     if latest.number > repo.prev.number and latest.master and repo.prev.master:
         before_tree = repo.tree_at(repo.prev.master)
@@ -580,7 +581,8 @@ def guard_deletions(repo: Repository, changes: list[Change],
         gone = [p for p, e in before_tree.items() if e.type != "dir" and p not in after_tree]
         if too_many(len(gone), before):
             return latest, (f"version {latest.number} deletes {len(gone)} of {before} files; "
-                            "run `metasync daemon resume` to take it", gone)
+                            "resume (`metasync daemon resume`, or Resume on the service's "
+                            "page) to take it", gone)
     return latest, None
 
 

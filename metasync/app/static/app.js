@@ -127,7 +127,8 @@ async function api(method, path, body) {
   const headers = { Accept: "application/json" };
   if (method !== "GET") {
     headers["Content-Type"] = "application/json";
-    headers["X-CSRF-Token"] = cookie("metasync-csrf");
+    // Named for the port: a browser shares 127.0.0.1's cookies among all its ports.
+    headers["X-CSRF-Token"] = cookie(`metasync-csrf-${location.port}`);
   }
   let response;
   try {
