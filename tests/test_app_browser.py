@@ -305,6 +305,9 @@ def click(driver: WebDriver, selector: str, what: str) -> None:
 def open_folder(driver: WebDriver, world: World, label: str, tab: str, query: str = "") -> None:
     """Show folder ``label`` of service A on ``tab`` (the page's own links look the same)."""
     fid = world.a.ids[label]
+    # Signed in by the first test, unless this test runs alone (or on another worker).
+    if not any(c["name"].startswith("metasync-session") for c in driver.get_cookies()):
+        sign_in(driver, world.a)
     driver.get(f"{world.a.url}/#/{fid}/{tab}{query}")
     until(driver, lambda d: css(d, f"#folder[data-folder-id='{fid}']")
           and css(d, f"#tab-{tab}[aria-selected='true']"), f"folder {label}, tab {tab}")
