@@ -23,7 +23,7 @@ from typing import Any
 
 from metasync.backends.feeds import ChangeFeed, PollingFeed
 from metasync.backends.keys import TEMP_PREFIX
-from metasync.backends.publish import _mount_of
+from metasync.backends.publish import _mount_of, _volume_kind
 from metasync.errors import BackendUnavailable
 
 #: The folder of the log entries, below the namespace folder (docs/FORMAT.md).
@@ -49,9 +49,11 @@ def watchable(path: str) -> bool:
     mount = _mount_of(path)
     if mount is None:
         return True
-    fstype = mount[1]
+    _, fstype, source = mount
     if fstype.startswith("fuse"):
-        return fstype in LOCAL_FUSE
+        # A known driver, or one whose source is a device or image with a disk's
+        # filesystem on it (ntfs-3g on an image mounts as plain "fuse").
+        return fstype in LOCAL_FUSE or _volume_kind(source) is not None
     return fstype not in NETWORK_FILESYSTEMS
 
 
@@ -69,6 +71,7 @@ class DirFeed(ChangeFeed):
         self._observer: Any = None
         self._identity: tuple[int, int] | None = None
         self._log_watched = False
+        self._waited = False
 
     def start(self) -> None:
         """Start watching; raise OSError where the watch cannot start (the folder is
@@ -120,10 +123,12 @@ class DirFeed(ChangeFeed):
         self._log_watched = True
 
     def wait(self, timeout: float) -> bool:
-        if self._observer is None:
-            if not self._closed.is_set():
-                self._fired.clear()
+        if self._observer is None or not self._waited:
+            # The first call establishes the starting point (the watch runs from
+            # dir_feed on, so what came since is kept for the next call).
+            if self._observer is None and not self._closed.is_set():
                 self.start()
+            self._waited = True
             return False
         fired = self._fired.wait(timeout)
         if self._closed.is_set():

@@ -40,6 +40,7 @@ from metasync.layout import HINT_KEY
 from metasync.names import display_path
 from metasync.portable import process_alive, try_lock
 from metasync.progress import CANCEL, NullReporter
+from metasync.remote_watch import RemoteWatch
 from metasync.repository import Repository
 from metasync.worktree import IGNORE_FILE, META_DIR, TEMP_PREFIX, IgnoreRules, ScanProblems
 
@@ -133,13 +134,13 @@ class Daemon:
         self._dirty = True  # the folder may have changed while no daemon ran
         self._last_event = 0.0
         self._ignore: IgnoreRules | None = None
-        self._tokens: dict[str, str | None] = {}
         self._acceptors: dict[str, Backend] = {}
         self._acceptors_config = ""
         self._names: dict[str, str] = {}
         self._allow_deletes = False
-        self._remote_pending = False
+        self._remote_pending = True  # others may have pushed while no daemon ran
         self._rebalance_after = 0.0
+        self._remote = RemoteWatch(self._wake, self.log, HINT_KEY)
 
     # --- lifecycle ---------------------------------------------------------------
     def stop(self, cancel: bool = False) -> None:
@@ -174,6 +175,7 @@ class Daemon:
             self.status.reason = f"stopped on an error: {_describe(exc)}"
             raise
         finally:
+            self._remote.stop()
             if observer is not None:
                 observer.stop()
                 observer.join(timeout=5)
@@ -200,22 +202,26 @@ class Daemon:
                 self._wake.clear()
                 continue
             local_due = self._dirty and now - self._last_event >= self.settings.settle
-            remote_due = self._remote_pending
+            # A change feed fired (metasync/remote_watch.py): others pushed.
+            remote_due = self._remote.take_fired() or self._remote_pending
             if now >= next_poll:
                 next_poll = now + self.settings.poll
-                remote_due = self._remote_moved() or remote_due
+                remote_due = self._remote.hints_moved(self._acceptors) or remote_due
                 # Without watches, or after a failure, every poll is a full attempt.
                 if self.status.watching == "scanning" or self.status.state in ("offline", "error"):
                     local_due = True
+                    remote_due = remote_due or self.status.state != "idle"
             if now >= next_rescan:
                 next_rescan = now + self.settings.rescan
-                local_due = remote_due = True
+                # The backends' part is rare where feeds see every write to them.
+                local_due = True
+                remote_due = self._remote.full_check_due() or remote_due
             settling = self._dirty and now - self._last_event < self.settings.settle
             if (local_due or remote_due) and not settling:
                 # Never while files are still being written: a sync would commit them
                 # half-written (the settle wait is what makes a slow writer safe).
                 self._remote_pending = False
-                self._sync()
+                self._sync(remote=remote_due)
             else:
                 self._remote_pending = remote_due
             timeout = next_poll - time.monotonic()
@@ -225,7 +231,7 @@ class Daemon:
             self._wake.clear()
 
     # --- one sync ------------------------------------------------------------------
-    def _sync(self) -> None:
+    def _sync(self, remote: bool = True) -> None:
         if not (self.meta / "state.db").is_file():
             self._pause(f"{self.root} or its {META_DIR} folder is gone (an unmounted disk?); "
                         "syncing stops until it is back")
@@ -236,7 +242,7 @@ class Daemon:
         try:
             with Repository.open(self.root, self._notes, wait=0) as repo:
                 try:
-                    self._sync_repo(repo)
+                    self._sync_repo(repo, remote)
                 finally:
                     self._record_backends(repo)
         except _Paused:
@@ -277,7 +283,7 @@ class Daemon:
                                     f"(traceback in {META_DIR}/daemon.log)"))
         self._write_status()
 
-    def _sync_repo(self, repo: Repository) -> None:
+    def _sync_repo(self, repo: Repository, remote: bool = True) -> None:
         pause_point("daemon:sync")
         allow = self._allow_deletes
         self._allow_deletes = False
@@ -289,6 +295,10 @@ class Daemon:
             self._pause(f"{deleted} of {tracked} files were deleted here at once; run "
                         "`metasync daemon resume` to sync that, or restore them")
             raise _Paused
+        if not (remote or st.changes or st.unpushed or repo.missing_copies()):
+            # A local check that found nothing asks no backend (feeds say when to).
+            self.status.state, self.status.reason, self.status.pending_changes = "idle", "", 0
+            return
         latest = repo.learn_latest()
         if latest.number > repo.prev.number and latest.master and repo.prev.master and not allow:
             before_tree = repo.tree_at(repo.prev.master)
@@ -407,24 +417,13 @@ class Daemon:
             return
         for backend in self._acceptors.values():
             backend.close()
-        self._acceptors, self._tokens = {}, {}
-        for backend_id, uri in repo.acceptor_uris().items():
+        self._acceptors = {}
+        uris = repo.acceptor_uris()
+        for backend_id, uri in uris.items():
             self._acceptors[backend_id] = open_backend(uri, repo.config.namespace)
             self._names[backend_id] = public_uri(uri)
         self._acceptors_config = repo.config_id
-
-    def _remote_moved(self) -> bool:
-        """True if some acceptor's ``latest`` hint changed since the last look."""
-        moved = False
-        for backend_id, backend in self._acceptors.items():
-            try:
-                token = backend.poll(HINT_KEY)
-            except MetasyncError:
-                continue
-            if self._tokens.get(backend_id, "unseen") != token:
-                moved = True
-            self._tokens[backend_id] = token
-        return moved
+        self._remote.restart(uris, repo.config.namespace)
 
     def _record_backends(self, repo: Repository) -> None:
         health = {self._names.get(b, b): "ok" for b in repo.config.acceptors}
