@@ -2,10 +2,12 @@
 
 One loop, one folder. Local changes arrive as watchdog events; once the folder
 has been quiet for ``settle`` seconds the daemon commits and pushes once (a
-push merges with whatever others pushed). Remote changes are noticed by polling
-the acceptors' ``latest`` hint every ``poll`` seconds (and by a full check every
-``rescan`` seconds in case a hint was never written), then pulled. Everything
-else -- merging, conflict copies, crash safety -- is the repository's.
+push merges with whatever others pushed). Remote changes are noticed by the
+acceptors' change feeds (:mod:`metasync.remote_watch`), or by polling the
+``latest`` hint every ``poll`` seconds of an acceptor without one (and by a full
+check every ``rescan`` seconds in case a hint was never written, rare where the
+feeds see every write), then pulled. Everything else -- merging, conflict copies,
+crash safety -- is the repository's.
 
 The daemon holds the repository only while it syncs, so CLI commands run in
 between. It refuses to propagate what looks like an accident: a folder that is
@@ -296,8 +298,10 @@ class Daemon:
                         "`metasync daemon resume` to sync that, or restore them")
             raise _Paused
         if not (remote or st.changes or st.unpushed or repo.missing_copies()):
-            # A local check that found nothing asks no backend (feeds say when to).
+            # A local check that found nothing asks no backend (the feeds say when to);
+            # the folder is as synced as the feeds know.
             self.status.state, self.status.reason, self.status.pending_changes = "idle", "", 0
+            self.status.last_sync = time.time()
             return
         latest = repo.learn_latest()
         if latest.number > repo.prev.number and latest.master and repo.prev.master and not allow:
