@@ -583,7 +583,7 @@ class BoxBackend(CloudAccess, Backend):
         self._clients.close()
 
     # --- change feed -----------------------------------------------------------------
-    def change_feed(self) -> ChangeFeed:
+    def change_feed(self, watch_key: str | None = None) -> ChangeFeed:
         """A :class:`BoxFeed`: the account's event stream, long-polled, keeping the
         events below the namespace folder."""
         return BoxFeed(self)

@@ -735,7 +735,7 @@ class DropboxBackend(CloudAccess, Backend):
             return None
 
     # --- change feed ---------------------------------------------------------------
-    def change_feed(self) -> ChangeFeed:
+    def change_feed(self, watch_key: str | None = None) -> ChangeFeed:
         """A :class:`DropboxFeed` on the namespace folder (recursive): Dropbox itself
         reports only changes below it."""
         return DropboxFeed(self)

@@ -1106,7 +1106,7 @@ class GDriveBackend(CloudAccess, Backend):
 
     # --- logs ----------------------------------------------------------------------
     # --- change feed -----------------------------------------------------------------
-    def change_feed(self) -> ChangeFeed:
+    def change_feed(self, watch_key: str | None = None) -> ChangeFeed:
         """A :class:`DriveFeed`: ``changes.list`` from a saved page token, keeping the
         changes below the namespace folder."""
         return DriveFeed(self)

@@ -1239,7 +1239,7 @@ class OneDriveBackend(CloudAccess, Backend):
         return children
 
     # --- change feed -----------------------------------------------------------------
-    def change_feed(self) -> ChangeFeed:
+    def change_feed(self, watch_key: str | None = None) -> ChangeFeed:
         """A :class:`OneDriveFeed`: the namespace folder's ``delta`` from a saved
         ``@odata.deltaLink``."""
         return OneDriveFeed(self)
