@@ -51,6 +51,8 @@ STOP_WAIT = 30.0
 FEEDS_ENV = "METASYNC_CHANGE_FEEDS"
 
 Opener = Callable[[str, str], Backend]
+#: ``(backend id, seconds, error or None)`` of one hint read by the daemon.
+PollReport = Callable[[str, float, "str | None"], None]
 
 
 def feeds_enabled() -> bool:
@@ -196,18 +198,25 @@ class RemoteWatch:
         return {b: backend for b, backend in acceptors.items()
                 if b not in self.feeds or self.feeds[b].kind is None}
 
-    def hints_moved(self, acceptors: dict[str, Backend]) -> bool:
+    def hints_moved(self, acceptors: dict[str, Backend],
+                    on_poll: PollReport | None = None) -> bool:
         """Read the ``latest`` hint of each of ``acceptors`` (the daemon's own instances,
         used from its thread) that has no working feed; True if one changed since the
-        last look (or was never looked at). An unreachable one is skipped."""
+        last look (or was never looked at). An unreachable one is skipped.
+        ``on_poll(backend_id, seconds, error or None)`` hears of each read."""
         moved = False
         # A new configuration's acceptors are looked at afresh.
         self._tokens = {b: t for b, t in self._tokens.items() if b in acceptors}
         for backend_id, backend in self.unwatched(acceptors).items():
+            started = time.monotonic()
             try:
                 token = backend.poll(self.watch_key)
-            except MetasyncError:
+            except MetasyncError as exc:
+                if on_poll is not None:
+                    on_poll(backend_id, 0.0, str(exc))
                 continue
+            if on_poll is not None:
+                on_poll(backend_id, time.monotonic() - started, None)
             if self._tokens.get(backend_id, "unseen") != token:
                 moved = True
             self._tokens[backend_id] = token

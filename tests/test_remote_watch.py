@@ -251,3 +251,24 @@ def test_the_daemon_stays_up_while_feeds_fail_and_syncs_once_they_work(
     assert log.count("change feed of") - log.count("works again") == 3, log
     (a / "after.txt").write_text("after the failures\n")
     wait_until(lambda: (b / "after.txt").is_file(), FEED_DEADLINE, "A's file in B", _diff(a, b))
+
+
+def test_acceptors_without_a_working_feed_have_their_hint_read() -> None:
+    """Feeds off (``METASYNC_CHANGE_FEEDS=0``) or failing: the daemon reads hints."""
+    memory = MemoryBackend(f"memory:hints-{uuid.uuid4().hex[:6]}", "ns")
+    memory.create()
+    watch, _, _ = _watch(enabled=False)
+    watch.restart({"b1": "memory:x"}, "ns")
+    assert watch.feeds == {}  # off: no threads
+    heard: list[tuple[str, str | None]] = []
+
+    def on_poll(backend_id: str, seconds: float, error: str | None) -> None:
+        heard.append((backend_id, error))
+
+    acceptors = {"b1": memory}
+    assert watch.hints_moved(acceptors, on_poll) is True  # never looked at
+    assert watch.hints_moved(acceptors, on_poll) is False
+    memory.put(HINT_KEY, b"2")
+    assert watch.hints_moved(acceptors, on_poll) is True
+    assert heard == [("b1", None)] * 3
+    assert watch.full_check_due() and watch.full_check_due()  # every rescan, as before
