@@ -161,7 +161,8 @@ def _watch(opener: object = open_backend, **kw: object) -> tuple[RemoteWatch, _L
     lines = _Lines()
     log.addHandler(lines)
     wake = threading.Event()
-    return RemoteWatch(wake, log, HINT_KEY, opener=opener, enabled=True, **kw), lines, wake  # type: ignore[arg-type]
+    kw.setdefault("enabled", True)
+    return RemoteWatch(wake, log, HINT_KEY, opener=opener, **kw), lines, wake  # type: ignore[arg-type]
 
 
 def test_backoff_doubles_to_its_cap() -> None:
