@@ -189,7 +189,8 @@ class Pair:
         return max(0.0, arrived[0] - pushed), arrived[0] - written
 
 
-def measure(pair: Pair, warmup: float, idle: float, changes: int, seed: int) -> KindResult:
+def measure(pair: Pair, warmup: float, idle: float, changes: int, seed: int,
+            gap: float) -> KindResult:
     result = KindResult(pair.location.kind, pair.mode)
     try:
         pair.setup()
@@ -206,8 +207,9 @@ def measure(pair: Pair, warmup: float, idle: float, changes: int, seed: int) -> 
             result.per_hour_per_daemon = result.per_hour_both / 2
         rng = random.Random(seed)
         for i in range(changes):
-            # A random gap: changes land at every phase of B's poll timer.
-            time.sleep(rng.uniform(0.5, 3.0))
+            # A random gap as long as a poll period: changes land at every phase of
+            # B's poll timer (a short one would lock them to it).
+            time.sleep(rng.uniform(0.5, gap))
             push_s, write_s = pair.change(i)
             result.push_to_arrival.append(push_s)
             result.write_to_arrival.append(write_s)
@@ -280,6 +282,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=90.0)
     parser.add_argument("--idle", type=float, default=300.0, help="idle window, seconds")
     parser.add_argument("--changes", type=int, default=20)
+    parser.add_argument("--gap", type=float, default=10.5,
+                        help="longest random pause between changes, seconds (default: "
+                             "the daemons' poll period and a bit)")
     args = parser.parse_args()
     if args.quick:
         args.warmup, args.idle, args.changes = 20.0, 40.0, 5
@@ -300,7 +305,7 @@ def main() -> int:
             out: list[KindResult] = []
 
             def one(pair: Pair, seed: int, out: list[KindResult] = out) -> None:
-                out.append(measure(pair, args.warmup, args.idle, args.changes, seed))
+                out.append(measure(pair, args.warmup, args.idle, args.changes, seed, args.gap))
 
             threads = [threading.Thread(target=one, args=(p, 19 + i)) for i, p in enumerate(pairs)]
             for t in threads:
@@ -309,7 +314,7 @@ def main() -> int:
                 t.join()
             results.extend(sorted(out, key=lambda r: kinds.index(r.kind)))
     record = {"kinds": kinds, "modes": modes, "warmup_s": args.warmup, "idle_s": args.idle,
-              "changes": args.changes, "settle": float(SETTLE),
+              "changes": args.changes, "gap_max_s": args.gap, "settle": float(SETTLE),
               "results": [r.summary() for r in results]}
     path = write_results("feeds", record)
     print(table(results))
