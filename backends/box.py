@@ -637,8 +637,9 @@ class BoxBackend(CloudAccess, Backend):
 
     def realtime_poll(self, url: str, position: str, retry_timeout: float) -> str:
         """One long-poll of the realtime server ``url`` from ``position``: its message
-        (``new_change``, ``reconnect``, or another). The socket waits
-        ``retry_timeout`` plus the backend's timeout; no transfer slot is held."""
+        (``new_change``, ``reconnect``, or another). Sent without the access token.
+        The socket waits ``retry_timeout`` plus the backend's timeout; no transfer
+        slot is held."""
         from box_sdk_gen.networking.fetch_options import FetchOptions, ResponseFormat
 
         separator = "&" if "?" in url else "?"
@@ -650,9 +651,11 @@ class BoxBackend(CloudAccess, Backend):
                 classes["TimeoutConfig"](
                     connection_timeout_ms=int(min(self.timeout, 10.0) * 1000),
                     read_timeout_ms=int((retry_timeout + self.timeout) * 1000)))
+            # No sign-in: the realtime server needs none, and the access token goes
+            # to no host but the API's.
             response = session.network_client.fetch(FetchOptions(
                 url=target, method="GET", response_format=ResponseFormat.JSON,
-                auth=client.events.auth, network_session=session))
+                auth=None, network_session=session))
             data = response.data
             message = data.get("message") if isinstance(data, dict) else None
             return str(message or "")

@@ -23,6 +23,7 @@ from metasync.backends import Backend, open_backend
 from metasync.backends.cloudfeeds import CURSOR_INTERVAL, CursorFeed, LongPollFeed
 from metasync.backends.conformance import BackendConformance, Location
 from metasync.backends.feeds import ChangeFeed
+from metasync.backends.retry import RetryPolicy
 from metasync.errors import BackendError, ObjectNotFound
 from tests.emulators.base import UNAVAILABLE, EmulatorService
 
@@ -261,8 +262,9 @@ def check_change_feed(
     """The backend's change feed on ``location`` (a URI), of ``kind``: silent (False)
     on an idle namespace and after a change in another namespace beside it, True once
     another client wrote into the namespace, still working after a transient error of
-    one of its requests (paths matching ``feed_routes``), unblocked by close() from
-    another thread, and costing an idle namespace at most 120 requests an hour (issue
+    one of its requests (paths matching ``feed_routes``: retried) and after errors
+    that outlast the retries (raised by one wait), unblocked by close() from another
+    thread, and costing an idle namespace at most 120 requests an hour (issue
     19's budget). ``hasten(feed)`` shortens the feed's pace for the test."""
     namespace = fresh_namespace()
     watcher = open_backend(location, namespace)
@@ -300,6 +302,16 @@ def check_change_feed(
                 assert exc.transient, exc
         assert fired is True
         assert service.emulator.faults.pending() == 0
+        # A failure that outlasts the retries is raised by a wait (transient: the
+        # caller backs off); the next wait goes on from the saved cursor.
+        service.emulator.faults.inject(*[UNAVAILABLE] * RetryPolicy().attempts,
+                                       only=feed_routes)
+        writer.put("logs/1", b"while the service fails")
+        with pytest.raises(BackendError) as failed:
+            feed.wait(CHANGE_WAIT)
+        assert failed.value.transient
+        assert service.emulator.faults.pending() == 0
+        assert feed.wait(CHANGE_WAIT) is True
         writer.delete("objects/ab/new")
         assert feed.wait(CHANGE_WAIT) is True  # a deletion is a change too
         # close() from another thread ends a long wait at once.

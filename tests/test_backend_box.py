@@ -737,17 +737,17 @@ def test_change_feed(box_service: BoxService) -> None:
         emulator.realtime_scale = 1.0
 
 
-def test_change_feed_reconnects_after_max_retries(box_service: BoxService) -> None:
-    """A realtime server URL serves ``max_retries`` long-polls (or until it answers
-    ``reconnect``), then OPTIONS /events is asked again; each reconnect costs one
-    OPTIONS, never one per long-poll."""
+def test_change_feed_reconnects_through_options(box_service: BoxService) -> None:
+    """After a realtime long-poll answers ``reconnect`` (nothing happened within its
+    wait), OPTIONS /events is asked for a server again: one OPTIONS per reconnect. The
+    long-polls carry no access token (the realtime server needs none)."""
     emulator = box_service.emulator
     emulator.realtime_scale = 0.0005
-    emulator.max_retries = 3
     backend = open_backend(_location(box_service, "/feeds"), fresh_namespace())
     backend.create()
     feed = backend.change_feed()
     assert feed is not None
+    signed = emulator.realtime_signed
     try:
         before = dict(emulator.calls)
         assert feed.wait(1.0) is False
@@ -756,10 +756,9 @@ def test_change_feed_reconnects_after_max_retries(box_service: BoxService) -> No
         delta = call_delta(before, dict(emulator.calls))
         polls = delta.get("events/realtime", 0)
         assert polls >= 1
-        # every idle poll answers reconnect, so each poll had its own OPTIONS
         assert delta.get("events/options", 0) == polls
+        assert emulator.realtime_signed == signed  # the access token stays with the API
     finally:
         emulator.realtime_scale = 1.0
-        emulator.max_retries = 10
         feed.close()
         backend.close()

@@ -734,3 +734,37 @@ def test_delta_enumerates_then_follows_links(onedrive_service: OneDriveService) 
     finally:
         emulator.page_size = page_size
         backend.close()
+
+
+def test_change_feed_asks_often_right_after_a_change(onedrive_service: OneDriveService) -> None:
+    """A cursor feed asks at its idle interval until a change, then at the short
+    active interval for ``active_span`` seconds after it: the next changes of a burst
+    are seen within seconds, an idle namespace costs only the idle pace."""
+    location = _location(onedrive_service, "/feeds")
+    watcher = open_backend(location, fresh_namespace())
+    watcher.create()
+    writer = open_backend(watcher.uri, watcher.namespace)
+    feed = watcher.change_feed()
+    assert isinstance(feed, OneDriveFeed)
+    feed.interval, feed.active_interval, feed.active_span = 3600.0, 0.05, 3600.0
+    try:
+        assert feed.wait(0) is False
+        asks = feed.checks
+        assert feed.wait(0.3) is False
+        assert feed.checks == asks  # idle: the next ask is an hour away
+        feed._next = 0.0  # due now (as after an idle interval)
+        writer.put("k", b"v")
+        assert feed.wait(30) is True
+        asks = feed.checks
+        assert feed.wait(0.3) is False
+        assert feed.checks > asks  # active: asked again within the 0.3 s
+        feed.active_span = 0.0  # the burst is over: back to the idle pace
+        writer.put("k2", b"v")
+        assert feed.wait(30) is True
+        asks = feed.checks
+        assert feed.wait(0.3) is False
+        assert feed.checks <= asks + 1
+    finally:
+        feed.close()
+        watcher.close()
+        writer.close()

@@ -372,6 +372,8 @@ class BoxEmulator(Emulator):
         self.max_retries = 10
         self.realtime_wait = 600.0
         self.realtime_scale = 1.0
+        #: Realtime long-polls that carried an Authorization header (none should).
+        self.realtime_signed = 0
         self._closed = False
 
     # --- plumbing ----------------------------------------------------------------
@@ -1318,6 +1320,8 @@ class BoxEmulator(Emulator):
         exists, else ``reconnect`` after :attr:`realtime_wait` (scaled). No sign-in."""
         with self._lock:
             self.calls["events/realtime"] = self.calls.get("events/realtime", 0) + 1
+            if request.header("Authorization"):
+                self.realtime_signed += 1
         try:
             after = int(request.query.get("stream_position", "0"))
         except ValueError:
