@@ -199,6 +199,8 @@ class LocalBackend(Backend):
         self._registers: bool | None = None
         self._case_sensitive: bool | None = None
         self._fuse: bool | None = None
+        # Whether the kernel sees every write to it (not a network filesystem).
+        self._watchable: bool | None = None
 
     # --- helpers -------------------------------------------------------------------
     def _key(self, key: str) -> str:
@@ -737,7 +739,9 @@ class LocalBackend(Backend):
             self._fuse = is_fuse(self.location)
         if self._fuse:
             capabilities = replace(capabilities, atomic_replace=False)
-        if not watchable(self.location):
+        if self._watchable is None:
+            self._watchable = watchable(self.location)
+        if not self._watchable:
             capabilities = replace(capabilities, change_feed="poll")
         return capabilities
 
