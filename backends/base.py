@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 # Capabilities and the key rules live in modules of their own (the log constructions
 # need them too); they are part of this interface and importable from here.
 from metasync.backends.capabilities import Capabilities as Capabilities
-from metasync.backends.feeds import ChangeFeed
+from metasync.backends.feeds import ChangeFeed, PollingFeed
 from metasync.backends.keys import TEMP_PREFIX as TEMP_PREFIX
 from metasync.backends.keys import check_key as check_key
 from metasync.backends.keys import check_namespace as check_namespace
@@ -189,11 +189,21 @@ class Backend(ABC):
         """Return a token that changes whenever the object at ``key`` changes, or
         ``None`` if it does not exist. Comparing tokens tells a client to re-read."""
 
-    def change_feed(self) -> ChangeFeed | None:
+    def change_feed(self, watch_key: str | None = None) -> ChangeFeed | None:
         """A new :class:`~metasync.backends.feeds.ChangeFeed` for this namespace, of
         the kind ``capabilities.change_feed`` declares; ``None`` where the backend
-        offers none and the caller reads :meth:`poll` tokens itself."""
-        return None
+        offers none and the caller reads :meth:`poll` tokens itself.
+
+        ``watch_key`` is the key every writer rewrites after a change (the
+        repository's ``latest`` hint; the caller names it, backends know no
+        repository layout). Backends with a change notification of their own watch
+        the whole namespace and may ignore it; the default, for backends without one
+        (S3, SFTP, WebDAV, rclone, ``memory:``), is a
+        :class:`~metasync.backends.feeds.PollingFeed` on ``watch_key`` (``None``
+        without one)."""
+        if watch_key is None:
+            return None
+        return PollingFeed(self, watch_key)
 
     def replace_if(self, key: str, data: bytes, token: str) -> bool:
         """Replace the object at ``key`` with ``data`` only if its :meth:`poll` token is

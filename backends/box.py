@@ -88,6 +88,8 @@ from metasync.backends.cloud import (
     redirect_code,
     redirect_query,
 )
+from metasync.backends.cloudfeeds import LongPollFeed, PollAnswer
+from metasync.backends.feeds import ChangeFeed
 from metasync.backends.http import pooled_session, requests_failure
 from metasync.backends.logs import LogStore, ObjectStoreLogs
 from metasync.backends.retry import RetryMark, TransientError
@@ -116,6 +118,13 @@ CHUNK_SIZE = 8 << 20
 SINGLE_UPLOAD_LIMIT = 50_000_000
 #: Entries asked for per listing page (Box's maximum).
 LIST_LIMIT = 1000
+#: What Box's realtime servers answer when ``OPTIONS /events`` leaves it out: the
+#: seconds a long-poll may go unanswered (``retry_timeout``) and the long-polls one
+#: server URL serves before ``OPTIONS /events`` is asked again (``max_retries``).
+REALTIME_RETRY_TIMEOUT = 610.0
+REALTIME_MAX_RETRIES = 10
+#: Events asked for per ``GET /events`` page (Box's most).
+EVENTS_LIMIT = 500
 #: Read size on download streams (the SDK's stream concatenates 1 KiB pieces up to it).
 READ_PIECE = 16 << 10
 #: The loopback address Box sends the browser back to after sign-in; it must be one
@@ -292,6 +301,7 @@ class BoxBackend(CloudAccess, Backend):
         max_object_size=None,
         case_sensitive=False,
         long_poll=False,
+        change_feed="longpoll",
         sharing=True,
     )
 
@@ -571,6 +581,86 @@ class BoxBackend(CloudAccess, Backend):
 
     def close(self) -> None:
         self._clients.close()
+
+    # --- change feed -----------------------------------------------------------------
+    def change_feed(self, watch_key: str | None = None) -> ChangeFeed:
+        """A :class:`BoxFeed`: the account's event stream, long-polled, keeping the
+        events below the namespace folder."""
+        return BoxFeed(self)
+
+    def namespace_folder_id(self) -> str:
+        """The namespace folder's id; :class:`BackendError` if it is missing."""
+        folder = self._folder_id(list(self.root), create=False)
+        if folder is None:
+            raise BackendError(
+                f"cannot watch {self.name}: the namespace folder "
+                f"{'/' + '/'.join(self.root)!r} is missing")
+        return folder
+
+    def events_since(self, position: str) -> tuple[builtins.list[dict[str, Any]], str]:
+        """``GET /events?stream_type=changes&stream_position=P`` page after page: the
+        events after ``position`` (raw JSON; ``now``: none) and the position after
+        them."""
+        from box_sdk_gen.managers.events import GetEventsStreamType
+
+        events: builtins.list[dict[str, Any]] = []
+        while True:
+            def page(client: Any, position: str = position) -> Any:
+                return client.events.get_events(
+                    stream_type=GetEventsStreamType.CHANGES, stream_position=position,
+                    limit=EVENTS_LIMIT)
+
+            answer = self._call(None, "watch", page)
+            raw = answer.raw_data if isinstance(answer.raw_data, dict) else {}
+            entries = [e for e in raw.get("entries") or [] if isinstance(e, dict)]
+            events.extend(entries)
+            following = answer.next_stream_position
+            if following is None or str(following) == position:
+                return events, position
+            position = str(following)
+            if len(entries) < EVENTS_LIMIT:
+                return events, position
+
+    def realtime_server(self) -> tuple[str, float, int]:
+        """``OPTIONS /events``: a realtime server's long-poll URL, its
+        ``retry_timeout`` (seconds) and ``max_retries``."""
+        answer = self._call(None, "watch", lambda c: c.events.get_events_with_long_polling())
+        for server in answer.entries or []:
+            if getattr(server, "type", None) == "realtime_server" and server.url:
+                try:
+                    retry_timeout = float(server.retry_timeout or REALTIME_RETRY_TIMEOUT)
+                    retries = int(server.max_retries or REALTIME_MAX_RETRIES)
+                except (TypeError, ValueError):
+                    retry_timeout, retries = REALTIME_RETRY_TIMEOUT, REALTIME_MAX_RETRIES
+                return str(server.url), max(1.0, retry_timeout), max(1, retries)
+        raise TransientError(f"cannot watch {self.name}: Box named no realtime server")
+
+    def realtime_poll(self, url: str, position: str, retry_timeout: float) -> str:
+        """One long-poll of the realtime server ``url`` from ``position``: its message
+        (``new_change``, ``reconnect``, or another). Sent without the access token.
+        The socket waits ``retry_timeout`` plus the backend's timeout; no transfer
+        slot is held."""
+        from box_sdk_gen.networking.fetch_options import FetchOptions, ResponseFormat
+
+        separator = "&" if "?" in url else "?"
+        target = f"{url}{separator}stream_position={position}"
+        classes = _sdk_classes()
+
+        def poll(client: Any) -> str:
+            session = client.events.network_session.with_timeout_config(
+                classes["TimeoutConfig"](
+                    connection_timeout_ms=int(min(self.timeout, 10.0) * 1000),
+                    read_timeout_ms=int((retry_timeout + self.timeout) * 1000)))
+            # No sign-in: the realtime server needs none, and the access token goes
+            # to no host but the API's.
+            response = session.network_client.fetch(FetchOptions(
+                url=target, method="GET", response_format=ResponseFormat.JSON,
+                auth=None, network_session=session))
+            data = response.data
+            message = data.get("message") if isinstance(data, dict) else None
+            return str(message or "")
+
+        return self._call(None, "watch", poll, slotted=False)
 
     # --- writes --------------------------------------------------------------------
     def _upload_new(self, client: Any, folder_id: str, name: str, source: BinaryIO,
@@ -1205,6 +1295,66 @@ class BoxBackend(CloudAccess, Backend):
         if result == "already":
             return f"{email} is already a collaborator on the Box folder {where}"
         return f"invited {email} to edit the Box folder {where}"
+
+
+def _inside(event: dict[str, Any], folder_id: str) -> bool:
+    """Whether an event may concern the folder ``folder_id`` or what is below it: its
+    source is the folder, or has it as parent or in its path; an event whose source
+    says nothing of where it is counts (a false alarm, never a miss)."""
+    source = event.get("source")
+    if not isinstance(source, dict):
+        return True
+    if source.get("id") == folder_id:
+        return True
+    parent = source.get("parent")
+    collection = source.get("path_collection")
+    if not isinstance(collection, dict) and not isinstance(parent, dict):
+        return True
+    if isinstance(parent, dict) and parent.get("id") == folder_id:
+        return True
+    entries = collection.get("entries") if isinstance(collection, dict) else None
+    return any(isinstance(e, dict) and e.get("id") == folder_id for e in entries or [])
+
+
+class BoxFeed(LongPollFeed):
+    """The namespace's changes through Box's event stream: the position of "now"
+    (``GET /events?stream_position=now``), then long-polls of a realtime server
+    (``OPTIONS /events``; a new one after ``reconnect`` or ``max_retries`` polls, each
+    waiting up to ``retry_timeout``); on ``new_change``, the events since the saved
+    position (``stream_type=changes``) are read and those below the namespace folder
+    fire. Idle, it costs about two requests per ``retry_timeout`` (610 s on Box)."""
+
+    def __init__(self, backend: BoxBackend) -> None:
+        super().__init__(backend.name)
+        self._backend = backend
+        self._folder = ""
+        self._position = "now"
+        self._server: tuple[str, float, int] | None = None
+        self._polls = 0
+
+    @property
+    def round_seconds(self) -> float:
+        """The realtime server's ``retry_timeout`` (Box's default until one is known)."""
+        return self._server[1] if self._server is not None else REALTIME_RETRY_TIMEOUT
+
+    def _begin(self) -> None:
+        self._folder = self._backend.namespace_folder_id()
+        _, self._position = self._backend.events_since("now")
+
+    def _poll_round(self) -> PollAnswer:
+        if self._server is None or self._polls >= self._server[2]:
+            self._server = self._backend.realtime_server()
+            self._polls = 0
+        url, retry_timeout, _ = self._server
+        self._polls += 1
+        message = self._backend.realtime_poll(url, self._position, retry_timeout)
+        if message == "reconnect":
+            self._server = None
+            return PollAnswer(False)
+        if message != "new_change":
+            return PollAnswer(False)
+        events, self._position = self._backend.events_since(self._position)
+        return PollAnswer(any(_inside(event, self._folder) for event in events))
 
 
 class BoxLogs(ObjectStoreLogs):

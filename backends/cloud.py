@@ -593,18 +593,21 @@ class CloudAccess:
     # --- requests: the skeleton -----------------------------------------------------
 
     def _attempt(
-        self, key: str | None, action: str, request: Callable[[], T], token: str | None
+        self, key: str | None, action: str, request: Callable[[], T], token: str | None,
+        *, slotted: bool = True,
     ) -> T:
-        """One attempt of ``request()`` in a transfer slot, what it raises translated
-        (:func:`translated`): an :class:`SdkTokenRefresh` is the refusal of ``token``,
-        anything else goes to :meth:`_translate`."""
+        """One attempt of ``request()`` in a transfer slot (none if not ``slotted``: a
+        change feed's long-poll, which must not hold one for minutes), what it raises
+        translated (:func:`translated`): an :class:`SdkTokenRefresh` is the refusal of
+        ``token``, anything else goes to :meth:`_translate`."""
 
         def translate(exc: Exception) -> BaseException:
             if isinstance(exc, SdkTokenRefresh) and token is not None:
                 return self.tokens.rejected(token, exc.detail)
             return self._translate(exc, key, action, token)
 
-        return translated(self._slots, request, translate)
+        slots = self._slots if slotted else threading.BoundedSemaphore(1)
+        return translated(slots, request, translate)
 
     def _retried(
         self,
@@ -623,15 +626,17 @@ class CloudAccess:
         action: str,
         fn: Callable[[Any], T],
         on_retry: Callable[[BaseException], None] | None = None,
+        *,
+        slotted: bool = True,
     ) -> T:
         """``fn(client)`` on the client of :meth:`_connect` (asked again for each
         attempt: the token may have been refreshed), each attempt by
-        :meth:`_attempt`, with retries of transient failures; ``fn`` must be safe to
-        repeat."""
+        :meth:`_attempt` (``slotted`` as there), with retries of transient failures;
+        ``fn`` must be safe to repeat."""
 
         def attempt() -> T:
             client, token = self._connect()
-            return self._attempt(key, action, lambda: fn(client), token)
+            return self._attempt(key, action, lambda: fn(client), token, slotted=slotted)
 
         return self._retried(key, action, attempt, on_retry)
 

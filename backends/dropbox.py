@@ -64,6 +64,8 @@ from metasync.backends.cloud import (
     oauth2_refresh,
     parse_cloud_uri,
 )
+from metasync.backends.cloudfeeds import LongPollFeed, PollAnswer
+from metasync.backends.feeds import ChangeFeed
 from metasync.backends.http import ResponseReader, pin_ca, range_of_chunks, requests_failure
 from metasync.backends.retry import RetryMark, TransientError
 from metasync.backends.uploads import NO_JOURNAL, PendingUpload, UploadJournal
@@ -87,6 +89,11 @@ SINGLE_UPLOAD_LIMIT = 150 * 1024 * 1024
 MAX_FILE_SIZE = 350 * (1 << 30)
 #: Entries asked for per listing page (Dropbox's maximum).
 LIST_LIMIT = 2000
+#: The ``timeout`` of a ``files/list_folder/longpoll`` (seconds): Dropbox's longest
+#: (it takes 30..480), so an idle namespace costs 7.5 requests an hour; and the random
+#: delay of up to this many seconds Dropbox adds to spread clients out.
+LONGPOLL_SECONDS = 480
+LONGPOLL_JITTER = 90
 #: The real service's token endpoint and hosts.
 DROPBOX_API = "https://api.dropboxapi.com"
 #: Scopes metasync asks for when signing in (the app must have them enabled).
@@ -219,6 +226,7 @@ class DropboxBackend(CloudAccess, Backend):
         max_object_size=MAX_FILE_SIZE,
         case_sensitive=False,
         long_poll=False,
+        change_feed="longpoll",
         sharing=True,
     )
 
@@ -726,6 +734,72 @@ class DropboxBackend(CloudAccess, Backend):
         except ObjectNotFound:
             return None
 
+    # --- change feed ---------------------------------------------------------------
+    def change_feed(self, watch_key: str | None = None) -> ChangeFeed:
+        """A :class:`DropboxFeed` on the namespace folder (recursive): Dropbox itself
+        reports only changes below it."""
+        return DropboxFeed(self)
+
+    def latest_cursor(self) -> str:
+        """``files/list_folder/get_latest_cursor`` of the namespace folder (recursive):
+        a cursor of "now", no listing. Raises :class:`BackendError` if the folder is
+        missing."""
+        try:
+            result = self._call(
+                None, "watch",
+                lambda c: c.files_list_folder_get_latest_cursor(self.root, recursive=True),
+            )
+        except ObjectNotFound:
+            raise BackendError(
+                f"cannot watch {self.name}: the namespace folder {self.root!r} is missing"
+            ) from None
+        return str(result.cursor)
+
+    def longpoll(self, cursor: str, seconds: int) -> tuple[bool, float] | None:
+        """``files/list_folder/longpoll`` (notify host, no sign-in sent): ``(changes,
+        backoff seconds)`` after at most ``seconds`` (30..480) plus Dropbox's jitter;
+        None if Dropbox reset the cursor. The socket waits that long plus the
+        backend's timeout, and the request holds no transfer slot."""
+        import dropbox.exceptions as dexc
+        import dropbox.files as df
+
+        arg = df.ListFolderLongpollArg(cursor, seconds)
+
+        def poll(client: Any) -> tuple[bool, float] | None:
+            try:
+                result = client.request(
+                    df.list_folder_longpoll, "files", arg, None,
+                    timeout=seconds + LONGPOLL_JITTER + self.timeout,
+                )
+            except dexc.ApiError as exc:
+                if "reset" in _tags(exc.error):
+                    return None
+                raise
+            return bool(result.changes), float(result.backoff or 0)
+
+        return self._call(None, "watch", poll, slotted=False)
+
+    def cursor_after(self, cursor: str) -> str | None:
+        """The cursor past every change since ``cursor`` (``files/list_folder/
+        continue`` while ``has_more``); None if Dropbox reset the cursor."""
+        import dropbox.exceptions as dexc
+
+        while True:
+            def step(client: Any, cursor: str = cursor) -> Any:
+                try:
+                    return client.files_list_folder_continue(cursor)
+                except dexc.ApiError as exc:
+                    if "reset" in _tags(exc.error):
+                        return None
+                    raise
+
+            page = self._call(None, "watch", step)
+            if page is None:
+                return None
+            cursor = str(page.cursor)
+            if not page.has_more:
+                return cursor
+
     # --- sharing -------------------------------------------------------------------
     def share(self, email: str) -> str:
         """Share the namespace folder (``sharing/share_folder``, once) and invite
@@ -775,6 +849,36 @@ class DropboxBackend(CloudAccess, Backend):
 
         self._call(None, "share", invite)
         return f"invited {email} to edit the Dropbox folder {self.root}"
+
+
+class DropboxFeed(LongPollFeed):
+    """The namespace's changes through ``files/list_folder/longpoll`` on a cursor of
+    the namespace folder (recursive): long-polls of the longest timeout Dropbox takes
+    (:data:`LONGPOLL_SECONDS`), each ``backoff`` honoured; on a change,
+    ``list_folder/continue`` moves the cursor past it. A reset cursor is replaced by a
+    new one and counts as a change (a false alarm at worst). Idle, it costs one
+    request per long-poll: 7.5 an hour."""
+
+    round_seconds = float(LONGPOLL_SECONDS)
+
+    def __init__(self, backend: DropboxBackend) -> None:
+        super().__init__(backend.name)
+        self._backend = backend
+        self._cursor = ""
+
+    def _begin(self) -> None:
+        self._cursor = self._backend.latest_cursor()
+
+    def _poll_round(self) -> PollAnswer:
+        answer = self._backend.longpoll(self._cursor, LONGPOLL_SECONDS)
+        if answer is None:
+            self._cursor = self._backend.latest_cursor()
+            return PollAnswer(True)
+        changes, backoff = answer
+        if changes:
+            after = self._backend.cursor_after(self._cursor)
+            self._cursor = after if after is not None else self._backend.latest_cursor()
+        return PollAnswer(changes, backoff)
 
 
 class _DropboxReader(ResponseReader):

@@ -24,6 +24,9 @@ interval. Nothing a feed returns is trusted beyond "look again".
 from __future__ import annotations
 
 import abc
+import threading
+import time
+from typing import Any
 
 #: The kinds ``Capabilities.change_feed`` names, best first.
 FEED_KINDS = ("notify", "longpoll", "cursor", "poll")
@@ -49,3 +52,72 @@ class ChangeFeed(abc.ABC):
     def close(self) -> None:
         """Unblock a :meth:`wait` in progress and release what the feed holds.
         Idempotent."""
+
+
+class PollSchedule:
+    """The interval of a :class:`PollingFeed`, with no clock of its own (tests drive it):
+    ``short`` seconds right after a change, multiplied by ``factor`` after each look
+    that saw nothing, up to ``cap``. The defaults cost at most 60 + a few looks an hour
+    on an idle namespace and notice a change in a busy one within ``short`` seconds."""
+
+    def __init__(self, short: float = 2.0, cap: float = 60.0, factor: float = 2.0) -> None:
+        if not 0 < short <= cap or factor < 1:
+            raise ValueError(f"poll schedule needs 0 < short <= cap and factor >= 1, "
+                             f"got short={short} cap={cap} factor={factor}")
+        self.short, self.cap, self.factor = short, cap, factor
+        self.interval = short
+
+    def saw_change(self) -> float:
+        """A look found a change: the next look comes after ``short`` seconds (others
+        often follow a change: a push writes log entries, then the hint)."""
+        self.interval = self.short
+        return self.interval
+
+    def saw_nothing(self) -> float:
+        """A look found nothing: the next look waits longer, up to ``cap``."""
+        self.interval = min(self.cap, self.interval * self.factor)
+        return self.interval
+
+
+class PollingFeed(ChangeFeed):
+    """The feed of a backend with no change notification (S3, SFTP, WebDAV, rclone):
+    reads the poll token of one key -- the repository's ``latest`` hint, which every
+    push rewrites -- on a :class:`PollSchedule`. One request per look; a change is
+    seen at the next look, at most ``cap`` seconds later."""
+
+    kind = "poll"
+
+    def __init__(self, backend: Any, key: str, schedule: PollSchedule | None = None) -> None:
+        self.backend = backend
+        self.key = key
+        self.schedule = schedule or PollSchedule()
+        self._token: str | None = None
+        self._started = False
+        self._next = 0.0
+        self._closed = threading.Event()
+
+    def wait(self, timeout: float) -> bool:
+        if not self._started:
+            self._token = self.backend.poll(self.key)
+            self._started = True
+            self._next = time.monotonic() + self.schedule.interval
+            return False
+        deadline = time.monotonic() + timeout
+        while not self._closed.is_set():
+            now = time.monotonic()
+            if now < self._next:
+                if now >= deadline:
+                    return False
+                self._closed.wait(min(self._next, deadline) - now)
+                continue
+            token = self.backend.poll(self.key)  # BackendError: the caller backs off
+            changed = token != self._token
+            self._token = token
+            step = self.schedule.saw_change() if changed else self.schedule.saw_nothing()
+            self._next = time.monotonic() + step
+            if changed:
+                return True
+        return False
+
+    def close(self) -> None:
+        self._closed.set()

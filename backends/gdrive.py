@@ -86,6 +86,8 @@ from metasync.backends.cloud import (
     parse_retry_after,
     pasted_code,
 )
+from metasync.backends.cloudfeeds import CursorFeed
+from metasync.backends.feeds import ChangeFeed
 from metasync.backends.http import pin_ca
 from metasync.backends.logs import LogStore
 from metasync.backends.retry import TransientError
@@ -122,6 +124,10 @@ CHUNK_SIZE = 8 << 20
 MAX_FILE_SIZE = 5 * (1 << 40)
 #: Items asked for per listing page (Drive's maximum).
 PAGE_SIZE = 1000
+#: Changes asked for per ``changes.list`` page (Drive's most), and the most folders a
+#: change feed walks up from an item before it gives up (calls it outside).
+CHANGES_PAGE_SIZE = 1000
+MAX_FOLDER_DEPTH = 64
 #: Parent ids per listing query (the query stays well below URL length limits).
 PARENTS_PER_QUERY = 20
 #: Ids asked from files.generateIds at a time.
@@ -385,6 +391,7 @@ class GDriveBackend(CloudAccess, Backend):
         max_object_size=MAX_FILE_SIZE,
         case_sensitive=True,
         long_poll=False,
+        change_feed="cursor",
         sharing=True,
         # A log's first entry is a link of its bucket's chain of log heads (DriveLogs):
         # removing it would cut other logs off, so Drive keeps its pPaxos logs.
@@ -1098,6 +1105,55 @@ class GDriveBackend(CloudAccess, Backend):
                 f":{found.get('size', '')}")
 
     # --- logs ----------------------------------------------------------------------
+    # --- change feed -----------------------------------------------------------------
+    def change_feed(self, watch_key: str | None = None) -> ChangeFeed:
+        """A :class:`DriveFeed`: ``changes.list`` from a saved page token, keeping the
+        changes below the namespace folder."""
+        return DriveFeed(self)
+
+    def start_page_token(self) -> str:
+        """``changes.getStartPageToken``: the page token of "now"."""
+        answer = self._call(None, "watch", lambda d: self._exec(
+            d.changes().getStartPageToken(fields="startPageToken")))
+        token = answer.get("startPageToken") if isinstance(answer, dict) else None
+        if not isinstance(token, str) or not token:
+            raise BackendError(f"cannot watch {self.name}: Drive answered no start page token")
+        return token
+
+    def changes_since(self, token: str) -> tuple[builtins.list[dict[str, Any]], str]:
+        """``changes.list`` from page token ``token``, page after page: the changes
+        (``fileId``, ``removed``, ``file`` with ``mimeType``/``parents``) and the
+        ``newStartPageToken`` to ask from next time."""
+        changes: builtins.list[dict[str, Any]] = []
+        while True:
+            def page(drive: Any, token: str = token) -> Any:
+                return self._exec(drive.changes().list(
+                    pageToken=token, pageSize=CHANGES_PAGE_SIZE, spaces="drive",
+                    includeRemoved=True,
+                    fields="nextPageToken,newStartPageToken,"
+                           "changes(changeType,fileId,removed,file(mimeType,parents))"))
+
+            answer = self._call(None, "watch", page)
+            if not isinstance(answer, dict):
+                raise BackendError(f"cannot watch {self.name}: Drive answered no change list")
+            changes.extend(c for c in answer.get("changes") or [] if isinstance(c, dict))
+            following = answer.get("newStartPageToken")
+            if isinstance(following, str) and following:
+                return changes, following
+            token = answer.get("nextPageToken") or ""
+            if not isinstance(token, str) or not token:
+                raise BackendError(f"cannot watch {self.name}: Drive answered no page token")
+
+    def parents_of(self, file_id: str) -> builtins.list[str] | None:
+        """The parents of the item ``file_id`` (``files.get``), None if it is gone."""
+        try:
+            answer = self._call(None, "watch", lambda d: self._exec(
+                d.files().get(fileId=file_id, fields="parents")))
+        except ObjectNotFound:
+            return None
+        parents = answer.get("parents") if isinstance(answer, dict) else None
+        return [str(p) for p in parents or [] if isinstance(p, str)]
+
     def specific_logs(self) -> LogStore:
         """Logs from exclusive creates by reserved id (:class:`DriveLogs`): Drive has no
         exclusive create by name."""
@@ -1133,6 +1189,82 @@ class GDriveBackend(CloudAccess, Backend):
         self._call(None, "share", grant)
         location = "/".join(self.location) or "My Drive"
         return (f"invited {email} to edit the Google Drive folder {location}/{self.namespace}")
+
+
+class DriveFeed(CursorFeed):
+    """The namespace's changes through ``changes.list`` from a saved page token
+    (``changes.getStartPageToken`` at the start, ``newStartPageToken`` after each
+    ask), one request an ask when nothing changed. Drive reports changes of the whole
+    account with each item's parents only, so a change counts if its item is the
+    namespace folder or lies below it: the folders above it are looked up
+    (``files.get``, once per folder: known inside and outside folders are
+    remembered). A removed item (Drive no longer says where it was) counts: a false
+    alarm at worst, never a miss."""
+
+    def __init__(self, backend: GDriveBackend) -> None:
+        super().__init__(backend.name)
+        self._backend = backend
+        self._token = ""
+        self._inside: set[str] = set()
+        self._outside: set[str] = set()
+
+    def _begin(self) -> None:
+        try:
+            namespace = str(self._backend.namespace_folder()["id"])
+        except ObjectNotFound:
+            raise BackendError(
+                f"cannot watch {self._backend.name}: the namespace folder "
+                f"{self._backend.namespace!r} is missing") from None
+        self._inside = {namespace}
+        self._outside = set()
+        self._token = self._backend.start_page_token()
+
+    def _changed_since(self) -> bool:
+        changes, self._token = self._backend.changes_since(self._token)
+        # Every change is looked at (not only up to the first that counts): folders
+        # made inside are learnt from them.
+        return any([self._concerns(change) for change in changes])
+
+    def _concerns(self, change: dict[str, Any]) -> bool:
+        if change.get("changeType", "file") != "file":
+            return False  # a shared drive's own change: My Drive holds the namespace
+        file_id = change.get("fileId")
+        item = change.get("file")
+        if change.get("removed") or not isinstance(item, dict) or not isinstance(file_id, str):
+            return True
+        parents = item.get("parents")
+        if not isinstance(parents, builtins.list) or not parents:
+            return True  # nothing says where it is
+        is_folder = item.get("mimeType") == FOLDER
+        if is_folder:
+            # A folder moved in or out changes what lies below what: learn again.
+            self._outside.clear()
+        if file_id in self._inside:
+            return True
+        if any(self._below_namespace(str(p)) for p in parents):
+            if is_folder:
+                self._inside.add(file_id)
+            return True
+        return False
+
+    def _below_namespace(self, folder_id: str) -> bool:
+        """Whether ``folder_id`` is the namespace folder or below it, walking up its
+        parents (each looked up once) to a known folder or the top."""
+        walked: builtins.list[str] = []
+        current = folder_id
+        for _ in range(MAX_FOLDER_DEPTH):
+            if current in self._inside:
+                self._inside.update(walked)
+                return True
+            if current in self._outside:
+                break
+            walked.append(current)
+            parents = self._backend.parents_of(current)
+            if not parents:
+                break  # the top of My Drive, or gone
+            current = parents[0]
+        self._outside.update(walked)
+        return False
 
 
 class _DriveReader(ObjectReader):

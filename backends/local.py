@@ -50,6 +50,8 @@ from metasync.backends.base import (
     is_key_part,
     temp_path_parts,
 )
+from metasync.backends.dirfeed import dir_feed, watchable
+from metasync.backends.feeds import ChangeFeed
 from metasync.backends.logs import LogStore, RegisterLogs, entry_name, entry_position
 from metasync.backends.publish import (
     NAMES,
@@ -127,6 +129,7 @@ ENTRY_CAPABILITIES = Capabilities(
     max_object_size=None,
     case_sensitive=True,
     long_poll=False,
+    change_feed="notify",
     temp_files=True,
 )
 #: A ``dir:`` folder whose logs are Disk Paxos registers (:data:`REGISTERS_MARKER`): a
@@ -196,6 +199,8 @@ class LocalBackend(Backend):
         self._registers: bool | None = None
         self._case_sensitive: bool | None = None
         self._fuse: bool | None = None
+        # Whether the kernel sees every write to it (not a network filesystem).
+        self._watchable: bool | None = None
 
     # --- helpers -------------------------------------------------------------------
     def _key(self, key: str) -> str:
@@ -657,6 +662,12 @@ class LocalBackend(Backend):
             return None
         return f"{st.st_mtime_ns}:{st.st_size}:{st.st_ino}"
 
+    def change_feed(self, watch_key: str | None = None) -> ChangeFeed | None:
+        """Watches the namespace folder and its log folder (:mod:`.dirfeed`); polls
+        ``watch_key`` where the kernel cannot see other machines' writes."""
+        self._require_root()
+        return dir_feed(self, self.root, watch_key)
+
     # --- logs ----------------------------------------------------------------------
     def specific_logs(self) -> LogStore:
         """Logs as folders of exclusively published entry files (:class:`LocalLogs`),
@@ -728,6 +739,10 @@ class LocalBackend(Backend):
             self._fuse = is_fuse(self.location)
         if self._fuse:
             capabilities = replace(capabilities, atomic_replace=False)
+        if self._watchable is None:
+            self._watchable = watchable(self.location)
+        if not self._watchable:
+            capabilities = replace(capabilities, change_feed="poll")
         return capabilities
 
     def _choose_logs(self) -> None:

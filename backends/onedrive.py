@@ -80,6 +80,8 @@ from metasync.backends.cloud import (
     parse_cloud_uri,
     parse_retry_after,
 )
+from metasync.backends.cloudfeeds import CursorFeed
+from metasync.backends.feeds import ChangeFeed
 from metasync.backends.http import (
     ResponseReader,
     pin_ca,
@@ -550,6 +552,7 @@ class OneDriveBackend(CloudAccess, Backend):
         max_object_size=MAX_FILE_SIZE,
         case_sensitive=False,
         long_poll=False,
+        change_feed="cursor",
         sharing=True,
     )
 
@@ -1235,6 +1238,80 @@ class OneDriveBackend(CloudAccess, Backend):
             url, params = next_link, None
         return children
 
+    # --- change feed -----------------------------------------------------------------
+    def change_feed(self, watch_key: str | None = None) -> ChangeFeed:
+        """A :class:`OneDriveFeed`: the namespace folder's ``delta`` from a saved
+        ``@odata.deltaLink``."""
+        return OneDriveFeed(self)
+
+    def _graph_link(self, link: Any) -> str:
+        """``link`` (a next or delta link Graph sent) if it points at this backend's
+        Graph host; else :class:`BackendError` (never follow a link elsewhere)."""
+        if not isinstance(link, str) or not link.startswith(self.drive.split("/v1.0")[0] + "/"):
+            raise BackendError(f"OneDrive sent a foreign change link watching {self.name}")
+        return link
+
+    def delta_now(self) -> str:
+        """The ``@odata.deltaLink`` of "now" for the namespace folder
+        (``GET /items/{id}/delta?token=latest``: no enumeration)."""
+        try:
+            folder = self._metadata(self.root, None, "watch")
+        except ObjectNotFound:
+            folder = {}
+        folder_id = folder.get("id")
+        if "folder" not in folder or not isinstance(folder_id, str):
+            raise BackendError(
+                f"cannot watch {self.name}: the namespace folder {self.root!r} is missing")
+        url = f"{self.drive}/items/{quote(folder_id, safe='!')}/delta"
+        params: dict[str, str] | None = {"token": "latest"}
+        while True:
+            answer = self._delta_page(url, params)
+            if answer is None:
+                raise TransientError(f"cannot watch {self.name}: OneDrive refused a new delta")
+            _, link, next_link = answer
+            if link is not None:
+                return link
+            url, params = cast(str, next_link), None
+
+    def _delta_page(self, url: str, params: dict[str, str] | None
+                    ) -> tuple[builtins.list[dict[str, Any]], str | None, str | None] | None:
+        """One page of a delta: ``(items, delta link, next link)`` (one link is None);
+        None if Graph answered ``410`` (the link expired: resync)."""
+        def page() -> dict[str, Any] | None:
+            response = self._http("GET", url, key=None, action="watch", params=params,
+                                  expect=(410,))
+            if response.status_code == 410:
+                response.close()
+                return None
+            return _json(response, self._what("watch", None))
+
+        doc = self._retried(None, "watch", page)
+        if doc is None:
+            return None
+        value = doc.get("value")
+        if not isinstance(value, builtins.list):
+            raise BackendError(f"OneDrive sent a malformed delta watching {self.name}")
+        items = [v for v in value if isinstance(v, dict)]
+        next_link = doc.get("@odata.nextLink")
+        if next_link is not None:
+            return items, None, self._graph_link(next_link)
+        return items, self._graph_link(doc.get("@odata.deltaLink")), None
+
+    def delta_since(self, link: str) -> tuple[builtins.list[dict[str, Any]], str] | None:
+        """The items changed since the delta link ``link`` (every page) and the delta
+        link to ask next; None if Graph wants a resync (``410``: the link expired)."""
+        items: builtins.list[dict[str, Any]] = []
+        url = self._graph_link(link)
+        while True:
+            answer = self._delta_page(url, None)
+            if answer is None:
+                return None
+            page, delta_link, next_link = answer
+            items.extend(page)
+            if delta_link is not None:
+                return items, delta_link
+            url = cast(str, next_link)
+
     # --- sharing -------------------------------------------------------------------
     def share(self, email: str) -> str:
         """Invite ``email`` to edit the namespace folder (``POST /items/{id}/invite``
@@ -1265,6 +1342,31 @@ class OneDriveBackend(CloudAccess, Backend):
 
         self._retried(None, "share", invite)
         return f"invited {email} to edit the OneDrive folder {self.root}"
+
+
+class OneDriveFeed(CursorFeed):
+    """The namespace's changes through Graph's ``delta`` of the namespace folder: a
+    delta link of "now" (``token=latest``) at the start, then that link asked every
+    :data:`~metasync.backends.cloudfeeds.CURSOR_INTERVAL` seconds (one request when
+    nothing changed), saving the ``@odata.deltaLink`` each answer ends with. The
+    folder's delta lists only items below it, so any item counts. A link Graph no
+    longer honours (``410``) is replaced by a new one and counts as a change."""
+
+    def __init__(self, backend: OneDriveBackend) -> None:
+        super().__init__(backend.name)
+        self._backend = backend
+        self._link = ""
+
+    def _begin(self) -> None:
+        self._link = self._backend.delta_now()
+
+    def _changed_since(self) -> bool:
+        answer = self._backend.delta_since(self._link)
+        if answer is None:
+            self._link = self._backend.delta_now()
+            return True
+        items, self._link = answer
+        return bool(items)
 
 
 class _GraphReader(ResponseReader):

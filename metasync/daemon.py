@@ -2,10 +2,12 @@
 
 One loop, one folder. Local changes arrive as watchdog events; once the folder
 has been quiet for ``settle`` seconds the daemon commits and pushes once (a
-push merges with whatever others pushed). Remote changes are noticed by polling
-the acceptors' ``latest`` hint every ``poll`` seconds (and by a full check every
-``rescan`` seconds in case a hint was never written), then pulled. Everything
-else -- merging, conflict copies, crash safety -- is the repository's.
+push merges with whatever others pushed). Remote changes are noticed by the
+acceptors' change feeds (:mod:`metasync.remote_watch`), or by polling the
+``latest`` hint every ``poll`` seconds of an acceptor without one (and by a full
+check every ``rescan`` seconds in case a hint was never written, rare where the
+feeds see every write), then pulled. Everything else -- merging, conflict copies,
+crash safety -- is the repository's.
 
 The daemon holds the repository only while it syncs, so CLI commands run in
 between. It refuses to propagate what looks like an accident: a folder that is
@@ -42,6 +44,7 @@ from metasync.layout import HINT_KEY
 from metasync.names import display_path
 from metasync.portable import process_alive, try_lock
 from metasync.progress import CANCEL
+from metasync.remote_watch import RemoteWatch
 from metasync.repository import Repository
 from metasync.watch_status import answer_status
 from metasync.worktree import IGNORE_FILE, META_DIR, TEMP_PREFIX, IgnoreRules, ScanProblems
@@ -125,14 +128,14 @@ class Daemon:
         self._stopping = threading.Event()
         self._dirty = True  # the folder may have changed while no daemon ran
         self._last_event = 0.0
-        self._tokens: dict[str, str | None] = {}
         self._acceptors: dict[str, Backend] = {}
         self._acceptors_config = ""
         self._names: dict[str, str] = {}
         self._allow_deletes = self._guard_held = False
         self._conflicts: list[str] = []  # conflict copies made here, as paths
-        self._remote_pending = False
+        self._remote_pending = True  # others may have pushed while no daemon ran
         self._rebalance_after = 0.0
+        self._remote = RemoteWatch(self._wake, self.log, HINT_KEY)
 
     # --- lifecycle ---------------------------------------------------------------
     def stop(self, cancel: bool = False) -> None:
@@ -208,6 +211,7 @@ class Daemon:
             self.status.reason = f"stopped on an error: {_describe(exc)}"
             raise
         finally:
+            self._remote.stop()
             if observer is not None:
                 observer.stop()
                 observer.join(timeout=5)
@@ -231,22 +235,27 @@ class Daemon:
                 self._wake.clear()
                 continue
             local_due = self._dirty and now - self._last_event >= self.settings.settle
-            remote_due = self._remote_pending
+            # A change feed fired (metasync/remote_watch.py): others pushed.
+            remote_due = self._remote.take_fired() or self._remote_pending
             if now >= next_poll:
                 next_poll = now + self.settings.poll
-                remote_due = self._remote_moved() or remote_due
+                remote_due = self._remote.hints_moved(self._acceptors, on_poll=lambda b, secs, err: (
+                    self.health.polled(self._names[b], secs, err))) or remote_due
                 # Without watches, or after a failure, every poll is a full attempt.
                 if self.status.watching == "scanning" or self.status.state in ("offline", "error"):
                     local_due = True
+                    remote_due = remote_due or self.status.state != "idle"
             if now >= next_rescan:
                 next_rescan = now + self.settings.rescan
-                local_due = remote_due = True
+                # The backends' part is rare where feeds see every write to them.
+                local_due = True
+                remote_due = self._remote.full_check_due() or remote_due
             settling = self._dirty and now - self._last_event < self.settings.settle
             if (local_due or remote_due) and not settling:
                 # Never while files are still being written: a sync would commit them
                 # half-written (the settle wait is what makes a slow writer safe).
                 self._remote_pending = False
-                self._sync()
+                self._sync(remote=remote_due)
             else:
                 self._remote_pending = remote_due
             timeout = next_poll - time.monotonic()
@@ -256,7 +265,7 @@ class Daemon:
             self._wake.clear()
 
     # --- one sync ------------------------------------------------------------------
-    def _sync(self) -> None:
+    def _sync(self, remote: bool = True) -> None:
         if not (self.meta / "state.db").is_file():
             self._pause(f"{self.root} or its {META_DIR} folder is gone (an unmounted disk?); "
                         "syncing stops until it is back")
@@ -268,7 +277,7 @@ class Daemon:
         try:
             with Repository.open(self.root, self._notes, wait=0) as repo:
                 try:
-                    self._sync_repo(repo)
+                    self._sync_repo(repo, remote)
                 finally:
                     self._record_backends(repo)
                 self.health.stats.syncs += 1
@@ -314,13 +323,25 @@ class Daemon:
                                     f"(traceback in {META_DIR}/daemon.log)"))
         self._write_status()
 
-    def _sync_repo(self, repo: Repository) -> None:
+    def _sync_repo(self, repo: Repository, remote: bool = True) -> None:
         pause_point("daemon:sync")
         allow = self._allow_deletes
         self._allow_deletes = False
         st = repo.status()
         record_unsynced(self.status, st.problems, self.log)
-        latest, held = guard_deletions(repo, st.changes, None if allow else self.settings.delete_share)
+        share = None if allow else self.settings.delete_share
+        held = local_deletions_held(repo, st.changes, share)
+        if held is not None:
+            self._pause(*held)
+            raise _Paused
+        if not (remote or st.changes or st.unpushed or repo.missing_copies()):
+            # A local check that found nothing asks no backend (the feeds say when to);
+            # the folder is as synced as the feeds know.
+            self.status.state, self.status.reason, self.status.pending_changes = "idle", "", 0
+            self.status.last_sync = time.time()
+            return
+        latest = repo.learn_latest()
+        held = remote_deletions_held(repo, latest, share)
         if held is not None:
             self._pause(*held)
             raise _Paused
@@ -435,27 +456,13 @@ class Daemon:
             return
         for backend in self._acceptors.values():
             backend.close()
-        self._acceptors, self._tokens = {}, {}
-        for backend_id, uri in repo.acceptor_uris().items():
+        self._acceptors = {}
+        uris = repo.acceptor_uris()
+        for backend_id, uri in uris.items():
             self._acceptors[backend_id] = open_backend(uri, repo.config.namespace)
             self._names[backend_id] = public_uri(uri)
         self._acceptors_config = repo.config_id
-
-    def _remote_moved(self) -> bool:
-        """True if some acceptor's ``latest`` hint changed since the last look."""
-        moved = False
-        for backend_id, backend in self._acceptors.items():
-            started = time.monotonic()
-            try:
-                token = backend.poll(HINT_KEY)
-            except MetasyncError as exc:
-                self.health.polled(self._names[backend_id], 0.0, str(exc))
-                continue
-            self.health.polled(self._names[backend_id], time.monotonic() - started, None)
-            if self._tokens.get(backend_id, "unseen") != token:
-                moved = True
-            self._tokens[backend_id] = token
-        return moved
+        self._remote.restart(uris, repo.config.namespace)
 
     def _record_backends(self, repo: Repository) -> None:
         health = {self._names.get(b, b): "ok" for b in repo.config.acceptors}
@@ -556,34 +563,38 @@ class LocalWatch:
         return not self._ignore.ignores("/".join(parts), is_dir=os.path.isdir(path))
 
 
-def guard_deletions(repo: Repository, changes: list[Change],
-                    share: float | None) -> tuple[Any, tuple[str, list[str]] | None]:
-    """The deletion guard, before a sync: ``(latest version, None)`` if the sync may
-    go on, else ``(latest, (why, paths it would delete))`` when it would delete more
-    than ``share`` of the files here (``changes``) or take a version deleting that
-    much of the previous one. ``share`` None: the user said to go on. The latest
-    version is learnt only once the local check passed."""
+def _too_many(count: int, total: int, share: float | None) -> bool:
+    return share is not None and total >= GUARD_MIN_FILES and count > share * total
+
+
+def local_deletions_held(repo: Repository, changes: list[Change],
+                         share: float | None) -> tuple[str, list[str]] | None:
+    """The deletion guard on this folder: ``(why, the paths)`` if ``changes`` delete
+    more than ``share`` of the files here, else None. ``share`` None: the user said
+    to go on."""
     deleted = [c.path for c in changes if c.kind == "deleted" and c.type != "dir"]
     tracked = repo.tracked_files()
+    if not _too_many(len(deleted), tracked, share):
+        return None
+    return (f"{len(deleted)} of {tracked} files were deleted here at once; resume "
+            "(`metasync daemon resume`, or Resume on the service's page) to sync that, "
+            "or restore them", deleted)
 
-    def too_many(count: int, total: int) -> bool:
-        return share is not None and total >= GUARD_MIN_FILES and count > share * total
 
-    if too_many(len(deleted), tracked):
-        return None, (f"{len(deleted)} of {tracked} files were deleted here at once; resume "
-                      "(`metasync daemon resume`, or Resume on the service's page) to sync "
-                      "that, or restore them", deleted)
-    latest = repo.learn_latest()
-    if latest.number > repo.prev.number and latest.master and repo.prev.master:
-        before_tree = repo.tree_at(repo.prev.master)
-        after_tree = repo.tree_at(latest.master)
-        before = _file_count(before_tree)
-        gone = [p for p, e in before_tree.items() if e.type != "dir" and p not in after_tree]
-        if too_many(len(gone), before):
-            return latest, (f"version {latest.number} deletes {len(gone)} of {before} files; "
-                            "resume (`metasync daemon resume`, or Resume on the service's "
-                            "page) to take it", gone)
-    return latest, None
+def remote_deletions_held(repo: Repository, latest: Any,
+                          share: float | None) -> tuple[str, list[str]] | None:
+    """The deletion guard on others' versions: ``(why, the paths)`` if taking
+    ``latest`` deletes more than ``share`` of the files of this folder's version."""
+    if not (latest.number > repo.prev.number and latest.master and repo.prev.master):
+        return None
+    before_tree = repo.tree_at(repo.prev.master)
+    after_tree = repo.tree_at(latest.master)
+    before = _file_count(before_tree)
+    gone = [p for p, e in before_tree.items() if e.type != "dir" and p not in after_tree]
+    if not _too_many(len(gone), before, share):
+        return None
+    return (f"version {latest.number} deletes {len(gone)} of {before} files; resume "
+            "(`metasync daemon resume`, or Resume on the service's page) to take it", gone)
 
 
 def setup_logging(log: logging.Logger, meta: Path) -> None:

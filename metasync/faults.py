@@ -8,7 +8,8 @@ rolls forward. Unset (always, outside tests) it costs one dictionary lookup.
 
 ``METASYNC_FAIL_WATCH=1`` makes the daemon's watch fail as it does when the OS has
 no inotify watches left (``ENOSPC``), for kernels where the test cannot lower the
-real limit.
+real limit. ``METASYNC_FAIL_FEEDS=N`` makes the first N openings of each of the
+daemon's change feeds fail as an unreachable backend does.
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ def watch_failure() -> OSError | None:
 
         return OSError(errno.ENOSPC, "inotify watch limit reached (METASYNC_FAIL_WATCH)")
     return None
+
+
+def feed_failures() -> int:
+    """How many openings of each change feed a test asks to fail (0: none)."""
+    value = os.environ.get("METASYNC_FAIL_FEEDS", "")
+    return int(value) if value.isdigit() else 0
 
 
 def pause_point(name: str) -> None:

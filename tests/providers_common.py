@@ -10,8 +10,9 @@ import io
 import itertools
 import os
 import subprocess
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,12 @@ import pytest
 
 from conftest import METASYNC, run_cli
 from metasync.backends import Backend, open_backend
+from metasync.backends.cloudfeeds import CURSOR_INTERVAL, CursorFeed, LongPollFeed
 from metasync.backends.conformance import BackendConformance, Location
-from metasync.errors import ObjectNotFound
-from tests.emulators.base import EmulatorService
+from metasync.backends.feeds import ChangeFeed
+from metasync.backends.retry import RetryPolicy
+from metasync.errors import BackendError, ObjectNotFound
+from tests.emulators.base import UNAVAILABLE, EmulatorService
 
 MiB = 1 << 20
 _counter = itertools.count()
@@ -211,6 +215,123 @@ def check_faults_helper(service: EmulatorService, location: str, kinds: list[str
         backend.close()
     finally:
         faults.close()
+
+
+# --- change feeds ------------------------------------------------------------------------
+
+#: Seconds a test lets an idle feed wait: short (a False answer takes this long), and
+#: long enough for several asks or long-poll rounds at the test's shortened pace.
+IDLE_WAIT = 1.0
+#: Seconds a test lets a feed take to see a change: generous (a True answer returns
+#: as soon as the feed fires; only a broken feed waits this long).
+CHANGE_WAIT = 30.0
+
+
+def idle_requests_per_hour(service: EmulatorService, feed: ChangeFeed) -> float:
+    """The requests an hour ``feed`` (fresh, its pace shortened by the test) would cost
+    an idle namespace at its real pace, from the requests the emulator counted during
+    an idle wait: requests per ask times asks an hour (:data:`CURSOR_INTERVAL`), or
+    requests per long-poll round (the starting point's included) times rounds an hour
+    (``round_seconds``). Closes ``feed``."""
+    emulator = service.emulator
+    if isinstance(feed, CursorFeed):
+        assert feed.wait(0) is False  # the starting point
+        before, asks = emulator.requests, feed.checks
+        assert feed.wait(IDLE_WAIT) is False
+        asks = feed.checks - asks
+        assert asks >= 1
+        feed.close()
+        return (emulator.requests - before) / asks * 3600 / CURSOR_INTERVAL
+    assert isinstance(feed, LongPollFeed)
+    before = emulator.requests
+    assert feed.wait(IDLE_WAIT) is False
+    feed.close()
+    assert feed.join(CHANGE_WAIT)
+    assert feed.rounds >= 1
+    return (emulator.requests - before) / feed.rounds * 3600 / feed.round_seconds
+
+
+def check_change_feed(
+    service: EmulatorService,
+    location: str,
+    *,
+    kind: str,
+    feed_routes: str,
+    hasten: Callable[[ChangeFeed], None] = lambda feed: None,
+) -> None:
+    """The backend's change feed on ``location`` (a URI), of ``kind``: silent (False)
+    on an idle namespace and after a change in another namespace beside it, True once
+    another client wrote into the namespace, still working after a transient error of
+    one of its requests (paths matching ``feed_routes``: retried) and after errors
+    that outlast the retries (raised by one wait), unblocked by close() from another
+    thread, and costing an idle namespace at most 120 requests an hour (issue
+    19's budget). ``hasten(feed)`` shortens the feed's pace for the test."""
+    namespace = fresh_namespace()
+    watcher = open_backend(location, namespace)
+    watcher.create()
+    writer = open_backend(location, namespace)
+    # The folders the writes below go into exist before the feed starts: each write
+    # is then one change (an object), reported by one firing.
+    writer.put("objects/ab/seed", b"before the feed")
+    writer.put("logs/seed", b"before the feed")
+    outsider = open_backend(location, fresh_namespace())
+    outsider.create()
+    assert watcher.capabilities.change_feed == kind
+    feed = watcher.change_feed()
+    assert feed is not None and feed.kind == kind
+    hasten(feed)
+    try:
+        assert feed.wait(0.1) is False  # the starting point; nothing changed yet
+        assert feed.wait(IDLE_WAIT) is False
+        writer.put("objects/ab/new", b"pushed by another client")
+        assert feed.wait(CHANGE_WAIT) is True
+        assert feed.wait(IDLE_WAIT) is False  # the change was reported once
+        outsider.put("objects/ab/elsewhere", b"another namespace")
+        outsider.put("top", b"another namespace")
+        assert feed.wait(IDLE_WAIT) is False
+        # A transient failure of the feed's own requests is retried (or raised once,
+        # and the next wait goes on): the next change is still seen.
+        service.emulator.faults.inject(UNAVAILABLE, only=feed_routes)
+        writer.put("logs/0", b"after a fault")
+        fired: bool | None = None
+        for _ in range(3):
+            try:
+                fired = feed.wait(CHANGE_WAIT)
+                break
+            except BackendError as exc:
+                assert exc.transient, exc
+        assert fired is True
+        assert service.emulator.faults.pending() == 0
+        # A failure that outlasts the retries is raised by a wait (transient: the
+        # caller backs off); the next wait goes on from the saved cursor.
+        service.emulator.faults.inject(*[UNAVAILABLE] * RetryPolicy().attempts,
+                                       only=feed_routes)
+        writer.put("logs/1", b"while the service fails")
+        with pytest.raises(BackendError) as failed:
+            feed.wait(CHANGE_WAIT)
+        assert failed.value.transient
+        assert service.emulator.faults.pending() == 0
+        assert feed.wait(CHANGE_WAIT) is True
+        writer.delete("objects/ab/new")
+        assert feed.wait(CHANGE_WAIT) is True  # a deletion is a change too
+        # close() from another thread ends a long wait at once.
+        answers: list[bool] = []
+        waiting = threading.Thread(target=lambda: answers.append(feed.wait(3600)))
+        waiting.start()
+        feed.close()
+        waiting.join(CHANGE_WAIT)
+        assert not waiting.is_alive() and answers == [False]
+        if isinstance(feed, LongPollFeed):
+            assert feed.join(CHANGE_WAIT)
+        idle = watcher.change_feed()
+        assert idle is not None
+        hasten(idle)
+        assert idle_requests_per_hour(service, idle) <= 120
+    finally:
+        service.emulator.faults.clear()
+        feed.close()
+        for backend in (watcher, writer, outsider):
+            backend.close()
 
 
 def open_live_backend(scheme: str, monkeypatch: pytest.MonkeyPatch) -> Backend:

@@ -45,6 +45,7 @@ from tests.providers_common import (
     MiB,
     ProviderConformance,
     call_delta,
+    check_change_feed,
     check_faults_helper,
     check_live_round_trip,
     check_repository_over_throttling,
@@ -713,3 +714,51 @@ def test_ids_looked_up_again_when_gone(box: BoxBackend, box_service: BoxService)
         assert other.get("d/again") == b"x"
     finally:
         other.close()
+
+
+# --- change feed -----------------------------------------------------------------------------
+
+
+def test_change_feed(box_service: BoxService) -> None:
+    """Box's event stream (stream_position=now, OPTIONS /events, the realtime server's
+    long-poll, GET /events): fires after another client's write or deletion in the
+    namespace, not on an idle namespace nor for events in a sibling namespace,
+    survives a 503 of its requests, close() unblocks a waiter, and an idle namespace
+    costs at most 120 requests an hour (a long-poll per retry_timeout, 610 s: the
+    emulator shortens the realtime server's wait for the test)."""
+    emulator = box_service.emulator
+    emulator.realtime_scale = 0.0005
+    try:
+        check_change_feed(
+            box_service, _location(box_service, "/feeds"), kind="longpoll",
+            feed_routes=r"^/(2\.0/events|subscribe)$",
+        )
+    finally:
+        emulator.realtime_scale = 1.0
+
+
+def test_change_feed_reconnects_through_options(box_service: BoxService) -> None:
+    """After a realtime long-poll answers ``reconnect`` (nothing happened within its
+    wait), OPTIONS /events is asked for a server again: one OPTIONS per reconnect. The
+    long-polls carry no access token (the realtime server needs none)."""
+    emulator = box_service.emulator
+    emulator.realtime_scale = 0.0005
+    backend = open_backend(_location(box_service, "/feeds"), fresh_namespace())
+    backend.create()
+    feed = backend.change_feed()
+    assert feed is not None
+    signed = emulator.realtime_signed
+    try:
+        before = dict(emulator.calls)
+        assert feed.wait(1.0) is False
+        feed.close()
+        assert feed.join(30)
+        delta = call_delta(before, dict(emulator.calls))
+        polls = delta.get("events/realtime", 0)
+        assert polls >= 1
+        assert delta.get("events/options", 0) == polls
+        assert emulator.realtime_signed == signed  # the access token stays with the API
+    finally:
+        emulator.realtime_scale = 1.0
+        feed.close()
+        backend.close()

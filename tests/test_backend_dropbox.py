@@ -21,7 +21,7 @@ from conftest import PASSPHRASE, run_cli
 from metasync.backends import open_backend
 from metasync.backends.cloud import FileTokenStore, Grant, config_dir, token_store
 from metasync.backends.conformance import pattern_bytes
-from metasync.backends.dropbox import CHUNK_SIZE, DropboxBackend
+from metasync.backends.dropbox import CHUNK_SIZE, DropboxBackend, DropboxFeed
 from metasync.backends.retry import TransientError
 from metasync.errors import AuthorizationRequired, UsageError
 from tests.emulators.base import LOST_ANSWER, RESET, THROTTLE
@@ -36,6 +36,7 @@ from tests.providers_common import (
     FailingSource,
     MiB,
     ProviderConformance,
+    check_change_feed,
     check_faults_helper,
     check_live_round_trip,
     check_repository_over_throttling,
@@ -417,3 +418,59 @@ def test_faults_helper_counts_both_kinds(dropbox_service: DropboxService) -> Non
     check_faults_helper(
         dropbox_service, _location(dropbox_service, "/faulty"), ["429", "too_many_write_operations"]
     )
+
+
+# --- change feed -----------------------------------------------------------------------------
+
+
+def test_change_feed(dropbox_service: DropboxService) -> None:
+    """files/list_folder/longpoll on a cursor of the namespace folder: fires after
+    another client's write, not on an idle namespace nor on a sibling namespace,
+    survives a 503 of the long-poll or list_folder/continue, close() unblocks a
+    waiter, and an idle namespace costs at most 120 requests an hour (one per 480 s
+    long-poll: the emulator shortens Dropbox's seconds for the test)."""
+    emulator = dropbox_service.emulator
+    emulator.longpoll_scale = 0.0005
+    try:
+        check_change_feed(
+            dropbox_service, _location(dropbox_service, "/feeds"), kind="longpoll",
+            feed_routes=r"/2/files/list_folder/(longpoll|continue)$",
+        )
+    finally:
+        emulator.longpoll_scale = 1.0
+
+
+def test_change_feed_honours_backoff(dropbox_service: DropboxService) -> None:
+    """A long-poll answer's ``backoff`` pauses the next long-poll for that long:
+    with a backoff of an hour, one round is made, and close() ends the pause."""
+    emulator = dropbox_service.emulator
+    emulator.longpoll_scale = 0.0005
+    emulator.longpoll_backoff = 3600
+    backend = open_backend(_location(dropbox_service, "/feeds"), fresh_namespace())
+    backend.create()
+    feed = backend.change_feed()
+    assert isinstance(feed, DropboxFeed)
+    try:
+        before = emulator.calls.get("files/list_folder/longpoll", 0)
+        assert feed.wait(0.5) is False
+        feed.close()
+        assert feed.join(30)
+        assert feed.rounds == 1
+        assert emulator.calls.get("files/list_folder/longpoll", 0) - before == 1
+    finally:
+        emulator.longpoll_scale = 1.0
+        emulator.longpoll_backoff = None
+        feed.close()
+        backend.close()
+
+
+def test_longpoll_is_unsigned_and_bounded(dropbox_service: DropboxService) -> None:
+    """The emulator's long-poll takes no sign-in (the notify host) and refuses a
+    timeout outside 30..480 s, as Dropbox documents; a cursor Dropbox does not know
+    is ``reset``."""
+    ca = ssl.create_default_context(cafile=dropbox_service.ca_file)
+    url = f"{dropbox_service.base_url}/2/files/list_folder/longpoll"
+    answer = httpx.post(url, json={"cursor": "nope", "timeout": 30}, verify=ca)
+    assert answer.status_code == 409 and answer.json()["error"][".tag"] == "reset"
+    answer = httpx.post(url, json={"cursor": "nope", "timeout": 10}, verify=ca)
+    assert answer.status_code == 400

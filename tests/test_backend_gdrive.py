@@ -26,7 +26,8 @@ from conftest import run_cli
 from metasync.backends import open_backend
 from metasync.backends.cloud import FileTokenStore, Grant, config_dir, token_store
 from metasync.backends.conformance import pattern_bytes
-from metasync.backends.gdrive import CHUNK_SIZE, GDriveBackend
+from metasync.backends.feeds import ChangeFeed
+from metasync.backends.gdrive import CHUNK_SIZE, DriveFeed, GDriveBackend
 from metasync.backends.retry import TransientError
 from metasync.errors import (
     AuthorizationRequired,
@@ -49,6 +50,7 @@ from tests.providers_common import (
     MiB,
     ProviderConformance,
     call_delta,
+    check_change_feed,
     check_repository_over_throttling,
     check_share,
     emulator_location,
@@ -599,3 +601,54 @@ def test_live_gdrive_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
             backend.get("k")
     finally:
         backend.close()
+
+
+# --- change feed -----------------------------------------------------------------------------
+
+
+def _hasten(feed: ChangeFeed) -> None:
+    """Ask every 0.05 s instead of every 30 s (the cost per ask is what is measured)."""
+    assert isinstance(feed, DriveFeed)
+    feed.interval = feed.active_interval = 0.05
+
+
+def test_change_feed(gdrive_service: GDriveService) -> None:
+    """changes.list from a saved page token: fires after another client's write or
+    deletion in the namespace, not on an idle namespace nor for changes in a sibling
+    namespace (their folders are looked up and found outside), survives a 503 of
+    changes.list, close() unblocks a waiter, and an idle namespace costs one request
+    per ask: 120 an hour at the 30 s interval."""
+    check_change_feed(
+        gdrive_service, _location(gdrive_service, "feeds"), kind="cursor",
+        feed_routes=r"^/drive/v3/changes$", hasten=_hasten,
+    )
+
+
+def test_change_feed_learns_folders_once(gdrive_service: GDriveService) -> None:
+    """Changes outside the namespace cost a look-up of each unknown folder above them
+    once; later changes there cost nothing more than the ask."""
+    location = _location(gdrive_service, "feeds")
+    watcher = open_backend(location, fresh_namespace())
+    watcher.create()
+    other = open_backend(location, fresh_namespace())
+    other.create()
+    other.put("objects/a", b"1")
+    feed = watcher.change_feed()
+    assert isinstance(feed, DriveFeed)
+    _hasten(feed)
+    emulator = gdrive_service.emulator
+    try:
+        assert feed.wait(0) is False
+        other.put("objects/b", b"2")
+        before = dict(emulator.calls)
+        assert feed.wait(0.3) is False
+        first = call_delta(before, dict(emulator.calls)).get("files.get", 0)
+        assert first >= 1  # the folders above objects/b were looked up
+        other.put("objects/c", b"3")
+        before = dict(emulator.calls)
+        assert feed.wait(0.3) is False
+        assert call_delta(before, dict(emulator.calls)).get("files.get", 0) == 0
+    finally:
+        feed.close()
+        watcher.close()
+        other.close()

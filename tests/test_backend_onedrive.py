@@ -36,11 +36,13 @@ from metasync.backends.cloud import (
     token_store,
 )
 from metasync.backends.conformance import pattern_bytes
+from metasync.backends.feeds import ChangeFeed
 from metasync.backends.onedrive import (
     CHUNK_SIZE,
     FRAGMENT_UNIT,
     SIMPLE_UPLOAD_LIMIT,
     OneDriveBackend,
+    OneDriveFeed,
     QuickXorHash,
     decode_name,
     encode_name,
@@ -69,6 +71,7 @@ from tests.providers_common import (
     MiB,
     ProviderConformance,
     call_delta,
+    check_change_feed,
     check_live_round_trip,
     check_repository_over_throttling,
     check_share,
@@ -654,3 +657,114 @@ def test_live_onedrive_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
         assert backend.get("big") == big
     finally:
         backend.close()
+
+
+# --- change feed -----------------------------------------------------------------------------
+
+
+def _hasten(feed: ChangeFeed) -> None:
+    """Ask every 0.05 s instead of every 30 s (the cost per ask is what is measured)."""
+    assert isinstance(feed, OneDriveFeed)
+    feed.interval = feed.active_interval = 0.05
+
+
+def test_change_feed(onedrive_service: OneDriveService) -> None:
+    """The namespace folder's delta from a saved deltaLink (token=latest at the start):
+    fires after another client's write or deletion in the namespace, not on an idle
+    namespace nor for a sibling namespace (the folder's delta lists only what is below
+    it), survives a 503 of the delta, close() unblocks a waiter, and an idle namespace
+    costs one request per ask: 120 an hour at the 30 s interval."""
+    check_change_feed(
+        onedrive_service, _location(onedrive_service, "/feeds"), kind="cursor",
+        feed_routes=r"/delta$", hasten=_hasten,
+    )
+
+
+def test_change_feed_resyncs_an_expired_link(onedrive_service: OneDriveService) -> None:
+    """A delta link Graph no longer honours (410 resyncRequired) is replaced by a new
+    one and counts as a change: a false alarm, never a miss."""
+    backend = open_backend(_location(onedrive_service, "/feeds"), fresh_namespace())
+    backend.create()
+    feed = backend.change_feed()
+    assert isinstance(feed, OneDriveFeed)
+    _hasten(feed)
+    try:
+        assert feed.wait(0) is False
+        feed._link = feed._link.replace("token=", "token=99999")  # a link from elsewhere
+        before = dict(onedrive_service.emulator.calls)
+        assert feed.wait(30) is True
+        assert call_delta(before, dict(onedrive_service.emulator.calls))["delta"] >= 2
+        assert feed.wait(0.3) is False
+    finally:
+        feed.close()
+        backend.close()
+
+
+def test_delta_enumerates_then_follows_links(onedrive_service: OneDriveService) -> None:
+    """The emulator's delta without a token lists the folder's hierarchy in pages
+    (nextLink), ending with a deltaLink that then lists only later changes, each item
+    once, deleted ones with the deleted facet and no parentReference.path."""
+    backend = open_backend(_location(onedrive_service, "/feeds"), fresh_namespace())
+    backend.create()
+    emulator = onedrive_service.emulator
+    for i in range(5):
+        backend.put(f"d/k{i}", b"x")
+    folder = backend._metadata(backend.root, None, "stat")
+    session = backend._http_session()
+    headers = {"Authorization": f"Bearer {backend.tokens.access_token()}"}
+    page_size, emulator.page_size = emulator.page_size, 3
+    try:
+        url = f"{backend.drive}/items/{folder['id']}/delta"
+        names: list[str] = []
+        while True:
+            doc = session.get(url, headers=headers, timeout=30).json()
+            names += [item["name"] for item in doc["value"]]
+            if "@odata.deltaLink" in doc:
+                break
+            url = doc["@odata.nextLink"]
+        assert sorted(names) == sorted([folder["name"], "d", *(f"k{i}" for i in range(5))])
+        backend.put("d/k0", b"new")
+        backend.put("d/k0", b"newer")
+        backend.delete("d/k1")
+        doc = session.get(doc["@odata.deltaLink"], headers=headers, timeout=30).json()
+        changed = {item["name"]: item for item in doc["value"]}
+        assert sorted(changed) == ["k0", "k1"]
+        assert "deleted" in changed["k1"] and "deleted" not in changed["k0"]
+        assert "path" not in changed["k0"]["parentReference"]
+    finally:
+        emulator.page_size = page_size
+        backend.close()
+
+
+def test_change_feed_asks_often_right_after_a_change(onedrive_service: OneDriveService) -> None:
+    """A cursor feed asks at its idle interval until a change, then at the short
+    active interval for ``active_span`` seconds after it: the next changes of a burst
+    are seen within seconds, an idle namespace costs only the idle pace."""
+    location = _location(onedrive_service, "/feeds")
+    watcher = open_backend(location, fresh_namespace())
+    watcher.create()
+    writer = open_backend(watcher.uri, watcher.namespace)
+    feed = watcher.change_feed()
+    assert isinstance(feed, OneDriveFeed)
+    feed.interval, feed.active_interval, feed.active_span = 3600.0, 0.05, 3600.0
+    try:
+        assert feed.wait(0) is False
+        asks = feed.checks
+        assert feed.wait(0.3) is False
+        assert feed.checks == asks  # idle: the next ask is an hour away
+        feed._next = 0.0  # due now (as after an idle interval)
+        writer.put("k", b"v")
+        assert feed.wait(30) is True
+        asks = feed.checks
+        assert feed.wait(0.3) is False
+        assert feed.checks > asks  # active: asked again within the 0.3 s
+        feed.active_span = 0.0  # the burst is over: back to the idle pace
+        writer.put("k2", b"v")
+        assert feed.wait(30) is True
+        asks = feed.checks
+        assert feed.wait(0.3) is False
+        assert feed.checks <= asks + 1
+    finally:
+        feed.close()
+        watcher.close()
+        writer.close()

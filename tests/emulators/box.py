@@ -50,6 +50,15 @@ Faithful in what the backend relies on:
   Box allows about 1,000 API calls and 240 uploads per minute and user; over the
   limit a request gets ``429 rate_limit_exceeded`` with the seconds until a slot
   frees up in ``Retry-After``.
+- **Events.** Every upload, new version, trashing and folder creation is an event
+  (``ITEM_UPLOAD``, ``ITEM_TRASH``, ``ITEM_CREATE``) with the item as its ``source``
+  (``parent``, ``path_collection``) at an increasing stream position: ``GET
+  /events?stream_position=now|N&limit=`` pages them (``next_stream_position``),
+  ``OPTIONS /events`` names a realtime server (``/subscribe?channel=..``, ``ttl``,
+  ``max_retries``, ``retry_timeout`` 610 s), whose ``GET ...&stream_position=N``
+  (no sign-in needed) answers ``{"message": "new_change"}`` as soon as an event after
+  ``N`` exists, else ``reconnect`` after :attr:`BoxEmulator.realtime_wait` seconds
+  (times :attr:`BoxEmulator.realtime_scale`, which tests shrink).
 - **OAuth 2** (confidential client: id + secret, authorization codes valid 30 s,
   refresh tokens rotating and single-use, as Box's) and collaborations
   (``400 user_already_collaborator`` the second time).
@@ -351,6 +360,21 @@ class BoxEmulator(Emulator):
         self.limiter: _RateLimiter | None = None
         #: Requests per route name, for tests that count round trips.
         self.calls: dict[str, int] = {}
+        #: The event stream: (stream position, event), oldest first; ``_events_cond``
+        #: is notified on each.
+        self.events: list[tuple[int, dict[str, Any]]] = []
+        self._position = itertools.count(1_000_000_001)
+        self._last_position = 1_000_000_000
+        self._events_cond = threading.Condition(self._lock)
+        #: What ``OPTIONS /events`` advertises, and the seconds a realtime long-poll
+        #: waits before ``reconnect`` (times ``realtime_scale``: tests shrink it).
+        self.retry_timeout = 610
+        self.max_retries = 10
+        self.realtime_wait = 600.0
+        self.realtime_scale = 1.0
+        #: Realtime long-polls that carried an Authorization header (none should).
+        self.realtime_signed = 0
+        self._closed = False
 
     # --- plumbing ----------------------------------------------------------------
     def _next_id(self) -> str:
@@ -537,6 +561,7 @@ class BoxEmulator(Emulator):
                     versions=[Version(self._next_id(), blob, size, sha1)])
         self.items[item.id] = item
         folder.children[name.lower()] = item.id
+        self._event("ITEM_UPLOAD", item)
         return item
 
     def _new_version(self, item: Item, blob: str, size: int, sha1: str) -> None:
@@ -545,6 +570,19 @@ class BoxEmulator(Emulator):
         item.modified_at = _now()
         while len(item.versions) > KEEP_VERSIONS:
             self.blobs.delete(item.versions.pop(0).blob)
+        self._event("ITEM_UPLOAD", item)
+
+    def _event(self, event_type: str, item: Item) -> None:
+        """Add an event about ``item`` to the stream and wake the realtime long-polls.
+        Caller holds the lock."""
+        position = next(self._position)
+        self._last_position = position
+        self.events.append((position, {
+            "type": "event", "event_id": secrets.token_hex(16), "event_type": event_type,
+            "created_by": self._user_mini(), "created_at": _now(), "recorded_at": _now(),
+            "session_id": None, "source": self._standard(item), "additional_details": None,
+        }))
+        self._events_cond.notify_all()
 
     @staticmethod
     def _check_if_match(item: Item, if_match: str | None) -> None:
@@ -651,6 +689,7 @@ class BoxEmulator(Emulator):
                 folder = Item("folder", self._next_id(), name, parent.id)
                 self.items[folder.id] = folder
                 parent.children[name.lower()] = folder.id
+                self._event("ITEM_CREATE", folder)
                 doc = self._standard(folder)
             doc["item_collection"] = {"total_count": 0, "entries": [], "offset": 0,
                                       "limit": 100, "order": [{"by": "type", "direction": "ASC"},
@@ -733,6 +772,7 @@ class BoxEmulator(Emulator):
                 parent = self.items[item.parent or "0"]
                 if parent.children.get(item.name.lower()) == item.id:
                     del parent.children[item.name.lower()]
+                self._event("ITEM_TRASH", item)
             return Response(204)
 
         return self._call(request, "files/delete", run)
@@ -1241,6 +1281,58 @@ class BoxEmulator(Emulator):
 
         return self._call(request, "collaborations/create", run)
 
+    # --- events ------------------------------------------------------------------------------
+    @route("GET", "/2.0/events")
+    def get_events(self, request: Request) -> Response:
+        """The user's event stream from ``stream_position`` (``now``: none, only the
+        position; ``0`` or none: from the start), at most ``limit`` (500) events."""
+        def run(user: str) -> Response:
+            position = request.query.get("stream_position", "0") or "0"
+            limit = max(1, min(int(request.query.get("limit", "100")), 500))
+            with self._lock:
+                if position == "now":
+                    return json_response(200, {"chunk_size": 0, "entries": [],
+                                               "next_stream_position": self._last_position})
+                after = int(position)
+                chunk = [event for number, event in self.events if number > after][:limit]
+                numbers = [number for number, _ in self.events if number > after][:limit]
+            following = numbers[-1] if numbers else max(after, 0)
+            return json_response(200, {"chunk_size": len(chunk), "entries": chunk,
+                                       "next_stream_position": following})
+
+        return self._call(request, "events", run)
+
+    @route("OPTIONS", "/2.0/events")
+    def events_long_polling(self, request: Request) -> Response:
+        """A realtime server for long-polls of the event stream."""
+        def run(user: str) -> Response:
+            base = _host_base(request, self.base_url)
+            url = f"{base}/subscribe?channel={secrets.token_hex(10)}&stream_type=all"
+            return json_response(200, {"chunk_size": 1, "entries": [{
+                "type": "realtime_server", "url": url, "ttl": "10",
+                "max_retries": str(self.max_retries), "retry_timeout": self.retry_timeout}]})
+
+        return self._call(request, "events/options", run)
+
+    @route("GET", "/subscribe")
+    def realtime(self, request: Request) -> Response:
+        """The realtime server: ``new_change`` once an event after ``stream_position``
+        exists, else ``reconnect`` after :attr:`realtime_wait` (scaled). No sign-in."""
+        with self._lock:
+            self.calls["events/realtime"] = self.calls.get("events/realtime", 0) + 1
+            if request.header("Authorization"):
+                self.realtime_signed += 1
+        try:
+            after = int(request.query.get("stream_position", "0"))
+        except ValueError:
+            return json_response(400, error_body(400, "bad_request", "bad stream_position"))
+        with self._lock:
+            changed = self._events_cond.wait_for(
+                lambda: self._closed or self._last_position > after,
+                self.realtime_wait * self.realtime_scale)
+            changed = changed and self._last_position > after
+        return json_response(200, {"message": "new_change" if changed else "reconnect"})
+
     # --- test helpers -----------------------------------------------------------------------
     def make_folder(self, path: str) -> str:
         """Create ``path`` (and its parents) as a user would in the Box web app; return
@@ -1253,6 +1345,7 @@ class BoxEmulator(Emulator):
                     folder = Item("folder", self._next_id(), name, current.id)
                     self.items[folder.id] = folder
                     current.children[name.lower()] = folder.id
+                    self._event("ITEM_CREATE", folder)
                     child = folder.id
                 current = self.items[child]
                 if current.type != "folder":
@@ -1281,6 +1374,9 @@ class BoxEmulator(Emulator):
                 session.expired = True
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._events_cond.notify_all()
         self.blobs.close()
 
 

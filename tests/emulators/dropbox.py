@@ -11,7 +11,12 @@ hosts. Faithful in what the backend relies on:
   ``files/upload_session/{start,append_v2,finish}``, ``files/download`` (with
   ``Range``, and ``rev:`` paths), ``files/delete_v2``, ``files/create_folder_v2``,
   ``files/list_folder`` + ``/continue`` (cursors, ``has_more``, pages of at most
-  :attr:`DropboxEmulator.page_size` entries), ``users/get_current_account``,
+  :attr:`DropboxEmulator.page_size` entries; the last page's cursor lists the changes
+  since, as file/folder metadata or ``deleted`` entries),
+  ``files/list_folder/get_latest_cursor``, ``files/list_folder/longpoll`` (the notify
+  host: no sign-in, ``timeout`` 30..480 s, blocks until a change below the cursor's
+  folder or the timeout, answers ``{"changes", "backoff"?}``; a change journal of the
+  account), ``users/get_current_account``,
   ``sharing/share_folder``, ``sharing/add_folder_member``, ``auth/token/revoke``,
   and OAuth 2 at ``/oauth2/authorize`` (auto-approved, PKCE) and ``/oauth2/token``.
 - **Paths**: case-insensitive and case-preserving (``path_lower``/``path_display``);
@@ -247,6 +252,18 @@ class DropboxEmulator(Emulator):
         self.members: dict[str, set[str]] = {}
         #: Counters by route, for tests that count round trips.
         self.calls: dict[str, int] = {}
+        #: The change journal: (sequence number, path_lower) of every path created,
+        #: changed or removed, oldest first; ``_changes`` is notified on each.
+        self.journal: list[tuple[int, str]] = []
+        self._seq = 0
+        self._changes = threading.Condition(self._lock)
+        #: Cursor -> (folder path_lower, recursive, journal position it lists from).
+        self._positions: dict[str, tuple[str, bool, int]] = {}
+        #: Real seconds a long-poll waits per second of its ``timeout`` (tests shrink
+        #: Dropbox's 30 s minimum), and the ``backoff`` it answers (None: none).
+        self.longpoll_scale = 1.0
+        self.longpoll_backoff: int | None = None
+        self._closed = False
 
     # --- faults and errors ---------------------------------------------------------
     def render_fault(self, fault: str, request: Request) -> Response | None:
@@ -343,6 +360,7 @@ class DropboxEmulator(Emulator):
             node = self.nodes.get(current.lower())
             if node is None:
                 self.nodes[current.lower()] = Node(True, current, "id:" + secrets.token_hex(8))
+                self._record(current)
             elif not node.is_folder:
                 raise write_error("path", _tag("conflict", conflict=_tag("file_ancestor")),
                                   "conflict/file_ancestor/")
@@ -415,12 +433,39 @@ class DropboxEmulator(Emulator):
         node.rev, node.blob, node.size, node.content_hash = self._new_rev(), blob, size, digest
         node.server_modified = _now()
         self.nodes[path.lower()] = node
+        self._record(path)
         return node
+
+    def _record(self, path: str) -> None:
+        """Journal a change of ``path`` and wake the long-polls. Caller holds the lock."""
+        self._seq += 1
+        self.journal.append((self._seq, path.lower()))
+        self._changes.notify_all()
+
+    @staticmethod
+    def _below(path: str, folder: str, recursive: bool) -> bool:
+        """``path`` (lower-cased) is in ``folder`` (below it, if ``recursive``)."""
+        if not path.startswith(folder + "/"):
+            return False
+        return recursive or "/" not in path[len(folder) + 1 :]
+
+    def _changed_paths(self, position: tuple[str, bool, int]) -> list[str]:
+        """The paths below a cursor's folder changed after its position, each once, in
+        the order of their first change. Caller holds the lock."""
+        folder, recursive, seq = position
+        seen: dict[str, None] = {}
+        for number, path in reversed(self.journal):
+            if number <= seq:
+                break
+            if self._below(path, folder, recursive):
+                seen[path] = None
+        return list(reversed(seen))
 
     def _remove(self, node: Node) -> None:
         prefix = node.path_display.lower() + "/"
         for key in [k for k in self.nodes if k == node.path_display.lower() or k.startswith(prefix)]:
             gone = self.nodes.pop(key)
+            self._record(key)
             if not gone.is_folder:
                 self.blobs.delete(gone.blob)
                 for blob, _, _ in gone.history.values():
@@ -526,6 +571,7 @@ class DropboxEmulator(Emulator):
                 self._ensure_parents(path)
                 node = Node(True, path, "id:" + secrets.token_hex(8))
                 self.nodes[path.lower()] = node
+                self._record(path)
                 return json_response(200, {"metadata": node.metadata()})
 
         return self._call(request, "files/create_folder_v2", run)
@@ -565,13 +611,39 @@ class DropboxEmulator(Emulator):
             entries.append(self.nodes[key].metadata())
         return entries
 
-    def _page(self, entries: list[dict[str, Any]], limit: int) -> Response:
+    def _page(self, entries: list[dict[str, Any]], limit: int,
+              position: tuple[str, bool, int] | None = None) -> Response:
+        """A page of ``entries`` and a cursor to the rest; the last page's cursor lists
+        the changes after ``position`` (see :meth:`_changed_paths`)."""
         size = max(1, min(limit, self.page_size))
         page, rest = entries[:size], entries[size:]
         cursor = "AAE" + secrets.token_urlsafe(24)
         with self._lock:
             self._cursors[cursor] = rest
+            if position is not None:
+                self._positions[cursor] = position
         return json_response(200, {"entries": page, "cursor": cursor, "has_more": bool(rest)})
+
+    def _change_entries(self, position: tuple[str, bool, int]) -> list[dict[str, Any]]:
+        """What ``list_folder/continue`` lists for a cursor at ``position``: the current
+        metadata of each changed path, or a ``deleted`` entry. Caller holds the lock."""
+        entries = []
+        for path in self._changed_paths(position):
+            node = self.nodes.get(path)
+            if node is not None:
+                entries.append(node.metadata())
+            else:
+                entries.append(_tag("deleted", name=path.rsplit("/", 1)[-1],
+                                    path_lower=path, path_display=path))
+        return entries
+
+    def _folder_position(self, arg: dict[str, Any]) -> tuple[str, bool, int]:
+        """The position "now" of a listing of the folder ``arg["path"]``. Caller holds
+        the lock."""
+        folder = self._resolve(str(arg.get("path", "")))
+        if not folder.is_folder:
+            raise lookup_error("path", "not_folder")
+        return folder.path_display.lower(), bool(arg.get("recursive", False)), self._seq
 
     @route("POST", "/2/files/list_folder")
     def list_folder(self, request: Request) -> Response:
@@ -579,11 +651,10 @@ class DropboxEmulator(Emulator):
 
         def run() -> Response:
             with self._lock:
+                position = self._folder_position(arg)
                 folder = self._resolve(str(arg.get("path", "")))
-                if not folder.is_folder:
-                    raise lookup_error("path", "not_folder")
                 entries = self._listing(folder, bool(arg.get("recursive", False)))
-            return self._page(entries, int(arg.get("limit") or 2000))
+            return self._page(entries, int(arg.get("limit") or 2000), position)
 
         return self._call(request, "files/list_folder", run)
 
@@ -592,13 +663,59 @@ class DropboxEmulator(Emulator):
         arg = request.json()
 
         def run() -> Response:
+            cursor = str(arg["cursor"])
             with self._lock:
-                rest = self._cursors.pop(str(arg["cursor"]), None)
+                position = self._positions.get(cursor)
+                rest = self._cursors.get(cursor) if position is not None else None
+                if rest or position is None:
+                    # A page's cursor is used once (as before); a last page's cursor
+                    # stays valid and lists what changed since it was made.
+                    rest = self._cursors.pop(cursor, None)
+                else:
+                    now = (position[0], position[1], self._seq)
+                    return self._page(self._change_entries(position), 2000, now)
             if rest is None:
                 raise DropboxApiError(_tag("reset"), "reset/")
-            return self._page(rest, 2000)
+            return self._page(rest, 2000, position)
 
         return self._call(request, "files/list_folder/continue", run)
+
+    @route("POST", "/2/files/list_folder/get_latest_cursor")
+    def get_latest_cursor(self, request: Request) -> Response:
+        arg = request.json()
+
+        def run() -> Response:
+            cursor = "AAE" + secrets.token_urlsafe(24)
+            with self._lock:
+                self._positions[cursor] = self._folder_position(arg)
+            return json_response(200, {"cursor": cursor})
+
+        return self._call(request, "files/list_folder/get_latest_cursor", run)
+
+    @route("POST", "/2/files/list_folder/longpoll")
+    def longpoll(self, request: Request) -> Response:
+        """The notify host's long-poll: no sign-in; blocks until a change below the
+        cursor's folder or ``timeout`` (30..480 s, times :attr:`longpoll_scale`)."""
+        arg = request.json()
+
+        def run() -> Response:
+            timeout = int(arg.get("timeout", 30))
+            if not 30 <= timeout <= 480:
+                raise ValueError(f"timeout: {timeout} is not between 30 and 480")
+            with self._lock:
+                position = self._positions.get(str(arg["cursor"]))
+                if position is None:
+                    raise DropboxApiError(_tag("reset"), "reset/")
+                self._changes.wait_for(
+                    lambda: self._closed or bool(self._changed_paths(position)),
+                    timeout * self.longpoll_scale,
+                )
+                answer: dict[str, Any] = {"changes": bool(self._changed_paths(position))}
+                if self.longpoll_backoff is not None:
+                    answer["backoff"] = self.longpoll_backoff
+            return json_response(200, answer)
+
+        return self._call(request, "files/list_folder/longpoll", run, auth=False)
 
     # --- uploads ---------------------------------------------------------------------
     @route("POST", "/2/files/upload")
@@ -835,6 +952,9 @@ class DropboxEmulator(Emulator):
         return self.blobs.path(node.blob).read_bytes()
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._changes.notify_all()
         self.blobs.close()
 
 

@@ -30,6 +30,12 @@ for the API (``/drive/v3/...``), uploads (``/upload/drive/v3/...``) and OAuth
   ``backendError``).
 - **md5Checksum**, **sha256Checksum**, ``size``, ``headRevisionId``, ``version``,
   ``createdTime``/``modifiedTime`` (RFC 3339 with milliseconds, strictly increasing).
+- **Changes**: every create, content or metadata update and deletion of an item is a
+  change with an increasing id; ``changes.getStartPageToken`` answers the id the next
+  change will get, ``changes.list?pageToken=`` the changes from there (each with
+  ``fileId``, ``removed`` and, unless removed, the item's current ``file``; at most
+  ``pageSize`` (1..1000, default 100), then ``nextPageToken``; on the last page
+  ``newStartPageToken``), ``includeRemoved``, partial responses (``fields``).
 - **The daily upload cap**: with :attr:`GDriveEmulator.uploads_blocked` every request
   carrying file content is answered 403 ``uploadLimitExceeded``.
 
@@ -387,6 +393,9 @@ class GDriveEmulator(Emulator):
         self.children: dict[str, set[str]] = {}
         #: Counters by method, for tests that count round trips.
         self.calls: dict[str, int] = {}
+        #: The change log: (change id, file id), oldest first; the next id.
+        self.changes: list[tuple[int, str]] = []
+        self._next_change = 1
 
     # --- faults and errors ---------------------------------------------------------
     def render_fault(self, fault: str, request: Request) -> Response | None:
@@ -513,12 +522,19 @@ class GDriveEmulator(Emulator):
                 self.blobs.delete(item.revisions.pop(0).blob)
         item.modified = self._clock.now()
         item.version += 1
+        self._changed(item.id)
         return item
+
+    def _changed(self, file_id: str) -> None:
+        """Log a change of ``file_id``. Caller holds the lock."""
+        self.changes.append((self._next_change, file_id))
+        self._next_change += 1
 
     def _add(self, item: Item) -> None:
         self.items[item.id] = item
         for parent in item.parents:
             self.children.setdefault(parent, set()).add(item.id)
+        self._changed(item.id)
 
     def _empty(self) -> tuple[str, int, str, str]:
         blob, size = self.blobs.write([b""])
@@ -534,6 +550,7 @@ class GDriveEmulator(Emulator):
         while doomed:
             victim = doomed.pop()
             self.items.pop(victim.id, None)
+            self._changed(victim.id)
             for parent in victim.parents:
                 self.children.get(parent, set()).discard(victim.id)
             for revision in victim.revisions:
@@ -881,6 +898,58 @@ class GDriveEmulator(Emulator):
             item = self._commit(session.meta, session.file_id, content)
             session.result = self._fields(request, item.resource(), "kind,id,name,mimeType")
         return json_response(200, session.result)
+
+    # --- changes ---------------------------------------------------------------------
+    @route("GET", "/drive/v3/changes/startPageToken")
+    def start_page_token(self, request: Request) -> Response:
+        def run() -> Response:
+            with self._lock:
+                token = str(self._next_change)
+            return json_response(200, self._fields(
+                request, {"kind": "drive#startPageToken", "startPageToken": token},
+                "kind,startPageToken"))
+
+        return self._api(request, "changes.getStartPageToken", run)
+
+    @route("GET", "/drive/v3/changes")
+    def list_changes(self, request: Request) -> Response:
+        def run() -> Response:
+            raw = request.query.get("pageToken")
+            if not raw:
+                raise DriveError(400, "required", "Required parameter: pageToken",
+                                 location="pageToken")
+            try:
+                start = int(raw)
+            except ValueError:
+                raise invalid("Invalid Value", "pageToken") from None
+            size = int(request.query.get("pageSize", "100"))
+            if not 1 <= size <= 1000:
+                raise invalid("Invalid value for pageSize", "pageSize")
+            removed_too = request.query.get("includeRemoved", "true") != "false"
+            with self._lock:
+                pending = [(n, f) for n, f in self.changes if n >= start]
+                page = pending[:size]
+                changes = []
+                for _, file_id in page:
+                    item = self.items.get(file_id)
+                    if item is None and not removed_too:
+                        continue
+                    change: dict[str, Any] = {
+                        "kind": "drive#change", "changeType": "file", "time": self._clock.now(),
+                        "removed": item is None, "fileId": file_id}
+                    if item is not None:
+                        change["file"] = item.resource()
+                    changes.append(change)
+                doc: dict[str, Any] = {"kind": "drive#changeList", "changes": changes}
+                if len(pending) > size:
+                    doc["nextPageToken"] = str(page[-1][0] + 1)
+                else:
+                    doc["newStartPageToken"] = str(self._next_change)
+            return json_response(200, self._fields(
+                request, doc, "kind,nextPageToken,newStartPageToken,changes(kind,changeType,"
+                "time,removed,fileId,file(kind,id,name,mimeType))"))
+
+        return self._api(request, "changes.list", run)
 
     # --- permissions -----------------------------------------------------------------
     @route("GET", "/drive/v3/files/(?P<id>[^/]+)/permissions")

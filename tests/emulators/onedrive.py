@@ -36,6 +36,14 @@ Faithful in what the backend relies on:
   version it was issued for) with ``Range`` (206, 416); ``GET content`` answers 302 to
   it.
 - **Deletes**: ``DELETE`` with ``If-Match`` (412), 204; folders with their contents.
+- **Delta**: ``GET .../delta`` on the root, a path or an item id (a folder): without
+  ``token`` the folder's whole hierarchy, with ``token=latest`` nothing, with a token
+  of an earlier ``@odata.deltaLink`` the items below the folder changed since (their
+  current driveItem, or ``id``/``name``/``parentReference`` with the ``deleted``
+  facet), without ``parentReference.path`` (as Graph omits it in delta); pages of at
+  most :attr:`page_size` items with ``@odata.nextLink``, the last with
+  ``@odata.deltaLink``; a malformed token is 400, an unknown one 410
+  ``resyncRequired``. A change journal of the drive keeps what each change was below.
 - **eTag/cTag**: SharePoint-style quoted tags that change with every new content.
 - **Hashes**: ``file.hashes.quickXorHash`` (the backend's :class:`QuickXorHash`, itself
   checked against published test vectors in the backend tests).
@@ -261,6 +269,12 @@ class OneDriveEmulator(Emulator):
         self.calls: dict[str, int] = {}
         #: (start, length, total) of every fragment accepted, for alignment tests.
         self.fragments: list[tuple[int, int, int]] = []
+        #: The change journal: (number, item id, the item's ancestors' ids then, and
+        #: what a deleted item's delta entry says), oldest first.
+        self.journal: list[tuple[int, str, tuple[str, ...], dict[str, Any] | None]] = []
+        self._seq = 0
+        #: Delta pages still to hand out: skip token -> (items, folder id, position).
+        self._delta_pages: dict[str, tuple[list[dict[str, Any]], str, int]] = {}
 
     def _new_id(self) -> str:
         return f"{DRIVE_ID.upper()}!{next(self._ids)}"
@@ -323,6 +337,30 @@ class OneDriveEmulator(Emulator):
     def _base(self, request: Request) -> str:
         scheme = self.base_url.split("://", 1)[0] or "https"
         return f"{scheme}://{request.header('Host') or self.base_url.split('://', 1)[-1]}"
+
+    # --- change journal -----------------------------------------------------------------
+    def _ancestors(self, item: Item) -> tuple[str, ...]:
+        chain = []
+        parent = item.parent
+        while parent is not None:
+            chain.append(parent)
+            parent = self.items[parent].parent if parent in self.items else None
+        return tuple(chain)
+
+    def _record(self, item: Item, *, deleted: bool = False) -> None:
+        """Journal a change of ``item`` (before it is unlinked, if ``deleted``).
+        Caller holds the lock."""
+        self._seq += 1
+        gone = None
+        if deleted:
+            gone = {"id": item.id, "name": item.name, "deleted": {"state": "deleted"},
+                    "parentReference": {"driveId": DRIVE_ID, "driveType": "personal",
+                                        **({"id": item.parent} if item.parent else {})}}
+            if item.is_folder:
+                gone["folder"] = {"childCount": 0}
+            else:
+                gone["file"] = {}
+        self.journal.append((self._seq, item.id, self._ancestors(item), gone))
 
     # --- items -----------------------------------------------------------------------
     def _path_of(self, item: Item) -> str:
@@ -418,6 +456,7 @@ class OneDriveEmulator(Emulator):
                 child = Item(self._new_id(), part, node.id, True)
                 self.items[child.id] = child
                 node.children[part.lower()] = child.id
+                self._record(child)
                 node = child
                 continue
             node = self.items[child_id]
@@ -470,6 +509,7 @@ class OneDriveEmulator(Emulator):
                         quick_xor=digest)
             self.items[item.id] = item
             parent.children[name.lower()] = item.id
+            self._record(item)
             return item, True
         existing.history.append(existing.blob)
         while len(existing.history) > KEEP_VERSIONS:
@@ -477,6 +517,7 @@ class OneDriveEmulator(Emulator):
         existing.blob, existing.size, existing.quick_xor = blob, size, digest
         existing.version += 1
         existing.modified = _now()
+        self._record(existing)
         return existing, False
 
     def _drop_blob(self, blob: str) -> None:
@@ -486,6 +527,7 @@ class OneDriveEmulator(Emulator):
     def _remove(self, item: Item) -> None:
         for child_id in list(item.children.values()):
             self._remove(self.items[child_id])
+        self._record(item, deleted=True)
         if item.parent is not None:
             parent = self.items[item.parent]
             parent.children.pop(item.name.lower(), None)
@@ -596,9 +638,87 @@ class OneDriveEmulator(Emulator):
                 folder = Item(self._new_id(), name, parent.id, True)
                 self.items[folder.id] = folder
                 parent.children[name.lower()] = folder.id
+                self._record(folder)
                 return json_response(201, self._resource(folder, request))
 
         return self._graph(request, "create folder", run)
+
+    @route("GET", r"/v1\.0/me/drive/root/delta")
+    @route("GET", r"/v1\.0/me/drive/root:(?P<path>/[^:]*):/delta")
+    @route("GET", r"/v1\.0/me/drive/items/(?P<id>[^/:]+)/delta")
+    def delta(self, request: Request) -> Response:
+        def run() -> Response:
+            skip = request.query.get("$skiptoken")
+            with self._lock:
+                if skip is not None:
+                    pending = self._delta_pages.pop(skip, None)
+                    if pending is None:
+                        raise GraphError(400, "invalidRequest", "Invalid skip token",
+                                         "invalidStartIndex")
+                    rest, folder_id, position = pending
+                else:
+                    folder = self._target(request)
+                    if not folder.is_folder:
+                        raise GraphError(400, "invalidRequest", "The item is not a folder",
+                                         "notAllowed")
+                    folder_id, position = folder.id, self._seq
+                    rest = self._delta_items(folder, request, request.query.get("token"))
+                top = int(request.query.get("$top") or self.page_size)
+                size = max(1, min(top, self.page_size))
+                page, rest = rest[:size], rest[size:]
+                base = f"{self._base(request)}/v1.0/me/drive/items/{quote(folder_id, safe='!')}/delta"
+                doc: dict[str, Any] = {
+                    "@odata.context": f"{self._base(request)}/v1.0/$metadata#"
+                                      "Collection(driveItem)",
+                    "value": page,
+                }
+                if rest:
+                    token = secrets.token_urlsafe(12)
+                    self._delta_pages[token] = (rest, folder_id, position)
+                    doc["@odata.nextLink"] = f"{base}?{urlencode({'$skiptoken': token})}"
+                else:
+                    doc["@odata.deltaLink"] = f"{base}?{urlencode({'token': str(position)})}"
+            return json_response(200, doc)
+
+        return self._graph(request, "delta", run)
+
+    def _delta_items(self, folder: Item, request: Request, token: str | None) -> list[dict[str, Any]]:
+        """What a delta of ``folder`` from ``token`` lists. Caller holds the lock."""
+        def entry(item: Item) -> dict[str, Any]:
+            doc = self._resource(item, request, request.query.get("$select"))
+            doc.pop("@odata.context", None)
+            if isinstance(doc.get("parentReference"), dict):
+                doc["parentReference"] = {k: v for k, v in doc["parentReference"].items()
+                                          if k != "path"}
+            return doc
+
+        if token is None:  # the whole hierarchy, the folder first
+            found, stack = [], [folder]
+            while stack:
+                node = stack.pop()
+                found.append(entry(node))
+                stack.extend(self.items[c] for c in sorted(node.children.values(), reverse=True))
+            return found
+        if token == "latest":
+            return []
+        try:
+            since = int(token)
+        except ValueError:
+            raise GraphError(400, "invalidRequest", "Invalid token", "invalidParameterFormat") from None
+        if since > self._seq or since < 0:
+            raise GraphError(410, "resyncRequired", "Resync required: the token is not valid",
+                             "resyncChangesApplyDifferences")
+        latest: dict[str, dict[str, Any] | None] = {}
+        for number, item_id, ancestors, gone in self.journal:
+            if number > since and (item_id == folder.id or folder.id in ancestors):
+                latest.pop(item_id, None)  # listed once, where it last changed
+                latest[item_id] = gone
+        items = []
+        for item_id, gone in latest.items():
+            item = self.items.get(item_id)
+            items.append(entry(item) if item is not None else dict(gone or {"id": item_id,
+                                                                           "deleted": {}}))
+        return items
 
     @route("DELETE", r"/v1\.0/me/drive/root:(?P<path>/[^:]*):?")
     @route("DELETE", r"/v1\.0/me/drive/items/(?P<id>[^/:]+)")
