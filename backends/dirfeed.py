@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 from metasync.backends.feeds import ChangeFeed, PollingFeed
@@ -28,6 +29,8 @@ from metasync.errors import BackendUnavailable
 
 #: The folder of the log entries, below the namespace folder (docs/FORMAT.md).
 LOG_FOLDER = "log"
+#: Seconds between checks that the watched folder is still there (a stat each).
+ALIVE_EVERY = 2.0
 
 #: Filesystem types another machine may write to: their events come only from this
 #: machine's writes, so a watch would stay silent on what matters.
@@ -130,10 +133,17 @@ class DirFeed(ChangeFeed):
                 self.start()
             self._waited = True
             return False
-        fired = self._fired.wait(timeout)
-        if self._closed.is_set():
-            return False
-        self._check_alive()
+        # The folder is looked at (one stat) every ALIVE_EVERY seconds: a move or an
+        # unmount of a folder above it sends the watch no event, and a backend that
+        # is gone must be said (and its hint polled) at once, not after a long wait.
+        deadline = time.monotonic() + timeout
+        while True:
+            fired = self._fired.wait(max(0.0, min(ALIVE_EVERY, deadline - time.monotonic())))
+            if self._closed.is_set():
+                return False
+            self._check_alive()
+            if fired or time.monotonic() >= deadline:
+                break
         if fired:
             self._fired.clear()
         return fired
