@@ -41,7 +41,7 @@ log = logging.getLogger("metasync.backends")
 
 #: Seconds between two asks of an idle cursor feed: ``3600 / 30 = 120`` requests an
 #: hour per idle backend at most (issue 19's budget).
-CURSOR_INTERVAL = 30.0
+CURSOR_INTERVAL = 32.0
 #: After a change, a cursor feed asks every this many seconds, for this long.
 CURSOR_ACTIVE_INTERVAL = 2.0
 CURSOR_ACTIVE_SPAN = 60.0

@@ -108,19 +108,20 @@ def test_dir_feed_on_a_plugged_disk_sees_another_process_write(
 
 # ============================================================== the polling feed
 def test_poll_schedule_grows_while_idle_and_is_short_after_a_change() -> None:
-    schedule = PollSchedule(short=2, cap=60)
+    schedule = PollSchedule(short=2, cap=60, hot=3)
     assert schedule.interval == 2
-    idle = [schedule.saw_nothing() for _ in range(7)]
-    assert idle == [4, 8, 16, 32, 60, 60, 60]
+    idle = [schedule.saw_nothing() for _ in range(10)]
+    # Short for the burst that may follow a change, then longer and longer.
+    assert idle == [2, 2, 2, 4, 8, 16, 32, 60, 60, 60]
     assert schedule.saw_change() == 2
-    assert schedule.saw_nothing() == 4
-    # An idle hour costs at most 60 looks plus the few of the climb.
+    assert [schedule.saw_nothing() for _ in range(4)] == [2, 2, 2, 4]
+    # An idle hour costs at most 60 looks plus the minute of short ones and the climb.
     looks, spent = 0, 0.0
     schedule = PollSchedule()
     while spent < 3600:
         spent += schedule.saw_nothing()
         looks += 1
-    assert looks <= 65
+    assert looks <= 95
     with pytest.raises(ValueError, match="short <= cap"):
         PollSchedule(short=10, cap=5)
 
@@ -128,7 +129,7 @@ def test_poll_schedule_grows_while_idle_and_is_short_after_a_change() -> None:
 def test_polling_feed_follows_its_schedule() -> None:
     backend = MemoryBackend(f"memory:feed-{uuid.uuid4().hex[:6]}", "ns")
     backend.create()
-    schedule = PollSchedule(short=0.01, cap=0.04)
+    schedule = PollSchedule(short=0.01, cap=0.04, hot=0)
     feed = PollingFeed(backend, HINT_KEY, schedule)
     assert feed.wait(0) is False
     assert feed.wait(0.2) is False  # a few looks, nothing changed
