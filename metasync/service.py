@@ -321,10 +321,14 @@ def _run(path: Path, tool: str, args: list[str], hint: str) -> None:
 
 
 def _install_systemd(svc: Service) -> str:
-    unit_dir = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "systemd" / "user"
-    name = f"{svc.name}.service"
-    path = unit_dir / name
-    _write(path, systemd_unit(svc).encode())
+    return _enable_systemd_unit(_systemd_dir() / f"{svc.name}.service", systemd_unit(svc))
+
+
+def _enable_systemd_unit(path: Path, unit: str) -> str:
+    """Write the user unit ``path`` and enable and start it with systemctl; one line
+    saying so (UsageError naming the command to run where that fails)."""
+    name = path.name
+    _write(path, unit.encode())
     hint = f"systemctl --user enable --now {name}"
     if shutil.which("systemctl") is None:
         raise UsageError(f"wrote {path}, but systemctl is not available to enable it; "
@@ -426,16 +430,7 @@ def install_app(app: AppService | None = None) -> str:
         raise UsageError(f"no service manager is known for {sys.platform}; start `metasync "
                          "service` from your system's startup instead")
     unit_dir = _systemd_dir()
-    name = f"{APP_NAME}.service"
-    path = unit_dir / name
-    _write(path, app_systemd_unit(app).encode())
-    hint = f"systemctl --user enable --now {name}"
-    if shutil.which("systemctl") is None:
-        raise UsageError(f"wrote {path}, but systemctl is not available to enable it; "
-                         f"run `{hint}` where it is")
-    _run(path, "systemctl", ["--user", "daemon-reload"], hint)
-    _run(path, "systemctl", ["--user", "enable", "--now", name], hint)
-    done = f"installed and started {name} ({path})"
+    done = _enable_systemd_unit(unit_dir / f"{APP_NAME}.service", app_systemd_unit(app))
     folders = _folder_units(unit_dir)
     if folders:
         done += (f"\nnote: {len(folders)} folder daemon unit(s) are installed too "

@@ -10,8 +10,11 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -262,3 +265,26 @@ def copy_backends(src: list[Path], dst_root: Path) -> list[Path]:
         shutil.copytree(d, target, symlinks=True)
         dst.append(target)
     return dst
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str,
+               detail: Callable[[], str] | None = None, every: float = 0.1) -> Any:
+    """Poll ``condition`` every ``every`` seconds until it returns something truthy
+    (returned); fail naming ``what`` -- with the last exception and ``detail()`` --
+    at the deadline. An exception a check of a live folder meets (a file replaced
+    mid-read, a JSON file half-written, a key not there yet) counts as "not yet"."""
+    deadline = time.monotonic() + timeout
+    tick = threading.Event()
+    last: BaseException | None = None
+    while True:
+        try:
+            result = condition()
+            if result:
+                return result
+        except (OSError, ValueError, KeyError, AssertionError) as exc:
+            last = exc
+        if time.monotonic() >= deadline:
+            pytest.fail(f"not within {timeout:g} s: {what}"
+                        + (f" (last error: {last})" if last else "")
+                        + (f"\n{detail()}" if detail else ""))
+        tick.wait(every)

@@ -17,37 +17,19 @@ import shutil
 import signal
 import stat
 import subprocess
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import METASYNC, PASSPHRASE, one_line_error, run_cli
+from conftest import METASYNC, PASSPHRASE, one_line_error, run_cli, wait_until
 from metasync import Repository
 
 FAST = ["--settle", "0.2", "--poll", "0.3", "--rescan", "3"]
 
 
-def wait_until(condition: Callable[[], Any], timeout: float, what: str,
-               detail: Callable[[], str] | None = None) -> Any:
-    """Poll ``condition`` every 0.1 s until it returns something truthy (returned);
-    fail with ``what`` (and ``detail()``) at the deadline."""
-    deadline = time.monotonic() + timeout
-    tick = threading.Event()
-    while True:
-        try:
-            result = condition()
-            if result:
-                return result
-        except (OSError, ValueError):
-            pass  # a file being replaced: not yet
-        if time.monotonic() >= deadline:
-            pytest.fail(f"not within {timeout:g} s: {what}" + (f"\n{detail()}" if detail else ""))
-        tick.wait(0.1)
 
 
 def make_folder(root: Path, backends: list[Path], content: str = "hello\n") -> Path:

@@ -21,13 +21,13 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import METASYNC, PASSPHRASE, run_cli, snapshot
+from conftest import METASYNC, PASSPHRASE, run_cli, snapshot, wait_until
 
 FAST = ["--settle", "0.5", "--poll", "0.5", "--rescan", "5"]
 
@@ -39,24 +39,6 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``condition`` every 0.2 s until it returns something truthy (returned);
-    fail with ``what`` at the deadline. Exceptions count as "not yet" (a file being
-    replaced, a CLI command finding the folder busy), and the last one is reported."""
-    deadline = time.monotonic() + timeout
-    pause = threading.Event()
-    last: BaseException | None = None
-    while True:
-        try:
-            result = condition()
-            if result:
-                return result
-        except (OSError, ValueError, AssertionError) as exc:
-            last = exc
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout:g}s waiting for {what}"
-                        + (f" (last error: {last})" if last else ""))
-        pause.wait(0.2)
 
 
 def _files(root: Path) -> dict[str, bytes]:

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from conftest import METASYNC, PASSPHRASE, run_cli, snapshot
+from conftest import METASYNC, PASSPHRASE, run_cli, snapshot, wait_until
 from metasync.consensus import Consensus
 from metasync.repository import Repository
 
@@ -44,23 +44,6 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def wait_until(condition: Callable[[], object], timeout: float, what: str,
-               detail: Callable[[], str] | None = None) -> None:
-    """Poll ``condition`` every 0.2 s until it is true; fail naming ``what`` at the
-    deadline. A condition that raises OSError (a file vanished mid-check while a
-    daemon changes the folder) counts as not yet true."""
-    deadline = time.monotonic() + timeout
-    tick = threading.Event()
-    while True:
-        try:
-            if condition():
-                return
-        except OSError:
-            pass
-        if time.monotonic() >= deadline:
-            extra = f"\n{detail()}" if detail else ""
-            pytest.fail(f"not within {timeout:g} s: {what}{extra}")
-        tick.wait(0.2)
 
 
 def _daemon_log(root: Path) -> str:
