@@ -37,6 +37,7 @@ import logging
 import os
 import socket
 import sqlite3
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -273,6 +274,8 @@ class StatusServer:
 
     def _handle(self, conn: socket.socket) -> None:
         conn.settimeout(REQUEST_TIMEOUT)
+        if sys.platform == "win32":
+            return  # never started there (start() refuses)
         uid = peer_uid(conn)
         if uid is not None and uid != os.geteuid():
             return  # only the user's own commands are answered
@@ -304,7 +307,9 @@ class StatusServer:
     # --- the socket ----------------------------------------------------------------
     def start(self) -> None:
         """Listen on ``.metasync/daemon.sock`` (0600, in the 0700 ``.metasync``);
-        OSError if it cannot."""
+        OSError if it cannot (always on Windows: no user ids to check a caller by)."""
+        if sys.platform == "win32":
+            raise OSError(errno.ENOTSUP, "no status socket on Windows")
         self._attach()
         meta_fd = os.open(self.meta, os.O_RDONLY)
         try:

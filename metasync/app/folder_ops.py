@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from metasync.errors import (
 from metasync.merge import device_label
 from metasync.names import display_path, parse_display_path
 from metasync.objects import TreeEntry
-from metasync.portable import O_CLOEXEC, O_NOFOLLOW, O_NONBLOCK
+from metasync.portable import O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW, O_NONBLOCK
 from metasync.repository import Repository
 from metasync.worktree import META_DIR
 
@@ -277,10 +278,10 @@ def version_file(root: Path, path: str, version: object) -> Download:
 def _open_folder(root: Path, rel: str) -> int:
     """A descriptor of folder ``rel`` of ``root``, each part opened from its parent
     without following a symbolic link (nothing outside the folder is reached)."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | O_CLOEXEC)
+    fd = os.open(root, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
     try:
         for part in [p for p in rel.split("/") if p]:
-            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=fd)
+            nxt = os.open(part, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, dir_fd=fd)
             os.close(fd)
             fd = nxt
     except OSError:
@@ -306,7 +307,7 @@ def disk_file(root: Path, path: str) -> Download:
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise ApiError(404, f"{_shown(path)} is not a file in the folder")
-    if O_NONBLOCK:
+    if sys.platform != "win32":
         os.set_blocking(fd, True)
 
     def pieces() -> Iterator[bytes]:
