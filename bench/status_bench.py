@@ -1,9 +1,10 @@
-"""``metasync status`` answered by a running daemon against ``git status``, on the
+"""``metasync status`` answered by a running service against ``git status``, on the
 Linux-source workload (issue 19: at most 2x ``git status``, same run).
 
 Set-up as ``linux_bench.py`` (not timed): a copy of the tree pushed to three
-``dir:`` backends with two replicas (encrypted), a ``metasync daemon`` started
-in it and waited for until it answers ``status``; a committed git copy of the
+``dir:`` backends with two replicas (encrypted), registered with ``metasync
+add-folder`` and run by ``metasync service`` (its folder's watch is a daemon's),
+waited for until it answers ``status``; a committed git copy of the
 tree. Then ``--pairs`` rounds, each timing (``time.perf_counter`` around
 ``subprocess.run``, nothing changed in either tree) ``metasync status``, ``git
 status``, ``metasync status --offline`` and ``metasync status --scan`` (the scan
@@ -93,9 +94,13 @@ def bench(tree: Path, scratch: Path, metasync: str, pairs: int) -> dict[str, Any
     run(["git", *ident, "commit", "--quiet", "-m", "workload"], git)
     run(["git", "status"], git)  # the index's stat data refreshed once, as a user's is
 
-    log("starting the daemon")
-    daemon = subprocess.Popen([metasync, "daemon"], cwd=repo, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # The service, as a user runs it (issue 19): the folder registered in a config
+    # folder of the bench's own, one `metasync service` running every folder.
+    log("starting the service (metasync add-folder, metasync service)")
+    env["XDG_CONFIG_HOME"] = str(scratch / "xdg")
+    run([metasync, "add-folder", str(repo)], repo, env)
+    daemon = subprocess.Popen([metasync, "service", "--listen", "127.0.0.1:0"], cwd=repo,
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for_answer(metasync, repo, env, 300)
         fast = subprocess.run([metasync, "status", "--json"], cwd=repo, env=env,
