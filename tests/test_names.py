@@ -35,6 +35,7 @@ from metasync.daemon import Daemon, Settings
 from metasync.localdb import IndexRow, LocalDB
 from metasync.names import display_path, json_path, parse_display_path
 from metasync.objects import TreeEntry
+from metasync.remote_watch import RemoteWatch
 from metasync.repository import Repository
 from metasync.scanner import Scanner, ScanResult
 
@@ -355,10 +356,11 @@ def test_a_daemon_that_stops_on_an_error_says_why(
     ``stopped`` with that reason (it was ``stopped`` with an empty one)."""
     folder, _ = _init(tmp_path)
 
-    def broken(self: Daemon) -> bool:
+    def broken(*_: object, **__: object) -> bool:
         raise ValueError("a broken poll")
 
-    monkeypatch.setattr(Daemon, "_remote_moved", broken)
+    # The hint reads of the loop's poll step (outside any sync).
+    monkeypatch.setattr(RemoteWatch, "hints_moved", broken)
     with pytest.raises(ValueError):
         Daemon(folder, Settings(settle=0.1, poll=0.2)).run()
     shown = run_cli("daemon", "status", cwd=folder).stdout.splitlines()[0]

@@ -123,10 +123,14 @@ def test_build_makes_an_sdist_and_a_wheel_that_pass_twine_check(dist: Path) -> N
 
 def test_the_wheel_holds_every_module_and_nothing_else(dist: Path) -> None:
     """Every module of metasync/, backends/ and translators/ (as metasync.backends and
-    metasync.translators), py.typed and the licence; no tests, benchmarks or scripts."""
+    metasync.translators), py.typed, the web page's files and the licence; no tests,
+    benchmarks or scripts."""
     with zipfile.ZipFile(_only(dist, "metasync-*.whl")) as zf:
         names = set(zf.namelist())
-    expected = {"metasync/py.typed"}
+    # The service's web page ships as package data beside its modules.
+    expected = {"metasync/py.typed"} | {
+        f"metasync/app/static/{p.name}" for p in (ROOT / "metasync" / "app" / "static").iterdir()
+        if p.is_file()}
     for folder, package in (("metasync", "metasync"), ("backends", "metasync/backends"),
                             ("translators", "metasync/translators")):
         expected |= {f"{package}/{p.relative_to(ROOT / folder).as_posix()}"
