@@ -28,10 +28,10 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from benchlib import write_results
 from linux_bench import (
     DEFAULT_METASYNC,
     PASSPHRASE,
@@ -173,22 +173,14 @@ def main(argv: list[str] | None = None) -> int:
         ratio = result["median_ratio_to_git"].get(name)
         shown = f"{ratio:>12.2f}x" if ratio is not None else f"{'':>13}"
         print(f"{name:<28} {result['median_s'][name]:>9.3f} {shown}")
-    now = datetime.now(UTC)
     kind = "status-quick" if args.quick else "status"
-    record = {
-        "benchmark": kind,
-        "timestamp": now.isoformat(timespec="seconds"),
+    out = write_results(kind, {
         "workload": {"path": str(workload.path), "files": workload.files,
                      "bytes": workload.bytes, "subset": workload.subset},
         "rounds": pairs,
         "machine": {**machine_info(args.metasync.resolve()), "loadavg_start": load_start},
         **result,
-    }
-    args.results.mkdir(parents=True, exist_ok=True)
-    out = args.results / f"{kind}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(out)
+    }, args.results)
     print(f"results written to {out}")
     return 0
 

@@ -24,8 +24,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -36,6 +34,7 @@ from typing import Any
 import pytest
 
 from conftest import METASYNC, snapshot
+from conftest import wait_until as polled_until
 from metasync import Repository
 from metasync.localdb import LocalDB
 from metasync.state import LocalState
@@ -61,21 +60,8 @@ WAIT = 45.0  # seconds any one condition may take on a loaded 2-core machine
 
 
 def wait_until(condition: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
-    """Poll ``condition`` every 0.1 s until it returns something truthy (returned);
-    fail naming ``what`` (and the last exception) at the deadline."""
-    deadline = time.monotonic() + timeout
-    tick = threading.Event()
-    last: BaseException | None = None
-    while True:
-        try:
-            result = condition()
-            if result:
-                return result
-        except (OSError, ValueError, KeyError, AssertionError) as exc:
-            last = exc
-        if time.monotonic() >= deadline:
-            pytest.fail(f"not within {timeout:g} s: {what}" + (f" (last: {last!r})" if last else ""))
-        tick.wait(0.1)
+    """conftest's :func:`~conftest.wait_until`, with this file's order of arguments."""
+    return polled_until(condition, timeout, what)
 
 
 def files(root: Path) -> dict[str, bytes]:
