@@ -50,7 +50,9 @@ class FileWriter:
                     for blob_id, length in group:
                         piece = data[blob_id]
                         if len(piece) != length:
-                            raise CorruptObject(f"blob {blob_id[:12]} has the wrong length")
+                            raise CorruptObject(
+                                f"blob {blob_id[:12]} of {entry.name!r} has the wrong length "
+                                f"({len(piece)} bytes where its tree says {length})")
                         if all_zero(piece):
                             fh.seek(length, os.SEEK_CUR)  # a hole: a sparse file stays sparse
                             holes = True

@@ -211,19 +211,22 @@ class Scanner:
         consume = (queue.popleft() for _ in range(len(queue)))
         files = result.files
         with ThreadPoolExecutor(workers, thread_name_prefix="metasync-hash") as pool:
-            for e, hashed in ordered_map(pool, lambda e: self.read_one(e, sink), consume,
-                                         HASH_WINDOW * workers):
-                reporter.advance(e.size)
-                name = e.path.rpartition("/")[2]
+            for scanned, hashed in ordered_map(pool, lambda e: self.read_one(e, sink), consume,
+                                               HASH_WINDOW * workers):
+                reporter.advance(scanned.size)
                 if hashed is None:
-                    result.skipped.append(e.path)
+                    result.skipped.append(scanned.path)
                     continue
                 if isinstance(hashed, str):
-                    result.problems.unreadable.append(Unsynced(e.path, hashed))
+                    result.problems.unreadable.append(Unsynced(scanned.path, hashed))
                     continue
-                files[e.path] = TreeEntry(name, hashed[0], hashed[1], e.size, e.executable)  # type: ignore[arg-type]
+                # The file as it was read: a file that changed during a first read
+                # was read again at its new size, mtime and inode.
+                kind, ref, e = hashed
+                name = e.path.rpartition("/")[2]
+                files[e.path] = TreeEntry(name, kind, ref, e.size, e.executable)  # type: ignore[arg-type]
                 result.rows.append(
-                    IndexRow(e.path, hashed[0], hashed[1], e.size, e.executable, e.mtime_ns, e.ino, hashed_at)
+                    IndexRow(e.path, kind, ref, e.size, e.executable, e.mtime_ns, e.ino, hashed_at)
                 )
                 if flush_index and len(result.rows) >= INDEX_FLUSH:
                     with db.transaction():
@@ -236,15 +239,18 @@ class Scanner:
         again if it changed while being read; None if it keeps changing, is gone,
         is no longer a regular file or cannot be read."""
         got = self.read_one(e, sink)
-        return got if isinstance(got, tuple) else None
+        return got[:2] if isinstance(got, tuple) else None
 
-    def read_one(self, e: ScanEntry, sink: ObjectSink | None) -> tuple[str, str] | str | None:
-        """As :meth:`hash_one`, but a file that cannot be read gives the reason
-        (``Permission denied``) instead of None."""
+    def read_one(self, e: ScanEntry, sink: ObjectSink | None
+                 ) -> tuple[str, str, ScanEntry] | str | None:
+        """As :meth:`hash_one`, with the entry as the content was read (its size,
+        mtime and inode differ from ``e``'s if the file changed during a first
+        read); a file that cannot be read gives the reason (``Permission denied``)
+        instead of None."""
         for _ in range(3):
             try:
                 hashed = self.ctx.chunker.hash_file(self.ctx.root / (e.disk or e.path), e, sink)
-                return hashed.type, hashed.ref
+                return hashed.type, hashed.ref, e
             except FileChanged:
                 try:
                     st = os.lstat(self.ctx.root / (e.disk or e.path))

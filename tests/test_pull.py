@@ -58,6 +58,36 @@ def test_edit_during_pull_becomes_conflict_copy(tmp_path: Path, backends: list[P
     assert (b.root / result.conflicts[0]).read_text() == "typed during the pull\n"
 
 
+class EditWhenReadingStarts(NullReporter):
+    """Rewrites a file, longer, as a push starts reading the changed files: the scan
+    saw the old size, the read meets the new one."""
+
+    def __init__(self, path: Path, text: str) -> None:
+        super().__init__()
+        self.path, self.text = path, text
+
+    def start(self, label: str, total: int) -> None:
+        if label == "pack" and self.text:
+            self.path.write_text(self.text)
+            self.text = ""
+
+
+def test_a_file_growing_between_scan_and_read_is_committed_as_read(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
+) -> None:
+    """A file that changes after the scan saw it and before it is read is read again;
+    the commit records the size of what was read, so a clone writes it (before, the
+    tree kept the scan's size beside the new content: "blob ... has the wrong
+    length" on every pull, which stopped a daemon for good)."""
+    a = _init(tmp_path, backends, passphrase)
+    (a.root / "doc.txt").write_text("v2\n")
+    a.reporter = EditWhenReadingStarts(a.root / "doc.txt", "v2, and a longer third line\n")
+    a.push("v2")
+    b = _clone(tmp_path, backends, passphrase, "b")
+    assert (b.root / "doc.txt").read_text() == "v2, and a longer third line\n"
+    assert a.status().changes == []
+
+
 def test_remote_delete_of_locally_modified_file_keeps_it(
     tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]
 ) -> None:
