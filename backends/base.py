@@ -19,6 +19,7 @@ Error contract (every method, and every log store method):
 from __future__ import annotations
 
 import builtins
+import functools
 import io
 import threading
 from abc import ABC, abstractmethod
@@ -40,6 +41,31 @@ from metasync.backends.logs import LogStore, log_store_for
 from metasync.backends.retry import TransientError
 from metasync.backends.uris import public_uri as public_uri
 from metasync.errors import BackendError, ObjectNotFound
+
+#: The methods that ask the service something: each call of one (not one made from
+#: inside another, e.g. ``list_sizes`` calling ``size``) counts in
+#: :attr:`Backend.requests`, whatever the implementation.
+REQUEST_METHODS = frozenset({"exists", "probe", "create", "put", "put_if_absent", "get", "open",
+                             "get_range", "size", "delete", "list", "list_sizes", "poll",
+                             "replace_if"})
+_IN_REQUEST = threading.local()
+
+
+def _counted(method: Any) -> Any:
+    """``method``, counting its outermost calls in the instance's ``requests``."""
+    @functools.wraps(method)
+    def call(self: Backend, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_IN_REQUEST, "depth", 0):
+            return method(self, *args, **kwargs)
+        self.requests += 1
+        _IN_REQUEST.depth = 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _IN_REQUEST.depth = 0
+    call.__wrapped_request__ = True  # type: ignore[attr-defined]
+    return call
+
 
 #: Guards the one-time creation of each backend's log store (creation does no I/O).
 #: Reentrant: a wrapper's store may be its inner backend's, made on the way.
@@ -89,6 +115,17 @@ class Backend(ABC):
     #: Whether ``init`` and ``backend add`` create a missing location folder only when
     #: asked (``--mkdir``): ``dir:``, where a missing folder is usually an unmounted disk.
     location_needs_mkdir: bool = False
+    #: Calls of :data:`REQUEST_METHODS` made on this instance (the service's
+    #: ``/metrics``); approximate under concurrent calls, never reset.
+    requests: int = 0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in REQUEST_METHODS & cls.__dict__.keys():
+            method = cls.__dict__[name]
+            if callable(method) and not getattr(method, "__isabstractmethod__", False) \
+                    and not getattr(method, "__wrapped_request__", False):
+                setattr(cls, name, _counted(method))
 
     def __init__(self, uri: str, namespace: str) -> None:
         self.uri = uri

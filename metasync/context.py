@@ -205,6 +205,10 @@ class BackendPool:
         """Every backend opened so far."""
         return list(self._opened.values())
 
+    def requests(self) -> dict[str, int]:
+        """Backend id -> requests made to it so far (:attr:`Backend.requests`)."""
+        return {b: backend.requests for b, backend in self._opened.items()}
+
     def name(self, backend_id: str) -> str:
         """A backend's name for messages (its id if it was never opened)."""
         backend = self._opened.get(backend_id)

@@ -471,6 +471,8 @@ class Daemon:
         self.status.backends = health
         for name, why in health.items():
             self.health.observe(name, why)
+        for backend_id, count in repo.backend_requests().items():
+            self.health.requested(self._names.get(backend_id, backend_id), count)
 
     # --- local changes -------------------------------------------------------------------
     def _watch(self) -> Any:

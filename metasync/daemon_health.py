@@ -41,8 +41,9 @@ EventSink = Callable[[str, str], None]
 
 @dataclass
 class BackendStats:
-    """One backend as this folder's daemon saw it: its hint polls (``requests``,
-    ``errors``, the last one's ``latency_ms``), and since when it fails (Unix time)."""
+    """One backend as this folder's daemon saw it: the requests made to it (its
+    syncs' and its hint polls), the hint polls that failed (``errors``) and the
+    last one's ``latency_ms``, and since when it fails (Unix time)."""
 
     requests: int = 0
     errors: int = 0
@@ -148,6 +149,10 @@ class Health:
         else:
             b.errors += 1
             self.observe(name, f"unreachable: {error}")
+
+    def requested(self, name: str, count: int) -> None:
+        """A sync's repository made ``count`` requests to backend ``name``."""
+        self._backend(name).requests += count
 
     def observe(self, name: str, health: str) -> None:
         """Backend ``name`` is ``health`` ("ok" or a reason) now. A full backend is

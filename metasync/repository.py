@@ -384,6 +384,10 @@ class Repository:
         health.update({b: f"full: {why}" for b, why in self._ctx.note_full_backends().items()})
         return health
 
+    def backend_requests(self) -> dict[str, int]:
+        """Backend id -> requests this repository handle made to it (``/metrics``)."""
+        return self._ctx.pool.requests()
+
     def acceptor_uris(self) -> dict[str, str]:
         """The URI this client uses for each acceptor of :attr:`config`, by id."""
         return self.versions.acceptor_uris()

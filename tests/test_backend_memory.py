@@ -150,3 +150,20 @@ def test_log_store_is_chosen_by_capabilities(name: str) -> None:
     assert logs.fetch("log") == [(0, b"a"), (1, b"b")]
     assert logs.delete_log("log") >= 2
     assert logs.fetch("log") == []
+
+
+def test_each_request_counts_once_whatever_calls_it_inside() -> None:
+    """``Backend.requests`` (the service's ``metasync_backend_requests_total``) counts
+    each call of the backend interface once: ``list_sizes`` is one request even where
+    it asks ``size`` per key, and a stream's reads count as they happen."""
+    backend = open_backend(f"memory:{fresh_name()}", "ns")
+    backend.create()
+    before = backend.requests
+    backend.put("a", b"x" * 10)
+    backend.put("b", b"y")
+    assert backend.get("a") == b"x" * 10
+    assert sorted(backend.list_sizes()) == [("a", 10), ("b", 1)]
+    assert backend.requests - before == 4
+    with pytest.raises(ObjectNotFound):
+        backend.get("missing")
+    assert backend.requests - before == 5  # a failed request is a request too

@@ -57,7 +57,7 @@ class FleetCollector(Collector):
         state = GaugeMetricFamily(c + "state", "1 for the folder's state", labels=[*FOLDER, "state"])
         b = "metasync_backend_"
         requests = CounterMetricFamily(b + "requests", "Requests made to the backend", labels=BACKEND)
-        b_errors = CounterMetricFamily(b + "errors", "Requests that failed", labels=BACKEND)
+        b_errors = CounterMetricFamily(b + "errors", "Hint polls that failed", labels=BACKEND)
         b_up = GaugeMetricFamily(b + "up", "1 if the backend answers, 0 if it is failing",
                                  labels=BACKEND)
         latency = GaugeMetricFamily(b + "latency_seconds", "Latency of the last requests",
