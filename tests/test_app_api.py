@@ -489,7 +489,10 @@ def test_tree_file_and_restore_round_trip_byte_for_byte(service: Service) -> Non
 # ============================================================== conflicts
 def _make_conflict(s: Service, name: str, texts: dict[str, str]) -> None:
     """Both folders edit ``name`` while paused; A syncs first, then B: B's push
-    merges, keeping B's version as a conflict copy."""
+    merges, keeping B's version as a conflict copy. Starts from both folders idle
+    at one version, so A's next version is its edit and not a pull of something an
+    earlier test left in flight."""
+    wait_for(lambda: _synced_same_version(s), "both idle before the conflict")
     for k in ("a", "b"):
         s.ok("POST", f"/rest/folders/{s.ids[k]}/pause")
         wait_for(lambda k=k: s.folder(k)["state"] == "paused", f"{k} paused")
