@@ -465,14 +465,8 @@ class Daemon:
         self._remote.restart(uris, repo.config.namespace)
 
     def _record_backends(self, repo: Repository) -> None:
-        health = {self._names.get(b, b): "ok" for b in repo.config.acceptors}
-        for backend_id, why in repo.health().items():
-            health[self._names.get(backend_id, backend_id)] = why
-        self.status.backends = health
-        for name, why in health.items():
-            self.health.observe(name, why)
-        for backend_id, count in repo.backend_requests().items():
-            self.health.requested(self._names.get(backend_id, backend_id), count)
+        self.status.backends = self.health.record(
+            repo.config.acceptors, repo.health(), repo.backend_requests(), self._names)
 
     # --- local changes -------------------------------------------------------------------
     def _watch(self) -> Any:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from metasync.backends import public_uri
@@ -150,9 +150,20 @@ class Health:
             b.errors += 1
             self.observe(name, f"unreachable: {error}")
 
-    def requested(self, name: str, count: int) -> None:
-        """A sync's repository made ``count`` requests to backend ``name``."""
-        self._backend(name).requests += count
+    def record(self, acceptors: Iterable[str], failing: dict[str, str],
+               requests: dict[str, int], names: dict[str, str]) -> dict[str, str]:
+        """After a sync: the acceptors are "ok" unless ``failing`` (backend id ->
+        why, :meth:`Repository.health`) says otherwise; ``requests`` (backend id ->
+        count) were made. Returns each backend's health by name (``names``: id ->
+        name, else the id)."""
+        health = {names.get(b, b): "ok" for b in acceptors}
+        for backend_id, why in failing.items():
+            health[names.get(backend_id, backend_id)] = why
+        for name, why in health.items():
+            self.observe(name, why)
+        for backend_id, count in requests.items():
+            self._backend(names.get(backend_id, backend_id)).requests += count
+        return health
 
     def observe(self, name: str, health: str) -> None:
         """Backend ``name`` is ``health`` ("ok" or a reason) now. A full backend is

@@ -27,10 +27,11 @@ from metasync.context import RepoContext, open_context
 from metasync.errors import NotARepository, UsageError
 from metasync.graph import ObjectGraph
 from metasync.layout import DEFAULT_NAMESPACE
-from metasync.objects import BackendSpec, Commit, Config, TreeEntry, Version
+from metasync.objects import Commit, Config, TreeEntry, Version
 from metasync.outbox import Outbox
 from metasync.progress import Reporter
 from metasync.replicator import Replicator
+from metasync.repo_admin import RepositoryAdmin
 from metasync.scanner import Scanner
 from metasync.store import RemoteStore
 from metasync.timeouts import wait_bound
@@ -43,18 +44,7 @@ if TYPE_CHECKING:
     from metasync.consensus import Consensus
     from metasync.fsck import FsckProblem, FsckReport
     from metasync.history import History, LogEntry, RestoreResult
-    from metasync.maintenance import (
-        BackendListing,
-        ConfigChange,
-        GarbageCollector,
-        GcReport,
-        RebalanceReport,
-        Reconfiguration,
-        ShareResult,
-    )
-    from metasync.maintenance.keymgmt import KeySlots
     from metasync.maintenance.recover import RecoverResult
-    from metasync.maintenance.rotation import RotationReport
     from metasync.sync import PushResult, Sync
 
 PassphraseSource = Callable[[], str]
@@ -87,7 +77,7 @@ __all__ = [
 ]
 
 
-class Repository:
+class Repository(RepositoryAdmin):
     """A metasync working folder. Open with :meth:`open`, :meth:`init` or :meth:`clone`."""
 
     def __init__(self, ctx: RepoContext) -> None:
@@ -265,17 +255,6 @@ class Repository:
         ring = self._ctx.codec.keyring
         return fingerprint(ring) if ring is not None else None
 
-    def key_slots(self) -> KeySlots:
-        """Key management: the passphrases (slots) that open this repository."""
-        from metasync.maintenance.keymgmt import KeySlots
-
-        return KeySlots(self._ctx, self.versions)
-
-    def rotate_keys(self, progress: Callable[[str], None] = lambda _: None) -> RotationReport:
-        """``metasync key rotate`` (:func:`metasync.maintenance.rotation.rotate`)."""
-        from metasync.maintenance.rotation import rotate
-
-        return rotate(self._ctx, self.versions, self._reconfig, progress)
 
     @property
     def config(self) -> Config:
@@ -422,70 +401,3 @@ class Repository:
         return Fsck(self._ctx, self.versions, self.graph, self.replicator).run(
             quick=quick, repair=repair)
 
-    # ============================================================== maintenance
-    @cached_property
-    def _reconfig(self) -> Reconfiguration:
-        # Imported on first use: status and commit never need it (start-up time).
-        from metasync.maintenance import Reconfiguration
-
-        return Reconfiguration(self._ctx, self.versions, self.replicator)
-
-    @cached_property
-    def _gc(self) -> GarbageCollector:
-        from metasync.maintenance import GarbageCollector
-
-        return GarbageCollector(self._ctx, self.versions, self.graph, self.outbox,
-                                self.replicator, self._reconfig)
-
-    def add_backend(self, uri: str, capacity: float | None = None,
-                    mkdir: bool = False) -> ConfigChange:
-        return self._reconfig.add_backend(uri, capacity, mkdir)
-
-    def remove_backend(self, name: str) -> ConfigChange:
-        return self._reconfig.remove_backend(name)
-
-    def connect_backend(self, name: str, uri: str | None = None) -> tuple[BackendSpec, str]:
-        return self._reconfig.connect_backend(name, uri)
-
-    def resize_backend(self, name: str, capacity: float) -> ConfigChange:
-        return self._reconfig.resize_backend(name, capacity)
-
-    def set_replicas(self, replicas: int) -> ConfigChange:
-        return self._reconfig.set_replicas(replicas)
-
-    def rebalance(self) -> RebalanceReport:
-        return self._reconfig.finish_rebalance()
-
-    def rebalance_pending(self) -> bool:
-        """Whether a configuration change made here left its rebalance unfinished
-        (crashed, or some backend did not answer): :meth:`rebalance` finishes it."""
-        return self._ctx.state.rebalance_pending is not None
-
-    def backend_list(self) -> BackendListing:
-        """Every backend of the latest configuration with what it holds."""
-        from metasync.maintenance import list_backends
-
-        config = self.versions.load_config(self.versions.learn_latest().config)
-        return list_backends(self._ctx, self.replicator, config)
-
-    def snapshot(self, name: str) -> Version:
-        return self._reconfig.snapshot(name)
-
-    def delete_snapshot(self, name: str) -> Version:
-        return self._reconfig.delete_snapshot(name)
-
-    def snapshots(self) -> list[tuple[str, str]]:
-        return self._reconfig.snapshots()
-
-    def set_retention(self, days: int) -> Version:
-        return self._reconfig.set_retention(days)
-
-    def gc(self, log_grace_s: float | None = None) -> GcReport:
-        """Delete what no version within the retention, no snapshot, no client's state
-        and no push in progress needs, and compact old pPaxos logs."""
-        return self._gc.collect_garbage(log_grace_s=log_grace_s)
-
-    def share(self, email: str) -> list[ShareResult]:
-        from metasync.maintenance import share
-
-        return share(self._ctx, self.backends, email)
