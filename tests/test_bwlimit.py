@@ -8,6 +8,7 @@ limiter run on injected clocks; the rate actually achieved is measured by
 from __future__ import annotations
 
 import io
+import shlex
 import threading
 from collections.abc import Iterator
 from datetime import datetime
@@ -334,3 +335,20 @@ def test_a_throttled_push_and_clone_carry_every_byte(tmp_path: Path) -> None:
     run_cli("clone", f"dir:{dirs[0]}", str(dst), "--bwlimit", "00:00,256M 12:00,300M:off",
             cwd=tmp_path)
     assert snapshot(dst) == snapshot(src)
+
+
+def test_an_installed_service_keeps_the_limit_it_was_installed_with(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`metasync service install --bwlimit ...` (or with METASYNC_BWLIMIT set) puts the
+    limit on the service's command line, where it holds on every OS."""
+    from metasync.service import app_service_for, app_systemd_unit, service_for
+
+    timetable = "08:00,512k 23:00,off"
+    app = app_service_for({"HOME": "/home/ana", "METASYNC_BWLIMIT": timetable})
+    assert app.command[-3:] == ("service", "--bwlimit", timetable)
+    exec_start = next(line for line in app_systemd_unit(app).splitlines()
+                      if line.startswith("ExecStart="))
+    assert shlex.split(exec_start.split("=", 1)[1])[-2:] == ["--bwlimit", timetable]
+    assert "--bwlimit" not in app_service_for({"HOME": "/home/ana"}).command
+    monkeypatch.setenv("METASYNC_BWLIMIT", "2M:off")
+    assert service_for(tmp_path).command[-2:] == ("--bwlimit", "2M:off")
