@@ -260,6 +260,12 @@ class Limiter:
             self._loaded = True
             self._cond.notify_all()
 
+    def reset(self) -> None:
+        """Forget the configured schedule: the next use reads :data:`ENV` again."""
+        with self._cond:
+            self._schedule, self._loaded = None, False
+            self._cond.notify_all()
+
     @property
     def schedule(self) -> Schedule | None:
         """The schedule in force (the environment's until configured)."""

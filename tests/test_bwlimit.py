@@ -268,13 +268,13 @@ def test_a_limit_for_one_direction_leaves_the_other_free() -> None:
 # --- where backends charge -----------------------------------------------------------------
 @pytest.fixture
 def fast_limit() -> Iterator[Limiter]:
-    """The process's limiter set to a rate no test waits for, put back after."""
-    before = (LIMITER._schedule, LIMITER._loaded)
+    """The process's limiter set to a rate no test waits for, reset after (to what
+    METASYNC_BWLIMIT says: nothing in a test run)."""
     LIMITER.configure(parse_bwlimit("64G"))
     try:
         yield LIMITER
     finally:
-        LIMITER._schedule, LIMITER._loaded = before
+        LIMITER.reset()
 
 
 def test_every_payload_of_a_backend_is_charged_once(tmp_path: Path, fast_limit: Limiter) -> None:
@@ -297,7 +297,6 @@ def test_every_payload_of_a_backend_is_charged_once(tmp_path: Path, fast_limit: 
 
 
 def test_without_a_limit_nothing_is_charged(tmp_path: Path) -> None:
-    before = (LIMITER._schedule, LIMITER._loaded)
     LIMITER.configure(None)
     try:
         backend = open_backend(f"dir:{tmp_path}", "ns")
@@ -306,7 +305,22 @@ def test_without_a_limit_nothing_is_charged(tmp_path: Path) -> None:
         backend.put("a", b"x" * (2 * PIECE))
         assert LIMITER.charged == charged
     finally:
-        LIMITER._schedule, LIMITER._loaded = before
+        LIMITER.reset()
+
+
+def test_a_library_caller_gets_the_environment_s_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("METASYNC_BWLIMIT", "3M:1M")
+    LIMITER.reset()
+    try:
+        assert LIMITER.active and LIMITER.rates() == Rates(3 * MIB, MIB)
+        monkeypatch.setenv("METASYNC_BWLIMIT", "3X")
+        LIMITER.reset()
+        with pytest.raises(UsageError, match="bad METASYNC_BWLIMIT '3X'"):
+            LIMITER.charge(UP, PIECE)
+    finally:
+        monkeypatch.delenv("METASYNC_BWLIMIT")
+        LIMITER.reset()
+    assert not LIMITER.active
 
 
 # --- the command line ----------------------------------------------------------------------------
