@@ -8,7 +8,11 @@ limiter run on injected clocks; the rate actually achieved is measured by
 from __future__ import annotations
 
 import io
+import os
+import random
 import shlex
+import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from datetime import datetime
@@ -32,7 +36,15 @@ from metasync.backends.bwlimit import (
 from metasync.backends.faulty import FaultyBackend
 from metasync.errors import Interrupted, UsageError
 from metasync.progress import Cancellation
-from tests.conftest import make_tree, one_line_error, run_cli, snapshot, wait_until
+from tests.conftest import (
+    METASYNC,
+    PASSPHRASE,
+    make_tree,
+    one_line_error,
+    run_cli,
+    snapshot,
+    wait_until,
+)
 
 KIB, MIB = 1024, 1024 * 1024
 # 2026-11-23 is a Monday.
@@ -366,3 +378,30 @@ def test_an_installed_service_keeps_the_limit_it_was_installed_with(
     assert "--bwlimit" not in app_service_for({"HOME": "/home/ana"}).command
     monkeypatch.setenv("METASYNC_BWLIMIT", "2M:off")
     assert service_for(tmp_path).command[-2:] == ("--bwlimit", "2M:off")
+
+
+def test_ctrl_c_stops_a_throttled_push_waiting_for_its_turn(tmp_path: Path) -> None:
+    """A push throttled to 16 KiB/s (a 1 MiB piece of a dir: upload waits 64 s for its
+    turn) stops at Ctrl-C well before that: the wait re-checks the stop request; no
+    temporary file is left and the next push (no limit) finishes."""
+    src, store = tmp_path / "src", tmp_path / "store"
+    src.mkdir()
+    store.mkdir()
+    (src / "big.bin").write_bytes(random.Random(3).randbytes(4 * MIB))
+    run_cli("init", str(src), "--backend", f"dir:{store}")
+    env = {**os.environ, "METASYNC_PASSPHRASE": PASSPHRASE}
+    proc = subprocess.Popen([METASYNC, "push", "--bwlimit", "16k"], cwd=src, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: any(p.name.startswith(".tmp-") for p in store.rglob("*")), 60,
+                   "the push to start uploading")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)  # a bound, far under the 64 s wait
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+    assert not [p for p in store.rglob("*") if p.name.startswith(".tmp-")]
+    assert "Pushed version 1" in run_cli("push", cwd=src).stdout
