@@ -293,15 +293,17 @@ class Limiter:
         with self._cond:
             return len(self._queues[direction])
 
-    def charge(self, direction: Direction, size: int) -> None:
-        """Account ``size`` payload bytes in ``direction``: at most :data:`EXEMPT`
-        never wait; more wait their turn, :data:`PIECE` bytes at a time. Raises
+    def charge(self, direction: Direction, size: int, *, whole: bool = True) -> None:
+        """Account ``size`` payload bytes in ``direction``: a ``whole`` request's
+        payload of at most :data:`EXEMPT` bytes never waits; anything else waits its
+        turn, :data:`PIECE` bytes at a time (a piece of a stream is never exempt,
+        however small: a stream read in small pieces is limited too). Raises
         :class:`~metasync.errors.Interrupted` once the user asked to stop."""
         if size <= 0 or self.schedule is None:
             return
         with self._cond:
             self.charged[direction] += size
-        if size <= EXEMPT:
+        if whole and size <= EXEMPT:
             with self._cond:
                 self._buckets[direction].take(size, self._rate(direction), self._clock())
             return
@@ -349,17 +351,17 @@ class _Metered:
 
     def read(self, size: int | None = -1) -> bytes:
         data: bytes = self._inner.read(size)
-        self._limiter.charge(self._direction, len(data))
+        self._limiter.charge(self._direction, len(data), whole=False)
         return data
 
     def read1(self, size: int = -1) -> bytes:
         data: bytes = self._inner.read1(size)
-        self._limiter.charge(self._direction, len(data))
+        self._limiter.charge(self._direction, len(data), whole=False)
         return data
 
     def readinto(self, buffer: Any) -> int:
         n: int = self._inner.readinto(buffer)
-        self._limiter.charge(self._direction, n or 0)
+        self._limiter.charge(self._direction, n or 0, whole=False)
         return n
 
     def readable(self) -> bool:

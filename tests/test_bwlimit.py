@@ -405,3 +405,23 @@ def test_ctrl_c_stops_a_throttled_push_waiting_for_its_turn(tmp_path: Path) -> N
     assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
     assert not [p for p in store.rglob("*") if p.name.startswith(".tmp-")]
     assert "Pushed version 1" in run_cli("push", cwd=src).stdout
+
+
+def test_a_stream_read_in_small_pieces_is_limited_too() -> None:
+    """Only a whole small payload is exempt: reads of a few KiB from a metered
+    stream wait their turn like big ones."""
+    clock = FakeClock(MONDAY)
+    lim = limiter("1k", clock)
+    stream = lim.reader(io.BytesIO(bytes(PIECE)), UP)
+    assert len(stream.read(4 * KIB)) == 4 * KIB  # granted: the bucket goes into debt
+    done = threading.Event()
+
+    def more() -> None:
+        stream.read(4 * KIB)
+        done.set()
+
+    threading.Thread(target=more, daemon=True).start()
+    wait_until(lambda: lim.waiting(UP) == 1, 10, "the second small read waits")
+    assert not done.is_set()
+    clock.mono = 10.0  # the debt (4 KiB at 1 KiB/s) is paid
+    wait_until(done.is_set, 10, "the second small read goes on")
