@@ -393,13 +393,3 @@ def metered_upload(data: bytes | BinaryIO) -> bytes | BinaryIO:
         return data
     return LIMITER.reader(data, UP)
 
-
-def bytes_per_second(rate: float | None) -> str:
-    """``rate`` as ``2.0 MiB/s`` (or ``unlimited``)."""
-    if rate is None:
-        return "unlimited"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if rate < 1024 or unit == "GiB":
-            return f"{rate:.1f} {unit}/s" if unit != "B" else f"{rate:.0f} B/s"
-        rate /= 1024
-    return f"{rate:.1f} TiB/s"  # unreachable
