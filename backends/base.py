@@ -29,6 +29,7 @@ from typing import Any, BinaryIO
 
 # Capabilities and the key rules live in modules of their own (the log constructions
 # need them too); they are part of this interface and importable from here.
+from metasync.backends.bwlimit import DOWN, LIMITER, metered_upload
 from metasync.backends.capabilities import Capabilities as Capabilities
 from metasync.backends.feeds import ChangeFeed, PollingFeed
 from metasync.backends.keys import TEMP_PREFIX as TEMP_PREFIX
@@ -51,8 +52,19 @@ REQUEST_METHODS = frozenset({"exists", "probe", "create", "put", "put_if_absent"
 _IN_REQUEST = threading.local()
 
 
+#: The methods whose data (the argument after the key) is an upload's payload.
+_UPLOADS = frozenset({"put", "put_if_absent", "replace_if"})
+#: The methods whose result is a download's payload (``open``: its stream's reads).
+_DOWNLOADS = frozenset({"get", "get_range", "open"})
+
+
 def _counted(method: Any) -> Any:
-    """``method``, counting its outermost calls in the instance's ``requests``."""
+    """``method``, counting its outermost calls in the instance's ``requests`` and
+    charging their payload to the process's bandwidth limit (:mod:`.bwlimit`): an
+    outermost call is the one place every transfer of every backend passes through
+    (a wrapper backend's inner calls are not charged again)."""
+    name = method.__name__
+
     @functools.wraps(method)
     def call(self: Backend, *args: Any, **kwargs: Any) -> Any:
         if getattr(_IN_REQUEST, "depth", 0):
@@ -60,11 +72,32 @@ def _counted(method: Any) -> Any:
         self.requests += 1
         _IN_REQUEST.depth = 1
         try:
-            return method(self, *args, **kwargs)
+            if not LIMITER.active:
+                return method(self, *args, **kwargs)
+            return _limited(name, method, self, args, kwargs)
         finally:
             _IN_REQUEST.depth = 0
     call.__wrapped_request__ = True  # type: ignore[attr-defined]
     return call
+
+
+def _limited(name: str, method: Any, self: Backend, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
+    """``method`` called with its payload charged to :data:`.bwlimit.LIMITER`: an
+    upload's data before it is sent (a stream as it is read), a download's bytes as
+    they arrive (``open``'s stream as it is read)."""
+    if name in _UPLOADS:
+        if len(args) >= 2:
+            args = (args[0], metered_upload(args[1]), *args[2:])
+        elif "data" in kwargs:
+            kwargs = {**kwargs, "data": metered_upload(kwargs["data"])}
+        return method(self, *args, **kwargs)
+    result = method(self, *args, **kwargs)
+    if name == "open":
+        return LIMITER.reader(result, DOWN)
+    if name in _DOWNLOADS:
+        LIMITER.charge(DOWN, len(result))
+    return result
 
 
 #: Guards the one-time creation of each backend's log store (creation does no I/O).

@@ -31,7 +31,9 @@ from metasync.cli_common import (
     _passphrase_source,
     _reporter,
     _say,
+    check_bwlimit_env,
     json_option,
+    set_bwlimit,
 )
 from metasync.cli_daemon import auth, daemon
 from metasync.cli_gui import gui
@@ -54,6 +56,9 @@ def _set_state(ctx: click.Context, param: click.Parameter, value: Any) -> None:
     if param.name == "timeout":
         if value is not None:
             os.environ["METASYNC_TIMEOUT"] = repr(value)
+    elif param.name == "bwlimit":
+        if value is not None:
+            set_bwlimit(value)
     elif value:
         setattr(STATE, str(param.name), True)
 
@@ -71,6 +76,12 @@ def _global_options() -> list[click.Option]:
                      help="Longest wait for any backend's answer (each connect, read, "
                           "handshake, and a request's retries) and for backends to agree "
                           "(default 30; also METASYNC_TIMEOUT)."),
+        click.Option(["--bwlimit"], default=None, metavar="RATE", expose_value=False,
+                     callback=_set_state,
+                     help="Limit the bytes sent to and read from backends by this process, "
+                          "e.g. 2M (MiB/s both ways), 10M:2M (up:down), off, or a "
+                          "timetable \"08:00,512k 19:00,10M 23:00,off\" (also "
+                          "METASYNC_BWLIMIT; see docs/bwlimit.md)."),
     ]
 
 
@@ -79,7 +90,8 @@ def _add_global_options(command: click.Command) -> None:
     if isinstance(command, click.Group):
         for sub in command.commands.values():
             _add_global_options(sub)
-        return
+        if not command.invoke_without_command:
+            return  # a group that also runs alone (daemon, service) takes them too
     taken = {opt for p in command.params for opt in p.opts}
     command.params += [o for o in _global_options() if not taken & set(o.opts)]
     for param in command.params:
@@ -747,6 +759,7 @@ def main() -> None:
     sys.stdout, sys.stderr = (s or open(os.devnull, "w") for s in (sys.stdout, sys.stderr))  # noqa: SIM115
     _listen_for_signals()
     try:
+        check_bwlimit_env()
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:
         _fail("interrupted" if CANCEL.requested() else "aborted", 130)

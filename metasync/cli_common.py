@@ -12,6 +12,8 @@ from typing import Any, NoReturn
 
 import click
 
+from metasync.backends.bwlimit import ENV as BWLIMIT_ENV
+from metasync.backends.bwlimit import LIMITER, parse_bwlimit
 from metasync.errors import UsageError
 from metasync.names import text_only
 from metasync.progress import NullReporter
@@ -26,6 +28,22 @@ class _State:
 
 
 STATE = _State()
+
+
+def set_bwlimit(text: str) -> None:
+    """``--bwlimit``: the process's limit from now on, and its subprocesses' (a daemon
+    started in the background) through the environment. :class:`UsageError` (one
+    line) for bad syntax."""
+    LIMITER.configure(parse_bwlimit(text))
+    os.environ[BWLIMIT_ENV] = text
+
+
+def check_bwlimit_env() -> None:
+    """Refuse a bad ``METASYNC_BWLIMIT`` before the command starts (else its first
+    transfer would)."""
+    text = os.environ.get(BWLIMIT_ENV)
+    if text is not None:
+        LIMITER.configure(parse_bwlimit(text, BWLIMIT_ENV))
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:

@@ -23,9 +23,11 @@ import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
+from metasync.backends.bwlimit import ENV as BWLIMIT_ENV
 from metasync.errors import UsageError
 
 #: The daemon's log in ``.metasync`` (metasync.daemon.LOG_FILE); the service
@@ -93,10 +95,20 @@ def daemon_command(executable: str, platform: str, command: str = "daemon") -> t
     return (executable, "-m", "metasync.cli", command)
 
 
+def limit_args(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """``--bwlimit RATE`` for a service's command line if the installing command had
+    a limit (``--bwlimit`` or :data:`~metasync.backends.bwlimit.ENV`), else nothing:
+    on its command line, the limit holds on every OS (a Windows task has no
+    environment of its own)."""
+    value = (os.environ if environ is None else environ).get(BWLIMIT_ENV, "").strip()
+    return ("--bwlimit", value) if value else ()
+
+
 def service_for(root: Path) -> Service:
     """The service of ``root`` on this computer."""
     root = root.absolute()
-    return Service(root, daemon_command(sys.executable, sys.platform), service_name(root))
+    return Service(root, (*daemon_command(sys.executable, sys.platform), *limit_args()),
+                   service_name(root))
 
 
 @dataclass(frozen=True)
@@ -123,7 +135,8 @@ def app_service_for(environ: dict[str, str] | None = None) -> AppService:
     import platformdirs
 
     log = platformdirs.user_log_path("metasync", appauthor=False) / "service.log"
-    return AppService(daemon_command(sys.executable, sys.platform, "service"), env, str(log))
+    return AppService((*daemon_command(sys.executable, sys.platform, "service"),
+                       *limit_args(environ)), env, str(log))
 
 
 # --- content -------------------------------------------------------------------------
