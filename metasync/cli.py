@@ -34,6 +34,7 @@ from metasync.cli_common import (
     json_option,
 )
 from metasync.cli_daemon import auth, daemon
+from metasync.cli_forget import forget
 from metasync.cli_gui import gui
 from metasync.cli_history import log
 from metasync.cli_install import completion, version_option
@@ -663,7 +664,7 @@ def share(email: str) -> None:
                    err=True)
 
 
-for _command in (auth, log, daemon, key, completion, gui, *APP_COMMANDS):
+for _command in (auth, log, daemon, key, completion, gui, forget, *APP_COMMANDS):
     cli.add_command(_command)
 _add_global_options(cli)
 

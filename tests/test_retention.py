@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import random
-from datetime import datetime, timedelta, timezone, tzinfo
+from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 
-from conftest import one_line_error, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import one_line_error, run_cli
 from metasync.retention import Policy, choose
 
 NAMESPACE = "metasync"
@@ -84,13 +84,18 @@ def restic_apply(versions: list[tuple[str, int]], p: Policy,
 _count = st.one_of(st.integers(0, 6), st.just(-1))
 _policies = st.builds(Policy, last=_count, hourly=_count, daily=_count, weekly=_count,
                       monthly=_count, yearly=_count).filter(lambda p: not p.empty())
-_START = int(datetime(2019, 12, 20, tzinfo=timezone.utc).timestamp())
-# Times over six years, bunched so that several fall into one hour, day or week.
+_START = int(datetime(2019, 12, 20, tzinfo=UTC).timestamp())
+# Times over six years, bunched so that several fall into one hour, day or week,
+# and around new year (where ISO weeks belong to the other year).
 _times = st.lists(
-    st.one_of(st.integers(0, 6 * 366 * 86400), st.integers(0, 3 * 86400),
-              st.integers(0, 40 * 86400)).map(lambda s: (_START + s) * 10**9),
+    st.one_of(
+        st.one_of(st.integers(0, 6 * 366 * 86400), st.integers(0, 3 * 86400),
+                  st.integers(0, 40 * 86400)).map(lambda s: _START + s),
+        st.tuples(st.integers(2020, 2026), st.integers(-8 * 86400, 8 * 86400)).map(
+            lambda y: int(datetime(y[0], 1, 1, tzinfo=UTC).timestamp()) + y[1]),
+    ).map(lambda s: s * 10**9),
     max_size=40)
-_zones = st.sampled_from([timezone.utc, timezone(timedelta(hours=-5)),
+_zones = st.sampled_from([UTC, timezone(timedelta(hours=-5)),
                           timezone(timedelta(hours=5, minutes=30))])
 
 
