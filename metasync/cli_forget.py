@@ -44,7 +44,7 @@ def _print_plan(plan: ForgetPlan, dry_run: bool) -> None:
         why = f"  ({', '.join(row.reasons)})" if row.reasons else ""
         click.echo(f"{what} {row.commit_id[:12]} {number:>6} {_when(row.time_ns)}  "
                    f"{row.message.splitlines()[0] if row.message else ''}{why}")
-    verb = "would forget" if dry_run else "forgets"
+    verb = "would forget" if dry_run else "gc will forget"
     _say(f"{verb} {len(plan.forgotten)} of {len(plan.rows)} versions "
          "(gc collects what only they use)")
     if plan.retention_days:
