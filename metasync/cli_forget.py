@@ -42,9 +42,12 @@ def _print_plan(plan: ForgetPlan, dry_run: bool) -> None:
         what = "keep  " if row.reasons else "forget"
         number = f"v{row.version}" if row.version is not None else "v?"
         why = f"  ({', '.join(row.reasons)})" if row.reasons else ""
+        # A commit's message is untrusted: its first line, printable characters only.
+        first = row.message.splitlines()[0] if row.message.strip() else ""
+        message = "".join(c if c.isprintable() else "?" for c in first[:80])
         click.echo(f"{what} {row.commit_id[:12]} {number:>6} {_when(row.time_ns)}  "
-                   f"{row.message.splitlines()[0] if row.message else ''}{why}")
-    verb = "would forget" if dry_run else "gc will forget"
+                   f"{message}{why}")
+    verb = "would forget" if dry_run else "the policy forgets"
     _say(f"{verb} {len(plan.forgotten)} of {len(plan.rows)} versions "
          "(gc collects what only they use)")
     if plan.retention_days:
@@ -78,9 +81,11 @@ def _options(f: Callable[..., None]) -> Callable[..., None]:
 @json_option
 def forget(dry_run: bool, prune: bool, show: bool, clear: bool, as_json: bool,
            **counts: str | None) -> None:
-    """Keep versions by restic's rules (--keep-last/-hourly/-daily/-weekly/-monthly/
-    -yearly) and let gc collect what only the others use. The policy is stored for
-    the repository: every later gc applies it."""
+    """Keep versions by restic's --keep-* rules; gc collects what only the others use.
+
+    The policy is stored in the repository and every later gc, by any client,
+    applies it. The newest version, snapshots and versions younger than `config
+    retention` are always kept (docs/retention.md)."""
     policy = Policy(**{rule: _count(rule, counts[rule]) for rule in RULES})
     with _open(read_only=dry_run or show) as repo:
         if show:

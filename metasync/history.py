@@ -332,7 +332,7 @@ class History:
                 commit_id = found[0]
             assert commit_id is not None
             if pruned(commit_id):
-                policy = " nor kept by the retention policy" if config.policy else ""
+                policy = " and not kept by the retention policy" if config.policy else ""
                 raise UsageError(f"version {commit_id[:12]} is forgotten (older than the retention"
                                  f"{policy}) and gc collects its files; snapshot versions you "
                                  "want to keep")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import one_line_error, run_cli
-from metasync.retention import Policy, choose
+from metasync.retention import Policy, choose, decide
 
 NAMESPACE = "metasync"
 
@@ -124,6 +125,31 @@ def test_policy_from_untrusted_config_is_validated() -> None:
         except ValueError:
             continue
         raise AssertionError(f"accepted {bad!r}")
+
+
+@dataclass(frozen=True)
+class _C:
+    tree: str
+    parents: tuple[str, ...]
+    time_ns: int
+
+
+def test_decide_ranks_the_first_parent_line_and_always_keeps_latest_snapshots_window() -> None:
+    """gc's commit (master's tree again) takes no --keep-last place; the other side
+    of a merge is not ranked; the latest version, snapshots and the window stay."""
+    h = 3600 * 10**9
+    history = {
+        "c1": _C("t1", (), 1 * h), "c2": _C("t2", ("c1",), 2 * h),
+        "side": _C("ts", ("c1",), 3 * h), "c3": _C("t3", ("c2", "side"), 4 * h),
+        "c4": _C("t4", ("c3",), 5 * h), "gc": _C("t4", ("c4",), 6 * h),
+    }
+    d = decide("gc", history, Policy(last=2), [("s", "c1")], cutoff_ns=10 * h)
+    assert d.ranked == ["c4", "c3", "c2", "c1"]
+    assert d.keep == {"c4": ("last", "latest"), "c3": ("last",), "gc": ("master",),
+                      "c1": ("snapshot s",)}
+    assert d.forget == ["c2"]
+    window = decide("gc", history, Policy(last=1), [], cutoff_ns=3 * h)
+    assert window.forget == ["c2", "c1"] and "side" in window.keep and "c3" in window.keep
 
 
 # ------------------------------------------------------------------ through gc

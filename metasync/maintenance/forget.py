@@ -16,7 +16,7 @@ from metasync.context import RepoContext
 from metasync.errors import UsageError
 from metasync.graph import ObjectGraph
 from metasync.maintenance.reconfig import Reconfiguration
-from metasync.objects import Version
+from metasync.objects import FORMAT_VERSION, Config, Version
 from metasync.retention import Policy, decide
 from metasync.versions import Versions
 
@@ -88,4 +88,12 @@ class Forget:
                              "--keep-yearly")
         if self.policy() == policy:
             return None
-        return self.reconfig.change_config(lambda c: replace(c, policy=policy)).version
+
+        def make_new(config: Config) -> Config:
+            if policy is None:
+                return replace(config, policy=None)
+            # Readers older than `keep` would call the config malformed: the current
+            # format makes them say "upgrade" instead (as a key rotation does).
+            return replace(config, policy=policy, format=max(config.format, FORMAT_VERSION))
+
+        return self.reconfig.change_config(make_new).version
