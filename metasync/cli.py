@@ -36,6 +36,7 @@ from metasync.cli_common import (
     set_bwlimit,
 )
 from metasync.cli_daemon import auth, daemon
+from metasync.cli_forget import forget
 from metasync.cli_gui import gui
 from metasync.cli_history import log
 from metasync.cli_install import completion, version_option
@@ -675,7 +676,7 @@ def share(email: str) -> None:
                    err=True)
 
 
-for _command in (auth, log, daemon, key, completion, gui, *APP_COMMANDS):
+for _command in (auth, log, daemon, key, completion, gui, forget, *APP_COMMANDS):
     cli.add_command(_command)
 _add_global_options(cli)
 

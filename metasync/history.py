@@ -43,6 +43,7 @@ from metasync.fstraits import (
 from metasync.graph import ANCESTRY_LIMIT, ObjectGraph
 from metasync.names import display_path
 from metasync.objects import Commit, Config, TreeEntry
+from metasync.retention import decide
 from metasync.scanner import name_clashes, nfc
 from metasync.versions import Versions
 from metasync.worktree import (
@@ -304,9 +305,11 @@ class History:
         chain = [cid for cid, _ in self.graph.first_parents(master)]
         history = self.graph.history(master)
 
+        # What the last gc kept: the same decision, over the window it recorded.
+        kept = decide(master, history, config.policy, config.snapshots, config.gc_cutoff_ns).keep
+
         def pruned(cid: str) -> bool:
-            return (history[cid].time_ns < config.gc_cutoff_ns and cid != master
-                    and cid not in dict(config.snapshots).values())
+            return cid not in kept
 
         if version is not None:
             if config.snapshot(version) is not None:
@@ -329,15 +332,17 @@ class History:
                 commit_id = found[0]
             assert commit_id is not None
             if pruned(commit_id):
-                raise UsageError(f"version {commit_id[:12]} is older than the retention and gc "
-                                 "collected its files; snapshot versions you want to keep")
+                policy = " and not kept by the retention policy" if config.policy else ""
+                raise UsageError(f"version {commit_id[:12]} is forgotten (older than the retention"
+                                 f"{policy}) and gc collects its files; snapshot versions you "
+                                 "want to keep")
             tree = self.graph.tree_at(commit_id)
             if path not in tree:
                 raise UsageError(f"{display_path(path)} is not in version {commit_id[:12]}")
             return commit_id, tree
         for cid in chain:
             if pruned(cid):
-                break
+                continue  # (a policy keeps some versions older than ones it forgets)
             tree = self.graph.tree_at(cid)
             if path in tree and not self._same_as_folder(path, tree):
                 return cid, tree

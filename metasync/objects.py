@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from metasync.errors import CorruptObject, FormatError
+from metasync.retention import Policy
 
 #: The repository format this metasync writes for new repositories (docs/FORMAT.md).
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 #: Every format it reads (and keeps writing, for a repository made in it, until a
 #: change that needs the newer one, such as a key rotation).
-READABLE_FORMATS = (3, 4, 5)
+READABLE_FORMATS = (3, 4, 5, 6)
 #: Days a version stays restorable by default (``retention_days``).
 DEFAULT_RETENTION_DAYS = 30
 #: Most erasure-coded fragments per object.
@@ -409,11 +410,16 @@ class Config:
     #: Data keys of epochs below this are retired by a completed rotation: nothing is
     #: stored under them any more (log entries aside), and no reader accepts them.
     key_oldest: int = 0
+    #: The retention policy (``metasync forget``; docs/retention.md): which versions
+    #: older than ``retention_days`` gc keeps. Written (as ``keep``) only when set.
+    policy: Policy | None = None
 
     def to_bytes(self) -> bytes:
         extra: dict[str, Any] = {"key_epoch": self.key_epoch} if self.key_epoch else {}
         if self.key_oldest:
             extra["key_oldest"] = self.key_oldest
+        if self.policy is not None and not self.policy.empty():
+            extra["keep"] = self.policy.to_json()
         return canonical_json(
             {
                 **extra,
@@ -466,7 +472,14 @@ class Config:
         keys = {"format", "namespace", "backends", "replicas", "partitions", "encryption",
                 "acceptors", "vnode_unit", "fault_model", "retention_days", "snapshots", "gc",
                 "erasure"}
-        _want(set(raw) - {"key_epoch", "key_oldest"} == keys, "malformed config")
+        _want(set(raw) - {"key_epoch", "key_oldest", "keep"} == keys, "malformed config")
+        policy = None
+        if "keep" in raw:
+            try:
+                policy = Policy.from_json(raw["keep"])
+            except ValueError as exc:
+                raise CorruptObject(f"config: {exc}") from None
+            _want(not policy.empty(), "empty retention policy")
         key_epoch = _want_int(raw.get("key_epoch", 0), "key epoch")
         key_oldest = _want_int(raw.get("key_oldest", 0), "oldest key epoch")
         _want(key_epoch == 0 or raw["encryption"] != "none", "a key epoch needs encryption")
@@ -533,6 +546,7 @@ class Config:
             erasure_threshold=threshold,
             key_epoch=key_epoch,
             key_oldest=key_oldest,
+            policy=policy,
         )
 
 

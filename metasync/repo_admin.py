@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         Reconfiguration,
         ShareResult,
     )
+    from metasync.maintenance.forget import Forget
     from metasync.maintenance.keymgmt import KeySlots
     from metasync.maintenance.rotation import RotationReport
     from metasync.outbox import Outbox
@@ -115,11 +116,20 @@ class RepositoryAdmin:
         return self._reconfig.set_retention(days)
 
     def gc(self, log_grace_s: float | None = None) -> GcReport:
-        """Delete what no version within the retention, no snapshot, no client's state
-        and no push in progress needs, and compact old pPaxos logs."""
+        """Delete what no version within the retention or kept by the retention policy,
+        no snapshot, no client's state and no push in progress needs, and compact old
+        pPaxos logs."""
         return self._gc.collect_garbage(log_grace_s=log_grace_s)
 
     def share(self, email: str) -> list[ShareResult]:
         from metasync.maintenance import share
 
         return share(self._ctx, self.versions.backends, email)
+
+    # ============================================================== retention (forget)
+    @cached_property
+    def retention(self) -> Forget:
+        """The retention policy: ``plan`` (``forget --dry-run``), ``store``, ``policy``."""
+        from metasync.maintenance.forget import Forget
+
+        return Forget(self._ctx, self.versions, self.graph, self._reconfig)

@@ -34,6 +34,7 @@ from metasync.objects import (
     check_name,
     is_object_id,
 )
+from metasync.retention import Policy
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ROUND = settings(max_examples=50, deadline=None)
@@ -151,6 +152,9 @@ def configs(draw: st.DrawFn) -> Config:
         erasure=erasure,
         # Without erasure coding the threshold is not stored: it keeps its default.
         erasure_threshold=draw(st.integers(0, 2**30)) if erasure else 1 << 20,
+        policy=draw(st.none() | st.builds(
+            Policy, last=st.integers(-1, 9), daily=st.integers(-1, 9),
+            yearly=st.integers(-1, 9)).filter(lambda p: not p.empty())),
     )
 
 
@@ -531,6 +535,10 @@ BAD_CONFIGS = {
     "vnode unit float": _config(vnode_unit=[1, 1.5]),
     "vnode unit short": _config(vnode_unit=[1]),
     "vnode unit not list": _config(vnode_unit=1),
+    "keep not a dict": _config(keep=[1]),
+    "keep unknown rule": _config(keep={"sometimes": 1}),
+    "keep count too big": _config(keep={"daily": 10**7}),
+    "keep empty": _config(keep={}),
 }
 
 

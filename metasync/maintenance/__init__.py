@@ -8,6 +8,7 @@ and is never imported by them: the ``Repository`` facade is its only caller.
 - :mod:`~metasync.maintenance.rebalance`: every object on the holders a
   configuration names, through the replicator;
 - :mod:`~metasync.maintenance.gc`: garbage collection and log compaction;
+- :mod:`~metasync.maintenance.forget`: the retention policy (``forget``);
 - :mod:`~metasync.maintenance.listing`: what each backend holds, and sharing.
 """
 

@@ -1,9 +1,9 @@
 """Garbage collection (paper 3.8; docs/FORMAT.md §10) and log compaction.
 
 gc lists every object, reads every client's state, keeps what master, the
-versions younger than the retention, the snapshots and every client's head and
-base need, plus every object a push announced, and decides a version with a gc
-commit and a configuration whose ``gc_epoch`` is one higher. It deletes only
+versions younger than the retention, the versions the retention policy keeps
+(docs/retention.md), the snapshots and every client's head and base need, plus
+every object a push announced, and decides a version with a gc commit and a configuration whose ``gc_epoch`` is one higher. It deletes only
 after that version is decided; docs/design.md, "Garbage collection", argues why
 a push in progress loses nothing.
 """
@@ -32,6 +32,7 @@ from metasync.objects import Commit, PackEntry, Version, is_object_id
 from metasync.outbox import Outbox
 from metasync.paxos import announcement_quorum
 from metasync.replicator import Replicator, take_inventory
+from metasync.retention import decide
 from metasync.versions import Versions
 
 
@@ -155,8 +156,9 @@ class GarbageCollector:
 
         Kept: every commit of master's history (they are small, and keep ``log``
         whole); the trees, files, blobs and indexes of master, of every commit younger
-        than the retention, of every snapshot, and of every client's published head
-        and base; and every object a push in progress announced. The gc then writes a
+        than the retention, of every version the retention policy keeps
+        (:func:`metasync.retention.decide`), of every snapshot, and of every
+        client's published head and base; and every object a push in progress announced. The gc then writes a
         commit with master's tree whose indexes list exactly the surviving objects, and
         decides it through pPaxos together with a configuration whose ``gc_epoch`` is
         one higher. Only if that version wins does it delete -- so a push that raced it
@@ -176,9 +178,10 @@ class GarbageCollector:
             states = self.read_client_states(backends, config.fault_model == "byzantine")
             report.objects = len(inventory.stored_ids())
             history = self.graph.history(latest.master)
-            retained = {cid for cid, c in history.items()
-                        if c.time_ns >= cutoff or cid == latest.master}
-            retained |= {cid for _, cid in config.snapshots}
+            # One decision for gc and `forget --dry-run`: the window, the policy,
+            # master and the snapshots (metasync.retention.decide).
+            decision = decide(latest.master, history, config.policy, config.snapshots, cutoff)
+            retained = set(decision.keep) | {cid for _, cid in config.snapshots}
             retained |= states.heads | states.prev_masters
             live_packs, live_indexes, kept_commits = self._live(
                 retained, required={latest.master, *(c for _, c in config.snapshots)})
