@@ -21,10 +21,13 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfe
 
 class CountingProxy:
     """Forwards ``127.0.0.1:<port>`` to ``target_host:target_port``; ``requests``
-    counts what passed."""
+    counts what passed, ``bytes_answered`` the answers' body bytes, and ``log``
+    holds ``(method, path, Range header or None, answer bytes)`` of each request."""
 
     def __init__(self, target_host: str, target_port: int) -> None:
         self.requests = 0
+        self.bytes_answered = 0
+        self.log: list[tuple[str, str, str | None, int]] = []
         self._lock = threading.Lock()
         proxy = self
 
@@ -55,6 +58,10 @@ class CountingProxy:
                 conn.endheaders(body or None)
                 answer = conn.getresponse()
                 data = answer.read()
+                with proxy._lock:
+                    proxy.bytes_answered += len(data)
+                    proxy.log.append((self.command, self.path, self.headers.get("Range"),
+                                      len(data)))
                 self.send_response_only(answer.status, answer.reason)
                 for name, value in answer.getheaders():
                     if name.lower() not in HOP_BY_HOP and name.lower() != "content-length":
@@ -92,6 +99,13 @@ class CountingProxy:
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
+
+    def reset(self) -> None:
+        """Start counting afresh."""
+        with self._lock:
+            self.requests = 0
+            self.bytes_answered = 0
+            self.log = []
 
     def close(self) -> None:
         self._server.shutdown()
