@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from metasync.maintenance.keymgmt import KeySlots
     from metasync.maintenance.recover import RecoverResult
     from metasync.maintenance.rotation import RotationReport
+    from metasync.reader import VersionReader
     from metasync.sync import PushResult, Sync
 
 PassphraseSource = Callable[[], str]
@@ -489,3 +490,8 @@ class Repository:
         from metasync.maintenance import share
 
         return share(self._ctx, self.backends, email)
+
+    def version_reader(self, **options: Any) -> VersionReader:  # `metasync mount`
+        """Every version's trees and files, read by range (:class:`metasync.reader.VersionReader`)."""
+        from metasync.reader import VersionReader
+        return VersionReader(self._ctx, self.versions, self.graph, **options)

@@ -117,6 +117,7 @@ def test_versions_match_a_restore_of_each_version(tmp_path: Path, backends: list
         tree = repo.tree_at(masters[n])
         for name in {p.split("/")[0] for p in tree}:
             repo.restore(name, version=str(n), to=refs / str(n) / name)
+        assert (refs / str(n) / "big.bin").stat().st_size == 5 * MiB
     repo.close()
 
     m = mounts(src, tmp_path / "mnt")
@@ -155,6 +156,9 @@ def test_latest_shows_a_new_push_within_the_poll_interval(
     other.close()
     wait_until(lambda: (m.point / "latest" / "b.txt").read_text() == "pushed by the other clone\n",
                30, "latest/ to show the other clone's push", detail=m.output)
+    # The mount leaves the folder to other commands: a pull runs while it is up.
+    run_cli("pull", cwd=src)
+    assert (src / "b.txt").read_text() == "pushed by the other clone\n"
 
 
 # ---------------------------------------------------------------- counted transfers
@@ -261,6 +265,11 @@ def test_a_backend_lost_mid_read_falls_back_to_the_other_holder(
                 assert fh.read(2 * MiB) == content[offset:offset + 2 * MiB]
             finally:
                 gone.with_name(gone.name + "-gone").rename(gone)
+    # `fusermount -u` ends the mount as a signal does.
+    fusermount = shutil.which("fusermount3") or shutil.which("fusermount") or "fusermount"
+    subprocess.run([fusermount, "-u", str(m.point)], check=True)
+    assert m.proc.wait(60) == 0, m.output()
+    m.stop()
 
 
 def test_bad_mountpoints_and_missing_fuse_are_one_line_errors(
