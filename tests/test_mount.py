@@ -294,3 +294,37 @@ def test_bad_mountpoints_and_missing_fuse_are_one_line_errors(
                    "FUSE", "libfuse")
     one_line_error(run_cli("mount", str(empty), "--cache-size", "lots", cwd=src, check=False),
                    "--cache-size")
+
+
+def test_the_chunk_cache_keeps_its_bound_and_drops_the_least_recently_used(
+    tmp_path: Path,
+) -> None:
+    """``--cache-size``: the folder never holds more than its bound; the chunk used
+    longest ago goes first, across restarts; a damaged file is dropped, not served."""
+    import hashlib
+
+    from metasync.reader import MEMORY_CHUNKS, ChunkCache
+
+    def check(blob_id: str, data: bytes) -> bool:
+        return hashlib.sha256(data).hexdigest() == blob_id
+
+    blobs = [os.urandom(1000) for _ in range(4)]
+    ids = [hashlib.sha256(b).hexdigest() for b in blobs]
+    folder = tmp_path / "cache"
+    cache = ChunkCache(folder, 2500, check)
+    cache.put(ids[0], blobs[0])
+    cache.put(ids[1], blobs[1])
+    cache.memory.clear()  # read back from disk, not memory
+    assert cache.get(ids[0]) == blobs[0]  # now 1 is the least recently used
+    cache.put(ids[2], blobs[2])
+    assert sorted(os.listdir(folder)) == sorted([ids[0], ids[2]])
+    assert sum(p.stat().st_size for p in folder.iterdir()) <= 2500
+    (folder / ids[2]).write_bytes(b"damaged" + blobs[2][7:])
+    again = ChunkCache(folder, 2500, check)  # a restart keeps the order from the folder
+    assert again.get(ids[2]) is None and not (folder / ids[2]).exists()
+    again.put(ids[3], blobs[3])
+    assert again.get(ids[0]) == blobs[0]
+    assert sorted(os.listdir(folder)) == sorted([ids[0], ids[3]])
+    nothing = ChunkCache(tmp_path / "none", 0, check)  # --cache-size 0: memory only
+    nothing.put(ids[0], blobs[0])
+    assert not (tmp_path / "none").exists() and len(nothing.memory) <= MEMORY_CHUNKS
