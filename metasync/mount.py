@@ -171,12 +171,13 @@ class MountView(mfusepy.Operations):
 
     def _guarded(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)``; a failure of metasync's (no good copy, a backend out of
-        reach) is said in one line and becomes EIO for this call."""
+        reach) or of the local disk (the cache) is said in one line and becomes EIO
+        for this call."""
         try:
             return fn(*args)
         except (mfusepy.FuseOSError, KeyError):
             raise
-        except MetasyncError as exc:
+        except (MetasyncError, OSError) as exc:
             print(f"metasync: mount: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
             raise _fail(errno.EIO) from None
 

@@ -208,6 +208,7 @@ class VersionReader:
         self._learned: dict[int, str] = {}
         self._trees: OrderedDict[str, VersionTree] = OrderedDict()
         self._by_date: tuple[str, dict[str, str]] | None = None
+        self._numbered: tuple[float, Version, dict[int, str]] | None = None
 
     # ---------------------------------------------------------------- versions
     def latest(self) -> Version:
@@ -248,8 +249,14 @@ class VersionReader:
     def numbered(self) -> dict[int, str]:
         """Version number -> master, for every version this client knows the number
         of (those it synchronised with, as ``metasync log`` numbers them, and those
-        learned while running), without collected ones."""
+        learned while running), without collected ones. Worked out again only when
+        the latest version moved or ``poll`` seconds passed (every ``stat`` in the
+        mount asks)."""
         latest = self.latest()
+        now = time.monotonic()
+        memo = self._numbered
+        if memo is not None and memo[1] == latest and now - memo[0] < self.poll:
+            return memo[2]
         out = {n: c for c, n in self.ctx.db.master_numbers().items()}
         prev = self.ctx.state.prev
         if prev.master is not None and prev.master not in out.values():
@@ -257,7 +264,9 @@ class VersionReader:
         for number, master in self._learned.items():
             if master not in out.values():
                 out[number] = master
-        return {n: c for n, c in out.items() if self._kept(c, latest)}
+        kept = {n: c for n, c in out.items() if self._kept(c, latest)}
+        self._numbered = (now, latest, kept)
+        return kept
 
     def snapshots(self) -> dict[str, str]:
         """Snapshot name -> commit, as the latest configuration names them."""
