@@ -43,6 +43,10 @@ DEFAULT_CACHE_SIZE = 1024 * 1024 * 1024
 MEMORY_CHUNKS = 8
 #: Trees kept in memory (a flattened tree of a big version is big).
 MEMORY_TREES = 16
+#: Bytes of the following chunks fetched with a sequential read's missing ones
+#: (one range request of a pack carries them: a copy of a big file goes at the
+#: backend's throughput, not one round trip per chunk).
+READAHEAD = 4 * 1024 * 1024
 #: The chunk cache's folder inside ``.metasync``.
 CACHE_DIR = "mount-cache"
 
@@ -79,6 +83,10 @@ class ChunkCache:
     def used(self) -> int:
         """Bytes on disk."""
         return sum(self.disk.values())
+
+    def has(self, blob_id: str) -> bool:
+        """Whether ``blob_id`` is kept (in memory or on disk; not checked here)."""
+        return blob_id in self.memory or blob_id in self.disk
 
     def get(self, blob_id: str) -> bytes | None:
         data = self.memory.get(blob_id)
@@ -143,6 +151,8 @@ class FileReader:
         #: (blob id, length) of each chunk, and where each starts in the file.
         self.chunks = graph.file_chunks(entry) if entry.type in ("file", "chunked") else []
         self.starts: list[int] = []
+        #: Where the last read ended: a read starting there is sequential.
+        self.next_offset = 0
         offset = 0
         for _, length in self.chunks:
             self.starts.append(offset)
@@ -151,18 +161,28 @@ class FileReader:
     def read(self, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes from ``offset`` (fewer at the end of the file).
         Only the chunks covering the range are fetched (those not cached, in one
-        batch: nearby ones of one pack come in one range request)."""
+        batch: nearby ones of one pack come in one range request) -- and, when the
+        read follows the previous one, the next :data:`READAHEAD` bytes of chunks."""
         end = min(offset + size, self.size)
         if offset >= end:
             return b""
+        sequential, self.next_offset = offset == self.next_offset, end
         first = bisect_right(self.starts, offset) - 1
         last = bisect_right(self.starts, end - 1) - 1
         wanted = self.chunks[first:last + 1]
         have = {b: d for b, _ in wanted if (d := self.cache.get(b)) is not None}
-        missing = list({b: (b, n) for b, n in wanted if b not in have}.values())
+        missing = {b: (b, n) for b, n in wanted if b not in have}
+        if missing and sequential:
+            ahead = 0
+            for blob_id, length in self.chunks[last + 1:]:
+                if ahead >= READAHEAD:
+                    break
+                ahead += length
+                if not self.cache.has(blob_id):
+                    missing.setdefault(blob_id, (blob_id, length))
         if missing:
-            fetched = self.graph.read_blobs(missing)
-            for blob_id, _ in missing:
+            fetched = self.graph.read_blobs(list(missing.values()))
+            for blob_id in missing:
                 self.cache.put(blob_id, fetched[blob_id])
             have.update(fetched)
         out = b"".join(have[b] for b, _ in wanted)
