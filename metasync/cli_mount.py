@@ -62,7 +62,7 @@ def mount(mountpoint: Path, poll: float, cache_size: str) -> None:
     snapshots/NAME/, by-date/YYYY-MM-DD-HHMMSS/. Files are fetched when read, only
     the parts read. Runs until Ctrl-C, SIGTERM or `fusermount -u MOUNTPOINT`."""
     size = parse_size(cache_size)
-    point = mountpoint.expanduser().absolute()
+    point = Path(os.path.abspath(mountpoint.expanduser()))
     why = _fuse_missing()
     if why is not None:
         raise UsageError(why)

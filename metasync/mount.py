@@ -199,5 +199,9 @@ def serve(reader: VersionReader, mountpoint: str) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
-    mfusepy.FUSE(MountView(reader), mountpoint, foreground=True, nothreads=True, ro=True,
-                 fsname="metasync", subtype="metasync", default_permissions=True)
+    try:
+        mfusepy.FUSE(MountView(reader), mountpoint, foreground=True, nothreads=True, ro=True,
+                     fsname="metasync", subtype="metasync", default_permissions=True)
+    except RuntimeError as exc:  # libfuse could not mount (it said why on stderr)
+        raise MetasyncError(f"mounting at {mountpoint} failed ({exc}); see the FUSE "
+                            "message above") from None
