@@ -142,7 +142,8 @@ def test_latest_shows_a_new_push_within_the_poll_interval(
     tmp_path: Path, backends: list[Path], passphrase: Callable[[], str],
     mounts: Callable[..., Mount],
 ) -> None:
-    """Another clone pushes; ``latest/`` shows its file (polled every second)."""
+    """Another clone pushes; ``latest/`` shows its file (polled every second) before
+    this folder has it; a pull in the mounted folder runs meanwhile."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_text("a\n")
@@ -156,6 +157,8 @@ def test_latest_shows_a_new_push_within_the_poll_interval(
     other.close()
     wait_until(lambda: (m.point / "latest" / "b.txt").read_text() == "pushed by the other clone\n",
                30, "latest/ to show the other clone's push", detail=m.output)
+    # On demand: the mount reads what this folder does not hold (yet).
+    assert not (src / "b.txt").exists()
     # The mount leaves the folder to other commands: a pull runs while it is up.
     run_cli("pull", cwd=src)
     assert (src / "b.txt").read_text() == "pushed by the other clone\n"
