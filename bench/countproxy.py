@@ -10,6 +10,7 @@ header is passed unchanged, so S3's SigV4 signatures (which cover it) still veri
 from __future__ import annotations
 
 import http.client
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -29,6 +30,8 @@ class CountingProxy:
         self.bytes_answered = 0
         self.log: list[tuple[str, str, str | None, int]] = []
         self._lock = threading.Lock()
+        #: Client connections open now (closed by :meth:`close`, as a dying server's are).
+        self._clients: set[socket.socket] = set()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -89,7 +92,14 @@ class CountingProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
+            def setup(self) -> None:
+                super().setup()
+                with proxy._lock:
+                    proxy._clients.add(self.connection)
+
             def finish(self) -> None:
+                with proxy._lock:
+                    proxy._clients.discard(self.connection)
                 super().finish()
                 if self.upstream is not None:
                     self.upstream.close()
@@ -108,5 +118,13 @@ class CountingProxy:
             self.log = []
 
     def close(self) -> None:
+        """Stop listening and cut every open connection (a kept-alive one too)."""
         self._server.shutdown()
         self._server.server_close()
+        with self._lock:
+            clients, self._clients = list(self._clients), set()
+        for conn in clients:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

@@ -275,6 +275,43 @@ def test_a_backend_lost_mid_read_falls_back_to_the_other_holder(
     m.stop()
 
 
+def test_the_server_being_read_from_killed_mid_file_the_other_holder_answers(
+    seaweedfs: object, tmp_path: Path, mounts: Callable[..., Mount],
+) -> None:
+    """Two S3 backends, each behind its own proxy, hold every object (R = 2). The
+    one that served the first read of an open file is killed (its proxy closed:
+    connections refused); the rest of the file comes, right, from the other."""
+    from tests.servers.seaweedfs import SeaweedS3
+
+    assert isinstance(seaweedfs, SeaweedS3)
+    proxies = [CountingProxy("127.0.0.1", seaweedfs.port) for _ in range(2)]
+    try:
+        uris = [seaweedfs.uri(f"kill-{os.getpid()}-{i}", endpoint=f"http://127.0.0.1:{p.port}")
+                for i, p in enumerate(proxies)]
+        src = tmp_path / "src"
+        src.mkdir()
+        content = os.urandom(12 * MiB)
+        (src / "big.bin").write_bytes(content)
+        with Repository.init(src, uris, replicas=2, passphrase=lambda: PASSPHRASE) as repo:
+            repo.push("big")
+        m = mounts(src, tmp_path / "mnt", "--cache-size", "0")
+        for p in proxies:
+            p.reset()
+        with open(m.point / "latest" / "big.bin", "rb") as fh:
+            assert fh.read(MiB) == content[:MiB]
+            served = [i for i, p in enumerate(proxies) if any(r[2] for r in p.log)]
+            assert len(served) >= 1, [p.log for p in proxies]
+            killed, other = served[0], 1 - served[0]
+            proxies[killed].close()
+            proxies[other].reset()
+            fh.seek(6 * MiB)
+            assert fh.read(4 * MiB) == content[6 * MiB:10 * MiB]
+        assert any(r[2] for r in proxies[other].log), "the other holder served nothing"
+    finally:
+        for p in proxies:
+            p.close()
+
+
 def test_bad_mountpoints_and_missing_fuse_are_one_line_errors(
     tmp_path: Path, backends: list[Path], passphrase: Callable[[], str],
 ) -> None:
