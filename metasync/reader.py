@@ -47,6 +47,9 @@ MEMORY_TREES = 16
 #: (one range request of a pack carries them: a copy of a big file goes at the
 #: backend's throughput, not one round trip per chunk).
 READAHEAD = 4 * 1024 * 1024
+#: Every this many looks, the latest version is learned even if no hint moved (a
+#: client that died between deciding a version and writing its hints).
+FULL_CHECK_EVERY = 10
 #: The chunk cache's folder inside ``.metasync``.
 CACHE_DIR = "mount-cache"
 
@@ -223,6 +226,7 @@ class VersionReader:
                                 lambda blob_id, data: codec.id_of("blob", data) == blob_id)
         self._latest: Version | None = None
         self._checked = 0.0
+        self._looks = 0
         self._hints: dict[str, str | None] = {}
         #: Versions learned while running: number -> master.
         self._learned: dict[int, str] = {}
@@ -234,13 +238,15 @@ class VersionReader:
     def latest(self) -> Version:
         """The newest decided version, learned again when ``poll`` seconds have
         passed since the last look and a ``latest`` hint of an acceptor moved (an
-        acceptor that does not answer is skipped). A failure keeps the last one."""
+        acceptor that does not answer is skipped), or at every
+        :data:`FULL_CHECK_EVERY`-th look. A failure keeps the last one."""
         now = time.monotonic()
         if self._latest is not None and now - self._checked < self.poll:
             return self._latest
         self._checked = now
+        self._looks += 1
         hints = self._read_hints()
-        if self._latest is None or hints != self._hints:
+        if self._latest is None or hints != self._hints or self._looks % FULL_CHECK_EVERY == 0:
             try:
                 self._latest = self.versions.learn_latest()
                 self._hints = hints
