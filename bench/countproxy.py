@@ -10,6 +10,7 @@ header is passed unchanged, so S3's SigV4 signatures (which cover it) still veri
 from __future__ import annotations
 
 import http.client
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -21,11 +22,16 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfe
 
 class CountingProxy:
     """Forwards ``127.0.0.1:<port>`` to ``target_host:target_port``; ``requests``
-    counts what passed."""
+    counts what passed, ``bytes_answered`` the answers' body bytes, and ``log``
+    holds ``(method, path, Range header or None, answer bytes)`` of each request."""
 
     def __init__(self, target_host: str, target_port: int) -> None:
         self.requests = 0
+        self.bytes_answered = 0
+        self.log: list[tuple[str, str, str | None, int]] = []
         self._lock = threading.Lock()
+        #: Client connections open now (closed by :meth:`close`, as a dying server's are).
+        self._clients: set[socket.socket] = set()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -55,6 +61,10 @@ class CountingProxy:
                 conn.endheaders(body or None)
                 answer = conn.getresponse()
                 data = answer.read()
+                with proxy._lock:
+                    proxy.bytes_answered += len(data)
+                    proxy.log.append((self.command, self.path, self.headers.get("Range"),
+                                      len(data)))
                 self.send_response_only(answer.status, answer.reason)
                 for name, value in answer.getheaders():
                     if name.lower() not in HOP_BY_HOP and name.lower() != "content-length":
@@ -82,7 +92,14 @@ class CountingProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
+            def setup(self) -> None:
+                super().setup()
+                with proxy._lock:
+                    proxy._clients.add(self.connection)
+
             def finish(self) -> None:
+                with proxy._lock:
+                    proxy._clients.discard(self.connection)
                 super().finish()
                 if self.upstream is not None:
                     self.upstream.close()
@@ -93,6 +110,21 @@ class CountingProxy:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
+    def reset(self) -> None:
+        """Start counting afresh."""
+        with self._lock:
+            self.requests = 0
+            self.bytes_answered = 0
+            self.log = []
+
     def close(self) -> None:
+        """Stop listening and cut every open connection (a kept-alive one too)."""
         self._server.shutdown()
         self._server.server_close()
+        with self._lock:
+            clients, self._clients = list(self._clients), set()
+        for conn in clients:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

@@ -339,6 +339,13 @@ class RepoContext:
     def outbox_dir(self) -> Path:
         return self.root / META_DIR / OUTBOX_DIR
 
+    def share_folder(self) -> None:
+        """Release the folder lock and go on as a read-only open does (for a handle
+        kept open for long, e.g. a mount: other commands and the daemon may run)."""
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
+
     def close(self) -> None:
         self.store.close()
         self.db.close()

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from metasync.fsck import FsckProblem, FsckReport
     from metasync.history import History, LogEntry, RestoreResult
     from metasync.maintenance.recover import RecoverResult
+    from metasync.reader import VersionReader
     from metasync.sync import PushResult, Sync
 
 PassphraseSource = Callable[[], str]
@@ -401,3 +402,7 @@ class Repository(RepositoryAdmin):
         return Fsck(self._ctx, self.versions, self.graph, self.replicator).run(
             quick=quick, repair=repair)
 
+    def version_reader(self, **options: Any) -> VersionReader:  # `metasync mount`
+        """Every version's trees and files, read by range (:class:`metasync.reader.VersionReader`)."""
+        from metasync.reader import VersionReader
+        return VersionReader(self._ctx, self.versions, self.graph, **options)
