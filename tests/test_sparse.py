@@ -1,0 +1,168 @@
+"""Selective sync per machine (`metasync sparse`, docs/sparse.md): a clone whose
+selection leaves out ``photos/`` never writes a file there, never takes what it does
+not have for deleted, and never alters ``photos/`` in master; widening fetches
+exactly what was left out; narrowing removes a file only once it is safe in master."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from conftest import one_line_error, run_cli, snapshot
+from metasync import Repository
+from metasync.errors import UsageError
+
+NO_PHOTOS = ["/*", "!/photos/"]
+
+
+def _files(root: Path) -> set[str]:
+    """Every file under ``root`` (relative, ``.metasync`` left out)."""
+    out = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != ".metasync"]
+        rel = Path(dirpath).relative_to(root)
+        out |= {(rel / f).as_posix() for f in filenames}
+    return out
+
+
+def _under(entries: dict[str, object], prefix: str = "photos") -> dict[str, object]:
+    return {p: e for p, e in entries.items() if p == prefix or p.startswith(prefix + "/")}
+
+
+def _master_photos(repo: Repository) -> dict[str, tuple[str, str]]:
+    """``photos/`` of the newest master, as (type, ref) by path."""
+    master = repo.learn_latest().master
+    assert master is not None
+    return {p: (e.type, e.ref) for p, e in _under(repo.tree_at(master)).items()}  # type: ignore[attr-defined]
+
+
+def _write(root: Path, rel: str, text: str) -> None:
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_text(text)
+
+
+def test_sparse_clone_never_writes_or_alters_photos(
+        tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]) -> None:
+    """Done-when: the full clone ``a`` adds, edits and deletes inside and outside
+    ``photos/``, pushing several times; the sparse clone ``b`` pulls, and pushes its
+    own edits (also merging with ``a``'s concurrent ones): it never has a file under
+    ``photos/``, its pushes leave master's ``photos/`` exactly as ``a`` made it, and a
+    fresh full clone has every change. Widening writes exactly the missing files."""
+    src = tmp_path / "a"
+    for rel in ("top.txt", "docs/a.txt", "photos/p1.jpg", "photos/sub/p2.jpg"):
+        _write(src, rel, f"{rel} v1\n")
+    (src / "photos" / "empty").mkdir()
+    a = Repository.init(src, [f"dir:{d}" for d in backends], passphrase=passphrase)
+    a.push("first")
+    b = Repository.clone(f"dir:{backends[0]}", tmp_path / "b", passphrase=passphrase)
+    change = b.sparse_set(NO_PHOTOS)
+    assert sorted(change.removed) == ["photos/p1.jpg", "photos/sub/p2.jpg"]
+    assert b.sparse_patterns() == NO_PHOTOS
+    assert not (b.root / "photos").exists()
+    assert b.status().changes == []
+
+    rounds: list[Callable[[], None]] = [
+        lambda: (_write(src, "photos/new.jpg", "new\n"), _write(src, "photos/p1.jpg", "p1 v2\n"),
+                 _write(src, "docs/a.txt", "a v2\n")),
+        lambda: ((src / "photos/sub/p2.jpg").unlink(), (src / "docs/a.txt").unlink(),
+                 _write(src, "photos/sub/p3.jpg", "p3\n")),
+        lambda: (_write(src, "photos/new.jpg", "new v2\n"), _write(src, "docs/c.txt", "c\n")),
+    ]
+    for i, edit in enumerate(rounds):
+        edit()
+        a.push(f"a {i}")
+        expected = _master_photos(a)
+        # b pushes its own edits on top of a's change before pulling: a merge.
+        _write(b.root, "top.txt", f"top from b {i}\n")
+        _write(b.root, f"docs/b{i}.txt", f"b {i}\n")
+        b.push(f"b {i}")
+        assert _master_photos(b) == expected, f"round {i}: b's push altered photos/"
+        b.pull()
+        assert not [f for f in _files(b.root) if f.startswith("photos/")], f"round {i}"
+        assert b.status().changes == [], f"round {i}"
+        a.pull()
+        assert _master_photos(a) == expected
+    # b's own edits outside photos/ once more, after a pull (no merge needed).
+    _write(b.root, "docs/late.txt", "late\n")
+    b.push("late")
+    assert _master_photos(b) == expected
+    assert not (b.root / "photos").exists()
+
+    a.pull()
+    c = Repository.clone(f"dir:{backends[1]}", tmp_path / "c", passphrase=passphrase)
+    assert snapshot(c.root) == snapshot(a.root)
+    assert (c.root / "photos/new.jpg").read_text() == "new v2\n"
+    assert not (c.root / "photos/sub/p2.jpg").exists()
+
+    # Widening writes exactly the files b was missing, and touches nothing else.
+    before = {f: os.stat(b.root / f).st_ino for f in _files(b.root)}
+    change = b.sparse_off()
+    assert sorted(change.written) == sorted(f for f in _files(c.root) if f.startswith("photos/"))
+    assert {f: os.stat(b.root / f).st_ino for f in before} == before
+    assert b.sparse_patterns() == []
+    assert snapshot(b.root) == snapshot(c.root)
+    assert b.status().changes == []
+
+
+def test_narrowing_refuses_while_an_edit_is_not_in_master(
+        tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]) -> None:
+    """An unpushed edit (or new file) under a path leaving the selection: refused,
+    naming the path and the fix, and nothing changes; once pushed, the narrowing
+    goes through."""
+    src = tmp_path / "a"
+    _write(src, "top.txt", "top\n")
+    _write(src, "photos/p1.jpg", "p1\n")
+    a = Repository.init(src, [f"dir:{d}" for d in backends], passphrase=passphrase)
+    a.push("first")
+    (src / "photos/p1.jpg").write_text("edited, not pushed\n")
+    _write(src, "photos/new.jpg", "new, not pushed\n")
+    a.commit("committed, not pushed")  # a local commit is not master either
+    with pytest.raises(UsageError) as info:
+        a.sparse_set(NO_PHOTOS)
+    message = str(info.value)
+    assert "\n" not in message and "photos/new.jpg" in message and "push" in message
+    assert (src / "photos/p1.jpg").read_text() == "edited, not pushed\n"
+    assert (src / "photos/new.jpg").read_text() == "new, not pushed\n"
+    assert a.sparse_patterns() == []
+    a.push("now pushed")
+    a.sparse_set(NO_PHOTOS)
+    assert _files(src) == {"top.txt"}
+    a.sparse_add(["/photos/"])
+    assert (src / "photos/p1.jpg").read_text() == "edited, not pushed\n"
+    assert a.sparse_patterns() == [*NO_PHOTOS, "/photos/"]
+
+
+def test_cli_sparse(tmp_path: Path, backends: list[Path]) -> None:
+    """`metasync sparse set/add/list/off`, the refusal as one line, and what status
+    and log say of paths outside the selection."""
+    src = tmp_path / "src"
+    _write(src, "top.txt", "top\n")
+    _write(src, "photos/p1.jpg", "p1\n")
+    run_cli("init", str(src), *[a for d in backends for a in ("--backend", f"dir:{d}")])
+    run_cli("push", cwd=src)
+    (src / "photos/p1.jpg").write_text("edited\n")
+    one_line_error(run_cli("sparse", "set", "/*", "!/photos/", cwd=src, check=False),
+                   "photos/p1.jpg", "push")
+    assert (src / "photos/p1.jpg").read_text() == "edited\n"
+    assert run_cli("sparse", "list", cwd=src).stdout.strip() == ""
+    run_cli("push", cwd=src)
+    out = run_cli("sparse", "set", "/*", "!/photos/", cwd=src).stdout
+    assert "1 file removed" in out
+    assert not (src / "photos").exists()
+    assert run_cli("sparse", "list", cwd=src).stdout.split() == ["/*", "!/photos/"]
+    status = run_cli("status", cwd=src).stdout
+    assert "sparse: 2 patterns, 2 paths not checked out here" in status
+    doc = json.loads(run_cli("status", "--json", cwd=src).stdout)
+    assert doc["sparse"] == {"patterns": ["/*", "!/photos/"], "outside": 2}
+    log = run_cli("log", "--json", cwd=src).stdout
+    assert any(e.get("outside_selection") for e in json.loads(log))
+    assert "outside this machine's selection" in run_cli("log", cwd=src).stdout
+    one_line_error(run_cli("sparse", "set", cwd=src, check=False), "pattern")
+    run_cli("sparse", "add", "/photos/", cwd=src)
+    assert (src / "photos/p1.jpg").read_text() == "edited\n"
+    run_cli("sparse", "off", cwd=src)
+    assert run_cli("sparse", "list", cwd=src).stdout.strip() == ""
