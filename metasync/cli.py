@@ -38,6 +38,7 @@ from metasync.cli_gui import gui
 from metasync.cli_history import log
 from metasync.cli_install import completion, version_option
 from metasync.cli_keys import key
+from metasync.cli_sparse import sparse
 from metasync.committer import problems_json
 from metasync.errors import Interrupted, MetasyncError, UsageError
 from metasync.names import display_path
@@ -663,7 +664,7 @@ def share(email: str) -> None:
                    err=True)
 
 
-for _command in (auth, log, daemon, key, completion, gui, *APP_COMMANDS):
+for _command in (auth, log, daemon, key, completion, gui, sparse, *APP_COMMANDS):
     cli.add_command(_command)
 _add_global_options(cli)
 

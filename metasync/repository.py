@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from metasync.maintenance.keymgmt import KeySlots
     from metasync.maintenance.recover import RecoverResult
     from metasync.maintenance.rotation import RotationReport
+    from metasync.sparse import Sparse
     from metasync.sync import PushResult, Sync
 
 PassphraseSource = Callable[[], str]
@@ -489,3 +490,12 @@ class Repository:
         from metasync.maintenance import share
 
         return share(self._ctx, self.backends, email)
+
+    # ============================================================== sparse selection
+    @cached_property
+    def sparse(self) -> Sparse:
+        """This machine's selection (docs/sparse.md): ``patterns()``, ``set``, ``add``,
+        ``off``, ``outside_count()``, ``outside_changes(commit_id)``."""
+        from metasync.sparse import Sparse
+
+        return Sparse(self._ctx, self.graph, self.scanner, self.checkout)

@@ -59,9 +59,9 @@ def test_sparse_clone_never_writes_or_alters_photos(
     a = Repository.init(src, [f"dir:{d}" for d in backends], passphrase=passphrase)
     a.push("first")
     b = Repository.clone(f"dir:{backends[0]}", tmp_path / "b", passphrase=passphrase)
-    change = b.sparse_set(NO_PHOTOS)
+    change = b.sparse.set(NO_PHOTOS)
     assert sorted(change.removed) == ["photos/p1.jpg", "photos/sub/p2.jpg"]
-    assert b.sparse_patterns() == NO_PHOTOS
+    assert b.sparse.patterns() == NO_PHOTOS
     assert not (b.root / "photos").exists()
     assert b.status().changes == []
 
@@ -100,10 +100,10 @@ def test_sparse_clone_never_writes_or_alters_photos(
 
     # Widening writes exactly the files b was missing, and touches nothing else.
     before = {f: os.stat(b.root / f).st_ino for f in _files(b.root)}
-    change = b.sparse_off()
+    change = b.sparse.off()
     assert sorted(change.written) == sorted(f for f in _files(c.root) if f.startswith("photos/"))
     assert {f: os.stat(b.root / f).st_ino for f in before} == before
-    assert b.sparse_patterns() == []
+    assert b.sparse.patterns() == []
     assert snapshot(b.root) == snapshot(c.root)
     assert b.status().changes == []
 
@@ -122,18 +122,18 @@ def test_narrowing_refuses_while_an_edit_is_not_in_master(
     _write(src, "photos/new.jpg", "new, not pushed\n")
     a.commit("committed, not pushed")  # a local commit is not master either
     with pytest.raises(UsageError) as info:
-        a.sparse_set(NO_PHOTOS)
+        a.sparse.set(NO_PHOTOS)
     message = str(info.value)
     assert "\n" not in message and "photos/new.jpg" in message and "push" in message
     assert (src / "photos/p1.jpg").read_text() == "edited, not pushed\n"
     assert (src / "photos/new.jpg").read_text() == "new, not pushed\n"
-    assert a.sparse_patterns() == []
+    assert a.sparse.patterns() == []
     a.push("now pushed")
-    a.sparse_set(NO_PHOTOS)
+    a.sparse.set(NO_PHOTOS)
     assert _files(src) == {"top.txt"}
-    a.sparse_add(["/photos/"])
+    a.sparse.add(["/photos/"])
     assert (src / "photos/p1.jpg").read_text() == "edited, not pushed\n"
-    assert a.sparse_patterns() == [*NO_PHOTOS, "/photos/"]
+    assert a.sparse.patterns() == [*NO_PHOTOS, "/photos/"]
 
 
 def test_cli_sparse(tmp_path: Path, backends: list[Path]) -> None:
@@ -155,9 +155,9 @@ def test_cli_sparse(tmp_path: Path, backends: list[Path]) -> None:
     assert not (src / "photos").exists()
     assert run_cli("sparse", "list", cwd=src).stdout.split() == ["/*", "!/photos/"]
     status = run_cli("status", cwd=src).stdout
-    assert "sparse: 2 patterns, 2 paths not checked out here" in status
+    assert "sparse: 2 patterns, 1 path not checked out here" in status
     doc = json.loads(run_cli("status", "--json", cwd=src).stdout)
-    assert doc["sparse"] == {"patterns": ["/*", "!/photos/"], "outside": 2}
+    assert doc["sparse"] == {"patterns": ["/*", "!/photos/"], "outside": 1}
     log = run_cli("log", "--json", cwd=src).stdout
     assert any(e.get("outside_selection") for e in json.loads(log))
     assert "outside this machine's selection" in run_cli("log", cwd=src).stdout
