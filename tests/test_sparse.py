@@ -166,3 +166,49 @@ def test_cli_sparse(tmp_path: Path, backends: list[Path]) -> None:
     assert (src / "photos/p1.jpg").read_text() == "edited\n"
     run_cli("sparse", "off", cwd=src)
     assert run_cli("sparse", "list", cwd=src).stdout.strip() == ""
+
+
+def test_daemon_honours_the_selection(tmp_path: Path) -> None:
+    """A daemon in the sparse clone pulls changes made inside and outside
+    ``photos/`` without writing ``photos/``, and pushes its user's edits without
+    deleting or altering ``photos/`` in master."""
+    from test_daemon_sync import Daemons, _status
+
+    from conftest import wait_until
+
+    backends = [tmp_path / f"backend{i}" for i in range(3)]
+    for d in backends:
+        d.mkdir()
+    a, b = tmp_path / "A", tmp_path / "B"
+    _write(a, "top.txt", "top\n")
+    _write(a, "photos/p1.jpg", "p1\n")
+    _write(a, "photos/p2.jpg", "p2\n")
+    run_cli("init", str(a), *(f"--backend=dir:{x}" for x in backends))
+    run_cli("push", cwd=a)
+    run_cli("clone", f"dir:{backends[1]}", str(b))
+    run_cli("sparse", "set", "!/photos/", cwd=b)
+    assert _files(b) == {"top.txt"}
+    daemons = Daemons(tmp_path)
+    daemon = daemons.start(b)
+    try:
+        (a / "photos/p1.jpg").write_text("p1 v2\n")
+        (a / "photos/p2.jpg").unlink()
+        _write(a, "photos/p3.jpg", "p3\n")
+        _write(a, "docs/d.txt", "d\n")
+        run_cli("push", cwd=a)
+        wait_until(lambda: (b / "docs/d.txt").exists() and _status(b).get("state") == "idle",
+                   60, "B's daemon pulled A's push", daemon.output)
+        _write(b, "docs/from-b.txt", "from b\n")
+        (b / "top.txt").write_text("top from b\n")
+
+        def a_has_bs_edit() -> bool:
+            run_cli("pull", cwd=a)
+            return (a / "docs/from-b.txt").exists() and (a / "top.txt").read_text() == "top from b\n"
+
+        wait_until(a_has_bs_edit, 60, "B's daemon pushed its edits", daemon.output)
+        assert not [f for f in _files(b) if f.startswith("photos")]
+        assert not (b / "photos").exists()
+    finally:
+        daemons.stop(daemon)
+    assert {f: (a / f).read_text() for f in _files(a) if f.startswith("photos/")} == {
+        "photos/p1.jpg": "p1 v2\n", "photos/p3.jpg": "p3\n"}
