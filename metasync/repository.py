@@ -180,21 +180,26 @@ class Repository:
         reporter: Reporter | None = None,
         allow_unencrypted: bool = False,
         fingerprint: str | None = None, connect: list[str] | None = None,
+        sparse: list[str] | None = None,
     ) -> Repository:
         """Rebuild the folder from any one backend of a repository into ``root``: an
         unencrypted one only with ``allow_unencrypted``; ``fingerprint`` pins it (see
-        :func:`metasync.lifecycle.prepare_clone`); ``connect``: see :func:`open_context`.
+        :func:`metasync.lifecycle.prepare_clone`); ``connect``: see :func:`open_context`;
+        ``sparse``: check out only what these patterns select (docs/sparse.md).
 
         Everything that can fail on bad input (not a repository, wrong passphrase,
         ``root`` not empty) is checked before anything is written; a clone that
         fails later removes what it created."""
         from metasync import lifecycle
+        from metasync.selection import check_patterns
 
+        patterns = check_patterns(sparse) if sparse is not None else []
         start = lifecycle.prepare_clone(uri, root, namespace=namespace, passphrase=passphrase,
                                         allow_unencrypted=allow_unencrypted, pinned=fingerprint,
                                         others=connect)
         repo = cls(open_context(start.root, reporter, typed=connect))
         def first_pull() -> None:
+            repo._ctx.state.sparse_patterns = patterns
             repo.versions.start_from_hint(start.entry_id)
             repo.pull()
 
