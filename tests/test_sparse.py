@@ -214,3 +214,54 @@ def test_daemon_honours_the_selection(tmp_path: Path) -> None:
         daemons.stop(daemon)
     assert {f: (a / f).read_text() for f in _files(a) if f.startswith("photos/")} == {
         "photos/p1.jpg": "p1 v2\n", "photos/p3.jpg": "p3\n"}
+
+
+@pytest.mark.parametrize(("patterns", "selected", "outside"), [
+    (["!/photos/"], ["top.txt", "docs/a.txt", "x/photos/p.jpg"], ["photos/p.jpg", "photos/s/q.jpg"]),
+    (["/*", "!/photos/", "/photos/2024/"], ["top.txt", "photos/2024/p.jpg"],
+     ["photos/2023/p.jpg", "photos/p.jpg"]),
+    (["photos/"], ["photos/p.jpg", "x/photos/p.jpg"], ["top.txt", "x/p.jpg"]),
+    (["/*", "!*.iso"], ["a.txt", "d/b.txt"], ["a.iso", "d/e/b.iso"]),
+])
+def test_selection_semantics(patterns: list[str], selected: list[str], outside: list[str]) -> None:
+    """The rules docs/sparse.md states: gitignore patterns of what is here, the last
+    match decides, only-negations start from everything."""
+    from metasync.selection import Selection, check_patterns
+
+    s = Selection(check_patterns(patterns))
+    assert [p for p in selected if not s.selects(p)] == []
+    assert [p for p in outside if s.selects(p)] == []
+
+
+@pytest.mark.parametrize("bad", [[], [""], ["# a comment"], ["!"]])
+def test_selection_refuses_what_is_not_a_pattern(bad: list[str]) -> None:
+    from metasync.selection import check_patterns
+
+    with pytest.raises(UsageError):
+        check_patterns(bad)
+
+
+def test_folder_deleted_elsewhere_outside_the_selection(
+        tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]) -> None:
+    """Another machine deletes the whole folder outside the selection: the sparse
+    clone records it (nothing left of it in its commits) and re-selecting finds
+    nothing to fetch; a folder re-included inside an excluded one is made."""
+    src = tmp_path / "a"
+    for rel in ("top.txt", "photos/2024/p.jpg", "photos/old/q.jpg", "photos/r.jpg"):
+        _write(src, rel, f"{rel}\n")
+    a = Repository.init(src, [f"dir:{d}" for d in backends], passphrase=passphrase)
+    a.push("first")
+    b = Repository.clone(f"dir:{backends[0]}", tmp_path / "b", passphrase=passphrase,
+                         sparse=["/*", "!/photos/", "/photos/2024/"])
+    assert _files(b.root) == {"top.txt", "photos/2024/p.jpg"}
+    assert b.sparse.outside_count() == 2
+    import shutil
+    shutil.rmtree(src / "photos")
+    a.push("photos gone")
+    b.pull()
+    assert _files(b.root) == {"top.txt"} and b.sparse.outside_count() == 0
+    _write(b.root, "top.txt", "b\n")
+    b.push("b")
+    assert not _under(b.tree_at(b.prev.master))
+    assert b.sparse.off().written == []
+    assert b.status().changes == []
