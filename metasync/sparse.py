@@ -33,7 +33,7 @@ from metasync.localdb import OUTSIDE, IndexRow
 from metasync.names import display_path
 from metasync.objects import Commit, Tree, TreeEntry, same_entry
 from metasync.scanner import Scanner
-from metasync.selection import Selection, check_patterns
+from metasync.selection import Selection, check_patterns, parents_of
 from metasync.state import PendingCheckout
 from metasync.worktree import Folders, ScanEntry, lstat_name
 
@@ -100,11 +100,18 @@ class Sparse:
         new = Selection(patterns)
         scan = self.scanner.scan(None)  # under the old selection
         leaving = sorted(p for p in scan.files if p in scan.seen and not new.selects(p))
+        # Folders here that the new selection neither selects nor needs as a parent.
+        needed = parents_of([p for p, e in scan.seen.items() if new.selects(p, e.type == "dir")])
+        leaving_dirs = sorted((d for d in scan.dirs if d in scan.seen and d not in needed
+                               and not new.selects(d, True)),
+                              key=lambda d: d.count("/"), reverse=True)
         unread = sorted(
             [p for p in scan.skipped if not new.selects(p)]
             + [u.path for u in scan.problems.unreadable if not new.selects(u.path, u.folder)])
-        master = self._master()
+        master = self._master() if leaving or leaving_dirs else {}
         unsafe = unread + [p for p in leaving if not same_entry(scan.files[p], master.get(p))]
+        # An empty folder is content too: one master does not have is not safe there.
+        unsafe += [d + "/" for d in leaving_dirs if not same_entry(scan_dir(d), master.get(d))]
         if unsafe:
             unsafe.sort()
             named = ", ".join(display_path(p) for p in unsafe[:NAMED])
@@ -113,8 +120,6 @@ class Sparse:
                 f"cannot take {named}{more} out of this machine's selection: not in master "
                 "as it is here (changed, new, or not pushed); run `metasync push` first, "
                 "then change the selection")
-        leaving_dirs = sorted((d for d in scan.dirs if d in scan.seen and not new.selects(d, True)),
-                              key=lambda d: d.count("/"), reverse=True)
         head = self.graph.head_commit()
         entering = [p for p in scan.outside if new.selects(p, scan.files.get(p) is None)]
         rows = [IndexRow(p, e.type, e.ref, e.size, e.executable, OUTSIDE, 0, 0)
@@ -169,6 +174,11 @@ class Sparse:
                             folders.forget(path)
                     except OSError:
                         pass  # something of its own is still in it: it stays
+
+
+def scan_dir(path: str) -> TreeEntry:
+    """A folder found by a scan, as a tree entry (folders compare by kind only)."""
+    return TreeEntry(path.rpartition("/")[2], "dir", "")
 
 
 def outside_changes(graph: ObjectGraph, selection: Selection, commit: Commit,

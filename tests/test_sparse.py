@@ -121,18 +121,21 @@ def test_narrowing_refuses_while_an_edit_is_not_in_master(
     (src / "photos/p1.jpg").write_text("edited, not pushed\n")
     _write(src, "photos/new.jpg", "new, not pushed\n")
     a.commit("committed, not pushed")  # a local commit is not master either
+    (src / "photos/folder").mkdir()  # an empty folder is content too
     with pytest.raises(UsageError) as info:
         a.sparse.set(NO_PHOTOS)
     message = str(info.value)
     assert "\n" not in message and "photos/new.jpg" in message and "push" in message
     assert (src / "photos/p1.jpg").read_text() == "edited, not pushed\n"
     assert (src / "photos/new.jpg").read_text() == "new, not pushed\n"
+    assert (src / "photos/folder").is_dir() and "photos/folder/" in message
     assert a.sparse.patterns() == []
     a.push("now pushed")
     a.sparse.set(NO_PHOTOS)
     assert _files(src) == {"top.txt"}
     a.sparse.add(["/photos/"])
     assert (src / "photos/p1.jpg").read_text() == "edited, not pushed\n"
+    assert (src / "photos/folder").is_dir()
     assert a.sparse.patterns() == [*NO_PHOTOS, "/photos/"]
 
 
