@@ -15,6 +15,7 @@ import pytest
 from conftest import one_line_error, run_cli, snapshot
 from metasync import Repository
 from metasync.errors import UsageError
+from metasync.selection import Selection
 
 NO_PHOTOS = ["/*", "!/photos/"]
 
@@ -268,3 +269,24 @@ def test_folder_deleted_elsewhere_outside_the_selection(
     assert not _under(b.tree_at(b.prev.master))
     assert b.sparse.off().written == []
     assert b.status().changes == []
+
+
+def test_merge_takes_theirs_outside_the_selection() -> None:
+    """Where both sides differ from the base on a path outside the merging machine's
+    selection (its side can only be an older master's), master's version is taken
+    and no conflict copy is made; inside the selection the usual rules hold."""
+    from metasync.merge import Side, merge_trees
+    from metasync.objects import TreeEntry
+
+    def f(name: str, ref: str) -> TreeEntry:
+        return TreeEntry(name, "file", ref * 64, 1)
+
+    base = {"photos": TreeEntry("photos", "dir", "0" * 64), "photos/a.jpg": f("a.jpg", "1"),
+            "top.txt": f("top.txt", "1")}
+    ours = {**base, "photos/a.jpg": f("a.jpg", "2"), "top.txt": f("top.txt", "2")}
+    theirs = {**base, "photos/a.jpg": f("a.jpg", "3"), "top.txt": f("top.txt", "3")}
+    sel = Selection(["!/photos/"])
+    merged, conflicts = merge_trees(base, Side(ours, "b", "s"), Side(theirs, "a", "s"),
+                                    lambda p, d: not sel.selects(p, d))
+    assert merged["photos/a.jpg"].ref == "3" * 64
+    assert [c.path for c in conflicts] == ["top.txt"]
