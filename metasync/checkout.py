@@ -51,7 +51,7 @@ from metasync.objects import TreeEntry, Version, same_entry
 from metasync.portable import sync_all
 from metasync.progress import Reporter
 from metasync.scanner import Scanner, ScanResult, name_clashes
-from metasync.selection import Selection
+from metasync.selection import Selection, drop_selected_rows
 from metasync.state import LocalState
 from metasync.worktree import (
     Folders,
@@ -343,8 +343,8 @@ class Checkout:
             self.sealed.hold_back(self.ctx.state, base)
             db.delete_index(deletes)
             db.upsert_index(rows)
-            # Folders selected again were made above (or refused: their rows follow).
-            db.delete_index([d for d in db.marked_dirs(OUTSIDE) if self._selection.selects(d, True)])
+            if self._selection.active or self._outside_kept:  # else none is marked
+                drop_selected_rows(db, self._selection, self.root)  # made above
             db.upsert_index(self._refused.rows.values())
             db.upsert_index(self._outside_rows)
             # Folders gone from the tree: only one this file system refused has a row.

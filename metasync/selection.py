@@ -22,10 +22,14 @@ Pure: nothing here reads the disk; the patterns live in the local state
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from metasync.errors import UsageError
+from metasync.localdb import OUTSIDE, LocalDB
 
 #: What "start from everything" is, when every pattern takes something out.
 EVERYTHING = "/*"
@@ -112,3 +116,18 @@ def filter_scan(selection: Selection, entries: dict[str, Any]) -> None:
     for d in dirs:
         if d not in needed and not selection.selects(d, True):
             del entries[d]
+
+
+def drop_selected_rows(db: LocalDB, selection: Selection, root: Path) -> None:
+    """Drop the :data:`~metasync.localdb.OUTSIDE` rows of folders ``selection`` takes
+    in that are here (under ``root``; the scan sees them): a stale row would keep
+    such a folder in the tree after it is deleted here. A folder not here yet
+    keeps its row until a checkout makes it."""
+    def here(d: str) -> bool:
+        try:
+            return stat.S_ISDIR(os.lstat(root / d).st_mode)
+        except OSError:
+            return False
+
+    db.delete_index([d for d in db.marked_dirs(OUTSIDE)
+                     if selection.selects(d, True) and here(d)])

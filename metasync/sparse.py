@@ -33,7 +33,7 @@ from metasync.localdb import OUTSIDE, IndexRow
 from metasync.names import display_path
 from metasync.objects import Commit, Tree, TreeEntry, same_entry
 from metasync.scanner import Scanner
-from metasync.selection import Selection, check_patterns, parents_of
+from metasync.selection import Selection, check_patterns, drop_selected_rows, parents_of
 from metasync.state import PendingCheckout
 from metasync.worktree import Folders, ScanEntry, lstat_name
 
@@ -133,6 +133,7 @@ class Sparse:
                 state.checkout_pending = PendingCheckout(head.tree, head.tree)
         change = SparseChange(patterns)
         self._remove(leaving, leaving_dirs, scan.seen, change)
+        drop_selected_rows(db, new, self.ctx.root)  # folders here (taken in as parents)
         if entering and head is not None:
             self.checkout.run_pending()
             change.written = sorted(p for p in entering if p in scan.files
