@@ -290,3 +290,23 @@ def test_merge_takes_theirs_outside_the_selection() -> None:
                                     lambda p, d: not sel.selects(p, d))
     assert merged["photos/a.jpg"].ref == "3" * 64
     assert [c.path for c in conflicts] == ["top.txt"]
+
+
+def test_folder_taken_in_then_deleted_here_leaves_the_tree(
+        tmp_path: Path, backends: list[Path], passphrase: Callable[[], str]) -> None:
+    """A folder that was here only as the parent of a re-included folder, taken in by
+    `sparse off` (nothing to download), then deleted here: the push deletes it (its
+    old OUTSIDE row must not keep it in the tree)."""
+    src = tmp_path / "a"
+    _write(src, "top.txt", "top\n")
+    _write(src, "photos/2024/p.jpg", "p\n")
+    a = Repository.init(src, [f"dir:{d}" for d in backends], passphrase=passphrase)
+    a.push("first")
+    b = Repository.clone(f"dir:{backends[0]}", tmp_path / "b", passphrase=passphrase,
+                         sparse=["/*", "!/photos/", "/photos/2024/"])
+    assert _files(b.root) == {"top.txt", "photos/2024/p.jpg"}
+    assert b.sparse.off().written == []
+    import shutil
+    shutil.rmtree(b.root / "photos")
+    b.push("photos deleted here")
+    assert not _under(b.tree_at(b.prev.master))
