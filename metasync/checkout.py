@@ -350,8 +350,9 @@ class Checkout:
             # Folders gone from the tree: only one this file system refused has a row.
             db.delete_index(p for p, e in base.items()
                             if e.type == "dir" and p not in remote and p not in self._refused.rows)
-            written = {path for path, _ in writes}
-            db.upsert_index(r for r in scan.rows if r.path not in written)
+            # Not rows of files written or deleted since (a stale row outlived a delete).
+            stale = {path for path, _ in writes} | set(deletes)
+            db.upsert_index(r for r in scan.rows if r.path not in stale)
 
     def _changed_since_scan(self, path: str, st: os.stat_result) -> bool:
         """True if ``path`` (now ``st``) differs in size or mtime from the scan the

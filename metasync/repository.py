@@ -27,6 +27,7 @@ from metasync.context import RepoContext, open_context
 from metasync.errors import NotARepository, UsageError
 from metasync.graph import ObjectGraph
 from metasync.layout import DEFAULT_NAMESPACE
+from metasync.localdb import OUTSIDE
 from metasync.objects import BackendSpec, Commit, Config, TreeEntry, Version
 from metasync.outbox import Outbox
 from metasync.progress import Reporter
@@ -377,8 +378,10 @@ class Repository:
         return self._ctx.db.missing_copies()
 
     def tracked_files(self) -> int:
-        """Files and links the working-tree index knows (what a deletion is measured against)."""
-        return sum(1 for row in self._ctx.db.iter_index_rows() if row.type != "dir")
+        """Files and links the working-tree index knows (what a deletion is measured
+        against), but for those outside this machine's sparse selection (not here)."""
+        return sum(1 for row in self._ctx.db.iter_index_rows()
+                   if row.type != "dir" and row.mtime_ns != OUTSIDE)
 
     def health(self) -> dict[str, str]:
         """Backend id -> why it failed in this session (unreachable in a transfer,

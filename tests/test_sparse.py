@@ -85,6 +85,8 @@ def test_sparse_clone_never_writes_or_alters_photos(
         b.pull()
         assert not [f for f in _files(b.root) if f.startswith("photos/")], f"round {i}"
         assert b.status().changes == [], f"round {i}"
+        # The daemon's mass-deletion guard measures against what is here only.
+        assert b.tracked_files() == len(_files(b.root)), f"round {i}"
         a.pull()
         assert _master_photos(a) == expected
     # b's own edits outside photos/ once more, after a pull (no merge needed).
