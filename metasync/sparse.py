@@ -125,6 +125,15 @@ class Sparse:
         rows = [IndexRow(p, e.type, e.ref, e.size, e.executable, OUTSIDE, 0, 0)
                 for p, e in ((p, scan.files[p]) for p in leaving)]
         rows += [IndexRow(d, "dir", "", 0, False, OUTSIDE, 0, 0) for d in leaving_dirs]
+        # A file leaving that was deleted here and not committed stays as the last
+        # commit has it (nothing of it is lost; a deletion is a change to push first),
+        # and the scan's entries of paths outside the new selection get their marker.
+        kept = {p: e for p, e in scan.files.items() if p in scan.outside and not new.selects(p)}
+        if new.active and head is not None:
+            kept.update((p, e) for p, e in self.graph.flatten(head.tree).items()
+                        if e.type != "dir" and p not in scan.files and not new.selects(p))
+        rows += [IndexRow(p, e.type, e.ref, e.size, e.executable, OUTSIDE, 0, 0)
+                 for p, e in kept.items()]
         with state.transaction():
             state.sparse_patterns = patterns
             db.upsert_index(rows)

@@ -134,9 +134,14 @@ def test_narrowing_refuses_while_an_edit_is_not_in_master(
     assert (src / "photos/folder").is_dir() and "photos/folder/" in message
     assert a.sparse.patterns() == []
     a.push("now pushed")
+    # A deletion here, not committed, under what leaves: the file stays in the
+    # repository as the last commit has it (taken back in by the widening).
+    (src / "photos/new.jpg").unlink()
     a.sparse.set(NO_PHOTOS)
     assert _files(src) == {"top.txt"}
+    assert a.status().changes == [] and a.sparse.outside_count() == 2
     a.sparse.add(["/photos/"])
+    assert (src / "photos/new.jpg").read_text() == "new, not pushed\n"
     assert (src / "photos/p1.jpg").read_text() == "edited, not pushed\n"
     assert (src / "photos/folder").is_dir()
     assert a.sparse.patterns() == [*NO_PHOTOS, "/photos/"]
