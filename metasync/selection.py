@@ -10,8 +10,9 @@ rules, exactly (docs/sparse.md):
   takes a path back out. ``photos/`` matches a folder named ``photos`` anywhere
   and everything in it; ``/photos/`` only the top-level one; ``*.iso`` files
   ending in ``.iso`` in any folder; a folder matches with everything it holds.
-* If every pattern is a ``!`` pattern, the selection starts from everything
-  (``/*`` first), so ``!/photos/`` alone means "all but the top-level photos".
+* If the first pattern is a ``!`` pattern, the selection starts from everything
+  (``/*`` first), so ``!/photos/`` alone means "all but the top-level photos",
+  and ``sparse add /photos/2024/`` after it takes that one folder back in.
 * No patterns: everything is selected (sparse off).
 * A folder not selected itself but holding a selected path exists here as that
   path's parent.
@@ -31,7 +32,7 @@ from typing import Any
 from metasync.errors import UsageError
 from metasync.localdb import OUTSIDE, LocalDB
 
-#: What "start from everything" is, when every pattern takes something out.
+#: What "start from everything" is, when the first pattern takes something out.
 EVERYTHING = "/*"
 
 
@@ -66,7 +67,7 @@ class Selection:
             import pathspec  # only sparse clones pay for the import
 
             lines = self.patterns
-            if all(p.startswith("!") for p in lines):
+            if lines[0].startswith("!"):
                 lines = [EVERYTHING, *lines]
             self._spec = pathspec.GitIgnoreSpec.from_lines(lines)
 

@@ -233,10 +233,11 @@ def test_daemon_honours_the_selection(tmp_path: Path) -> None:
      ["photos/2023/p.jpg", "photos/p.jpg"]),
     (["photos/"], ["photos/p.jpg", "x/photos/p.jpg"], ["top.txt", "x/p.jpg"]),
     (["/*", "!*.iso"], ["a.txt", "d/b.txt"], ["a.iso", "d/e/b.iso"]),
+    (["!/photos/", "/photos/2024/"], ["top.txt", "photos/2024/p.jpg"], ["photos/p.jpg"]),
 ])
 def test_selection_semantics(patterns: list[str], selected: list[str], outside: list[str]) -> None:
     """The rules docs/sparse.md states: gitignore patterns of what is here, the last
-    match decides, only-negations start from everything."""
+    match decides, a first negation starts from everything."""
     from metasync.selection import Selection, check_patterns
 
     s = Selection(check_patterns(patterns))
