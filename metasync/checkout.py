@@ -45,12 +45,13 @@ from metasync.fstraits import (
     not_written_note,
 )
 from metasync.graph import ObjectGraph
-from metasync.localdb import NOT_ON_DISK, IndexRow
+from metasync.localdb import NOT_ON_DISK, OUTSIDE, IndexRow
 from metasync.names import display_path
 from metasync.objects import TreeEntry, Version, same_entry
 from metasync.portable import sync_all
 from metasync.progress import Reporter
 from metasync.scanner import Scanner, ScanResult, name_clashes
+from metasync.selection import Selection, drop_selected_rows
 from metasync.state import LocalState
 from metasync.worktree import (
     Folders,
@@ -207,6 +208,12 @@ class Checkout:
         self.sealed = SealedFolders(set(), ctx.reporter)
         #: The paths this file system refused in the current checkout (see :meth:`run`).
         self._refused: RefusedNames
+        #: This machine's selection during the current checkout, the paths of the
+        #: tree outside it that its scan kept from their rows (not here), and the
+        #: rows it records for the new tree's paths outside it (:data:`OUTSIDE`).
+        self._selection = Selection()
+        self._outside_kept: set[str] = set()
+        self._outside_rows: list[IndexRow] = []
 
     # ---------------------------------------------------------------- pending checkouts
     def resume(self) -> PullResult | None:
@@ -268,6 +275,9 @@ class Checkout:
     ) -> None:
         scan = self.scanner.scan(None)
         self._seen = scan.seen
+        self._selection = self.scanner.selection()
+        self._outside_kept = scan.outside
+        self._outside_rows = []
         self._spelled = {p: e.disk for p, e in self._seen.items() if e.disk}
         local = local_side(scan)
         self.sealed = SealedFolders.of(scan, self.ctx.reporter)
@@ -314,13 +324,15 @@ class Checkout:
                         folders.forget(where)
                 except OSError:
                     pass
-        for path in sorted((p for p, e in remote.items() if e.type == "dir" and not self.sealed.holding(p)),
+        for path in sorted((p for p, e in remote.items() if e.type == "dir" and not self.sealed.holding(p)
+                            and self._selection.selects(p, True)),
                            key=lambda p: p.count("/")):
             b = base.get(path)
             if b is not None and b.type == "dir" and path not in local:
                 continue  # removed here, untouched remotely: stays removed (files
                 # the remote changed inside bring their folders back as they are written)
-            if path in local and local[path].type == "dir" and path not in self._seen:  # refused before: said once
+            if (path in local and local[path].type == "dir" and path not in self._seen
+                    and path not in self._outside_kept):  # refused before: said once
                 self._refused.add(path, remote[path], None, result)
                 continue
             self._refused.make_folder(folders, path, remote[path], aside, result,
@@ -331,12 +343,16 @@ class Checkout:
             self.sealed.hold_back(self.ctx.state, base)
             db.delete_index(deletes)
             db.upsert_index(rows)
+            if self._selection.active or self._outside_kept:  # else none is marked
+                drop_selected_rows(db, self._selection, self.root)  # made above
             db.upsert_index(self._refused.rows.values())
+            db.upsert_index(self._outside_rows)
             # Folders gone from the tree: only one this file system refused has a row.
             db.delete_index(p for p, e in base.items()
                             if e.type == "dir" and p not in remote and p not in self._refused.rows)
-            written = {path for path, _ in writes}
-            db.upsert_index(r for r in scan.rows if r.path not in written)
+            # Not rows of files written or deleted since (a stale row outlived a delete).
+            stale = {path for path, _ in writes} | set(deletes)
+            db.upsert_index(r for r in scan.rows if r.path not in stale)
 
     def _changed_since_scan(self, path: str, st: os.stat_result) -> bool:
         """True if ``path`` (now ``st``) differs in size or mtime from the scan the
@@ -581,8 +597,23 @@ def plan(
     tree that are one here with another that stays (``co._refused.clashes``)."""
     writes: list[tuple[str, TreeEntry]] = []
     deletes: list[str] = []
+    selection = co._selection
     for path in sorted(set(base) | set(remote)):
         b, n, loc = base.get(path), remote.get(path), local.get(path)
+        entry = n or b
+        if selection.active and entry is not None and not selection.selects(path, entry.type == "dir"):
+            # Outside the selection: nothing written or deleted; its row follows the new
+            # tree (a change made elsewhere is recorded, not downloaded; a path gone from
+            # it loses its row through ``deletes``, which skips what the scan did not see).
+            if n is not None:
+                co._outside_rows.append(IndexRow(path, n.type, n.ref, n.size, n.executable,
+                                                 OUTSIDE, 0, 0))
+            elif entry.type != "dir":
+                deletes.append(path)
+            continue
+        if path in co._outside_kept and n is not None and n.type != "dir":
+            writes.append((path, n))  # selected again (widened): not here yet
+            continue
         if co.sealed.leaves(path, changed=not same_entry(n, b)):
             continue
         if n is not None and n.type == "dir":
@@ -622,6 +653,7 @@ def plan(
     # A path not on disk (an index row) because it was one name with another of
     # the last tree is written once that clash is gone.
     absent = [p for p, e in local.items() if p not in co._seen and e.type != "dir"
+              and p not in co._outside_kept
               and e.ref != UNREAD_REF and p not in clashes and same_entry(e, remote.get(p))
               and same_entry(e, base.get(p)) and not co.sealed.holding(p)]
     if absent:

@@ -42,6 +42,7 @@ from metasync.cli_history import log
 from metasync.cli_install import completion, version_option
 from metasync.cli_keys import key
 from metasync.cli_mount import mount
+from metasync.cli_sparse import sparse
 from metasync.committer import problems_json
 from metasync.errors import Interrupted, MetasyncError, UsageError
 from metasync.names import display_path
@@ -188,17 +189,20 @@ def init(directory: str, backends: tuple[str, ...], replicas: int | None, namesp
 @click.option("--backend", "others", multiple=True, metavar="URI",
               help="Another backend of the repository to use at once, as this machine "
                    "reaches it (repeatable); others are used once connected.")
+@click.option("--sparse", "sparse", multiple=True, metavar="PATTERN",
+              help="Check out only what these patterns select (repeatable; docs/sparse.md).")
 @passphrase_file_option
 @json_option
 def clone(uri: str, directory: str | None, namespace: str, fingerprint: str | None,
-          no_encrypt: bool, others: tuple[str, ...], passphrase_file: str | None,
-          as_json: bool) -> None:
+          no_encrypt: bool, others: tuple[str, ...], sparse: tuple[str, ...],
+          passphrase_file: str | None, as_json: bool) -> None:
     """Rebuild a repository from any one of its backends (URI) into DIRECTORY."""
     target = directory or namespace
     repo = Repository.clone(uri, target, namespace=namespace,
                             passphrase=_passphrase_source(passphrase_file, confirm=False),
                             reporter=_reporter(), allow_unencrypted=no_encrypt,
-                            fingerprint=fingerprint, connect=list(others))
+                            fingerprint=fingerprint, connect=list(others),
+                            sparse=list(sparse) if sparse else None)
     with repo:
         if as_json:
             _echo_json({"version": repo.prev.number, "root": str(repo.root),
@@ -677,7 +681,7 @@ def share(email: str) -> None:
                    err=True)
 
 
-for _command in (auth, log, daemon, key, completion, gui, forget, mount, *APP_COMMANDS):
+for _command in (auth, log, daemon, key, completion, gui, forget, mount, sparse, *APP_COMMANDS):
     cli.add_command(_command)
 _add_global_options(cli)
 

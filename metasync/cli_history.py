@@ -8,6 +8,7 @@ import click
 
 from metasync.cli_common import _echo_json, _open, json_option
 from metasync.history import GraphRow, LogEntry, draw_graph
+from metasync.names import display_path
 
 
 @click.command()
@@ -21,8 +22,12 @@ def log(as_json: bool, limit: int | None, graph: bool, oneline: bool) -> None:
     version it became master in, the number `restore --version` takes."""
     with _open(read_only=True) as repo:
         entries = repo.log(limit)
+        # Paths each commit changed outside this machine's selection (docs/sparse.md).
+        outside = ({e.commit_id: repo.sparse.outside_changes(e.commit_id) for e in entries}
+                   if repo.sparse.patterns() else {})
     if as_json:
-        _echo_json([e.to_json() for e in entries])
+        _echo_json([{**e.to_json(), **({"outside_selection": outside[e.commit_id]}
+                                       if outside else {})} for e in entries])
         return
     rows = draw_graph(entries) if graph else [GraphRow(e, "", "") for e in entries]
     for i, row in enumerate(rows):
@@ -30,7 +35,7 @@ def log(as_json: bool, limit: int | None, graph: bool, oneline: bool) -> None:
             if not _opens(rows, i) or oneline:
                 click.echo(row.prefix)  # (a merge's opening row is shown by its entry)
             continue
-        lines = _log_lines(row.entry, oneline)
+        lines = _log_lines(row.entry, oneline, outside.get(row.entry.commit_id, []))
         if not graph:
             click.echo("\n".join(lines))
             continue
@@ -48,16 +53,25 @@ def _opens(rows: list[GraphRow], i: int) -> bool:
             and "\\" in rows[i].prefix)
 
 
-def _log_lines(e: LogEntry, oneline: bool) -> list[str]:
-    """One log entry as lines (git's format, with the version after the id)."""
+def _log_lines(e: LogEntry, oneline: bool, outside: list[str]) -> list[str]:
+    """One log entry as lines (git's format, with the version after the id), and
+    the paths it changed ``outside`` this machine's selection."""
     number = f" (version {e.version})" if e.version is not None else ""
     message = e.message or "(no message)"
+    mark = ""
+    if outside:
+        shown = ", ".join(display_path(p) for p in outside[:3])
+        more = f" and {len(outside) - 3} more" if len(outside) > 3 else ""
+        mark = f"outside this machine's selection: {shown}{more}"
     if oneline:
-        return [f"{e.commit_id[:12]}{number} {message.splitlines()[0] if message else ''}"]
+        return [f"{e.commit_id[:12]}{number} {message.splitlines()[0] if message else ''}"
+                + (f" [{len(outside)} outside the selection]" if outside else "")]
     when = datetime.fromtimestamp(e.time_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
     lines = [f"commit {e.commit_id}{number}"]
     if len(e.parents) > 1:
         lines.append("Merge: " + " ".join(p[:12] for p in e.parents))
     lines += [f"Device: {e.device}", f"Date:   {when}", ""]
     lines += [f"    {line}" for line in message.splitlines()] + [""]
+    if mark:
+        lines += [f"    ({mark})", ""]
     return lines

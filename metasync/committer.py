@@ -43,6 +43,10 @@ class Status:
     files_hashed: int
     #: Paths not synced: unreadable ones and special files (see :class:`ScanProblems`).
     problems: ScanProblems = field(default_factory=ScanProblems)
+    #: This machine's sparse selection (empty: everything is here) and how many
+    #: files and links of the tree are outside it (docs/sparse.md).
+    sparse_patterns: list[str] = field(default_factory=list)
+    outside: int = 0
 
     @property
     def clean(self) -> bool:
@@ -57,6 +61,8 @@ class Status:
             "clean": self.clean,
             "changes": [{**json_path(c.path), "change": c.kind, "type": c.type} for c in self.changes],
             **problems_json(self.problems),
+            "sparse": ({"patterns": self.sparse_patterns, "outside": self.outside}
+                       if self.sparse_patterns else None),
         }
 
 
@@ -134,6 +140,8 @@ class Committer:
             unpushed=head_id is not None and head_id != prev.master,
             files_hashed=scan.files_hashed,
             problems=scan.problems,
+            sparse_patterns=self.state.sparse_patterns,
+            outside=sum(1 for p in scan.outside if p in scan.files),
         )
 
     def keep_unread(self, scan: ScanResult, head: Commit | None) -> None:

@@ -75,6 +75,12 @@ def path_of(key: str | bytes) -> str:
 #: requires): the scan keeps the row's entry, so the path is neither shown as
 #: deleted nor dropped by the next commit.
 NOT_ON_DISK = -1
+#: ``mtime_ns`` of an index row for a path of the tree outside this machine's sparse
+#: selection (:mod:`metasync.selection`): written by the checkout (and by narrowing)
+#: with the tree's entry, kept by every scan whether or not its folder is here, so
+#: the path stays in each commit exactly as the tree has it. Only a checkout that
+#: writes the file (the selection widened) or a tree without it replaces the row.
+OUTSIDE = -2
 
 
 class IndexRow(NamedTuple):
@@ -227,6 +233,18 @@ class LocalDB:
                 for r in rows
             ),
         )
+
+    def count_index_marked(self, mtime_ns: int) -> int:
+        """How many index rows of files and links carry the marker ``mtime_ns``
+        (:data:`NOT_ON_DISK`, :data:`OUTSIDE`)."""
+        return int(self.conn.execute(
+            "SELECT COUNT(*) FROM worktree WHERE mtime_ns=? AND type != 'dir'",
+            (mtime_ns,)).fetchone()[0])
+
+    def marked_dirs(self, mtime_ns: int) -> list[str]:
+        """The folders whose index rows carry the marker ``mtime_ns``."""
+        return [path_of(r[0]) for r in self.conn.execute(
+            "SELECT path FROM worktree WHERE mtime_ns=? AND type='dir'", (mtime_ns,))]
 
     def delete_index(self, paths: Iterable[str]) -> None:
         self.conn.executemany("DELETE FROM worktree WHERE path=?", ((path_key(p),) for p in paths))

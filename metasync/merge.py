@@ -22,6 +22,7 @@ Rules, per path:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from metasync.objects import TreeEntry, same_entry
@@ -49,9 +50,14 @@ class MergeConflict:
 
 
 def merge_trees(
-    base: dict[str, TreeEntry], ours: Side, theirs: Side
+    base: dict[str, TreeEntry], ours: Side, theirs: Side,
+    outside: Callable[[str, bool], bool] | None = None,
 ) -> tuple[dict[str, TreeEntry], list[MergeConflict]]:
     """Merge ``ours`` and ``theirs`` (decided first) against ``base``.
+
+    ``outside(path, is_dir)`` is true for a path outside the merging machine's
+    sparse selection: that machine never changes it, so theirs is taken as is
+    (never a conflict there).
 
     Returns the merged flattened tree (folder entries carry no meaningful ref:
     trees are rebuilt from paths) and the conflicts, sorted by path.
@@ -61,7 +67,9 @@ def merge_trees(
     displaced: list[tuple[str, TreeEntry, str]] = []  # (path, entry, side) needing a copy
     for path in sorted(set(base) | set(ours.tree) | set(theirs.tree)):
         b, o, t = base.get(path), ours.tree.get(path), theirs.tree.get(path)
-        if same_entry(o, t) or same_entry(o, b):
+        some = o or t or b
+        theirs_only = outside is not None and some is not None and outside(path, some.type == "dir")
+        if theirs_only or same_entry(o, t) or same_entry(o, b):
             chosen = t
         elif same_entry(t, b):
             chosen = o

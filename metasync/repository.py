@@ -27,6 +27,7 @@ from metasync.context import RepoContext, open_context
 from metasync.errors import NotARepository, UsageError
 from metasync.graph import ObjectGraph
 from metasync.layout import DEFAULT_NAMESPACE
+from metasync.localdb import OUTSIDE
 from metasync.objects import Commit, Config, TreeEntry, Version
 from metasync.outbox import Outbox
 from metasync.progress import Reporter
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from metasync.history import History, LogEntry, RestoreResult
     from metasync.maintenance.recover import RecoverResult
     from metasync.reader import VersionReader
+    from metasync.sparse import Sparse
     from metasync.sync import PushResult, Sync
 
 PassphraseSource = Callable[[], str]
@@ -170,21 +172,26 @@ class Repository(RepositoryAdmin):
         reporter: Reporter | None = None,
         allow_unencrypted: bool = False,
         fingerprint: str | None = None, connect: list[str] | None = None,
+        sparse: list[str] | None = None,
     ) -> Repository:
         """Rebuild the folder from any one backend of a repository into ``root``: an
         unencrypted one only with ``allow_unencrypted``; ``fingerprint`` pins it (see
-        :func:`metasync.lifecycle.prepare_clone`); ``connect``: see :func:`open_context`.
+        :func:`metasync.lifecycle.prepare_clone`); ``connect``: see :func:`open_context`;
+        ``sparse``: check out only what these patterns select (docs/sparse.md).
 
         Everything that can fail on bad input (not a repository, wrong passphrase,
         ``root`` not empty) is checked before anything is written; a clone that
         fails later removes what it created."""
         from metasync import lifecycle
+        from metasync.selection import check_patterns
 
+        patterns = check_patterns(sparse) if sparse is not None else []
         start = lifecycle.prepare_clone(uri, root, namespace=namespace, passphrase=passphrase,
                                         allow_unencrypted=allow_unencrypted, pinned=fingerprint,
                                         others=connect)
         repo = cls(open_context(start.root, reporter, typed=connect))
         def first_pull() -> None:
+            repo._ctx.state.sparse_patterns = patterns
             repo.versions.start_from_hint(start.entry_id)
             repo.pull()
 
@@ -351,8 +358,10 @@ class Repository(RepositoryAdmin):
         return self._ctx.db.missing_copies()
 
     def tracked_files(self) -> int:
-        """Files and links the working-tree index knows (what a deletion is measured against)."""
-        return sum(1 for row in self._ctx.db.iter_index_rows() if row.type != "dir")
+        """Files and links the working-tree index knows (what a deletion is measured
+        against), but for those outside this machine's sparse selection (not here)."""
+        return sum(1 for row in self._ctx.db.iter_index_rows()
+                   if row.type != "dir" and row.mtime_ns != OUTSIDE)
 
     def health(self) -> dict[str, str]:
         """Backend id -> why it failed in this session (unreachable in a transfer,
@@ -406,3 +415,12 @@ class Repository(RepositoryAdmin):
         """Every version's trees and files, read by range (:class:`metasync.reader.VersionReader`)."""
         from metasync.reader import VersionReader
         return VersionReader(self._ctx, self.versions, self.graph, **options)
+
+    # ============================================================== sparse selection
+    @cached_property
+    def sparse(self) -> Sparse:
+        """This machine's selection (docs/sparse.md): ``patterns()``, ``set``, ``add``,
+        ``off``, ``outside_count()``, ``outside_changes(commit_id)``."""
+        from metasync.sparse import Sparse
+
+        return Sparse(self._ctx, self.graph, self.scanner, self.checkout)

@@ -23,8 +23,9 @@ from typing import TypeVar
 
 from metasync.context import RepoContext
 from metasync.fstraits import FolderTraits, probe_traits
-from metasync.localdb import NOT_ON_DISK, IndexRow
+from metasync.localdb import NOT_ON_DISK, OUTSIDE, IndexRow
 from metasync.objects import FORMAT_VERSION, Tree, TreeEntry
+from metasync.selection import Selection, filter_scan
 from metasync.worktree import (
     META_DIR,
     FileChanged,
@@ -71,6 +72,9 @@ class ScanResult:
     files_hashed: int = 0
     #: Everything seen, by path (empty unless the scan was asked to keep it).
     seen: dict[str, ScanEntry] = field(default_factory=dict)
+    #: Paths of the tree outside this machine's selection that are not here, kept
+    #: in ``files`` and ``dirs`` from their index rows (:data:`~metasync.localdb.OUTSIDE`).
+    outside: set[str] = field(default_factory=set)
 
 
 class Scanner:
@@ -104,6 +108,10 @@ class Scanner:
             self._traits = known
         return self._traits
 
+    def selection(self) -> Selection:
+        """This machine's sparse selection (:mod:`metasync.selection`), as stored now."""
+        return Selection(self.ctx.state.sparse_patterns)
+
     def scan(self, sink: ObjectSink | None, *, flush_index: bool = False,
              keep_seen: bool = True) -> ScanResult:
         """Scan the folder, hashing what the index cannot vouch for.
@@ -122,6 +130,10 @@ class Scanner:
         # Tracked paths are read only if there is an ignore file (load is lazy).
         problems = ScanProblems()
         entries = scan(root, IgnoreRules.load(root, db.index_paths()), problems)
+        # What this machine does not check out is not looked at, even if a file is
+        # there: the index rows of those paths (OUTSIDE) stand for them.
+        selection = self.selection()
+        filter_scan(selection, entries)
         # Where exec bits do not stick (core.fileMode=false), a file's is the index's.
         exec_bits = self.traits.exec_bits
         executable: set[str] = set()
@@ -143,12 +155,17 @@ class Scanner:
         # skips .metasync), so the untrusted-name check is not needed here.
         kinds = {"file": "file", "chunked": "chunked"}  # one str object per kind
         not_on_disk: list[IndexRow] = []
+        outside: list[IndexRow] = []
         for row in rows(entries):
             e = entries.get(row.path)
             if not exec_bits and row.executable:
                 executable.add(row.path)
             if e is None and row.mtime_ns == NOT_ON_DISK:
                 not_on_disk.append(row)
+            elif e is None and (row.mtime_ns == OUTSIDE or (
+                    selection.active and not selection.selects(row.path, row.type == "dir"))):
+                # Outside the selection, whatever its row says: never taken for deleted.
+                outside.append(row)
             elif e is None and not row.path.isascii():
                 missing.append(row)
             if e is None or e.type != "file":
@@ -175,6 +192,8 @@ class Scanner:
                 to_hash.append(e if exec_bits else e._replace(executable=path in executable))
         if not_on_disk:
             self._keep_not_on_disk(not_on_disk, entries, result)
+        if outside:
+            self._keep_outside(outside, result)
         del entries  # kept only in result.seen, if at all
         result.files_hashed = len(to_hash)
         if to_hash:
@@ -192,6 +211,20 @@ class Scanner:
             here = entries.get(parent)
             if parent and (here is None or here.type != "dir") and parent not in result.dirs:
                 continue
+            if row.type == "dir":
+                result.dirs.add(row.path)
+            else:
+                result.files[row.path] = TreeEntry(row.path.rpartition("/")[2], row.type,  # type: ignore[arg-type]
+                                                   row.ref, row.size, row.executable)
+
+    @staticmethod
+    def _keep_outside(rows: list[IndexRow], result: ScanResult) -> None:
+        """Keep the tree's entries for paths outside the selection (see
+        :data:`~metasync.localdb.OUTSIDE`): whether or not their folder is here,
+        and whatever the selection is now (a widening not finished yet leaves
+        rows of paths selected again: the next checkout writes them)."""
+        for row in rows:
+            result.outside.add(row.path)
             if row.type == "dir":
                 result.dirs.add(row.path)
             else:

@@ -184,6 +184,12 @@ def _waiting_folders(raw: Any) -> dict[str, str]:
     return {k: v for k, v in raw.items() if isinstance(k, str) and k and isinstance(v, str)}
 
 
+def _patterns(raw: Any) -> list[str]:
+    if not isinstance(raw, list):
+        return []
+    return [p for p in raw if isinstance(p, str) and p]
+
+
 def _tree_memo(raw: Any) -> tuple[str, str] | None:
     if isinstance(raw, list) and len(raw) == 2 and all(isinstance(x, str) for x in raw):
         return raw[0], raw[1]
@@ -243,6 +249,10 @@ class LocalState:
     #: unchanged folder skip rebuilding every tree.
     tree_memo: Setting[tuple[str, str] | None] = Setting(
         "tree_memo_v1", default=lambda: None, load=_tree_memo, dump=lambda v: list(v) if v else None)
+
+    #: This machine's sparse selection (:mod:`metasync.selection`): gitignore-style
+    #: patterns of what is checked out here; empty: everything. Never shared.
+    sparse_patterns: Setting[list[str]] = Setting("sparse_patterns", default=list, load=_patterns)
 
     #: What the folder's file system can hold, as last probed (``Scanner.traits``).
     folder_traits: Setting[FolderTraits | None] = Setting(

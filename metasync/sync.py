@@ -308,10 +308,12 @@ class Sync:
         ours_flat = graph.flatten(ours.tree)
         writer = self.outbox.writer()
         self._repack_collected(ours_flat, writer)
+        selection = self.scanner.selection()
         merged, conflicts = merge_trees(
             base_flat,
             Side(ours_flat, ours.device, commit_stamp(ours.time_ns)),
             Side(graph.flatten(theirs.tree), theirs.device, commit_stamp(theirs.time_ns)),
+            (lambda path, is_dir: not selection.selects(path, is_dir)) if selection.active else None,
         )
         files = {p: e for p, e in merged.items() if e.type != "dir"}
         dirs = {p for p, e in merged.items() if e.type == "dir"}

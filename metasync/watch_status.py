@@ -100,6 +100,10 @@ def render(st: Status, standing: Standing | None, unknown: str) -> dict[str, Any
         text.append(["out", line])
 
     out(f"On version {st.version}" + (" (local commits not pushed)" if st.unpushed else ""))
+    if st.sparse_patterns:
+        plural = "" if len(st.sparse_patterns) == 1 else "s"
+        out(f"sparse: {len(st.sparse_patterns)} pattern{plural}, {st.outside} "
+            f"{'path' if st.outside == 1 else 'paths'} not checked out here")
     if unknown:
         text.append(["err", f"note: could not learn the newest version ({unknown})"])
     elif standing is not None and (line := standing_line(standing)) is not None:
