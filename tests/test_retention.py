@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from pathlib import Path
@@ -151,6 +152,31 @@ def test_decide_ranks_the_first_parent_line_and_always_keeps_latest_snapshots_wi
     assert d.forget == ["c2"]
     window = decide("gc", history, Policy(last=1), [], cutoff_ns=3 * h)
     assert window.forget == ["c2", "c1"] and "side" in window.keep and "c3" in window.keep
+
+
+def test_decide_buckets_in_utc_whatever_the_local_zone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every client's gc keeps the same versions: a version every 12 hours (11:00 and
+    23:00 UTC), ``--keep-daily 5``, decided under TZ=UTC and TZ=Asia/Kolkata (UTC+5:30,
+    which moves 23:00 UTC into the next day), keeps the same set -- the 23:00 ones, as
+    UTC days have it. (With local buckets the two zones kept disjoint sets but the
+    newest: two gcs left one version of the five days.)"""
+    start = int(datetime(2026, 11, 1, 11, tzinfo=UTC).timestamp()) * 10**9
+    history: dict[str, _C] = {}
+    for i in range(20):
+        history[f"c{i:02d}"] = _C(f"t{i}", (f"c{i - 1:02d}",) if i else (),
+                                  start + i * 12 * 3600 * 10**9)
+    master = "c19"
+    cutoff = history[master].time_ns + 1
+    kept = []
+    try:
+        for zone in ("UTC", "Asia/Kolkata"):
+            monkeypatch.setenv("TZ", zone)
+            time.tzset()
+            kept.append(set(decide(master, history, Policy(daily=5), [], cutoff).keep))
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert kept[0] == kept[1] == {"c11", "c13", "c15", "c17", "c19"}
 
 
 # ------------------------------------------------------------------ through gc
