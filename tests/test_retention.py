@@ -19,7 +19,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import one_line_error, run_cli
+from conftest import PASSPHRASE, one_line_error, run_cli
+from metasync import Repository
+from metasync.errors import UsageError
 from metasync.retention import Policy, choose, decide
 
 NAMESPACE = "metasync"
@@ -249,6 +251,61 @@ def test_gc_after_forget_frees_exactly_what_only_forgotten_versions_used(tmp_pat
     assert (a / "k.bin").read_bytes() == k and (a / "shared.bin").read_bytes() == shared
     bad = run_cli("restore", "a.bin", "--version", commits["a"][:12], cwd=a, check=False)
     one_line_error(bad, "forgotten")
+
+
+def _gc_kept_last_two(tmp_path: Path, backends: list[Path]) -> tuple[Repository, list[str]]:
+    """Five versions (each only its own ``f<i>.bin``), ``--keep-last 2``, gc at
+    retention 0, then two more pushes: v0..v2 are collected, v3 and v4 were kept by
+    that gc (and are still stored), though today's policy forgets them."""
+    a = tmp_path / "A"
+    a.mkdir()
+    repo = Repository.init(a, [f"dir:{b}" for b in backends[:2]], passphrase=lambda: PASSPHRASE)
+    repo.set_retention(0)
+    rng = random.Random(20)
+    commits = []
+    for i in range(7):
+        for old in a.glob("f*.bin"):
+            old.unlink()
+        (a / f"f{i}.bin").write_bytes(rng.randbytes(100_000))
+        pushed = repo.push(f"v{i}")
+        assert pushed.version is not None and pushed.version.master is not None
+        commits.append(pushed.version.master)
+        if i == 4:
+            repo.retention.store(Policy(last=2))
+            assert repo.gc().deleted > 0
+    return repo, commits
+
+
+def test_restore_follows_what_gc_collected_not_todays_policy(
+        tmp_path: Path, backends: list[Path]) -> None:
+    """Restore reads a version whose content the last gc kept, though two pushes since
+    make today's policy forget it; after the policy is raised, a version an earlier gc
+    collected is "forgotten" (one line, nothing written), not a damaged pack, and
+    ``forget --dry-run``'s plan says it is gone."""
+    repo, commits = _gc_kept_last_two(tmp_path, backends)
+    with repo:
+        (repo.root / "f3.bin").unlink(missing_ok=True)
+        repo.restore("f3.bin", commits[3][:12])
+        assert (repo.root / "f3.bin").stat().st_size == 100_000
+
+        repo.retention.store(Policy(last=50))
+        plan = {row.commit_id: row for row in repo.retention.plan(Policy(last=50)).rows}
+        assert [c for c in commits if plan[c].collected] == commits[:3]
+        assert all(plan[c].reasons for c in commits)  # kept by the policy, yet gone
+        with pytest.raises(UsageError, match="forgotten: gc collected its files"):
+            repo.restore("f1.bin", commits[1][:12])
+        assert not (repo.root / "f1.bin").exists()
+
+
+def test_mount_shows_what_restore_reads(tmp_path: Path, backends: list[Path]) -> None:
+    """The mount's versions/ and by-date/ list a version the last gc kept (restore
+    reads it) and not one it collected: one test for both (graph.collected_test)."""
+    repo, commits = _gc_kept_last_two(tmp_path, backends)
+    with repo:
+        reader = repo.version_reader(cache_size=0, poll=0)
+        shown = set(reader.numbered().values()) | set(reader.by_date().values())
+        assert set(commits[3:]) <= shown
+        assert not set(commits[:3]) & shown
 
 
 # ------------------------------------------------------------------ the command
