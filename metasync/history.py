@@ -334,8 +334,8 @@ class History:
             if pruned(commit_id):
                 policy = " and not kept by the retention policy" if config.policy else ""
                 raise UsageError(f"version {commit_id[:12]} is forgotten: gc collected its files "
-                                 f"(it was older than the retention{policy}); snapshot versions "
-                                 "you want to keep")
+                                 f"(it was older than the retention{policy} when gc ran); "
+                                 "snapshot versions you want to keep")
             tree = self.graph.tree_at(commit_id)
             if path not in tree:
                 raise UsageError(f"{display_path(path)} is not in version {commit_id[:12]}")

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from conftest import PASSPHRASE, one_line_error, run_cli
 from metasync import Repository
+from metasync.cli_forget import _print_plan
 from metasync.errors import UsageError
 from metasync.retention import Policy, choose, decide
 
@@ -277,7 +278,7 @@ def _gc_kept_last_two(tmp_path: Path, backends: list[Path]) -> tuple[Repository,
 
 
 def test_restore_follows_what_gc_collected_not_todays_policy(
-        tmp_path: Path, backends: list[Path]) -> None:
+        tmp_path: Path, backends: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
     """Restore reads a version whose content the last gc kept, though two pushes since
     make today's policy forget it; after the policy is raised, a version an earlier gc
     collected is "forgotten" (one line, nothing written), not a damaged pack, and
@@ -289,9 +290,17 @@ def test_restore_follows_what_gc_collected_not_todays_policy(
         assert (repo.root / "f3.bin").stat().st_size == 100_000
 
         repo.retention.store(Policy(last=50))
-        plan = {row.commit_id: row for row in repo.retention.plan(Policy(last=50)).rows}
+        whole = repo.retention.plan(Policy(last=50))
+        plan = {row.commit_id: row for row in whole.rows}
         assert [c for c in commits if plan[c].collected] == commits[:3]
         assert all(plan[c].reasons for c in commits)  # kept by the policy, yet gone
+        _print_plan(whole, dry_run=True)
+        printed = capsys.readouterr()
+        rows = {c: next(line for line in printed.out.splitlines() if c[:12] in line)
+                for c in commits}
+        assert all(rows[c].startswith("gone") and "earlier gc" in rows[c] for c in commits[:3])
+        assert all(rows[c].startswith("keep") for c in commits[3:])
+        assert "3 versions are gone already" in printed.out + printed.err
         with pytest.raises(UsageError, match="forgotten: gc collected its files"):
             repo.restore("f1.bin", commits[1][:12])
         assert not (repo.root / "f1.bin").exists()
