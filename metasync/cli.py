@@ -13,7 +13,6 @@ import signal
 import socket
 import sys
 import threading
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +47,7 @@ from metasync.errors import Interrupted, MetasyncError, UsageError
 from metasync.names import display_path
 from metasync.progress import CANCEL
 from metasync.repository import DEFAULT_NAMESPACE, Repository
+from metasync.retention import commit_datetime
 from metasync.watch_status import scan_answer
 
 if TYPE_CHECKING:  # loaded by gc and fsck only (start-up time)
@@ -646,7 +646,7 @@ def restore(path: str, version: str | None, to: str | None) -> None:
     with _open() as repo:
         rel = os.path.relpath(Path(path).absolute(), repo.root)
         result = repo.restore(rel, version, to)
-    when = datetime.fromtimestamp(result.time_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
+    when = commit_datetime(result.time_ns, None).strftime("%Y-%m-%d %H:%M:%S")
     for copy in result.conflicts:
         _say(f"kept the file that was in the way as {display_path(copy)}")
     _say(f"restored {len(result.restored)} file(s) to {display_path(result.target)} from {result.commit_id[:12]} "

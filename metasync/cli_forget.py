@@ -4,14 +4,13 @@ retention policy."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime
 
 import click
 
 from metasync.cli_common import _echo_json, _open, _say, json_option
 from metasync.errors import UsageError
 from metasync.maintenance.forget import ForgetPlan
-from metasync.retention import MAX_COUNT, RULES, UNLIMITED, Policy
+from metasync.retention import MAX_COUNT, RULES, UNLIMITED, Policy, commit_datetime
 
 
 def _count(option: str, raw: str | None) -> int:
@@ -31,17 +30,16 @@ def _count(option: str, raw: str | None) -> int:
 
 
 def _when(time_ns: int) -> str:
-    try:
-        return datetime.fromtimestamp(time_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
-    except (OverflowError, OSError, ValueError):
-        return "(bad time)"
+    return commit_datetime(time_ns, None).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _print_plan(plan: ForgetPlan, dry_run: bool) -> None:
     for row in plan.rows:
-        what = "keep  " if row.reasons else "forget"
+        what = "gone  " if row.collected else "keep  " if row.reasons else "forget"
         number = f"v{row.version}" if row.version is not None else "v?"
         why = f"  ({', '.join(row.reasons)})" if row.reasons else ""
+        if row.collected:
+            why += "  (an earlier gc collected its files)"
         # A commit's message is untrusted: its first line, printable characters only.
         first = row.message.splitlines()[0] if row.message.strip() else ""
         message = "".join(c if c.isprintable() else "?" for c in first[:80])
@@ -50,6 +48,10 @@ def _print_plan(plan: ForgetPlan, dry_run: bool) -> None:
     verb = "would forget" if dry_run else "the policy forgets"
     _say(f"{verb} {len(plan.forgotten)} of {len(plan.rows)} versions "
          "(gc collects what only they use)")
+    gone = sum(1 for row in plan.rows if row.collected)
+    if gone:
+        _say(f"{gone} versions are gone already: an earlier gc collected their files, "
+             "and no policy brings them back")
     if plan.retention_days:
         _say(f"note: versions younger than {plan.retention_days} days stay whatever the policy "
              "says (`metasync config retention 0` leaves it to the policy)")
@@ -106,7 +108,8 @@ def forget(dry_run: bool, prune: bool, show: bool, clear: bool, as_json: bool,
         plan = repo.retention.plan(policy)
         if as_json:
             _echo_json({"policy": policy.to_json(), "dry_run": dry_run, "versions": [
-                {"commit": r.commit_id, "version": r.version, "keep": list(r.reasons)}
+                {"commit": r.commit_id, "version": r.version, "keep": list(r.reasons),
+                 "collected": r.collected}
                 for r in plan.rows]})
         else:
             _print_plan(plan, dry_run)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-
 import click
 
 from metasync.cli_common import _echo_json, _open, json_option
 from metasync.history import GraphRow, LogEntry, draw_graph
 from metasync.names import display_path
+from metasync.retention import commit_datetime
 
 
 @click.command()
@@ -66,7 +65,7 @@ def _log_lines(e: LogEntry, oneline: bool, outside: list[str]) -> list[str]:
     if oneline:
         return [f"{e.commit_id[:12]}{number} {message.splitlines()[0] if message else ''}"
                 + (f" [{len(outside)} outside the selection]" if outside else "")]
-    when = datetime.fromtimestamp(e.time_ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
+    when = commit_datetime(e.time_ns, None).strftime("%Y-%m-%d %H:%M:%S")
     lines = [f"commit {e.commit_id}{number}"]
     if len(e.parents) > 1:
         lines.append("Merge: " + " ".join(p[:12] for p in e.parents))

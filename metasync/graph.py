@@ -12,7 +12,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from metasync.context import RepoContext
@@ -179,6 +179,39 @@ class ObjectGraph:
             with self.db.transaction():
                 self.db.cache_object(index_id, "index", data)
         return Index.from_bytes(data)
+
+    def live_objects(self, master: str) -> set[str]:
+        """Every object the indexes of commit ``master`` list. A commit lists the
+        indexes of every pack its line still has (a push inherits its parents'; a
+        gc's commit lists exactly what survived it), so an object outside this set
+        is not stored any more, or was never in master's line."""
+        out: set[str] = set()
+        for index_id in self.load_commit(master).indexes:
+            for _, entries in self.read_index(index_id).packs:
+                out.update(e.object_id for e in entries)
+        return out
+
+    def collected_test(self, master: str, gc_cutoff_ns: int) -> Callable[[Commit], bool]:
+        """Whether a gc collected a version's content: the one test restore, the
+        mount and ``forget --dry-run`` use. True for a commit older than the last
+        gc's cutoff (``gc_cutoff_ns``, 0: no gc ran) whose tree master's indexes no
+        longer list (:meth:`live_objects`). Whatever a later policy says, what an
+        earlier gc collected is gone; and whatever today's policy says, a version
+        whose tree survived is readable (a gc keeps everything a kept tree needs).
+        A younger commit is never "collected": a missing object there is damage,
+        which reading it reports. Master's indexes are read at the first older
+        commit asked about, once."""
+        live: set[str] | None = None
+
+        def collected(commit: Commit) -> bool:
+            nonlocal live
+            if gc_cutoff_ns == 0 or commit.time_ns >= gc_cutoff_ns:
+                return False
+            if live is None:
+                live = self.live_objects(master)
+            return commit.tree not in live
+
+        return collected
 
     # ---------------------------------------------------------------- trees
     def fetch_packed(self, ids: Iterable[str]) -> dict[str, bytes]:

@@ -21,7 +21,6 @@ import os
 import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ from metasync.fstraits import (
 from metasync.graph import ANCESTRY_LIMIT, ObjectGraph
 from metasync.names import display_path
 from metasync.objects import Commit, Config, TreeEntry
-from metasync.retention import decide
+from metasync.retention import commit_datetime
 from metasync.scanner import name_clashes, nfc
 from metasync.versions import Versions
 from metasync.worktree import (
@@ -75,7 +74,7 @@ class LogEntry:
             "version": self.version,
             "device": self.device,
             "client": self.client,
-            "time": datetime.fromtimestamp(self.time_ns / 1e9).astimezone().isoformat(),
+            "time": commit_datetime(self.time_ns, None).isoformat(),
             "message": self.message,
             "parents": list(self.parents),
         }
@@ -305,11 +304,12 @@ class History:
         chain = [cid for cid, _ in self.graph.first_parents(master)]
         history = self.graph.history(master)
 
-        # What the last gc kept: the same decision, over the window it recorded.
-        kept = decide(master, history, config.policy, config.snapshots, config.gc_cutoff_ns).keep
+        # What earlier gcs collected (not what today's policy would keep: versions
+        # pushed since, or a policy raised since, change that, not what is stored).
+        collected = self.graph.collected_test(master, config.gc_cutoff_ns)
 
         def pruned(cid: str) -> bool:
-            return cid not in kept
+            return collected(history.get(cid) or self.graph.load_commit(cid))
 
         if version is not None:
             if config.snapshot(version) is not None:
@@ -333,9 +333,9 @@ class History:
             assert commit_id is not None
             if pruned(commit_id):
                 policy = " and not kept by the retention policy" if config.policy else ""
-                raise UsageError(f"version {commit_id[:12]} is forgotten (older than the retention"
-                                 f"{policy}) and gc collects its files; snapshot versions you "
-                                 "want to keep")
+                raise UsageError(f"version {commit_id[:12]} is forgotten: gc collected its files "
+                                 f"(it was older than the retention{policy} when gc ran); "
+                                 "snapshot versions you want to keep")
             tree = self.graph.tree_at(commit_id)
             if path not in tree:
                 raise UsageError(f"{display_path(path)} is not in version {commit_id[:12]}")

@@ -26,7 +26,6 @@ from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 from metasync.context import RepoContext
@@ -34,6 +33,7 @@ from metasync.errors import MetasyncError
 from metasync.graph import ObjectGraph
 from metasync.layout import HINT_KEY
 from metasync.objects import Commit, TreeEntry, Version
+from metasync.retention import commit_datetime
 from metasync.versions import Versions
 
 #: Default bound of the chunk cache on disk.
@@ -233,6 +233,7 @@ class VersionReader:
         self._trees: OrderedDict[str, VersionTree] = OrderedDict()
         self._by_date: tuple[str, dict[str, str]] | None = None
         self._numbered: tuple[float, Version, dict[int, str]] | None = None
+        self._collected: tuple[tuple[str, int], Callable[[Commit], bool]] | None = None
 
     # ---------------------------------------------------------------- versions
     def latest(self) -> Version:
@@ -310,7 +311,8 @@ class VersionReader:
         line = [(c, commit) for c, commit in self.graph.first_parents(latest.master)
                 if self._kept(c, latest, commit)]
         for commit_id, commit in reversed(line):
-            stamp = datetime.fromtimestamp(commit.time_ns / 1e9).strftime("%Y-%m-%d-%H%M%S")
+            # Local time, clamped: a commit's time is untrusted (year 99999 must not raise).
+            stamp = commit_datetime(commit.time_ns, None).strftime("%Y-%m-%d-%H%M%S")
             name, n = stamp, 1
             while name in out:
                 n += 1
@@ -320,15 +322,17 @@ class VersionReader:
         return out
 
     def _kept(self, commit_id: str, latest: Version, commit: Commit | None = None) -> bool:
-        """False for a commit gc may have collected the content of (older than its
-        cutoff and neither master nor a snapshot)."""
+        """False for a commit whose content a gc collected -- restore's own test
+        (:meth:`ObjectGraph.collected_test`), so the mount shows what restore reads."""
+        if latest.master is None:
+            return True
         config = self.versions.load_config(latest.config)
-        if commit_id == latest.master or commit_id in dict(config.snapshots).values():
-            return True
-        if config.gc_cutoff_ns == 0:
-            return True
-        commit = commit or self.graph.load_commit(commit_id)
-        return commit.time_ns >= config.gc_cutoff_ns
+        memo = self._collected
+        if memo is None or memo[0] != (latest.master, config.gc_cutoff_ns):
+            memo = ((latest.master, config.gc_cutoff_ns),
+                    self.graph.collected_test(latest.master, config.gc_cutoff_ns))
+            self._collected = memo
+        return not memo[1](commit or self.graph.load_commit(commit_id))
 
     def commit_time(self, commit_id: str) -> int:
         """When ``commit_id`` was made (ns since the epoch)."""

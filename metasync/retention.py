@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from datetime import datetime, tzinfo
+from datetime import UTC, datetime, tzinfo
 from typing import Protocol
 
 #: The rules in restic's order: (field, CLI option).
@@ -31,6 +31,14 @@ MAX_COUNT = 1_000_000
 UNLIMITED = -1
 #: The last second a datetime holds in any time zone (9999-12-30, UTC).
 _LAST_SECOND = 253_402_128_000
+
+
+def commit_datetime(time_ns: int, tz: tzinfo | None = UTC) -> datetime:
+    """An untrusted commit time (ns since the epoch) as an aware datetime in ``tz``
+    (None: the local zone), clamped into what any zone's datetime holds (1970..9999) and
+    to whole seconds, so no stored time makes this raise."""
+    seconds = min(max(time_ns // 10**9, 0), _LAST_SECOND)
+    return datetime.fromtimestamp(seconds, tz).astimezone(tz)
 
 
 @dataclass(frozen=True)
@@ -101,11 +109,13 @@ def _bucket(rule: str) -> Callable[[datetime, int], int]:
 
 
 def choose(versions: Sequence[tuple[str, int]], policy: Policy,
-           tz: tzinfo | None = None) -> Choice:
+           tz: tzinfo = UTC) -> Choice:
     """Apply ``policy`` to ``versions`` (``(id, time in ns since the epoch)``, any
     order; equal times keep their given order, as restic's stable sort does) in
-    time zone ``tz`` (default: the local one, as restic). An empty policy keeps
-    everything (restic's command refuses it; so does ``metasync forget``)."""
+    time zone ``tz`` (default UTC: every client of a repository must bucket alike,
+    or two gcs in different zones each forget what the other keeps; restic uses the
+    local zone). An empty policy keeps everything (restic's command refuses it; so
+    does ``metasync forget``)."""
     ordered = sorted(versions, key=lambda v: -v[1])
     if policy.empty():
         return Choice({vid: ("no policy",) for vid, _ in ordered}, [])
@@ -117,8 +127,7 @@ def choose(versions: Sequence[tuple[str, int]], policy: Policy,
     for nr, (vid, time_ns) in enumerate(ordered):
         # Whole seconds, as restic's snapshot times bucket them; a commit's time is
         # untrusted: clamped into what datetime can hold.
-        seconds = min(max(time_ns // 10**9, 0), _LAST_SECOND)
-        when = datetime.fromtimestamp(seconds, tz).astimezone(tz)
+        when = commit_datetime(time_ns, tz)
         reasons: list[str] = []
         for rule in RULES:
             if left[rule] == 0:
@@ -181,11 +190,12 @@ class Decision:
 
 def decide(master: str, history: Mapping[str, CommitLike], policy: Policy | None,
            snapshots: Iterable[tuple[str, str]], cutoff_ns: int,
-           tz: tzinfo | None = None) -> Decision:
+           tz: tzinfo = UTC) -> Decision:
     """What gc keeps of ``history`` (every commit reachable from ``master``):
     master and the newest ranked version (:func:`ranked_versions`), each
     snapshot, every commit at or after ``cutoff_ns`` (the retention window), and
-    the ranked versions ``policy`` keeps (:func:`choose`). Without a policy every
+    the ranked versions ``policy`` keeps (:func:`choose`, in ``tz``: UTC for every
+    client, never the local zone). Without a policy every
     ranked version is kept unless it is older than the window (the retention in
     days alone decides, as before policies existed)."""
     ranked = ranked_versions(master, history)

@@ -368,3 +368,42 @@ def test_the_chunk_cache_keeps_its_bound_and_drops_the_least_recently_used(
     nothing = ChunkCache(tmp_path / "none", 0, check)  # --cache-size 0: memory only
     nothing.put(ids[0], blobs[0])
     assert not (tmp_path / "none").exists() and len(nothing.memory) <= MEMORY_CHUNKS
+
+
+def test_a_commit_time_after_year_9999_is_clamped_not_raised(
+        tmp_path: Path, backends: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A commit's time is untrusted: one after year 9999 (or before 1970) names a
+    by-date/ folder, a ``log`` line and a ``forget`` row, clamped, instead of an
+    unhandled ValueError (which the mount's guard, for metasync's and the disk's
+    errors only, let through)."""
+    from dataclasses import replace
+
+    from metasync.cli_forget import _when
+    from metasync.history import LogEntry
+    from metasync.objects import Commit
+    from metasync.retention import commit_datetime
+
+    far, before = 400_000 * 365 * 86_400 * 10**9, -(10**18)  # ns: about year 402000; 1938
+    assert commit_datetime(far).year == 9999 and commit_datetime(before).year == 1970
+    assert _when(far).startswith("9999-")
+    assert LogEntry("c" * 64, "d", "x", far, "m", ()).to_json()["time"].startswith("9999-")
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a\n")
+    with Repository.init(src, [f"dir:{b}" for b in backends[:2]],
+                         passphrase=lambda: PASSPHRASE) as repo:
+        pushed = repo.push("one")
+        assert pushed.version is not None and pushed.version.master is not None
+        reader = repo.version_reader(cache_size=0, poll=0)
+        real = reader.graph.first_parents
+
+        def far_future(start: str | None) -> Iterator[tuple[str, Commit]]:
+            for cid, commit in real(start):
+                yield cid, replace(commit, time_ns=far)
+
+        # The stored commit cannot be given such a time without its key: the walk
+        # hands the reader one (what a malicious client's commit would carry).
+        monkeypatch.setattr(reader.graph, "first_parents", far_future)
+        names = list(reader.by_date())
+        assert len(names) == 1 and names[0].startswith("9999-12-")

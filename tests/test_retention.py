@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from pathlib import Path
@@ -18,7 +19,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import one_line_error, run_cli
+from conftest import PASSPHRASE, one_line_error, run_cli
+from metasync import Repository
+from metasync.cli_forget import _print_plan
+from metasync.errors import UsageError
 from metasync.retention import Policy, choose, decide
 
 NAMESPACE = "metasync"
@@ -153,6 +157,31 @@ def test_decide_ranks_the_first_parent_line_and_always_keeps_latest_snapshots_wi
     assert window.forget == ["c2", "c1"] and "side" in window.keep and "c3" in window.keep
 
 
+def test_decide_buckets_in_utc_whatever_the_local_zone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every client's gc keeps the same versions: a version every 12 hours (11:00 and
+    23:00 UTC), ``--keep-daily 5``, decided under TZ=UTC and TZ=Asia/Kolkata (UTC+5:30,
+    which moves 23:00 UTC into the next day), keeps the same set -- the 23:00 ones, as
+    UTC days have it. (With local buckets the two zones kept disjoint sets but the
+    newest: two gcs left one version of the five days.)"""
+    start = int(datetime(2026, 11, 1, 11, tzinfo=UTC).timestamp()) * 10**9
+    history: dict[str, _C] = {}
+    for i in range(20):
+        history[f"c{i:02d}"] = _C(f"t{i}", (f"c{i - 1:02d}",) if i else (),
+                                  start + i * 12 * 3600 * 10**9)
+    master = "c19"
+    cutoff = history[master].time_ns + 1
+    kept = []
+    try:
+        for zone in ("UTC", "Asia/Kolkata"):
+            monkeypatch.setenv("TZ", zone)
+            time.tzset()
+            kept.append(set(decide(master, history, Policy(daily=5), [], cutoff).keep))
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert kept[0] == kept[1] == {"c11", "c13", "c15", "c17", "c19"}
+
+
 # ------------------------------------------------------------------ through gc
 
 
@@ -223,6 +252,69 @@ def test_gc_after_forget_frees_exactly_what_only_forgotten_versions_used(tmp_pat
     assert (a / "k.bin").read_bytes() == k and (a / "shared.bin").read_bytes() == shared
     bad = run_cli("restore", "a.bin", "--version", commits["a"][:12], cwd=a, check=False)
     one_line_error(bad, "forgotten")
+
+
+def _gc_kept_last_two(tmp_path: Path, backends: list[Path]) -> tuple[Repository, list[str]]:
+    """Five versions (each only its own ``f<i>.bin``), ``--keep-last 2``, gc at
+    retention 0, then two more pushes: v0..v2 are collected, v3 and v4 were kept by
+    that gc (and are still stored), though today's policy forgets them."""
+    a = tmp_path / "A"
+    a.mkdir()
+    repo = Repository.init(a, [f"dir:{b}" for b in backends[:2]], passphrase=lambda: PASSPHRASE)
+    repo.set_retention(0)
+    rng = random.Random(20)
+    commits = []
+    for i in range(7):
+        for old in a.glob("f*.bin"):
+            old.unlink()
+        (a / f"f{i}.bin").write_bytes(rng.randbytes(100_000))
+        pushed = repo.push(f"v{i}")
+        assert pushed.version is not None and pushed.version.master is not None
+        commits.append(pushed.version.master)
+        if i == 4:
+            repo.retention.store(Policy(last=2))
+            assert repo.gc().deleted > 0
+    return repo, commits
+
+
+def test_restore_follows_what_gc_collected_not_todays_policy(
+        tmp_path: Path, backends: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """Restore reads a version whose content the last gc kept, though two pushes since
+    make today's policy forget it; after the policy is raised, a version an earlier gc
+    collected is "forgotten" (one line, nothing written), not a damaged pack, and
+    ``forget --dry-run``'s plan says it is gone."""
+    repo, commits = _gc_kept_last_two(tmp_path, backends)
+    with repo:
+        (repo.root / "f3.bin").unlink(missing_ok=True)
+        repo.restore("f3.bin", commits[3][:12])
+        assert (repo.root / "f3.bin").stat().st_size == 100_000
+
+        repo.retention.store(Policy(last=50))
+        whole = repo.retention.plan(Policy(last=50))
+        plan = {row.commit_id: row for row in whole.rows}
+        assert [c for c in commits if plan[c].collected] == commits[:3]
+        assert all(plan[c].reasons for c in commits)  # kept by the policy, yet gone
+        _print_plan(whole, dry_run=True)
+        printed = capsys.readouterr()
+        rows = {c: next(line for line in printed.out.splitlines() if c[:12] in line)
+                for c in commits}
+        assert all(rows[c].startswith("gone") and "earlier gc" in rows[c] for c in commits[:3])
+        assert all(rows[c].startswith("keep") for c in commits[3:])
+        assert "3 versions are gone already" in printed.out + printed.err
+        with pytest.raises(UsageError, match="forgotten: gc collected its files"):
+            repo.restore("f1.bin", commits[1][:12])
+        assert not (repo.root / "f1.bin").exists()
+
+
+def test_mount_shows_what_restore_reads(tmp_path: Path, backends: list[Path]) -> None:
+    """The mount's versions/ and by-date/ list a version the last gc kept (restore
+    reads it) and not one it collected: one test for both (graph.collected_test)."""
+    repo, commits = _gc_kept_last_two(tmp_path, backends)
+    with repo:
+        reader = repo.version_reader(cache_size=0, poll=0)
+        shown = set(reader.numbered().values()) | set(reader.by_date().values())
+        assert set(commits[3:]) <= shown
+        assert not set(commits[:3]) & shown
 
 
 # ------------------------------------------------------------------ the command

@@ -31,6 +31,9 @@ class PlanRow:
     #: The version it became master in, where this client knows it.
     version: int | None
     reasons: tuple[str, ...]
+    #: An earlier gc already collected its content (whatever ``reasons`` says now:
+    #: raising a policy brings nothing back; restore says "forgotten").
+    collected: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,10 +77,12 @@ class Forget:
         cutoff = max(config.gc_cutoff_ns, now_ns - config.retention_days * 86_400 * 10**9)
         with self.versions.reading_with(config):
             history = self.graph.history(latest.master)
-        decision = decide(latest.master, history, policy, config.snapshots, cutoff)
-        numbers = self.ctx.db.master_numbers()
-        rows = [PlanRow(cid, history[cid].time_ns, history[cid].message, numbers.get(cid),
-                        decision.keep.get(cid, ())) for cid in decision.ranked]
+            decision = decide(latest.master, history, policy, config.snapshots, cutoff)
+            collected = self.graph.collected_test(latest.master, config.gc_cutoff_ns)
+            numbers = self.ctx.db.master_numbers()
+            rows = [PlanRow(cid, history[cid].time_ns, history[cid].message, numbers.get(cid),
+                            decision.keep.get(cid, ()), collected(history[cid]))
+                    for cid in decision.ranked]
         return ForgetPlan(policy, config.retention_days, rows)
 
     def store(self, policy: Policy | None) -> Version | None:
