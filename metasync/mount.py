@@ -62,7 +62,9 @@ class MountView(mfusepy.Operations):
         self.started_ns = time.time_ns()
         self.files: dict[int, FileReader] = {}
         self.next_fh = 1
-        self.uid, self.gid = os.getuid(), os.getgid()
+        self.uid = self.gid = 0
+        if sys.platform != "win32":  # FUSE is POSIX's (WinFsp's FUSE layer maps these)
+            self.uid, self.gid = os.getuid(), os.getgid()
 
     # ---------------------------------------------------------------- paths
     def _versions_of(self, top: str) -> dict[str, str]:
@@ -196,7 +198,10 @@ def serve(reader: VersionReader, mountpoint: str) -> None:
     or SIGHUP arrives (libfuse handles them, and unmounts)."""
     # libfuse installs its stop handlers only where a signal has the default action;
     # the CLI's Python handlers could not run while the main thread is in libfuse.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    stops = [signal.SIGINT, signal.SIGTERM]
+    if sys.platform != "win32":
+        stops.append(signal.SIGHUP)
+    for sig in stops:
         signal.signal(sig, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
     try:
