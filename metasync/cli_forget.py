@@ -4,13 +4,16 @@ retention policy."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import click
 
 from metasync.cli_common import _echo_json, _open, _say, json_option
 from metasync.errors import UsageError
-from metasync.maintenance.forget import ForgetPlan
 from metasync.retention import MAX_COUNT, RULES, UNLIMITED, Policy, commit_datetime
+
+if TYPE_CHECKING:  # gc and the rest of maintenance load when `forget` runs (start-up time)
+    from metasync.maintenance.forget import ForgetPlan
 
 
 def _count(option: str, raw: str | None) -> int:
