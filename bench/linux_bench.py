@@ -379,6 +379,16 @@ def quick_workload(work: Path) -> Workload:
     return Workload(tree.path, files, size, disk, "n/a", "paper workload (--quick)")
 
 
+def workload_for(work: Path, quick: bool) -> Workload | None:
+    """The Linux workload (or with ``quick`` the small generated one) prepared in
+    ``work``; None, with the reason printed, if it cannot be."""
+    try:
+        return quick_workload(work) if quick else prepare(work)
+    except WorkloadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -396,10 +406,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="smoke test on the small 'paper' workload instead of Linux")
     args = parser.parse_args(argv)
 
-    try:
-        workload = quick_workload(args.work) if args.quick else prepare(args.work)
-    except WorkloadError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    workload = workload_for(args.work, args.quick)
+    if workload is None:
         return 1
     log(f"workload {workload.describe()}")
     log(CACHE_NOTE)

@@ -40,10 +40,10 @@ from linux_bench import (
     copy_tree,
     log,
     machine_info,
-    quick_workload,
     run,
+    workload_for,
 )
-from linux_workload import DEFAULT_WORK, WorkloadError, prepare
+from linux_workload import DEFAULT_WORK
 
 #: The commands timed each round, by name.
 COMMANDS = ("metasync status", "git status", "metasync status --offline",
@@ -150,10 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="smoke test on the small 'paper' workload, 5 rounds")
     args = parser.parse_args(argv)
-    try:
-        workload = quick_workload(args.work) if args.quick else prepare(args.work)
-    except WorkloadError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    workload = workload_for(args.work, args.quick)
+    if workload is None:
         return 1
     pairs = 5 if args.quick else args.pairs
     log(f"workload {workload.describe()}")
