@@ -6,6 +6,7 @@ a traceback appears only with ``--debug``.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import os
@@ -20,7 +21,6 @@ import click
 
 from metasync import watch_client
 from metasync.backends import public_uri
-from metasync.cli_app import APP_COMMANDS
 from metasync.cli_common import (
     STATE,
     _echo_json,
@@ -34,14 +34,7 @@ from metasync.cli_common import (
     json_option,
     set_bwlimit,
 )
-from metasync.cli_daemon import auth, daemon
-from metasync.cli_forget import forget
-from metasync.cli_gui import gui
-from metasync.cli_history import log
 from metasync.cli_install import completion, version_option
-from metasync.cli_keys import key
-from metasync.cli_mount import mount
-from metasync.cli_sparse import sparse
 from metasync.committer import problems_json
 from metasync.errors import Interrupted, MetasyncError, UsageError
 from metasync.names import display_path
@@ -104,7 +97,42 @@ def _add_global_options(command: click.Command) -> None:
             param.default = lambda: STATE.json
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]},
+#: The commands defined in the ``cli_*`` modules, by name: (module, attribute). Each
+#: module is imported only when its command runs or is listed (``--help``): a
+#: command pays start-up time for its own module only.
+LAZY_COMMANDS = {
+    "auth": ("metasync.cli_daemon", "auth"),
+    "daemon": ("metasync.cli_daemon", "daemon"),
+    "log": ("metasync.cli_history", "log"),
+    "key": ("metasync.cli_keys", "key"),
+    "gui": ("metasync.cli_gui", "gui"),
+    "forget": ("metasync.cli_forget", "forget"),
+    "mount": ("metasync.cli_mount", "mount"),
+    "sparse": ("metasync.cli_sparse", "sparse"),
+    "service": ("metasync.cli_app", "service"),
+    "add-folder": ("metasync.cli_app", "add_folder"),
+    "remove-folder": ("metasync.cli_app", "remove_folder"),
+    "folders": ("metasync.cli_app", "folders"),
+}
+
+
+class LazyGroup(click.Group):
+    """The ``metasync`` group: a command of :data:`LAZY_COMMANDS` is imported (and
+    given the global options) the first time it is looked up."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in LAZY_COMMANDS:
+            module, attribute = LAZY_COMMANDS[cmd_name]
+            command = getattr(importlib.import_module(module), attribute)
+            _add_global_options(command)
+            self.add_command(command, cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]},
              params=_global_options())
 @click.option("--json", "as_json", is_flag=True,
               help="Machine-readable output from commands that have it (as their --json).")
@@ -681,9 +709,8 @@ def share(email: str) -> None:
                    err=True)
 
 
-for _command in (auth, log, daemon, key, completion, gui, forget, mount, sparse, *APP_COMMANDS):
-    cli.add_command(_command)
-_add_global_options(cli)
+cli.add_command(completion)
+_add_global_options(cli)  # those of LAZY_COMMANDS get them as they load
 
 
 _QUIT = threading.Lock()

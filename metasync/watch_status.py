@@ -43,7 +43,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.request import pathname2url
 
 from metasync.committer import Status
 from metasync.errors import FolderBusy, MetasyncError
@@ -248,6 +247,8 @@ class StatusServer:
         if self._db is None or self._db_id[:2] != file_id:
             if self._db is not None:
                 self._db.close()
+            from urllib.request import pathname2url  # the daemon's only (start-up time)
+
             uri = f"file:{pathname2url(str(path))}?mode=ro"
             self._db = sqlite3.connect(uri, uri=True, check_same_thread=False)
             self._db_id = (*file_id, next(self._serial))
