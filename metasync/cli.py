@@ -6,7 +6,6 @@ a traceback appears only with ``--debug``.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
 import os
@@ -23,8 +22,11 @@ from metasync import watch_client
 from metasync.backends import public_uri
 from metasync.cli_common import (
     STATE,
+    LazyGroup,
+    _add_global_options,
     _echo_json,
     _fail,
+    _global_options,
     _human,
     _open,
     _passphrase_source,
@@ -32,7 +34,6 @@ from metasync.cli_common import (
     _say,
     check_bwlimit_env,
     json_option,
-    set_bwlimit,
 )
 from metasync.cli_install import completion, version_option
 from metasync.committer import problems_json
@@ -45,91 +46,6 @@ from metasync.watch_status import scan_answer
 
 if TYPE_CHECKING:  # loaded by gc and fsck only (start-up time)
     from metasync.maintenance.gc import TempSweep
-
-
-def _set_state(ctx: click.Context, param: click.Parameter, value: Any) -> None:
-    """Record a global option wherever it was given (before or after the subcommand)."""
-    if param.name == "timeout":
-        if value is not None:
-            os.environ["METASYNC_TIMEOUT"] = repr(value)
-    elif param.name == "bwlimit":
-        if value is not None:
-            set_bwlimit(value)
-    elif value:
-        setattr(STATE, str(param.name), True)
-
-
-def _global_options() -> list[click.Option]:
-    """``--debug``, ``-q`` and ``--timeout``: taken by the group and by every command,
-    so ``metasync pull -q`` works as ``metasync -q pull`` does."""
-    return [
-        click.Option(["--debug"], is_flag=True, expose_value=False, callback=_set_state,
-                     help="Show tracebacks on errors."),
-        click.Option(["-q", "--quiet"], is_flag=True, expose_value=False, callback=_set_state,
-                     help="Print nothing but errors."),
-        click.Option(["--timeout"], type=click.FloatRange(min=0, min_open=True), default=None,
-                     metavar="SECONDS", expose_value=False, callback=_set_state,
-                     help="Longest wait for any backend's answer (each connect, read, "
-                          "handshake, and a request's retries) and for backends to agree "
-                          "(default 30; also METASYNC_TIMEOUT)."),
-        click.Option(["--bwlimit"], default=None, metavar="RATE", expose_value=False,
-                     callback=_set_state,
-                     help="Limit the bytes sent to and read from backends by this process, "
-                          "e.g. 2M (MiB/s both ways), 10M:2M (up:down), off, or a "
-                          "timetable \"08:00,512k 19:00,10M 23:00,off\" (also "
-                          "METASYNC_BWLIMIT; see docs/bwlimit.md)."),
-    ]
-
-
-def _add_global_options(command: click.Command) -> None:
-    """Give every command under ``command`` the global options it lacks."""
-    if isinstance(command, click.Group):
-        for sub in command.commands.values():
-            _add_global_options(sub)
-        if not command.invoke_without_command:
-            return  # a group that also runs alone (daemon, service) takes them too
-    taken = {opt for p in command.params for opt in p.opts}
-    command.params += [o for o in _global_options() if not taken & set(o.opts)]
-    for param in command.params:
-        if "--json" in param.opts:
-            # ``metasync --json CMD`` as ``metasync CMD --json``: read when CMD's
-            # arguments are parsed, after the group's options.
-            param.default = lambda: STATE.json
-
-
-#: The commands defined in the ``cli_*`` modules, by name: (module, attribute). Each
-#: module is imported only when its command runs or is listed (``--help``): a
-#: command pays start-up time for its own module only.
-LAZY_COMMANDS = {
-    "auth": ("metasync.cli_daemon", "auth"),
-    "daemon": ("metasync.cli_daemon", "daemon"),
-    "log": ("metasync.cli_history", "log"),
-    "key": ("metasync.cli_keys", "key"),
-    "gui": ("metasync.cli_gui", "gui"),
-    "forget": ("metasync.cli_forget", "forget"),
-    "mount": ("metasync.cli_mount", "mount"),
-    "sparse": ("metasync.cli_sparse", "sparse"),
-    "service": ("metasync.cli_app", "service"),
-    "add-folder": ("metasync.cli_app", "add_folder"),
-    "remove-folder": ("metasync.cli_app", "remove_folder"),
-    "folders": ("metasync.cli_app", "folders"),
-}
-
-
-class LazyGroup(click.Group):
-    """The ``metasync`` group: a command of :data:`LAZY_COMMANDS` is imported (and
-    given the global options) the first time it is looked up."""
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*self.commands, *LAZY_COMMANDS})
-
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name not in self.commands and cmd_name in LAZY_COMMANDS:
-            module, attribute = LAZY_COMMANDS[cmd_name]
-            command = getattr(importlib.import_module(module), attribute)
-            _add_global_options(command)
-            self.add_command(command, cmd_name)
-        return super().get_command(ctx, cmd_name)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]},

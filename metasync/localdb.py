@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import itertools
 import json
 import os
 import sqlite3
@@ -214,6 +215,22 @@ class LocalDB:
             "SELECT path, type, ref, size, executable, mtime_ns, ino, hashed_at_ns FROM worktree"
         )
         return map(_index_row, cur)
+
+    def iter_index_tuples(self) -> Iterator[tuple[Any, ...]]:
+        """Every index row as a plain tuple in :class:`IndexRow`'s field order,
+        streamed: no object made per row but SQLite's own tuple (a no-change
+        ``status`` reads one per file). Rows whose path and ref are TEXT come first,
+        as stored; those holding a BLOB (a name not in UTF-8) follow, decoded."""
+        columns = "path, type, ref, size, executable, mtime_ns, ino, hashed_at_ns"
+        text = "typeof(path) = 'text' AND typeof(ref) = 'text'"
+
+        def blobs() -> Iterator[tuple[Any, ...]]:
+            yield from map(_index_row, self.conn.execute(
+                f"SELECT {columns} FROM worktree WHERE NOT ({text})"))
+
+        return itertools.chain(
+            self.conn.execute(f"SELECT {columns} FROM worktree WHERE {text}"),
+            blobs())
 
     def index_paths(self) -> Iterator[str]:
         """Every indexed path, streamed."""
