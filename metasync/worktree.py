@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from pyfastcdc import FastCDC
-
 from metasync.errors import UnsafeRepository, UsageError
 from metasync.fstraits import NAME_REFUSED, NameRefused
 from metasync.objects import Chunk, FileObject, ObjectHasher
@@ -270,6 +268,8 @@ class Chunker:
             if st.st_size <= CHUNK_MIN:
                 self._emit(fh.readall(), 0, chunks, sink)
             else:
+                from pyfastcdc import FastCDC  # not loaded by status (start-up time)
+
                 # FastCDC objects are not thread-safe; one per call is cheap.
                 cdc = FastCDC(CHUNK_AVG, min_size=CHUNK_MIN, max_size=CHUNK_MAX)
                 for piece in cdc.cut_stream(fh):
