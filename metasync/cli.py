@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -22,7 +23,6 @@ from metasync import watch_client
 from metasync.backends import public_uri
 from metasync.cli_common import (
     STATE,
-    LazyGroup,
     _add_global_options,
     _echo_json,
     _fail,
@@ -46,6 +46,58 @@ from metasync.watch_status import scan_answer
 
 if TYPE_CHECKING:  # loaded by gc and fsck only (start-up time)
     from metasync.maintenance.gc import TempSweep
+
+
+#: The commands defined in the ``cli_*`` modules, by name: the attribute of the module
+#: :func:`_command_module` imports. Each module is imported only when its command runs
+#: or is listed (``--help``): a command pays start-up time for its own module only.
+LAZY_COMMANDS = {
+    "auth": "auth", "daemon": "daemon", "log": "log", "key": "key", "gui": "gui",
+    "forget": "forget", "mount": "mount", "sparse": "sparse", "service": "service",
+    "add-folder": "add_folder", "remove-folder": "remove_folder", "folders": "folders",
+}
+
+
+def _command_module(name: str) -> ModuleType:
+    """The module defining command ``name`` of :data:`LAZY_COMMANDS`, imported."""
+    if name in ("auth", "daemon"):
+        import metasync.cli_daemon
+        return metasync.cli_daemon
+    if name == "log":
+        import metasync.cli_history
+        return metasync.cli_history
+    if name == "key":
+        import metasync.cli_keys
+        return metasync.cli_keys
+    if name == "gui":
+        import metasync.cli_gui
+        return metasync.cli_gui
+    if name == "forget":
+        import metasync.cli_forget
+        return metasync.cli_forget
+    if name == "mount":
+        import metasync.cli_mount
+        return metasync.cli_mount
+    if name == "sparse":
+        import metasync.cli_sparse
+        return metasync.cli_sparse
+    import metasync.cli_app
+    return metasync.cli_app
+
+
+class LazyGroup(click.Group):
+    """The ``metasync`` group: a command of :data:`LAZY_COMMANDS` is imported (and
+    given the global options) the first time it is looked up."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in LAZY_COMMANDS:
+            command = getattr(_command_module(cmd_name), LAZY_COMMANDS[cmd_name])
+            _add_global_options(command)
+            self.add_command(command, cmd_name)
+        return super().get_command(ctx, cmd_name)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]},

@@ -3,7 +3,6 @@ failures, progress reporters, the passphrase source and opening the repository."
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
@@ -217,38 +216,3 @@ def _add_global_options(command: click.Command) -> None:
             # ``metasync --json CMD`` as ``metasync CMD --json``: read when CMD's
             # arguments are parsed, after the group's options.
             param.default = lambda: STATE.json
-
-
-#: The commands defined in the ``cli_*`` modules, by name: (module, attribute). Each
-#: module is imported only when its command runs or is listed (``--help``): a
-#: command pays start-up time for its own module only.
-LAZY_COMMANDS = {
-    "auth": ("metasync.cli_daemon", "auth"),
-    "daemon": ("metasync.cli_daemon", "daemon"),
-    "log": ("metasync.cli_history", "log"),
-    "key": ("metasync.cli_keys", "key"),
-    "gui": ("metasync.cli_gui", "gui"),
-    "forget": ("metasync.cli_forget", "forget"),
-    "mount": ("metasync.cli_mount", "mount"),
-    "sparse": ("metasync.cli_sparse", "sparse"),
-    "service": ("metasync.cli_app", "service"),
-    "add-folder": ("metasync.cli_app", "add_folder"),
-    "remove-folder": ("metasync.cli_app", "remove_folder"),
-    "folders": ("metasync.cli_app", "folders"),
-}
-
-
-class LazyGroup(click.Group):
-    """The ``metasync`` group: a command of :data:`LAZY_COMMANDS` is imported (and
-    given the global options) the first time it is looked up."""
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*self.commands, *LAZY_COMMANDS})
-
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name not in self.commands and cmd_name in LAZY_COMMANDS:
-            module, attribute = LAZY_COMMANDS[cmd_name]
-            command = getattr(importlib.import_module(module), attribute)
-            _add_global_options(command)
-            self.add_command(command, cmd_name)
-        return super().get_command(ctx, cmd_name)

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from metasync.context import RepoContext
 from metasync.fstraits import FolderTraits, probe_traits
-from metasync.localdb import NOT_ON_DISK, OUTSIDE, IndexRow
+from metasync.localdb import NOT_ON_DISK, OUTSIDE, IndexRow, index_row
 from metasync.objects import FORMAT_VERSION, Tree, TreeEntry
 from metasync.selection import Selection, filter_scan
 from metasync.worktree import (
@@ -163,6 +163,9 @@ class Scanner:
             # row: path, type, ref, size, executable, mtime_ns, ino, hashed_at_ns;
             # e: path, type, size, mtime_ns, ino, executable, ...
             path = row[0]
+            if path.__class__ is not str or row[2].__class__ is not str:
+                row = index_row(row)  # a BLOB: a name (or link target) not in UTF-8
+                path = row[0]
             e = get(path)
             if not exec_bits and row[4]:
                 executable.add(path)
