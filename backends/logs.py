@@ -40,14 +40,12 @@ from __future__ import annotations
 
 import builtins
 import hashlib
-import random
 import re
 import secrets
 import struct
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol, TypeVar
 
@@ -550,6 +548,8 @@ def _read_all(get: Callable[[K], R], keys: builtins.list[K]) -> builtins.list[R]
     a long log costs a few round trips, not one per entry."""
     if len(keys) <= 1:
         return [get(k) for k in keys]
+    from concurrent.futures import ThreadPoolExecutor  # not loaded by status (start-up time)
+
     with ThreadPoolExecutor(min(FETCH_PARALLELISM, len(keys)), "metasync-fetch") as pool:
         return list(pool.map(get, keys))
 
@@ -567,4 +567,6 @@ def _block(ballot: Ballot, accepted: tuple[Ballot, bytes] | None) -> Block:
 def _contention_pause(round_number: int) -> None:
     # Randomized backoff so that competing attempts stop overtaking each other
     # (Disk Paxos is safe without it, but only makes progress once one runs alone).
+    import random
+
     time.sleep(random.uniform(0, min(0.5, 0.005 * 2**round_number)))

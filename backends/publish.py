@@ -23,14 +23,16 @@ such as exfat-fuse and fusefat, implement neither).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import os
 import secrets
 import stat
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # loaded on the first no-replace rename (start-up time)
+    import ctypes
 
 #: The primitives, in the order they are tried.
 LINK = "link"
@@ -76,6 +78,8 @@ _libc: ctypes.CDLL | None = None
 
 def _c_library() -> ctypes.CDLL:
     global _libc
+    import ctypes.util
+
     if _libc is None:
         _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     return _libc
@@ -102,6 +106,8 @@ def _rename_noreplace_call(source: str, target: str) -> None:
     if function is None:
         raise OSError(errno.ENOSYS, "no no-replace rename on this platform")
     if function(*args) != 0:
+        import ctypes
+
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), target)
 

@@ -14,17 +14,19 @@ import socket
 import sys
 import threading
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from metasync import watch_client
 from metasync.backends import public_uri
-from metasync.cli_app import APP_COMMANDS
 from metasync.cli_common import (
     STATE,
+    _add_global_options,
     _echo_json,
     _fail,
+    _global_options,
     _human,
     _open,
     _passphrase_source,
@@ -32,16 +34,8 @@ from metasync.cli_common import (
     _say,
     check_bwlimit_env,
     json_option,
-    set_bwlimit,
 )
-from metasync.cli_daemon import auth, daemon
-from metasync.cli_forget import forget
-from metasync.cli_gui import gui
-from metasync.cli_history import log
 from metasync.cli_install import completion, version_option
-from metasync.cli_keys import key
-from metasync.cli_mount import mount
-from metasync.cli_sparse import sparse
 from metasync.committer import problems_json
 from metasync.errors import Interrupted, MetasyncError, UsageError
 from metasync.names import display_path
@@ -54,57 +48,59 @@ if TYPE_CHECKING:  # loaded by gc and fsck only (start-up time)
     from metasync.maintenance.gc import TempSweep
 
 
-def _set_state(ctx: click.Context, param: click.Parameter, value: Any) -> None:
-    """Record a global option wherever it was given (before or after the subcommand)."""
-    if param.name == "timeout":
-        if value is not None:
-            os.environ["METASYNC_TIMEOUT"] = repr(value)
-    elif param.name == "bwlimit":
-        if value is not None:
-            set_bwlimit(value)
-    elif value:
-        setattr(STATE, str(param.name), True)
+#: The commands defined in the ``cli_*`` modules, by name: the attribute of the module
+#: :func:`_command_module` imports. Each module is imported only when its command runs
+#: or is listed (``--help``): a command pays start-up time for its own module only.
+LAZY_COMMANDS = {
+    "auth": "auth", "daemon": "daemon", "log": "log", "key": "key", "gui": "gui",
+    "forget": "forget", "mount": "mount", "sparse": "sparse", "service": "service",
+    "add-folder": "add_folder", "remove-folder": "remove_folder", "folders": "folders",
+}
 
 
-def _global_options() -> list[click.Option]:
-    """``--debug``, ``-q`` and ``--timeout``: taken by the group and by every command,
-    so ``metasync pull -q`` works as ``metasync -q pull`` does."""
-    return [
-        click.Option(["--debug"], is_flag=True, expose_value=False, callback=_set_state,
-                     help="Show tracebacks on errors."),
-        click.Option(["-q", "--quiet"], is_flag=True, expose_value=False, callback=_set_state,
-                     help="Print nothing but errors."),
-        click.Option(["--timeout"], type=click.FloatRange(min=0, min_open=True), default=None,
-                     metavar="SECONDS", expose_value=False, callback=_set_state,
-                     help="Longest wait for any backend's answer (each connect, read, "
-                          "handshake, and a request's retries) and for backends to agree "
-                          "(default 30; also METASYNC_TIMEOUT)."),
-        click.Option(["--bwlimit"], default=None, metavar="RATE", expose_value=False,
-                     callback=_set_state,
-                     help="Limit the bytes sent to and read from backends by this process, "
-                          "e.g. 2M (MiB/s both ways), 10M:2M (up:down), off, or a "
-                          "timetable \"08:00,512k 19:00,10M 23:00,off\" (also "
-                          "METASYNC_BWLIMIT; see docs/bwlimit.md)."),
-    ]
+def _command_module(name: str) -> ModuleType:
+    """The module defining command ``name`` of :data:`LAZY_COMMANDS`, imported."""
+    if name in ("auth", "daemon"):
+        import metasync.cli_daemon
+        return metasync.cli_daemon
+    if name == "log":
+        import metasync.cli_history
+        return metasync.cli_history
+    if name == "key":
+        import metasync.cli_keys
+        return metasync.cli_keys
+    if name == "gui":
+        import metasync.cli_gui
+        return metasync.cli_gui
+    if name == "forget":
+        import metasync.cli_forget
+        return metasync.cli_forget
+    if name == "mount":
+        import metasync.cli_mount
+        return metasync.cli_mount
+    if name == "sparse":
+        import metasync.cli_sparse
+        return metasync.cli_sparse
+    import metasync.cli_app
+    return metasync.cli_app
 
 
-def _add_global_options(command: click.Command) -> None:
-    """Give every command under ``command`` the global options it lacks."""
-    if isinstance(command, click.Group):
-        for sub in command.commands.values():
-            _add_global_options(sub)
-        if not command.invoke_without_command:
-            return  # a group that also runs alone (daemon, service) takes them too
-    taken = {opt for p in command.params for opt in p.opts}
-    command.params += [o for o in _global_options() if not taken & set(o.opts)]
-    for param in command.params:
-        if "--json" in param.opts:
-            # ``metasync --json CMD`` as ``metasync CMD --json``: read when CMD's
-            # arguments are parsed, after the group's options.
-            param.default = lambda: STATE.json
+class LazyGroup(click.Group):
+    """The ``metasync`` group: a command of :data:`LAZY_COMMANDS` is imported (and
+    given the global options) the first time it is looked up."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in LAZY_COMMANDS:
+            command = getattr(_command_module(cmd_name), LAZY_COMMANDS[cmd_name])
+            _add_global_options(command)
+            self.add_command(command, cmd_name)
+        return super().get_command(ctx, cmd_name)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]},
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]},
              params=_global_options())
 @click.option("--json", "as_json", is_flag=True,
               help="Machine-readable output from commands that have it (as their --json).")
@@ -681,9 +677,8 @@ def share(email: str) -> None:
                    err=True)
 
 
-for _command in (auth, log, daemon, key, completion, gui, forget, mount, sparse, *APP_COMMANDS):
-    cli.add_command(_command)
-_add_global_options(cli)
+cli.add_command(completion)
+_add_global_options(cli)  # those of LAZY_COMMANDS get them as they load
 
 
 _QUIT = threading.Lock()

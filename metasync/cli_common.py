@@ -166,3 +166,53 @@ def _echo_json(doc: Any) -> None:
     :func:`metasync.names.parse_display_path` turns back into the bytes: no lone
     surrogate is ever emitted."""
     click.echo(json.dumps(text_only(doc), indent=2))
+
+
+def _set_state(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    """Record a global option wherever it was given (before or after the subcommand)."""
+    if param.name == "timeout":
+        if value is not None:
+            os.environ["METASYNC_TIMEOUT"] = repr(value)
+    elif param.name == "bwlimit":
+        if value is not None:
+            set_bwlimit(value)
+    elif value:
+        setattr(STATE, str(param.name), True)
+
+
+def _global_options() -> list[click.Option]:
+    """``--debug``, ``-q`` and ``--timeout``: taken by the group and by every command,
+    so ``metasync pull -q`` works as ``metasync -q pull`` does."""
+    return [
+        click.Option(["--debug"], is_flag=True, expose_value=False, callback=_set_state,
+                     help="Show tracebacks on errors."),
+        click.Option(["-q", "--quiet"], is_flag=True, expose_value=False, callback=_set_state,
+                     help="Print nothing but errors."),
+        click.Option(["--timeout"], type=click.FloatRange(min=0, min_open=True), default=None,
+                     metavar="SECONDS", expose_value=False, callback=_set_state,
+                     help="Longest wait for any backend's answer (each connect, read, "
+                          "handshake, and a request's retries) and for backends to agree "
+                          "(default 30; also METASYNC_TIMEOUT)."),
+        click.Option(["--bwlimit"], default=None, metavar="RATE", expose_value=False,
+                     callback=_set_state,
+                     help="Limit the bytes sent to and read from backends by this process, "
+                          "e.g. 2M (MiB/s both ways), 10M:2M (up:down), off, or a "
+                          "timetable \"08:00,512k 19:00,10M 23:00,off\" (also "
+                          "METASYNC_BWLIMIT; see docs/bwlimit.md)."),
+    ]
+
+
+def _add_global_options(command: click.Command) -> None:
+    """Give every command under ``command`` the global options it lacks."""
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            _add_global_options(sub)
+        if not command.invoke_without_command:
+            return  # a group that also runs alone (daemon, service) takes them too
+    taken = {opt for p in command.params for opt in p.opts}
+    command.params += [o for o in _global_options() if not taken & set(o.opts)]
+    for param in command.params:
+        if "--json" in param.opts:
+            # ``metasync --json CMD`` as ``metasync CMD --json``: read when CMD's
+            # arguments are parsed, after the group's options.
+            param.default = lambda: STATE.json

@@ -100,7 +100,7 @@ class IndexRow(NamedTuple):
 _make_row = IndexRow._make
 
 
-def _index_row(r: tuple[Any, ...]) -> IndexRow:
+def index_row(r: tuple[Any, ...]) -> IndexRow:
     """An index row from its stored columns (a BLOB path or ref: a name or a link
     target not in UTF-8)."""
     if isinstance(r[0], str) and isinstance(r[2], str):
@@ -205,7 +205,7 @@ class LocalDB:
         cur = self.conn.execute(
             "SELECT path, type, ref, size, executable, mtime_ns, ino, hashed_at_ns FROM worktree"
         )
-        return {row.path: row for row in map(_index_row, cur)}
+        return {row.path: row for row in map(index_row, cur)}
 
     def iter_index_rows(self) -> Iterator[IndexRow]:
         """Every index row, streamed (for trees too large to hold the index twice).
@@ -213,7 +213,15 @@ class LocalDB:
         cur = self.conn.execute(
             "SELECT path, type, ref, size, executable, mtime_ns, ino, hashed_at_ns FROM worktree"
         )
-        return map(_index_row, cur)
+        return map(index_row, cur)
+
+    def iter_index_tuples(self) -> Iterator[tuple[Any, ...]]:
+        """Every index row as SQLite gives it, streamed: a plain tuple in
+        :class:`IndexRow`'s field order, no object made per row (a no-change
+        ``status`` reads one per file). A path or ref stored as a BLOB (a name not
+        in UTF-8) comes as bytes: :func:`index_row` decodes such a row."""
+        return iter(self.conn.execute(
+            "SELECT path, type, ref, size, executable, mtime_ns, ino, hashed_at_ns FROM worktree"))
 
     def index_paths(self) -> Iterator[str]:
         """Every indexed path, streamed."""

@@ -4,8 +4,9 @@ tests). Every other module calls these instead of ``fcntl``, ``os.kill(pid, 0)``
 or ``signal.SIGKILL``, so it imports and type-checks on every platform
 (``mypy --platform win32`` / ``darwin`` in ``bin/test``).
 
-Locks come from portalocker: ``flock`` on Linux and macOS, ``msvcrt.locking`` on
-Windows. Both are released when the descriptor is closed or the process dies
+Locks are ``flock`` on Linux and macOS (called directly: importing portalocker
+reads every installed package's metadata, ~0.1 s of each command's start-up) and
+portalocker's ``msvcrt.locking`` on Windows. Both are released when the descriptor is closed or the process dies
 (however it dies), and both refuse a second open file of the same path, even in
 the same process. One difference callers must respect: a Windows lock is
 mandatory -- while it is held no other handle can read or write the locked bytes
@@ -19,45 +20,65 @@ import os
 import sys
 from typing import NoReturn
 
-import portalocker
+if sys.platform == "win32":
+    def _as_os_error(exc: Exception) -> OSError:
+        """A lock failure that is not contention (a filesystem without locks), as the
+        OSError ``fcntl`` gives, so callers keep handling OSError."""
+        cause = exc.__cause__
+        if isinstance(cause, OSError):
+            return cause
+        return OSError(errno.ENOLCK, f"cannot lock: {exc}")
 
+    def try_lock(fd: int) -> bool:
+        """Take an exclusive lock on the open file ``fd`` without waiting. True: taken,
+        held until ``fd`` is closed. False: another open file of it holds the lock.
+        Raises OSError if the filesystem cannot lock at all."""
+        import portalocker
 
-def _as_os_error(exc: portalocker.exceptions.LockException) -> OSError:
-    """A lock failure that is not contention (a filesystem without locks), as the
-    OSError ``fcntl`` gave, so callers keep handling OSError."""
-    cause = exc.__cause__
-    if isinstance(cause, OSError):
-        return cause
-    return OSError(errno.ENOLCK, f"cannot lock: {exc}")
-
-
-def try_lock(fd: int) -> bool:
-    """Take an exclusive lock on the open file ``fd`` without waiting. True: taken,
-    held until ``fd`` is closed. False: another open file of it holds the lock.
-    Raises OSError if the filesystem cannot lock at all."""
-    try:
-        portalocker.lock(fd, portalocker.LockFlags.EXCLUSIVE | portalocker.LockFlags.NON_BLOCKING)
-    except portalocker.exceptions.AlreadyLocked:
-        return False
-    except portalocker.exceptions.LockException as exc:
-        raise _as_os_error(exc) from exc
-    return True
-
-
-def lock(fd: int) -> None:
-    """Take an exclusive lock on the open file ``fd``, waiting as long as another
-    holds it; held until ``fd`` is closed. Raises OSError if the filesystem cannot
-    lock at all."""
-    while True:
         try:
-            portalocker.lock(fd, portalocker.LockFlags.EXCLUSIVE)
-            return
+            portalocker.lock(fd, portalocker.LockFlags.EXCLUSIVE | portalocker.LockFlags.NON_BLOCKING)
         except portalocker.exceptions.AlreadyLocked:
-            # Only Windows: msvcrt's waiting lock gives up after ten tries a second
-            # apart. flock waits for good, and so does this.
-            continue
+            return False
         except portalocker.exceptions.LockException as exc:
             raise _as_os_error(exc) from exc
+        return True
+
+    def lock(fd: int) -> None:
+        """Take an exclusive lock on the open file ``fd``, waiting as long as another
+        holds it; held until ``fd`` is closed. Raises OSError if the filesystem cannot
+        lock at all."""
+        import portalocker
+
+        while True:
+            try:
+                portalocker.lock(fd, portalocker.LockFlags.EXCLUSIVE)
+                return
+            except portalocker.exceptions.AlreadyLocked:
+                # msvcrt's waiting lock gives up after ten tries a second apart;
+                # this waits for good, as flock does.
+                continue
+            except portalocker.exceptions.LockException as exc:
+                raise _as_os_error(exc) from exc
+else:
+    import fcntl
+
+    def try_lock(fd: int) -> bool:
+        """Take an exclusive lock on the open file ``fd`` without waiting. True: taken,
+        held until ``fd`` is closed. False: another open file of it holds the lock.
+        Raises OSError if the filesystem cannot lock at all."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                return False
+            raise
+        return True
+
+    def lock(fd: int) -> None:
+        """Take an exclusive lock on the open file ``fd``, waiting as long as another
+        holds it; held until ``fd`` is closed. Raises OSError if the filesystem cannot
+        lock at all."""
+        fcntl.flock(fd, fcntl.LOCK_EX)  # retried on EINTR by Python (PEP 475)
 
 
 #: open() flags that exist only on POSIX, as 0 where they do not: on Windows no

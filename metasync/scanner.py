@@ -19,11 +19,11 @@ from collections import deque
 from collections.abc import Callable, Container, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from metasync.context import RepoContext
 from metasync.fstraits import FolderTraits, probe_traits
-from metasync.localdb import NOT_ON_DISK, OUTSIDE, IndexRow
+from metasync.localdb import NOT_ON_DISK, OUTSIDE, IndexRow, index_row
 from metasync.objects import FORMAT_VERSION, Tree, TreeEntry
 from metasync.selection import Selection, filter_scan
 from metasync.worktree import (
@@ -139,8 +139,10 @@ class Scanner:
         executable: set[str] = set()
         missing: list[IndexRow] = []  # rows of names not found, not ASCII
 
-        def rows(found: dict[str, ScanEntry]) -> Iterator[IndexRow]:
-            yield from db.iter_index_rows()
+        def rows(found: dict[str, ScanEntry]) -> Iterator[tuple[Any, ...]]:
+            # Plain tuples in IndexRow's field order (no object per row): this loop
+            # runs once per file of every status.
+            yield from db.iter_index_tuples()
             # Then those of indexed names found in another Unicode form (all rows
             # are read by now, so ``missing`` is complete).
             if missing:
@@ -156,33 +158,41 @@ class Scanner:
         kinds = {"file": "file", "chunked": "chunked"}  # one str object per kind
         not_on_disk: list[IndexRow] = []
         outside: list[IndexRow] = []
+        get = entries.get
         for row in rows(entries):
-            e = entries.get(row.path)
-            if not exec_bits and row.executable:
-                executable.add(row.path)
-            if e is None and row.mtime_ns == NOT_ON_DISK:
-                not_on_disk.append(row)
-            elif e is None and (row.mtime_ns == OUTSIDE or (
-                    selection.active and not selection.selects(row.path, row.type == "dir"))):
-                # Outside the selection, whatever its row says: never taken for deleted.
-                outside.append(row)
-            elif e is None and not row.path.isascii():
-                missing.append(row)
-            if e is None or e.type != "file":
+            # row: path, type, ref, size, executable, mtime_ns, ino, hashed_at_ns;
+            # e: path, type, size, mtime_ns, ino, executable, ...
+            path = row[0]
+            if path.__class__ is not str or row[2].__class__ is not str:
+                row = index_row(row)  # a BLOB: a name (or link target) not in UTF-8
+                path = row[0]
+            e = get(path)
+            if not exec_bits and row[4]:
+                executable.add(path)
+            if e is None:
+                mtime_ns = row[5]
+                if mtime_ns == NOT_ON_DISK:
+                    not_on_disk.append(IndexRow._make(row))
+                elif mtime_ns == OUTSIDE or (
+                        selection.active and not selection.selects(path, row[1] == "dir")):
+                    # Outside the selection, whatever its row says: never taken for deleted.
+                    outside.append(IndexRow._make(row))
+                elif not path.isascii():
+                    missing.append(IndexRow._make(row))
                 continue
             if (
-                row.size == e.size
-                and row.mtime_ns == e.mtime_ns
-                and row.ino == e.ino
-                and row.mtime_ns + RACY_NS < row.hashed_at_ns
+                e[1] == "file"
+                and row[3] == e[2]
+                and row[5] == e[3]
+                and row[6] == e[4]
+                and row[5] + RACY_NS < row[7]
                 # `status` caches hashes without storing content: a commit must
                 # read a file again unless its content is in some pack.
-                and (sink is None or db.is_located(row.ref))
+                and (sink is None or db.is_located(row[2]))
             ):
-                name = e.path.rpartition("/")[2]
-                kind = kinds.get(row.type, row.type)
-                files[e.path] = TreeEntry(name, kind, row.ref, e.size,  # type: ignore[arg-type]
-                                          e.executable if exec_bits else row.executable)
+                kind = kinds.get(row[1], row[1])
+                files[path] = TreeEntry(path.rpartition("/")[2], kind, row[2], e[2],
+                                        e[5] if exec_bits else row[4])
         for path, e in entries.items():
             if e.type == "dir":
                 result.dirs.add(path)

@@ -42,17 +42,18 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-from urllib.request import pathname2url
+from typing import TYPE_CHECKING, Any
 
 from metasync.committer import Status
 from metasync.errors import FolderBusy, MetasyncError
-from metasync.history import Standing
 from metasync.names import display_path, text_only
 from metasync.progress import NullReporter
 from metasync.repository import Repository
 from metasync.watch_client import PROTOCOL, SOCKET_NAME, peer_uid, socket_address
 from metasync.worktree import META_DIR
+
+if TYPE_CHECKING:  # loaded by the online standing only (start-up time)
+    from metasync.history import Standing
 
 #: Cookie files in ``.metasync`` that mark a point in the event stream.
 COOKIE_PREFIX = "status-cookie-"
@@ -248,6 +249,8 @@ class StatusServer:
         if self._db is None or self._db_id[:2] != file_id:
             if self._db is not None:
                 self._db.close()
+            from urllib.request import pathname2url  # the daemon's only (start-up time)
+
             uri = f"file:{pathname2url(str(path))}?mode=ro"
             self._db = sqlite3.connect(uri, uri=True, check_same_thread=False)
             self._db_id = (*file_id, next(self._serial))

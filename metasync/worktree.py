@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from pyfastcdc import FastCDC
-
 from metasync.errors import UnsafeRepository, UsageError
 from metasync.fstraits import NAME_REFUSED, NameRefused
 from metasync.objects import Chunk, FileObject, ObjectHasher
@@ -162,10 +160,18 @@ def scan(root: Path, ignore: IgnoreRules | None = None,
     """Every file, folder and link under ``root`` (not following links), except
     what ``ignore`` excludes. Folders and files this process may not read, and
     special files, are left out and listed in ``problems`` (a folder it cannot
-    list or enter is itself in the result, its contents are not)."""
+    list or enter is itself in the result, its contents are not).
+
+    One ``lstat`` per path (from ``scandir``) and nothing else for a regular file
+    its owner may read: this loop is most of a no-change ``status``."""
     found: dict[str, ScanEntry] = {}
     problems = problems if problems is not None else ScanProblems()
     check = _ReadCheck()
+    uid = -1 if check.uid is None else check.uid  # -1: no st_uid is it (Windows asks)
+    everything = check.uid == 0  # root reads every file
+    new = tuple.__new__  # a ScanEntry without its Python-level __new__
+    s_ifmt, s_ifreg, s_ifdir, s_iflnk = 0o170000, stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK
+    s_irusr, s_ixusr = stat.S_IRUSR, stat.S_IXUSR
     stack: list[tuple[str, str]] = [(str(root), "")]
     while stack:
         abs_dir, rel_dir = stack.pop()
@@ -178,11 +184,13 @@ def scan(root: Path, ignore: IgnoreRules | None = None,
                 raise
             problems.unreadable.append(Unsynced(rel_dir, exc.strerror or str(exc), True))
             continue
+        prefix = f"{rel_dir}/" if rel_dir else ""
         with it:
             for de in it:
-                if is_ignored(de.name):
+                name = de.name
+                if name.startswith(META_DIR) and is_ignored(name):  # TEMP_PREFIX too
                     continue
-                rel = f"{rel_dir}/{de.name}" if rel_dir else de.name
+                rel = prefix + name
                 try:
                     st = de.stat(follow_symlinks=False)
                 except FileNotFoundError:
@@ -193,31 +201,32 @@ def scan(root: Path, ignore: IgnoreRules | None = None,
                     # Listed but not entered (no search permission): nothing in
                     # it can be read; the folder is what cannot be read.
                     inside = rel_dir + "/"
-                    for name in [k for k in found if k.startswith(inside)]:
-                        del found[name]
+                    for gone in [k for k in found if k.startswith(inside)]:
+                        del found[gone]
                     stack = [(a, r) for a, r in stack if not r.startswith(inside)]
                     problems.unreadable.append(Unsynced(rel_dir, exc.strerror or str(exc), True))
                     break
                 mode = st.st_mode
-                if ignore is not None and ignore.ignores(rel, stat.S_ISDIR(mode)):
+                kind = mode & s_ifmt
+                if ignore is not None and ignore.ignores(rel, kind == s_ifdir):
                     continue
-                if stat.S_ISLNK(mode):
+                if kind == s_ifreg:
+                    if not (everything or (st.st_uid == uid and mode & s_irusr)) and \
+                            check.denied(de.path, st):
+                        problems.unreadable.append(Unsynced(rel, os.strerror(errno.EACCES)))
+                        continue
+                    found[rel] = new(ScanEntry, (rel, "file", st.st_size, st.st_mtime_ns,
+                                                 st.st_ino, bool(mode & s_ixusr), "", ""))
+                elif kind == s_ifdir:
+                    found[rel] = ScanEntry(rel, "dir", 0, st.st_mtime_ns, st.st_ino, False)
+                    stack.append((de.path, rel))
+                elif kind == s_iflnk:
                     target = os.readlink(de.path)
                     size = len(os.fsencode(target))
                     found[rel] = ScanEntry(rel, "link", size, st.st_mtime_ns, st.st_ino, False, target)
-                elif stat.S_ISDIR(mode):
-                    found[rel] = ScanEntry(rel, "dir", 0, st.st_mtime_ns, st.st_ino, False)
-                    stack.append((de.path, rel))
-                elif stat.S_ISREG(mode):
-                    if check.denied(de.path, st):
-                        problems.unreadable.append(Unsynced(rel, os.strerror(errno.EACCES)))
-                        continue
-                    found[rel] = ScanEntry(
-                        rel, "file", st.st_size, st.st_mtime_ns, st.st_ino, bool(mode & stat.S_IXUSR)
-                    )
                 else:  # no content to sync (and opening a FIFO would block)
-                    kind = _SPECIAL_KINDS.get(stat.S_IFMT(mode), "a special file")
-                    problems.special.append(Unsynced(rel, kind))
+                    special = _SPECIAL_KINDS.get(kind, "a special file")
+                    problems.special.append(Unsynced(rel, special))
     return found
 
 
@@ -259,6 +268,8 @@ class Chunker:
             if st.st_size <= CHUNK_MIN:
                 self._emit(fh.readall(), 0, chunks, sink)
             else:
+                from pyfastcdc import FastCDC  # not loaded by status (start-up time)
+
                 # FastCDC objects are not thread-safe; one per call is cheap.
                 cdc = FastCDC(CHUNK_AVG, min_size=CHUNK_MIN, max_size=CHUNK_MAX)
                 for piece in cdc.cut_stream(fh):
