@@ -24,12 +24,12 @@ import os
 import stat
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from itertools import chain
 from pathlib import Path
 
-from metasync.context import RepoContext
+from metasync.context import RepoContext, daemon_running
 from metasync.errors import ObjectUnavailable
 from metasync.faults import crash_point
 from metasync.filewriter import FileWriter
@@ -52,8 +52,9 @@ from metasync.portable import sync_all
 from metasync.progress import Reporter
 from metasync.scanner import Scanner, ScanResult, name_clashes
 from metasync.selection import Selection, drop_selected_rows
-from metasync.state import LocalState
+from metasync.state import LocalState, PendingCheckout
 from metasync.worktree import (
+    META_DIR,
     Folders,
     InTheWay,
     ScanEntry,
@@ -72,9 +73,9 @@ JOB_FILES = 400
 
 #: A file to write: its path, its tree entry, and its content as (blob id, length).
 WritePlan = tuple[str, TreeEntry, list[tuple[str, int]]]
-#: A written temporary file: its plan, its name (in the plan's folder), and its stat
-#: (None for a link).
-WrittenTemp = tuple[WritePlan, str, "os.stat_result | None"]
+#: A written temporary file: its plan, its name in the plan's folder (None: written
+#: in place, at the plan's own name), and its stat (None for a link).
+WrittenTemp = tuple[WritePlan, "str | None", "os.stat_result | None"]
 
 
 @dataclass
@@ -214,6 +215,8 @@ class Checkout:
         self._selection = Selection()
         self._outside_kept: set[str] = set()
         self._outside_rows: list[IndexRow] = []
+        #: The current checkout writes new files at their own names (:meth:`_writes_in_place`).
+        self._in_place = False
 
     # ---------------------------------------------------------------- pending checkouts
     def resume(self) -> PullResult | None:
@@ -239,7 +242,7 @@ class Checkout:
         if head is not None:
             self.graph.load_indexes(head)
         self.run(self.graph.flatten(pending.from_tree), self.graph.flatten(pending.to_tree),
-                 result, pending.moves)
+                 result, pending.moves, pending)
         crash_point("checkout:done")
         db = self.ctx.db
         with state.transaction():
@@ -256,15 +259,38 @@ class Checkout:
         remote: dict[str, TreeEntry],
         result: PullResult,
         moves: dict[str, str],
+        pending: PendingCheckout | None = None,
     ) -> None:
         """Three-way between ``base`` (what the folder was), the folder, and ``remote``.
         ``moves`` maps new paths to paths whose current content they take (a merge's
         conflict copies of local versions): renamed locally instead of downloaded.
+        ``pending``: the recorded checkout this is (:meth:`run_pending`), which may
+        write in place (:meth:`_writes_in_place`).
         """
         self._refused = RefusedNames(self.ctx.reporter, result, self.scanner.traits)
+        self._in_place = pending is not None and self._writes_in_place(pending, base)
         with Folders(self.root) as folders:
             self._folders = folders
             self._run(base, remote, result, moves)
+
+    def _writes_in_place(self, pending: PendingCheckout, base: dict[str, TreeEntry]) -> bool:
+        """True if the pending checkout writes files at their own names, once: it did
+        so before a crash, or it starts from nothing into a folder that holds nothing
+        but ``.metasync`` and no daemon watches (a fresh clone: nothing there to
+        protect, and no one looking). Recorded before anything is written, so that
+        after a crash the files it left part-written are written again, not kept as
+        conflict copies (docs/design.md, "Writing the folder")."""
+        if pending.in_place:
+            return True
+        if base or daemon_running(self.root):
+            return False
+        with os.scandir(self.root) as entries:
+            if any(e.name != META_DIR for e in entries):
+                return False
+        state = self.ctx.state
+        with state.transaction():
+            state.checkout_pending = replace(pending, in_place=True)
+        return True
 
     def _run(
         self,
@@ -462,6 +488,8 @@ class Checkout:
                     pending = []
             rows += self._install(pending, stamp, result)
             pending = []
+            if self._in_place:
+                sync_all()  # what was written in place is on disk before its rows say so
         except BaseException:
             for fut in futures:  # leave no temporary file behind
                 fut.cancel()
@@ -479,7 +507,8 @@ class Checkout:
         """Flush a batch of written temporary files once, then rename each into place."""
         if not pending:
             return []
-        sync_all()  # one flush for the batch instead of an fsync per file
+        if any(tmp is not None for _, tmp, _ in pending):
+            sync_all()  # one flush for the batch instead of an fsync per file
         written_at = time.time_ns()
         folders = self._folders
 
@@ -487,6 +516,7 @@ class Checkout:
             """Rename into a free or unchanged place; False leaves it to the slow path,
             None: this file system refused the name (the temporary file is removed)."""
             (path, entry, _), tmp, _ = item
+            assert tmp is not None  # written in place: never renamed
             name = self._on_disk(path).rpartition("/")[2]
             if fd is None:
                 return False
@@ -510,6 +540,9 @@ class Checkout:
         done: list[bool | None] = []
         with folders.cursor() as cursor:
             for item in pending:
+                if item[1] is None:
+                    done.append(True)  # written in place: nothing to rename
+                    continue
                 done.append(fast(item, cursor.at(self._on_disk(item[0][0]).rpartition("/")[0])))
                 crash_point("checkout:rename")
         rows: list[IndexRow] = []
@@ -517,6 +550,7 @@ class Checkout:
             if ok is None:
                 continue
             if not ok:
+                assert tmp is not None  # only a temporary file is ever left to this
                 try:
                     self._install_slow(path, tmp, stamp, result)
                 except OSError as exc:
@@ -561,9 +595,22 @@ class Checkout:
             with self._folders.cursor(aside) as cursor:
                 for plan in job:
                     path, entry, chunks = plan
-                    fd = cursor.at(self._on_disk(path).rpartition("/")[0])
+                    parent, _, name = self._on_disk(path).rpartition("/")
+                    fd = cursor.at(parent)
                     assert fd is not None  # made, never None
                     try:
+                        if self._in_place and path not in self._seen:
+                            try:  # nothing there at the scan: written once, in place
+                                done.append((plan, None, self.writer.write_new(
+                                    fd, name, entry, chunks, prefetched)))
+                                crash_point("checkout:write")
+                                continue
+                            except OSError as exc:
+                                if cannot_write(entry.type, exc) is not None:
+                                    raise
+                                # Made since the scan, or a name this file system may
+                                # refuse (exfat-fuse says ENOENT): written aside and
+                                # installed as any other, whose rename tells which.
                         done.append((plan, *self.writer.write_temp(fd, entry, chunks, prefetched)))
                     except OSError as exc:
                         self._refused.failed(path, entry, exc)
@@ -636,7 +683,10 @@ def plan(
             co.ctx.reporter.note(f"kept {display_path(path)}: deleted remotely but changed here")
         else:
             # Not on disk (an index row): nothing to keep; another name may answer.
-            if (loc is not None and loc.type != "dir"
+            # A file a fresh clone wrote in place before a crash is its own, part-
+            # written: written again, not kept (:meth:`Checkout._writes_in_place`).
+            ours = co._in_place and b is None and loc is not None and loc.type == "file"
+            if (loc is not None and loc.type != "dir" and not ours
                     and (path in co._seen or loc.ref == UNREAD_REF)):
                 copy = co._conflict_copy(path, stamp)
                 if copy is not None:
@@ -699,8 +749,11 @@ def replace_name(fd: int, tmp: str, name: str) -> None:
         raise
 
 
-def _drop_temp(folders: Folders, path: str, tmp: str) -> None:
-    """Remove the temporary file ``tmp`` written for ``path``, if it is still there."""
+def _drop_temp(folders: Folders, path: str, tmp: str | None) -> None:
+    """Remove the temporary file ``tmp`` written for ``path``, if it is still there
+    (None: the file was written in place, and stays)."""
+    if tmp is None:
+        return
     with folders.opened(path.rpartition("/")[0]) as fd:
         if fd is not None:
             try:
