@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from itertools import chain
 from pathlib import Path
+from typing import NamedTuple
 
 from metasync.context import RepoContext, daemon_running
 from metasync.errors import ObjectUnavailable
@@ -47,7 +48,7 @@ from metasync.fstraits import (
 from metasync.graph import ObjectGraph
 from metasync.localdb import NOT_ON_DISK, OUTSIDE, IndexRow
 from metasync.names import display_path
-from metasync.objects import TreeEntry, Version, same_entry
+from metasync.objects import PackEntry, TreeEntry, Version, same_entry
 from metasync.portable import sync_all
 from metasync.progress import Reporter
 from metasync.scanner import Scanner, ScanResult, name_clashes
@@ -68,14 +69,33 @@ from metasync.worktree import (
 UNREAD_REF = "unreadable"
 #: Files written by a checkout are flushed and renamed in batches of this many.
 WRITE_BATCH = 2000
-#: Small files of one pack written by one worker task.
+#: Small files of one pack written by one worker task: at most this many, and at
+#: most :data:`JOB_BYTES` of content, which the task holds in memory at once (so a
+#: clone's memory is bounded by the workers' jobs in flight, not by the tree).
 JOB_FILES = 400
+JOB_BYTES = 1024 * 1024
 
 #: A file to write: its path, its tree entry, and its content as (blob id, length).
 WritePlan = tuple[str, TreeEntry, list[tuple[str, int]]]
+#: One worker task: files to write, and where the blobs of those that are one blob
+#: each are in a pack (read together) -- None: each file reads its own chunks.
+WriteJob = tuple[list[WritePlan], "tuple[str, list[PackEntry]] | None"]
 #: A written temporary file: its plan, its name in the plan's folder (None: written
 #: in place, at the plan's own name), and its stat (None for a link).
-WrittenTemp = tuple[WritePlan, "str | None", "os.stat_result | None"]
+WrittenTemp = tuple[WritePlan, "str | None", "FileStat | None"]
+
+
+class FileStat(NamedTuple):
+    """What a checkout keeps of a written file's stat until its index row is made (a
+    ``stat_result`` is ten times the size, times every file of a clone)."""
+
+    size: int
+    mtime_ns: int
+    ino: int
+
+    @classmethod
+    def of(cls, st: os.stat_result | None) -> FileStat | None:
+        return None if st is None else cls(st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 @dataclass
@@ -430,8 +450,8 @@ class Checkout:
         """
         aside = self._in_the_way(stamp, result)
         ensured: set[str] = set()
-        by_pack: dict[str, list[tuple[int, WritePlan]]] = {}
-        jobs: list[list[WritePlan]] = []
+        by_pack: dict[str, list[tuple[PackEntry, WritePlan]]] = {}
+        jobs: list[WriteJob] = []
         links: list[WritePlan] = []
         total = 0
         db = self.ctx.db
@@ -462,18 +482,17 @@ class Checkout:
                 if loc is None:
                     raise ObjectUnavailable(f"object {entry.ref[:12]} is in no known pack")
                 by_pack.setdefault(loc[0], []).append(
-                    (loc[1].offset, (path, entry, [(entry.ref, entry.size)])))
+                    (loc[1], (path, entry, [(entry.ref, entry.size)])))
             else:
-                jobs.append([(path, entry, self.graph.file_chunks(entry))])
-        for placed in by_pack.values():
+                jobs.append(([(path, entry, self.graph.file_chunks(entry))], None))
+        for pack_id, placed in by_pack.items():
             # In pack order: each job's blobs are then neighbours, so its coalesced
             # range reads cover only them (in path order they are scattered over the
             # pack, and every job would read most of it).
-            placed.sort(key=lambda item: item[0])
-            plans = [plan for _, plan in placed]
-            jobs.extend(plans[k : k + JOB_FILES] for k in range(0, len(plans), JOB_FILES))
+            placed.sort(key=lambda item: item[0].offset)
+            jobs.extend(pack_jobs(pack_id, placed))
         if links:
-            jobs.append(links)
+            jobs.append((links, None))
 
         rows: list[IndexRow] = []
         pending: list[WrittenTemp] = []
@@ -561,8 +580,8 @@ class Checkout:
                     continue
             result.written += 1
             if st is not None:  # renaming keeps the inode and mtime of the temporary file
-                rows.append(IndexRow(path, entry.type, entry.ref, st.st_size,
-                                     entry.executable, st.st_mtime_ns, st.st_ino, written_at))
+                rows.append(IndexRow(path, entry.type, entry.ref, st.size,
+                                     entry.executable, st.mtime_ns, st.ino, written_at))
         return rows
 
     def _install_slow(self, path: str, tmp: str, stamp: str, result: PullResult) -> None:
@@ -585,15 +604,14 @@ class Checkout:
                                        f"kept as {display_path(copy)}")
             replace_name(fd, tmp, name)
 
-    def _write_job(self, job: list[WritePlan], aside: InTheWay) -> list[WrittenTemp]:
-        """Write the temporary files of one job (runs in a worker thread)."""
-        prefetched: dict[str, bytes] | None = None
-        if len(job) > 1 and all(len(chunks) == 1 for _, _, chunks in job):
-            prefetched = self.graph.read_blobs([chunks[0] for _, _, chunks in job])
+    def _write_job(self, job: WriteJob, aside: InTheWay) -> list[WrittenTemp]:
+        """Write the files of one job (runs in a worker thread)."""
+        plans, located = job
+        prefetched = self.graph.read_located(*located) if located is not None else None
         done: list[WrittenTemp] = []
         try:
             with self._folders.cursor(aside) as cursor:
-                for plan in job:
+                for plan in plans:
                     path, entry, chunks = plan
                     parent, _, name = self._on_disk(path).rpartition("/")
                     fd = cursor.at(parent)
@@ -601,8 +619,8 @@ class Checkout:
                     try:
                         if self._in_place and path not in self._seen:
                             try:  # nothing there at the scan: written once, in place
-                                done.append((plan, None, self.writer.write_new(
-                                    fd, name, entry, chunks, prefetched)))
+                                done.append((plan, None, FileStat.of(self.writer.write_new(
+                                    fd, name, entry, chunks, prefetched))))
                                 crash_point("checkout:write")
                                 continue
                             except OSError as exc:
@@ -611,7 +629,8 @@ class Checkout:
                                 # Made since the scan, or a name this file system may
                                 # refuse (exfat-fuse says ENOENT): written aside and
                                 # installed as any other, whose rename tells which.
-                        done.append((plan, *self.writer.write_temp(fd, entry, chunks, prefetched)))
+                        tmp, st = self.writer.write_temp(fd, entry, chunks, prefetched)
+                        done.append((plan, tmp, FileStat.of(st)))
                     except OSError as exc:
                         self._refused.failed(path, entry, exc)
         except BaseException:
@@ -620,6 +639,26 @@ class Checkout:
             raise
         return done
 
+
+
+def pack_jobs(pack_id: str, placed: list[tuple[PackEntry, WritePlan]]) -> list[WriteJob]:
+    """The jobs writing the one-blob files of pack ``pack_id`` (``placed``: in pack
+    order, with their pack entries), each at most :data:`JOB_FILES` files and
+    :data:`JOB_BYTES` of content (a bigger file is a job of its own)."""
+    jobs: list[WriteJob] = []
+    plans: list[WritePlan] = []
+    entries: list[PackEntry] = []
+    size = 0
+    for entry, plan in placed:
+        if plans and (len(plans) == JOB_FILES or size + plan[1].size > JOB_BYTES):
+            jobs.append((plans, (pack_id, entries)))
+            plans, entries, size = [], [], 0
+        plans.append(plan)
+        entries.append(entry)
+        size += plan[1].size
+    if plans:
+        jobs.append((plans, (pack_id, entries)))
+    return jobs
 
 
 def local_side(scan: ScanResult) -> dict[str, TreeEntry]:

@@ -119,7 +119,7 @@ def all_zero(data: bytes) -> bool:
             and _ZEROS.startswith(data))
 
 
-def chunk_groups(chunks: list[tuple[str, int]], budget: int = 8 * 1024 * 1024) -> list[list[tuple[str, int]]]:
+def chunk_groups(chunks: list[tuple[str, int]], budget: int = 4 * 1024 * 1024) -> list[list[tuple[str, int]]]:
     """Split a file's chunks into groups of about ``budget`` bytes (bounded memory)."""
     groups: list[list[tuple[str, int]]] = [[]]
     size = 0
