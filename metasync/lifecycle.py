@@ -268,7 +268,7 @@ def new_folder(root: str | Path, verb: str) -> Path:
 
 @dataclass
 class Found:
-    """What :func:`clone_folder` found in a clone's folder besides nothing."""
+    """What :func:`clone_folder` found in a clone's folder."""
 
     #: Staging folders of an interrupted :func:`create_local` (removed, then cloned afresh).
     staging: list[Path]

@@ -198,8 +198,9 @@ def finish(src: Source, folder: Path, way: str) -> str:
     if way == "pull" and (folder / META_DIR).is_dir():
         src.run("pull", cwd=folder)
         return "pull"
+    interrupted = (folder / META_DIR).is_dir()
     proc = src.clone(folder)
-    if (folder / META_DIR).is_dir() and "resuming" in proc.stderr:
+    if interrupted:
         assert f"resuming the interrupted clone in {folder}" in proc.stderr, proc.stderr
     return "re-run"
 
