@@ -229,6 +229,11 @@ class LocalState:
     prev: Setting[Version] = _Base("prev", load=Version.from_json, dump=Version.to_json)
     #: This client's latest local commit (None before the first).
     head: Setting[str | None] = Setting("head", default=lambda: None)
+    #: True from the moment a clone creates ``.metasync`` until its first pull
+    #: finished: the folder may hold only part of the tree (``status`` says so;
+    #: ``pull``, or the same ``clone`` again, finishes it).
+    unfinished_clone: Setting[bool] = Setting("unfinished_clone", default=lambda: False,
+                                              load=lambda raw: raw is True)
     checkout_pending: Setting[PendingCheckout | None] = Setting(
         "checkout_pending", default=lambda: None, load=_pending_checkout, dump=_dump_pending)
     #: Folders that could not be read when a checkout had changes for them, by path,
