@@ -724,7 +724,8 @@ def plan(
             # Not on disk (an index row): nothing to keep; another name may answer.
             # A file a fresh clone wrote in place before a crash is its own, part-
             # written: written again, not kept (:meth:`Checkout._writes_in_place`).
-            ours = co._in_place and b is None and loc is not None and loc.type == "file"
+            ours = (co._in_place and b is None and loc is not None
+                    and loc.type in ("file", "chunked"))
             if (loc is not None and loc.type != "dir" and not ours
                     and (path in co._seen or loc.ref == UNREAD_REF)):
                 copy = co._conflict_copy(path, stamp)

@@ -218,6 +218,9 @@ def test_trace_covers_the_clone(source: Source) -> None:
 def test_clone_killed_at_20_points_is_finished_by_pull_or_rerun(source: Source) -> None:
     points = choose(source.arrivals)
     assert len(points) >= POINTS, points
+    # Kills inside a file's write (between its chunks) and between files written in
+    # place: what a part-written file that looks whole would come from.
+    assert {"write:piece", "checkout:write"} <= {name for name, _ in points}, points
     ways: Counter[str] = Counter()
     last = None
     for i, (name, n) in enumerate(points):
