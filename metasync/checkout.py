@@ -24,12 +24,13 @@ import os
 import stat
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from itertools import chain
 from pathlib import Path
+from typing import NamedTuple
 
-from metasync.context import RepoContext
+from metasync.context import RepoContext, daemon_running
 from metasync.errors import ObjectUnavailable
 from metasync.faults import crash_point
 from metasync.filewriter import FileWriter
@@ -47,13 +48,14 @@ from metasync.fstraits import (
 from metasync.graph import ObjectGraph
 from metasync.localdb import NOT_ON_DISK, OUTSIDE, IndexRow
 from metasync.names import display_path
-from metasync.objects import TreeEntry, Version, same_entry
+from metasync.objects import PackEntry, TreeEntry, Version, same_entry
 from metasync.portable import sync_all
 from metasync.progress import Reporter
 from metasync.scanner import Scanner, ScanResult, name_clashes
 from metasync.selection import Selection, drop_selected_rows
-from metasync.state import LocalState
+from metasync.state import LocalState, PendingCheckout
 from metasync.worktree import (
+    META_DIR,
     Folders,
     InTheWay,
     ScanEntry,
@@ -67,14 +69,33 @@ from metasync.worktree import (
 UNREAD_REF = "unreadable"
 #: Files written by a checkout are flushed and renamed in batches of this many.
 WRITE_BATCH = 2000
-#: Small files of one pack written by one worker task.
+#: Small files of one pack written by one worker task: at most this many, and at
+#: most :data:`JOB_BYTES` of content, which the task holds in memory at once (so a
+#: clone's memory is bounded by the workers' jobs in flight, not by the tree).
 JOB_FILES = 400
+JOB_BYTES = 1024 * 1024
 
 #: A file to write: its path, its tree entry, and its content as (blob id, length).
 WritePlan = tuple[str, TreeEntry, list[tuple[str, int]]]
-#: A written temporary file: its plan, its name (in the plan's folder), and its stat
-#: (None for a link).
-WrittenTemp = tuple[WritePlan, str, "os.stat_result | None"]
+#: One worker task: files to write, and where the blobs of those that are one blob
+#: each are in a pack (read together) -- None: each file reads its own chunks.
+WriteJob = tuple[list[WritePlan], "tuple[str, list[PackEntry]] | None"]
+#: A written temporary file: its plan, its name in the plan's folder (None: written
+#: in place, at the plan's own name), and its stat (None for a link).
+WrittenTemp = tuple[WritePlan, "str | None", "FileStat | None"]
+
+
+class FileStat(NamedTuple):
+    """What a checkout keeps of a written file's stat until its index row is made (a
+    ``stat_result`` is ten times the size, times every file of a clone)."""
+
+    size: int
+    mtime_ns: int
+    ino: int
+
+    @classmethod
+    def of(cls, st: os.stat_result | None) -> FileStat | None:
+        return None if st is None else cls(st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 @dataclass
@@ -214,6 +235,8 @@ class Checkout:
         self._selection = Selection()
         self._outside_kept: set[str] = set()
         self._outside_rows: list[IndexRow] = []
+        #: The current checkout writes new files at their own names (:meth:`_writes_in_place`).
+        self._in_place = False
 
     # ---------------------------------------------------------------- pending checkouts
     def resume(self) -> PullResult | None:
@@ -239,7 +262,7 @@ class Checkout:
         if head is not None:
             self.graph.load_indexes(head)
         self.run(self.graph.flatten(pending.from_tree), self.graph.flatten(pending.to_tree),
-                 result, pending.moves)
+                 result, pending.moves, pending)
         crash_point("checkout:done")
         db = self.ctx.db
         with state.transaction():
@@ -256,15 +279,38 @@ class Checkout:
         remote: dict[str, TreeEntry],
         result: PullResult,
         moves: dict[str, str],
+        pending: PendingCheckout | None = None,
     ) -> None:
         """Three-way between ``base`` (what the folder was), the folder, and ``remote``.
         ``moves`` maps new paths to paths whose current content they take (a merge's
         conflict copies of local versions): renamed locally instead of downloaded.
+        ``pending``: the recorded checkout this is (:meth:`run_pending`), which may
+        write in place (:meth:`_writes_in_place`).
         """
         self._refused = RefusedNames(self.ctx.reporter, result, self.scanner.traits)
+        self._in_place = pending is not None and self._writes_in_place(pending, base)
         with Folders(self.root) as folders:
             self._folders = folders
             self._run(base, remote, result, moves)
+
+    def _writes_in_place(self, pending: PendingCheckout, base: dict[str, TreeEntry]) -> bool:
+        """True if the pending checkout writes files at their own names, once: it did
+        so before a crash, or it starts from nothing into a folder that holds nothing
+        but ``.metasync`` and no daemon watches (a fresh clone: nothing there to
+        protect, and no one looking). Recorded before anything is written, so that
+        after a crash the files it left part-written are written again, not kept as
+        conflict copies (docs/design.md, "Writing the folder")."""
+        if pending.in_place:
+            return True
+        if base or daemon_running(self.root):
+            return False
+        with os.scandir(self.root) as entries:
+            if any(e.name != META_DIR for e in entries):
+                return False
+        state = self.ctx.state
+        with state.transaction():
+            state.checkout_pending = replace(pending, in_place=True)
+        return True
 
     def _run(
         self,
@@ -404,8 +450,8 @@ class Checkout:
         """
         aside = self._in_the_way(stamp, result)
         ensured: set[str] = set()
-        by_pack: dict[str, list[tuple[int, WritePlan]]] = {}
-        jobs: list[list[WritePlan]] = []
+        by_pack: dict[str, list[tuple[PackEntry, WritePlan]]] = {}
+        jobs: list[WriteJob] = []
         links: list[WritePlan] = []
         total = 0
         db = self.ctx.db
@@ -436,18 +482,17 @@ class Checkout:
                 if loc is None:
                     raise ObjectUnavailable(f"object {entry.ref[:12]} is in no known pack")
                 by_pack.setdefault(loc[0], []).append(
-                    (loc[1].offset, (path, entry, [(entry.ref, entry.size)])))
+                    (loc[1], (path, entry, [(entry.ref, entry.size)])))
             else:
-                jobs.append([(path, entry, self.graph.file_chunks(entry))])
-        for placed in by_pack.values():
+                jobs.append(([(path, entry, self.graph.file_chunks(entry))], None))
+        for pack_id, placed in by_pack.items():
             # In pack order: each job's blobs are then neighbours, so its coalesced
             # range reads cover only them (in path order they are scattered over the
             # pack, and every job would read most of it).
-            placed.sort(key=lambda item: item[0])
-            plans = [plan for _, plan in placed]
-            jobs.extend(plans[k : k + JOB_FILES] for k in range(0, len(plans), JOB_FILES))
+            placed.sort(key=lambda item: item[0].offset)
+            jobs.extend(pack_jobs(pack_id, placed))
         if links:
-            jobs.append(links)
+            jobs.append((links, None))
 
         rows: list[IndexRow] = []
         pending: list[WrittenTemp] = []
@@ -462,6 +507,8 @@ class Checkout:
                     pending = []
             rows += self._install(pending, stamp, result)
             pending = []
+            if self._in_place:
+                sync_all()  # what was written in place is on disk before its rows say so
         except BaseException:
             for fut in futures:  # leave no temporary file behind
                 fut.cancel()
@@ -479,7 +526,8 @@ class Checkout:
         """Flush a batch of written temporary files once, then rename each into place."""
         if not pending:
             return []
-        sync_all()  # one flush for the batch instead of an fsync per file
+        if any(tmp is not None for _, tmp, _ in pending):
+            sync_all()  # one flush for the batch instead of an fsync per file
         written_at = time.time_ns()
         folders = self._folders
 
@@ -487,6 +535,7 @@ class Checkout:
             """Rename into a free or unchanged place; False leaves it to the slow path,
             None: this file system refused the name (the temporary file is removed)."""
             (path, entry, _), tmp, _ = item
+            assert tmp is not None  # written in place: never renamed
             name = self._on_disk(path).rpartition("/")[2]
             if fd is None:
                 return False
@@ -510,6 +559,9 @@ class Checkout:
         done: list[bool | None] = []
         with folders.cursor() as cursor:
             for item in pending:
+                if item[1] is None:
+                    done.append(True)  # written in place: nothing to rename
+                    continue
                 done.append(fast(item, cursor.at(self._on_disk(item[0][0]).rpartition("/")[0])))
                 crash_point("checkout:rename")
         rows: list[IndexRow] = []
@@ -517,6 +569,7 @@ class Checkout:
             if ok is None:
                 continue
             if not ok:
+                assert tmp is not None  # only a temporary file is ever left to this
                 try:
                     self._install_slow(path, tmp, stamp, result)
                 except OSError as exc:
@@ -527,8 +580,8 @@ class Checkout:
                     continue
             result.written += 1
             if st is not None:  # renaming keeps the inode and mtime of the temporary file
-                rows.append(IndexRow(path, entry.type, entry.ref, st.st_size,
-                                     entry.executable, st.st_mtime_ns, st.st_ino, written_at))
+                rows.append(IndexRow(path, entry.type, entry.ref, st.size,
+                                     entry.executable, st.mtime_ns, st.ino, written_at))
         return rows
 
     def _install_slow(self, path: str, tmp: str, stamp: str, result: PullResult) -> None:
@@ -551,20 +604,33 @@ class Checkout:
                                        f"kept as {display_path(copy)}")
             replace_name(fd, tmp, name)
 
-    def _write_job(self, job: list[WritePlan], aside: InTheWay) -> list[WrittenTemp]:
-        """Write the temporary files of one job (runs in a worker thread)."""
-        prefetched: dict[str, bytes] | None = None
-        if len(job) > 1 and all(len(chunks) == 1 for _, _, chunks in job):
-            prefetched = self.graph.read_blobs([chunks[0] for _, _, chunks in job])
+    def _write_job(self, job: WriteJob, aside: InTheWay) -> list[WrittenTemp]:
+        """Write the files of one job (runs in a worker thread)."""
+        plans, located = job
+        prefetched = self.graph.read_located(*located) if located is not None else None
         done: list[WrittenTemp] = []
         try:
             with self._folders.cursor(aside) as cursor:
-                for plan in job:
+                for plan in plans:
                     path, entry, chunks = plan
-                    fd = cursor.at(self._on_disk(path).rpartition("/")[0])
+                    parent, _, name = self._on_disk(path).rpartition("/")
+                    fd = cursor.at(parent)
                     assert fd is not None  # made, never None
                     try:
-                        done.append((plan, *self.writer.write_temp(fd, entry, chunks, prefetched)))
+                        if self._in_place and path not in self._seen:
+                            try:  # nothing there at the scan: written once, in place
+                                done.append((plan, None, FileStat.of(self.writer.write_new(
+                                    fd, name, entry, chunks, prefetched))))
+                                crash_point("checkout:write")
+                                continue
+                            except OSError as exc:
+                                if cannot_write(entry.type, exc) is not None:
+                                    raise
+                                # Made since the scan, or a name this file system may
+                                # refuse (exfat-fuse says ENOENT): written aside and
+                                # installed as any other, whose rename tells which.
+                        tmp, st = self.writer.write_temp(fd, entry, chunks, prefetched)
+                        done.append((plan, tmp, FileStat.of(st)))
                     except OSError as exc:
                         self._refused.failed(path, entry, exc)
         except BaseException:
@@ -573,6 +639,26 @@ class Checkout:
             raise
         return done
 
+
+
+def pack_jobs(pack_id: str, placed: list[tuple[PackEntry, WritePlan]]) -> list[WriteJob]:
+    """The jobs writing the one-blob files of pack ``pack_id`` (``placed``: in pack
+    order, with their pack entries), each at most :data:`JOB_FILES` files and
+    :data:`JOB_BYTES` of content (a bigger file is a job of its own)."""
+    jobs: list[WriteJob] = []
+    plans: list[WritePlan] = []
+    entries: list[PackEntry] = []
+    size = 0
+    for entry, plan in placed:
+        if plans and (len(plans) == JOB_FILES or size + plan[1].size > JOB_BYTES):
+            jobs.append((plans, (pack_id, entries)))
+            plans, entries, size = [], [], 0
+        plans.append(plan)
+        entries.append(entry)
+        size += plan[1].size
+    if plans:
+        jobs.append((plans, (pack_id, entries)))
+    return jobs
 
 
 def local_side(scan: ScanResult) -> dict[str, TreeEntry]:
@@ -636,7 +722,11 @@ def plan(
             co.ctx.reporter.note(f"kept {display_path(path)}: deleted remotely but changed here")
         else:
             # Not on disk (an index row): nothing to keep; another name may answer.
-            if (loc is not None and loc.type != "dir"
+            # A file a fresh clone wrote in place before a crash is its own, part-
+            # written: written again, not kept (:meth:`Checkout._writes_in_place`).
+            ours = (co._in_place and b is None and loc is not None
+                    and loc.type in ("file", "chunked"))
+            if (loc is not None and loc.type != "dir" and not ours
                     and (path in co._seen or loc.ref == UNREAD_REF)):
                 copy = co._conflict_copy(path, stamp)
                 if copy is not None:
@@ -699,8 +789,11 @@ def replace_name(fd: int, tmp: str, name: str) -> None:
         raise
 
 
-def _drop_temp(folders: Folders, path: str, tmp: str) -> None:
-    """Remove the temporary file ``tmp`` written for ``path``, if it is still there."""
+def _drop_temp(folders: Folders, path: str, tmp: str | None) -> None:
+    """Remove the temporary file ``tmp`` written for ``path``, if it is still there
+    (None: the file was written in place, and stays)."""
+    if tmp is None:
+        return
     with folders.opened(path.rpartition("/")[0]) as fd:
         if fd is not None:
             try:

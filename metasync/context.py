@@ -44,6 +44,7 @@ from metasync.errors import (
     ObjectNotFound,
     UsageError,
 )
+from metasync.faults import crash_point
 from metasync.keys import Keyring
 from metasync.keyslots import LocalKey, open_envelope, parse_slot
 from metasync.layout import DESCRIPTOR_KEY, parse_descriptor, slot_key
@@ -530,10 +531,12 @@ def save_key(meta: Path, local: LocalKey) -> None:
 
 def create_local(
     root: Path, config: Config, config_id: str, key: LocalKey | None,
-    uri_overrides: dict[str, str],
+    uri_overrides: dict[str, str], *, clone: bool = False,
 ) -> None:
     """Create ``root/.metasync`` for a repository at version 0 of ``config``: built
-    in a staging folder and renamed, so it appears whole or not at all."""
+    in a staging folder and renamed, so it appears whole or not at all. A
+    ``clone``'s is marked unfinished (``LocalState.unfinished_clone``) until its
+    first pull ends."""
     root.mkdir(exist_ok=True)
     staging = root / f"{META_DIR}.new-{secrets.token_hex(4)}"
     staging.mkdir(mode=0o700)
@@ -553,8 +556,11 @@ def create_local(
             state.prev = Version(0, None, config_id)
             state.init_config_id = config_id
             state.head = None
+            if clone:
+                state.unfinished_clone = True
         db.close()
         (staging / OUTBOX_DIR).mkdir()
+        crash_point("create:staged")
         os.rename(staging, root / META_DIR)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

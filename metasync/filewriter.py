@@ -1,9 +1,10 @@
 """Writing stored content to files: the checkout's and restore's one writer.
 
 A file or link of a tree is written to a temporary name beside its target (the
-caller renames it into place in the same folder); blobs are read in groups of
-bounded size, each checked against the tree's length, and runs of zeros are
-left as holes, so a sparse file stays sparse.
+caller renames it into place in the same folder), or at its own name where a
+fresh clone has nothing to protect (docs/design.md, "Writing the folder"); blobs
+are read in groups of bounded size, each checked against the tree's length, and
+runs of zeros are left as holes, so a sparse file stays sparse.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 
 from metasync.context import RepoContext
 from metasync.errors import CorruptObject
+from metasync.faults import crash_point
 from metasync.graph import ObjectGraph
 from metasync.objects import TreeEntry
 from metasync.portable import O_CLOEXEC, O_NOFOLLOW, SYNC_ALL_FLUSHES_FILES
@@ -19,8 +21,10 @@ from metasync.worktree import CHUNK_MAX, temp_name
 
 
 class FileWriter:
-    """Writes files and links of stored content to temporary files in an open
-    folder (the caller renames them into place in the same folder)."""
+    """Writes files and links of stored content into an open folder: to temporary
+    files the caller renames into place (:meth:`write_temp`), or -- where nothing is
+    there and nothing can be lost (a fresh clone) -- at their own names, once
+    (:meth:`write_new`)."""
 
     def __init__(self, ctx: RepoContext, graph: ObjectGraph) -> None:
         self.ctx = ctx
@@ -36,39 +40,70 @@ class FileWriter:
         rename). ``durable`` fsyncs the file (a checkout flushes whole batches
         instead). Every blob's length is checked against the tree."""
         tmp = temp_name()
+        return tmp, self.write_new(folder, tmp, entry, chunks, prefetched, durable=durable)
+
+    def write_new(
+        self, folder: int, name: str, entry: TreeEntry, chunks: list[tuple[str, int]],
+        prefetched: dict[str, bytes] | None = None, *, durable: bool = False,
+    ) -> os.stat_result | None:
+        """Create ``name`` in the folder open as ``folder`` and write the file or link
+        there; return a file's stat (None for a link). Raises ``FileExistsError`` if
+        anything is at ``name`` (nothing is ever replaced or followed). A write that
+        fails or is interrupted removes what it created, so no file that looks whole
+        but is not is left behind (a crash can leave one: the caller records what it
+        is writing, and checks it again after a crash)."""
         if entry.type == "link":
-            os.symlink(entry.ref, tmp, dir_fd=folder)
-            return tmp, None
+            os.symlink(entry.ref, name, dir_fd=folder)
+            return None
         mode = self.ctx.file_modes[entry.executable]
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+        # Unbuffered writes on the descriptor: a file costs open, write(s), fstat and
+        # close -- no buffer object and its fstat, ioctl and lseek.
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC,
                      mode, dir_fd=folder)
         try:
-            with os.fdopen(fd, "wb") as fh:
-                holes = False
-                for group in chunk_groups(chunks):
-                    data = prefetched if prefetched is not None else self.graph.read_blobs(group)
-                    for blob_id, length in group:
-                        piece = data[blob_id]
-                        if len(piece) != length:
-                            raise CorruptObject(
-                                f"blob {blob_id[:12]} of {entry.name!r} has the wrong length "
-                                f"({len(piece)} bytes where its tree says {length})")
-                        if all_zero(piece):
-                            fh.seek(length, os.SEEK_CUR)  # a hole: a sparse file stays sparse
-                            holes = True
-                        else:
-                            fh.write(piece)
-                        self.ctx.reporter.advance(length)
-                if holes:
-                    fh.truncate()  # the size, if the file ends in a hole
-                fh.flush()
+            try:
+                self._fill(fd, entry, chunks, prefetched)
                 if durable or not SYNC_ALL_FLUSHES_FILES:
-                    os.fsync(fh.fileno())
-                st = os.fstat(fh.fileno())
+                    os.fsync(fd)
+                return os.fstat(fd)
+            finally:
+                os.close(fd)
         except BaseException:
-            os.unlink(tmp, dir_fd=folder)
+            os.unlink(name, dir_fd=folder)
             raise
-        return tmp, st
+
+    def _fill(self, fd: int, entry: TreeEntry, chunks: list[tuple[str, int]],
+              prefetched: dict[str, bytes] | None) -> None:
+        """Write the content of ``entry`` (its ``chunks``) to the new file ``fd``."""
+        holes = False
+        many = len(chunks) > 1
+        for group in chunk_groups(chunks):
+            data = prefetched if prefetched is not None else self.graph.read_blobs(group)
+            for blob_id, length in group:
+                piece = data[blob_id]
+                if len(piece) != length:
+                    raise CorruptObject(
+                        f"blob {blob_id[:12]} of {entry.name!r} has the wrong length "
+                        f"({len(piece)} bytes where its tree says {length})")
+                if all_zero(piece):
+                    os.lseek(fd, length, os.SEEK_CUR)  # a hole: a sparse file stays sparse
+                    holes = True
+                else:
+                    write_all(fd, piece)
+                self.ctx.reporter.advance(length)
+                if many:
+                    crash_point("write:piece")  # a file left part-written (crash tests)
+        if holes:
+            os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR))  # the size, if it ends in a hole
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """``os.write`` all of ``data`` to ``fd`` (a write may take less than asked)."""
+    done = os.write(fd, data)
+    if done < len(data):
+        view = memoryview(data)
+        while done < len(data):
+            done += os.write(fd, view[done:])
 
 
 #: Zeros to compare chunks with (a chunk is at most CHUNK_MAX bytes; allocated by
@@ -84,7 +119,7 @@ def all_zero(data: bytes) -> bool:
             and _ZEROS.startswith(data))
 
 
-def chunk_groups(chunks: list[tuple[str, int]], budget: int = 8 * 1024 * 1024) -> list[list[tuple[str, int]]]:
+def chunk_groups(chunks: list[tuple[str, int]], budget: int = 4 * 1024 * 1024) -> list[list[tuple[str, int]]]:
     """Split a file's chunks into groups of about ``budget`` bytes (bounded memory)."""
     groups: list[list[tuple[str, int]]] = [[]]
     size = 0

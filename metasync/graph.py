@@ -299,6 +299,11 @@ class ObjectGraph:
             raise ObjectUnavailable(f"object {object_id[:12]} is in no known pack")
         return found
 
+    def read_located(self, pack_id: str, entries: list[PackEntry]) -> dict[str, bytes]:
+        """Plaintexts of ``entries`` of pack ``pack_id`` (already looked up), by id
+        (from any thread)."""
+        return self.store.read_entries(pack_id, list({e.object_id: e for e in entries}.values()))
+
     def read_blobs(self, group: list[tuple[str, int]]) -> dict[str, bytes]:
         """Plaintexts of the blobs ``(id, length)`` of ``group``, by id (from any thread)."""
         by_pack: dict[str, list[PackEntry]] = {}

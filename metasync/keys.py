@@ -12,8 +12,10 @@ the descriptor), the descriptor's MAC key and the fingerprint a user pins
 (:func:`fingerprint`). Key slots -- one passphrase each -- are in
 :mod:`metasync.keyslots`.
 
-scrypt costs: new files use ``N = SCRYPT_N`` (2**17); files with ``N`` from
-2**15 (what older metasync wrote) up to 2**20 are read. The test suite may lower
+scrypt costs: new files use ``N = SCRYPT_N`` (2**15) with ``p = SCRYPT_P`` (4):
+the work of N = 2**17, p = 1 (what metasync wrote before issue 21; OWASP lists
+the two as equal) in a quarter of the memory -- 32 MiB, not 128, which was most
+of a clone's peak memory. Files with ``N`` from 2**15 up to 2**20 are read. The test suite may lower
 the cost of the files *it* writes through ``METASYNC_INSECURE_TEST_SCRYPT_N``;
 such a file has ``N`` below 2**15 and is refused by every reader that does not
 have that variable set, so a weakened key file can never pass for a real one.
@@ -39,10 +41,11 @@ from metasync.errors import FormatError, WrongPassphrase
 #: The format of the legacy key file ``keys/master`` (read, never written).
 KEYFILE_FORMAT = 1
 _WRAP_AAD = b"metasync keyfile v1"
-#: scrypt cost of new key files: 2**17 x 8 x 128 bytes = 128 MiB, ~0.4 s per unwrap.
-SCRYPT_N = 2**17
+#: scrypt cost of new key files: 2**15 x 8 x 128 bytes = 32 MiB, four times over
+#: (p = 4, one after another): the work of 2**17 with p = 1, ~0.4 s per unwrap.
+SCRYPT_N = 2**15
 SCRYPT_R = 8
-SCRYPT_P = 1
+SCRYPT_P = 4
 #: The lowest cost a reader accepts (what metasync wrote before key slots).
 MIN_SCRYPT_N = 2**15
 #: The highest: bounds the memory and time a hostile key file can make us spend.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -37,6 +38,7 @@ from metasync.errors import (
     UsageError,
     WrongPassphrase,
 )
+from metasync.faults import crash_point
 from metasync.keys import Keyring, fingerprint, normalize_fingerprint, unwrap, wrong_passphrase
 from metasync.keyslots import (
     LocalKey,
@@ -211,7 +213,8 @@ def prepare_locations(backends: list[Backend], mkdir: bool) -> None:
 @dataclass
 class CloneStart:
     """A clone's local repository, at version 0 of the entry backend's first
-    configuration; :meth:`undo` removes what was created."""
+    configuration -- or, ``resumed``, an interrupted clone's, found in the folder
+    (:func:`clone_folder`); :meth:`undo` removes what was created."""
 
     root: Path
     #: The id of the backend the clone was made from.
@@ -219,6 +222,9 @@ class CloneStart:
     created: bool
     #: The repository's fingerprint (None: not encrypted).
     fingerprint: str | None = None
+    #: The folder held an unfinished clone of this repository: its first pull is
+    #: finished, not started (nothing of it is removed if that fails).
+    resumed: bool = False
 
     def finish(self, first_pull: Callable[[], None], close: Callable[[], None]) -> None:
         """Run the clone's ``first_pull``; if it fails, ``close`` and :meth:`undo`. A
@@ -235,7 +241,10 @@ class CloneStart:
             raise
 
     def undo(self) -> None:
-        """Leave no half-cloned folder behind (a failure we can report)."""
+        """Leave no half-cloned folder behind (a failure we can report); a resumed
+        clone is left as it was (the next try finishes it)."""
+        if self.resumed:
+            return
         if self.created:
             shutil.rmtree(self.root, ignore_errors=True)
             return
@@ -257,6 +266,61 @@ def new_folder(root: str | Path, verb: str) -> Path:
     return root
 
 
+@dataclass
+class Found:
+    """What :func:`clone_folder` found in a clone's folder."""
+
+    #: Staging folders of an interrupted :func:`create_local` (removed, then cloned afresh).
+    staging: list[Path]
+    #: The first configuration of the unfinished clone there (None: none there).
+    unfinished: str | None = None
+    #: Its sparse selection, and whether its first checkout started (from then on
+    #: the selection stays).
+    patterns: list[str] | None = None
+    started: bool = False
+
+
+def clone_folder(root: str | Path) -> tuple[Path, Found]:
+    """``root`` made absolute, once it is checked to be a folder a clone may use: new
+    or empty, holding only the staging folders of an interrupted
+    :func:`create_local`, or holding a clone that never finished its first pull
+    (``LocalState.unfinished_clone``; whether it is one of the repository cloned
+    is :func:`prepare_clone`'s check). Anything else is refused as not empty."""
+    root = Path(root).absolute()
+    if not root.parent.is_dir():
+        raise UsageError(f"parent folder {root.parent} does not exist; create it first")
+    found = Found([])
+    if not root.exists():
+        return root, found
+    refused = UsageError(f"{root} is not empty; clone into a new or empty folder")
+    if not root.is_dir():
+        raise refused
+    names = [child.name for child in root.iterdir()]
+    found.staging = [root / n for n in names if n.startswith(f"{META_DIR}.new-")
+                     and (root / n).is_dir() and not (root / n).is_symlink()]
+    if len(found.staging) == len(names):
+        return root, found
+    meta = root / META_DIR
+    if META_DIR not in names or meta.is_symlink() or not (meta / "state.db").is_file():
+        raise refused
+    try:
+        db = LocalDB(meta / "state.db")
+    except (sqlite3.Error, OSError):
+        raise refused from None
+    try:
+        state = LocalState(db)
+        if not state.unfinished_clone:
+            raise refused
+        found.unfinished = state.init_config_id
+        found.patterns = state.sparse_patterns
+        found.started = state.head is not None or state.checkout_pending is not None
+    except (KeyError, ValueError, sqlite3.Error):
+        raise refused from None
+    finally:
+        db.close()
+    return root, found
+
+
 def prepare_clone(
     uri: str,
     root: str | Path,
@@ -266,10 +330,17 @@ def prepare_clone(
     allow_unencrypted: bool = False,
     pinned: str | None = None,
     others: list[str] | None = None,
+    sparse: list[str] | None = None,
 ) -> CloneStart:
     """Read the repository at ``uri`` (descriptor, key, first configuration) and
     create ``root/.metasync`` for it. Everything that can fail on bad input is
     checked before anything is written.
+
+    A folder holding only the staging folders of an interrupted clone's
+    ``.metasync`` has them removed; one holding an interrupted clone of this
+    repository (its first configuration is the descriptor's) is resumed: after the
+    same checks, nothing is created (``sparse``, the clone's patterns, must then be
+    the interrupted clone's once its first checkout started).
 
     Nothing the backend says is taken on trust: an unencrypted repository is
     cloned only with ``allow_unencrypted`` (a backend can rewrite an encrypted
@@ -279,7 +350,7 @@ def prepare_clone(
     (:class:`NotTrusted` otherwise); ``pinned`` (a fingerprint) must be the
     repository's. ``others`` (``clone --backend``) must name backends distinct from
     ``uri`` and from one another (:func:`~metasync.backends.uris.overlap`)."""
-    root = new_folder(root, "clone")
+    root, found = clone_folder(root)
     check_namespace(namespace)
     overlap([normalize_uri(u) for u in [uri, *(others or ())]], root=str(root))
     if pinned is not None:
@@ -328,9 +399,23 @@ def prepare_clone(
         overrides = {entry_id: entry.uri}
     finally:
         entry.close()
+    printed = fingerprint(local.ring) if local else None
+    crash_point("clone:checked")
+    if found.unfinished is not None:
+        if found.unfinished != config_id:
+            raise UsageError(f"{root} holds an unfinished clone of another repository, or one "
+                             "made from another backend; finish it with `metasync pull` there, "
+                             "or clone into a new or empty folder")
+        if sparse is not None and found.started and sparse != found.patterns:
+            raise UsageError(f"the unfinished clone in {root} was started with other --sparse "
+                             f"patterns; finish it with `metasync pull` there")
+        return CloneStart(root, entry_id, False, printed, resumed=True)
+    for folder in found.staging:
+        shutil.rmtree(folder)
     created = not root.exists()
-    create_local(root, config, config_id, local, overrides)
-    return CloneStart(root, entry_id, created, fingerprint(local.ring) if local else None)
+    create_local(root, config, config_id, local, overrides, clone=True)
+    crash_point("clone:created")
+    return CloneStart(root, entry_id, created, printed)
 
 
 def unlock_keys(backends: list[Backend], desc: dict[str, object],

@@ -181,18 +181,28 @@ class Repository(RepositoryAdmin):
 
         Everything that can fail on bad input (not a repository, wrong passphrase,
         ``root`` not empty) is checked before anything is written; a clone that
-        fails later removes what it created."""
+        fails later removes what it created. A ``root`` holding an interrupted clone
+        of this repository is finished instead (:func:`metasync.lifecycle.clone_folder`)."""
         from metasync import lifecycle
+        from metasync.faults import crash_point
         from metasync.selection import check_patterns
 
-        patterns = check_patterns(sparse) if sparse is not None else []
+        patterns = check_patterns(sparse) if sparse is not None else None
         start = lifecycle.prepare_clone(uri, root, namespace=namespace, passphrase=passphrase,
                                         allow_unencrypted=allow_unencrypted, pinned=fingerprint,
-                                        others=connect)
+                                        others=connect, sparse=patterns)
         repo = cls(open_context(start.root, reporter, typed=connect))
+        if start.resumed:
+            repo.reporter.note(f"resuming the interrupted clone in {start.root}")
+
         def first_pull() -> None:
-            repo._ctx.state.sparse_patterns = patterns
-            repo.versions.start_from_hint(start.entry_id)
+            state = repo._ctx.state
+            if state.head is None and state.checkout_pending is None:  # nothing written yet
+                if patterns is not None or not start.resumed:
+                    state.sparse_patterns = patterns or []
+                if start.entry_id in state.uri_overrides:  # else resumed from another backend
+                    repo.versions.start_from_hint(start.entry_id)
+                crash_point("clone:hinted")
             repo.pull()
 
         start.finish(first_pull, repo.close)
@@ -263,6 +273,12 @@ class Repository(RepositoryAdmin):
         ring = self._ctx.codec.keyring
         return fingerprint(ring) if ring is not None else None
 
+
+    @property
+    def unfinished_clone(self) -> bool:
+        """True for a clone stopped before its first pull ended: the folder may hold
+        part of the tree; ``pull`` (or the same ``clone`` again) finishes it."""
+        return self._ctx.state.unfinished_clone
 
     @property
     def config(self) -> Config:

@@ -76,14 +76,21 @@ class PendingCheckout:
     """A change of the folder from tree ``from_tree`` to ``to_tree`` that has been
     recorded but maybe not finished; every command finishes it first. ``moves``
     maps new paths to paths whose current content they take (a merge's conflict
-    copies of local versions: renamed here rather than downloaded)."""
+    copies of local versions: renamed here rather than downloaded). ``in_place``:
+    the checkout found the folder empty and writes files in place, once, without
+    temporary files (a fresh clone); until it finishes, a file at one of its paths
+    that differs from ``to_tree`` is one it was writing, and is written again."""
 
     from_tree: str | None
     to_tree: str
     moves: dict[str, str] = field(default_factory=dict)
+    in_place: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"from": self.from_tree, "to": self.to_tree, "moves": self.moves}
+        out: dict[str, Any] = {"from": self.from_tree, "to": self.to_tree, "moves": self.moves}
+        if self.in_place:  # absent otherwise: the record older code wrote and reads
+            out["in_place"] = True
+        return out
 
     @classmethod
     def from_json(cls, raw: Any) -> PendingCheckout | None:
@@ -96,7 +103,7 @@ class PendingCheckout:
             moves = {}
         start = raw.get("from")
         return cls(start if isinstance(start, str) else None, raw["to"],
-                   {str(k): str(v) for k, v in moves.items()})
+                   {str(k): str(v) for k, v in moves.items()}, raw.get("in_place") is True)
 
 
 @dataclass(frozen=True)
@@ -222,6 +229,11 @@ class LocalState:
     prev: Setting[Version] = _Base("prev", load=Version.from_json, dump=Version.to_json)
     #: This client's latest local commit (None before the first).
     head: Setting[str | None] = Setting("head", default=lambda: None)
+    #: True from the moment a clone creates ``.metasync`` until its first pull
+    #: finished: the folder may hold only part of the tree (``status`` says so;
+    #: ``pull``, or the same ``clone`` again, finishes it).
+    unfinished_clone: Setting[bool] = Setting("unfinished_clone", default=lambda: False,
+                                              load=lambda raw: raw is True)
     checkout_pending: Setting[PendingCheckout | None] = Setting(
         "checkout_pending", default=lambda: None, load=_pending_checkout, dump=_dump_pending)
     #: Folders that could not be read when a checkout had changes for them, by path,

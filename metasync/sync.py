@@ -193,8 +193,10 @@ class Sync:
             latest = self.versions.learn_latest()
             prev = self.state.prev
             if latest.number == prev.number and not (self.state.head is None and latest.master):
+                self._clone_finished()
                 return resumed or PullResult(prev, up_to_date=True)
             result = self.integrate(latest)
+            self._clone_finished()
         except (Interrupted, KeyboardInterrupt) as exc:
             if not CANCEL.requested() and not isinstance(exc, Interrupted):
                 raise
@@ -206,6 +208,12 @@ class Sync:
                 "finishes it") from None
         self.outbox.publish_client_state()
         return result
+
+    def _clone_finished(self) -> None:
+        """A pull finished: so did the clone, if this folder is one that had not
+        (``LocalState.unfinished_clone``)."""
+        if self.state.unfinished_clone:
+            self.state.unfinished_clone = False
 
     def integrate(self, learned: Version) -> PullResult:
         """Make ``learned`` (decided, newer than prev) the base of head and the folder:

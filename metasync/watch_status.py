@@ -92,7 +92,7 @@ def render(st: Status, standing: Standing | None, unknown: str) -> dict[str, Any
     ``--offline``, or not learned: ``unknown`` says why): ``{"json": the --json
     document's text, "text": [[stream, line], ...]}``."""
     doc = st.to_json()
-    doc.update({"latest": standing.latest if standing else None,
+    doc.update({"unfinished_clone": False, "latest": standing.latest if standing else None,
                 "behind": standing.behind if standing else None,
                 "ahead": standing.ahead if standing else None})
     text: TextLines = []
@@ -133,9 +133,26 @@ def learn_standing(repo: Repository, offline: bool) -> tuple[Standing | None, st
 
 
 def scan_answer(repo: Repository, offline: bool) -> dict[str, Any]:
-    """``status``'s answer by scanning the folder (the command without a daemon)."""
+    """``status``'s answer by scanning the folder (the command without a daemon); for
+    an unfinished clone, that it is one and how to finish it (no scan: the folder
+    holds part of the tree, not changes, and is left as it is)."""
+    if repo.unfinished_clone:
+        return unfinished_clone_answer(repo)
     st = repo.status()
     return render(st, *learn_standing(repo, offline))
+
+
+def unfinished_clone_answer(repo: Repository) -> dict[str, Any]:
+    """What ``status`` says in a clone stopped before its first pull ended."""
+    version = repo.prev.number
+    doc: dict[str, Any] = {"version": version, "head": repo.head, "unpushed": False,
+                           "clean": False, "unfinished_clone": True, "changes": []}
+    text: TextLines = [
+        ["out", f"Unfinished clone (at version {version}): it stopped before all its files "
+                "were written"],
+        ["out", f"run `metasync pull` here, or the same `metasync clone` into {repo.root} "
+                "again, to finish it"]]
+    return {"json": json.dumps(doc, indent=2), "text": text}
 
 
 # --- the daemon's side ---------------------------------------------------------------

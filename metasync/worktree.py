@@ -524,16 +524,21 @@ class Folders:
         return os.open(name, _FOLDER_FLAGS, dir_fd=parent_fd)
 
     def _evict(self) -> None:
-        if len(self._cache) <= self.capacity:
+        excess = len(self._cache) - self.capacity
+        if excess <= 0:
             return
-        for key in list(self._cache):
-            if len(self._cache) <= self.capacity:
-                break
-            entry = self._cache[key]
+        # The least recently used unpinned ones, found in one pass that stops as soon
+        # as it has enough (not a copy of the whole cache on every call).
+        victims: list[str] = []
+        for key, entry in self._cache.items():
             if entry.pins == 0:
-                del self._cache[key]
-                del self._by_fd[entry.fd]
-                os.close(entry.fd)
+                victims.append(key)
+                if len(victims) == excess:
+                    break
+        for key in victims:
+            entry = self._cache.pop(key)
+            del self._by_fd[entry.fd]
+            os.close(entry.fd)
 
 
 class FolderCursor:

@@ -256,20 +256,30 @@ def test_key_passwd_changes_the_passphrase_everywhere(tmp_path: Path) -> None:
     run_cli("push", cwd=folder, passphrase=None)
 
 
-def test_new_key_files_cost_2_17_and_test_cost_files_are_refused(
+def test_new_key_files_cost_2_17_in_32_mib_and_test_cost_files_are_refused(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without the test suite's variable a slot is written with N = 2**17; a key file
-    written under the variable (N = 2**10) is refused by a reader without it, so the
-    variable cannot weaken a real key file."""
+    """Without the test suite's variable a slot is written with the work of N = 2**17
+    (N x p) in 32 MiB of scrypt memory (128 x r x N: issue 21, it was most of a
+    clone's peak); a slot written before, at N = 2**17 and p = 1, still opens; a key
+    file written under the variable (N = 2**10) is refused by a reader without it,
+    so the variable cannot weaken a real key file."""
     ring = MasterKey.generate().keyring()
     cheap, _ = keyslots.make_slot(ring, "p", slot="00000000000000aa", label="t", created="d")
     assert json.loads(cheap)["kdf"]["n"] == 2**10
     monkeypatch.delenv(keys.TEST_SCRYPT_ENV)
     real, private = keyslots.make_slot(ring, "p", slot="00000000000000bb", label="t", created="d")
-    assert json.loads(real)["kdf"]["n"] >= 2**17
+    kdf = json.loads(real)["kdf"]
+    assert kdf["n"] * kdf["p"] >= 2**17 and kdf["r"] == 8
+    assert 128 * kdf["r"] * kdf["n"] <= 32 * 2**20
     assert keyslots.unlock(parse_slot(real, "00000000000000bb"), "p") == private
     with pytest.raises(FormatError, match="scrypt"):
         parse_slot(cheap, "00000000000000aa")
+    monkeypatch.setattr(keys, "SCRYPT_N", 2**17)
+    monkeypatch.setattr(keyslots, "SCRYPT_P", 1)
+    older, old_private = keyslots.make_slot(ring, "p", slot="00000000000000cc", label="t",
+                                            created="d")
+    assert (json.loads(older)["kdf"]["n"], json.loads(older)["kdf"]["p"]) == (2**17, 1)
+    assert keyslots.unlock(parse_slot(older, "00000000000000cc"), "p") == old_private
 
 
 def test_legacy_key_file_at_2_15_still_opens(monkeypatch: pytest.MonkeyPatch) -> None:
