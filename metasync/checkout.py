@@ -629,8 +629,8 @@ class Checkout:
                                 # Made since the scan, or a name this file system may
                                 # refuse (exfat-fuse says ENOENT): written aside and
                                 # installed as any other, whose rename tells which.
-                        tmp, st = self.writer.write_temp(fd, entry, chunks, prefetched)
-                        done.append((plan, tmp, FileStat.of(st)))
+                        written, st = self.writer.write_temp(fd, entry, chunks, prefetched)
+                        done.append((plan, written, FileStat.of(st)))
                     except OSError as exc:
                         self._refused.failed(path, entry, exc)
         except BaseException:
