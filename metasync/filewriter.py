@@ -14,6 +14,7 @@ import os
 from metasync.context import RepoContext
 from metasync.errors import CorruptObject
 from metasync.faults import crash_point
+from metasync.fstraits import cannot_write
 from metasync.graph import ObjectGraph
 from metasync.objects import TreeEntry
 from metasync.portable import O_CLOEXEC, O_NOFOLLOW, SYNC_ALL_FLUSHES_FILES
@@ -29,6 +30,24 @@ class FileWriter:
     def __init__(self, ctx: RepoContext, graph: ObjectGraph) -> None:
         self.ctx = ctx
         self.graph = graph
+
+    def write(
+        self, folder: int, name: str, entry: TreeEntry, chunks: list[tuple[str, int]],
+        prefetched: dict[str, bytes] | None = None, *, in_place: bool,
+    ) -> tuple[str | None, os.stat_result | None]:
+        """Write the file or link ``name`` of the folder open as ``folder``: with
+        ``in_place``, at ``name`` itself (:meth:`write_new`; the name returned is None),
+        else -- or if something is at ``name`` by now, or this file system may refuse
+        the name -- to a temporary name returned for the caller to rename."""
+        if in_place:
+            try:
+                return None, self.write_new(folder, name, entry, chunks, prefetched)
+            except OSError as exc:
+                if cannot_write(entry.type, exc) is not None:
+                    raise
+                # Made since the scan, or a name this file system may refuse
+                # (exfat-fuse says ENOENT): the rename of a temporary file tells which.
+        return self.write_temp(folder, entry, chunks, prefetched)
 
     def write_temp(
         self, folder: int, entry: TreeEntry, chunks: list[tuple[str, int]],
