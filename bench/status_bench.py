@@ -37,6 +37,7 @@ from linux_bench import (
     PASSPHRASE,
     RESULTS_DIR,
     BenchError,
+    compile_bytecode,
     copy_tree,
     log,
     machine_info,
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = (args.work / "status-run").resolve()
     shutil.rmtree(scratch, ignore_errors=True)
     try:
+        compile_bytecode(args.metasync.resolve())
         result = bench(workload.path, scratch, str(args.metasync.resolve()), pairs)
     except BenchError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
