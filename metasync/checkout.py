@@ -320,9 +320,9 @@ class Checkout:
         jobs: list[WriteJob] = []
         links: list[WritePlan] = []
         total = 0
-        db = self.ctx.db
         folders = self._folders
         exec_bits = self.scanner.traits.exec_bits
+        located = self.ctx.db.locations(e.ref for _, e in writes if e.type == "file")
         for path, entry in writes:
             parent = path.rpartition("/")[0]
             if self._refused.refuses(path, entry, result):
@@ -344,7 +344,7 @@ class Checkout:
             if entry.type == "link":
                 links.append((path, entry, []))
             elif entry.type == "file":
-                loc = db.location(entry.ref)
+                loc = located.get(entry.ref)
                 if loc is None:
                     raise ObjectUnavailable(f"object {entry.ref[:12]} is in no known pack")
                 by_pack.setdefault(loc[0], []).append(

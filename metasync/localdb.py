@@ -272,6 +272,22 @@ class LocalDB:
         """Where ``object_id`` is: a current location, else a historic one."""
         return location_in(self.conn, object_id)
 
+    def locations(self, object_ids: Iterable[str]) -> dict[str, tuple[str, PackEntry]]:
+        """Where each of ``object_ids`` is (as :meth:`location`; those in no pack are
+        left out), in a few queries of many ids each: a checkout of a whole tree asks
+        for thousands, and a query each costs SQLite's file locking each time."""
+        found: dict[str, tuple[str, PackEntry]] = {}
+        for table in ("locations", "historic_locations"):
+            wanted = [i for i in dict.fromkeys(object_ids) if i not in found]
+            for k in range(0, len(wanted), _IDS_PER_QUERY):
+                part = wanted[k : k + _IDS_PER_QUERY]
+                for object_id, kind, pack_id, offset, length in self.conn.execute(
+                        f"SELECT object_id, kind, pack_id, offset, length FROM {table} "
+                        f"WHERE object_id IN ({','.join('?' * len(part))})", part):
+                    found.setdefault(object_id, (pack_id, PackEntry(object_id, kind, offset, length)))
+            object_ids = wanted
+        return found
+
     def is_located(self, object_id: str) -> bool:
         """True if ``object_id`` has a current location (so it may be deduplicated)."""
         return self.conn.execute(
@@ -392,6 +408,11 @@ class LocalDB:
 
     def remove_short(self, stored_id: str) -> None:
         self.conn.execute("DELETE FROM short_objects WHERE stored_id=?", (stored_id,))
+
+
+#: Ids asked for in one query by :meth:`LocalDB.locations` (SQLite allows 32,766
+#: parameters since 3.32, 999 before).
+_IDS_PER_QUERY = 900
 
 
 def location_in(conn: sqlite3.Connection, object_id: str) -> tuple[str, PackEntry] | None:
