@@ -247,8 +247,9 @@ class Chunker:
         With ``dir_fd``, ``path`` is a name in that folder, and a link is not followed.
 
         Raises :class:`FileChanged` if the file's size or mtime moved during the read
-        (a file still being written must not be committed half-written).
-        """
+        (a file still being written must not be committed half-written)."""
+        if expect.size <= CHUNK_MIN:
+            return self._hash_small(path, expect, sink, dir_fd)
         chunks: list[Chunk] = []
         opener = _open_nonblocking if dir_fd is None else _opener_at(dir_fd)
         with open(path, "rb", buffering=0, opener=opener) as fh:
@@ -256,24 +257,18 @@ class Chunker:
             if (not stat.S_ISREG(st.st_mode) or st.st_size != expect.size
                     or st.st_mtime_ns != expect.mtime_ns):
                 raise FileChanged(str(path))
-            if st.st_size <= CHUNK_MIN:
-                self._emit(fh.readall(), 0, chunks, sink)
-            else:
-                # FastCDC objects are not thread-safe; one per call is cheap.
-                cdc = FastCDC(CHUNK_AVG, min_size=CHUNK_MIN, max_size=CHUNK_MAX)
-                for piece in cdc.cut_stream(fh):
-                    self._emit(piece.data, piece.offset, chunks, sink)
+            # FastCDC objects are not thread-safe; one per call is cheap. Its stream
+            # reader holds 2 * CHUNK_MAX bytes: a file up to that size is read whole.
+            cdc = FastCDC(CHUNK_AVG, min_size=CHUNK_MIN, max_size=CHUNK_MAX)
+            small = st.st_size <= 2 * CHUNK_MAX
+            for piece in cdc.cut_buf(fh.read(st.st_size + 1)) if small else cdc.cut_stream(fh):
+                self._emit(piece.data, piece.offset, chunks, sink)
             after = os.fstat(fh.fileno())
         size = sum(c.length for c in chunks)
         if after.st_size != expect.size or after.st_mtime_ns != expect.mtime_ns or size != expect.size:
             raise FileChanged(str(path))
         if len(chunks) == 1:
             return HashedFile("file", chunks[0].blob_id, size, 1)
-        if not chunks:  # an empty file is one empty blob
-            empty = self.hasher.id_of("blob", b"")
-            if sink is not None:
-                sink("blob", empty, b"")
-            return HashedFile("file", empty, 0, 1)
         obj = FileObject(size, tuple(chunks))
         data = obj.to_bytes()
         file_id = self.hasher.id_of("file", data)
@@ -281,9 +276,33 @@ class Chunker:
             sink("file", file_id, data)
         return HashedFile("chunked", file_id, size, len(chunks))
 
-    def _emit(
-        self, data: bytes | memoryview, offset: int, chunks: list[Chunk], sink: ObjectSink | None
-    ) -> None:
+    def _hash_small(self, path: Path | str, expect: ScanEntry, sink: ObjectSink | None,
+                    dir_fd: int | None) -> HashedFile:
+        """:meth:`hash_file` of a file the scan saw at most CHUNK_MIN long (most files):
+        one blob, read with no file object."""
+        flags = os.O_RDONLY | O_CLOEXEC | O_NONBLOCK | getattr(os, "O_BINARY", 0)
+        fd = os.open(path, flags) if dir_fd is None else os.open(
+            path, flags | O_NOFOLLOW, dir_fd=dir_fd)
+        try:
+            st = os.fstat(fd)
+            data = b""  # one byte more than expected is read: a file that grew
+            while (stat.S_ISREG(st.st_mode) and len(data) <= expect.size
+                   and (more := os.read(fd, expect.size + 1 - len(data)))):
+                data += more
+            after = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if (not stat.S_ISREG(st.st_mode) or len(data) != expect.size
+                or {st.st_size, after.st_size} != {expect.size}
+                or {st.st_mtime_ns, after.st_mtime_ns} != {expect.mtime_ns}):
+            raise FileChanged(str(path))
+        blob_id = self.hasher.id_of("blob", data)
+        if sink is not None:
+            sink("blob", blob_id, data)
+        return HashedFile("file", blob_id, len(data), 1)
+
+    def _emit(self, data: bytes | memoryview, offset: int, chunks: list[Chunk],
+              sink: ObjectSink | None) -> None:
         if not data:
             return
         blob_id = self.hasher.id_of("blob", data)
