@@ -39,6 +39,8 @@ _TRAILER = struct.Struct(">I4s")
 _BODY_KIND = "rekeyed"
 #: A pack is closed once it holds this many stored bytes.
 PACK_TARGET_SIZE = 16 * 1024 * 1024
+#: A pack being built is written (and hashed) this many bytes at a time.
+_SPOOL_WRITE = 1024 * 1024
 
 
 class Codec:
@@ -188,15 +190,21 @@ class PackBuilder:
 
     def _start(self) -> None:
         self._out: BinaryIO | None = None  # opened by the first write
+        self._buf = bytearray()
         self._hash = self.codec.hasher.new("pack")
         self._entries: list[PackEntry] = []
         self._size = 0
 
-    def _write(self, data: bytes) -> None:
-        if self._out is None:
-            self._out = io.BytesIO() if self._open_spool is None else self._open_spool()
-        self._out.write(data)
-        self._hash.update(data)
+    def _write(self, data: bytes, last: bool = False) -> None:
+        # Gathered into _SPOOL_WRITE bytes before each write and hash (not a call of
+        # each per object, with the lock held).
+        self._buf += data
+        if len(self._buf) >= _SPOOL_WRITE or last:
+            if self._out is None:
+                self._out = io.BytesIO() if self._open_spool is None else self._open_spool()
+            self._out.write(self._buf)
+            self._hash.update(self._buf)
+            self._buf.clear()
 
     def add(self, kind: str, object_id: str, plaintext: bytes) -> FinishedPack | None:
         encoded = self.codec.encode(kind, object_id, plaintext)
@@ -218,7 +226,7 @@ class PackBuilder:
         header = canonical_json([[e.object_id, e.kind, e.offset, e.length] for e in entries])
         encoded_header = self.codec.encode("packheader", "pack", header)
         self._write(encoded_header)
-        self._write(_TRAILER.pack(len(encoded_header), PACK_MAGIC))
+        self._write(_TRAILER.pack(len(encoded_header), PACK_MAGIC), last=True)
         out, pack_id = self._out, self._hash.hexdigest()
         assert out is not None
         self._start()
