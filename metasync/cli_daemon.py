@@ -191,7 +191,7 @@ def daemon_stop() -> None:
 def daemon_status(as_json: bool) -> None:
     """Show the daemon's state, last sync, pending changes, conflicts, backends."""
     from metasync.daemon import read_status
-    from metasync.worktree import find_root
+    from metasync.ownership import find_root
 
     found = find_root(Path.cwd())  # the ownership check of every command
     if found is None:

@@ -14,9 +14,12 @@ Two stored forms (see docs/FORMAT.md):
 
 from __future__ import annotations
 
+import io
 import struct
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import BinaryIO
 
 from metasync.errors import CorruptObject
 from metasync.keys import Keyring, MasterKey
@@ -36,6 +39,8 @@ _TRAILER = struct.Struct(">I4s")
 _BODY_KIND = "rekeyed"
 #: A pack is closed once it holds this many stored bytes.
 PACK_TARGET_SIZE = 16 * 1024 * 1024
+#: A pack being built is written (and hashed) this many bytes at a time.
+_SPOOL_WRITE = 1024 * 1024
 
 
 class Codec:
@@ -154,34 +159,58 @@ class Codec:
 
 @dataclass
 class FinishedPack:
-    """A closed pack ready to upload."""
+    """A closed pack ready to upload: its bytes in ``data``, or, for a pack built
+    into a spool, in that file (``spool``, flushed but not yet synced)."""
 
     pack_id: str
     data: bytes
     entries: list[PackEntry]
     blobs: int = 0
+    spool: BinaryIO | None = None
 
 
-@dataclass
 class PackBuilder:
     """Accumulates encoded objects into packs of about ``target_size`` bytes.
 
     Thread-safe: encoding happens in the caller's thread, only the append is
     locked. ``add`` returns a :class:`FinishedPack` when the pack filled up.
+
+    With ``open_spool``, each pack's bytes are written to a fresh file from it as
+    they come (and hashed as they go), so no pack is ever held in memory; without,
+    they are gathered in memory and returned in :attr:`FinishedPack.data`.
     """
 
-    codec: Codec
-    target_size: int = PACK_TARGET_SIZE
-    _parts: list[bytes] = field(default_factory=list)
-    _entries: list[PackEntry] = field(default_factory=list)
-    _size: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    def __init__(self, codec: Codec, target_size: int = PACK_TARGET_SIZE,
+                 open_spool: Callable[[], BinaryIO] | None = None) -> None:
+        self.codec = codec
+        self.target_size = target_size
+        self._open_spool = open_spool
+        self._lock = threading.Lock()
+        self._start()
+
+    def _start(self) -> None:
+        self._out: BinaryIO | None = None  # opened by the first write
+        self._buf = bytearray()
+        self._hash = self.codec.hasher.new("pack")
+        self._entries: list[PackEntry] = []
+        self._size = 0
+
+    def _write(self, data: bytes, last: bool = False) -> None:
+        # Gathered into _SPOOL_WRITE bytes before each write and hash (not a call of
+        # each per object, with the lock held).
+        self._buf += data
+        if len(self._buf) >= _SPOOL_WRITE or last:
+            if self._out is None:
+                self._out = io.BytesIO() if self._open_spool is None else self._open_spool()
+            self._out.write(self._buf)
+            self._hash.update(self._buf)
+            self._buf.clear()
 
     def add(self, kind: str, object_id: str, plaintext: bytes) -> FinishedPack | None:
         encoded = self.codec.encode(kind, object_id, plaintext)
         with self._lock:
             self._entries.append(PackEntry(object_id, kind, self._size, len(encoded)))
-            self._parts.append(encoded)
+            self._write(encoded)
             self._size += len(encoded)
             if self._size >= self.target_size:
                 return self._close()
@@ -196,9 +225,13 @@ class PackBuilder:
         entries = self._entries
         header = canonical_json([[e.object_id, e.kind, e.offset, e.length] for e in entries])
         encoded_header = self.codec.encode("packheader", "pack", header)
-        self._parts.append(encoded_header)
-        self._parts.append(_TRAILER.pack(len(encoded_header), PACK_MAGIC))
-        data = b"".join(self._parts)
-        self._parts, self._entries, self._size = [], [], 0
+        self._write(encoded_header)
+        self._write(_TRAILER.pack(len(encoded_header), PACK_MAGIC), last=True)
+        out, pack_id = self._out, self._hash.hexdigest()
+        assert out is not None
+        self._start()
         blobs = sum(1 for e in entries if e.kind == "blob")
-        return FinishedPack(self.codec.id_of("pack", data), data, entries, blobs)
+        if isinstance(out, io.BytesIO):
+            return FinishedPack(pack_id, out.getvalue(), entries, blobs)
+        out.flush()
+        return FinishedPack(pack_id, b"", entries, blobs, out)

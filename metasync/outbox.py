@@ -95,47 +95,114 @@ class KnownIds:
 
     def claim(self, object_id: str) -> bool:
         """True exactly once per id that is not yet stored anywhere."""
+        return bool(self.claim_many([object_id]))
+
+    def claim_many(self, object_ids: list[str]) -> set[str]:
+        """The ids of ``object_ids`` not yet stored anywhere nor claimed before, each
+        claimed now (so it is returned exactly once): one query per few hundred ids
+        rather than one per id."""
         with self._lock:
-            if object_id in self._new:
-                return False
-            self._new.add(object_id)
+            fresh = [i for i in dict.fromkeys(object_ids) if i not in self._new]
+            self._new.update(fresh)
+        if not fresh:
+            return set()
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = sqlite3.connect(f"file:{self._path}?mode=ro", uri=True)
-        row = conn.execute("SELECT 1 FROM locations WHERE object_id=?", (object_id,)).fetchone()
-        return row is None
+        claimed = set(fresh)
+        for start in range(0, len(fresh), _CLAIM_QUERY):
+            part = fresh[start:start + _CLAIM_QUERY]
+            marks = ",".join("?" * len(part))
+            claimed.difference_update(r[0] for r in conn.execute(
+                f"SELECT object_id FROM locations WHERE object_id IN ({marks})", part))
+        return claimed
+
+
+#: Ids looked up in one query (under SQLite's oldest limit of 999 parameters).
+_CLAIM_QUERY = 500
+#: A hashing thread hands its objects to the pack in batches of at most this many
+#: objects or bytes (one lookup of which are new per batch, not one per object).
+SINK_BATCH = 256
+SINK_BATCH_BYTES = 1 << 20
 
 
 class ObjectWriter:
-    """Packs new objects into the outbox for one commit (from any thread)."""
+    """Packs new objects into the outbox for one commit (from any thread).
+
+    Each thread's objects wait in a small batch (:data:`SINK_BATCH`) so which of
+    them are new is asked once per batch; :meth:`finish` packs what still waits."""
 
     def __init__(self, outbox: Outbox) -> None:
         self.outbox = outbox
         self.known = KnownIds(outbox.ctx.db.path)
-        self.builder = PackBuilder(outbox.ctx.codec, pack_target_size())
+        # Each pack is written to the outbox as it fills: no pack is held in memory.
+        self.builder = PackBuilder(outbox.ctx.codec, pack_target_size(), self._spool)
         self.finished: list[FinishedPack] = []
         self.counts: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._local = threading.local()
+        #: Every thread's batch, so :meth:`finish` drains them all.
+        self._batches: list[_Batch] = []
+
+    def _spool(self) -> BinaryIO:
+        """A new temporary file in the outbox for a pack being built (one that an
+        interrupted commit leaves is removed by :meth:`Outbox.clean`)."""
+        return open(self.outbox.folder / f".tmp-{os.urandom(6).hex()}", "wb")
 
     def _keep(self, pack: FinishedPack | None) -> None:
         if pack is None:
             return
-        write_durable(self.outbox.folder / pack.pack_id, pack.data)
-        pack.data = b""  # on disk now: keep only the entries, so memory stays flat
+        spool = pack.spool
+        if spool is None:
+            write_durable(self.outbox.folder / pack.pack_id, pack.data)
+            pack.data = b""  # on disk now: keep only the entries, so memory stays flat
+        else:  # temp file, fsync, rename, as write_durable
+            with spool:
+                os.fsync(spool.fileno())
+            os.replace(spool.name, self.outbox.folder / pack.pack_id)
+            pack.spool = None
         with self._lock:
             self.finished.append(pack)
 
     def sink(self, kind: str, object_id: str, data: bytes) -> None:
-        """Store one object unless some pack already holds it."""
-        if self.known.claim(object_id):
+        """Store one object unless some pack already holds it (once this thread's
+        batch is drained, at the latest by :meth:`finish`)."""
+        batch: _Batch | None = getattr(self._local, "batch", None)
+        if batch is None:
+            batch = self._local.batch = _Batch()
+            with self._lock:
+                self._batches.append(batch)
+        batch.items.append((kind, object_id, data))
+        batch.size += len(data)
+        if len(batch.items) >= SINK_BATCH or batch.size >= SINK_BATCH_BYTES:
+            self._drain(batch)
+
+    def _drain(self, batch: _Batch) -> None:
+        items, batch.items, batch.size = batch.items, [], 0
+        new = self.known.claim_many([object_id for _, object_id, _ in items])
+        for kind, object_id, data in items:
+            if object_id not in new:
+                continue
+            new.discard(object_id)  # the same content twice in one batch: packed once
             with self._lock:
                 self.counts[kind] = self.counts.get(kind, 0) + 1
             self._keep(self.builder.add(kind, object_id, data))
 
     def finish(self) -> list[Standalone]:
-        """Flush the last pack; return the index objects listing every pack."""
+        """Pack what waits in every thread's batch, flush the last pack; return the
+        index objects listing every pack. Only once no thread sinks any more."""
+        for batch in self._batches:
+            self._drain(batch)
         self._keep(self.builder.flush())
         return self.outbox.index_objects([(p.pack_id, tuple(p.entries)) for p in self.finished])
+
+
+@dataclass
+class _Batch:
+    """One thread's objects waiting to be packed."""
+
+    items: list[tuple[str, str, bytes]] = field(default_factory=list)
+    size: int = 0
 
 
 class Outbox:

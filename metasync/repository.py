@@ -30,6 +30,7 @@ from metasync.layout import DEFAULT_NAMESPACE
 from metasync.localdb import OUTSIDE
 from metasync.objects import Commit, Config, TreeEntry, Version
 from metasync.outbox import Outbox
+from metasync.ownership import find_root, set_trusted
 from metasync.progress import Reporter
 from metasync.replicator import Replicator
 from metasync.repo_admin import RepositoryAdmin
@@ -37,7 +38,6 @@ from metasync.scanner import Scanner
 from metasync.store import RemoteStore
 from metasync.timeouts import wait_bound
 from metasync.versions import Versions
-from metasync.worktree import find_root, set_trusted
 
 # The parts `status` and `commit` never use load on first use (start-up time):
 # sync, history, fsck, lifecycle and maintenance.

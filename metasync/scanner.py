@@ -43,12 +43,17 @@ from metasync.worktree import (
 RACY_NS = 2_000_000_000
 #: Index rows a commit's scan writes at once (see :meth:`Scanner.scan`).
 INDEX_FLUSH = 20_000
-#: Files being hashed or queued per hashing thread (bounds memory on huge trees).
-HASH_WINDOW = 64
+#: Batches being hashed or queued per hashing thread (bounds memory on huge trees).
+HASH_WINDOW = 4
+#: Files one hashing task reads, at most (one task per file cost more than small
+#: files' hashing), and the bytes that close a batch early.
+HASH_BATCH = 32
+HASH_BATCH_BYTES = 4 << 20
 #: Names the fingerprint's format (and the local setting that keeps the last one).
 TREE_MEMO = "tree_memo_v1"
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 @dataclass
@@ -253,9 +258,18 @@ class Scanner:
         to_hash.clear()
         consume = (queue.popleft() for _ in range(len(queue)))
         files = result.files
+        root = os.fspath(self.ctx.root)
+
+        def read_batch(batch: list[ScanEntry]) -> list[tuple[str, str, ScanEntry] | str | None]:
+            return [self.read_one(e, sink, root) for e in batch]
+
         with ThreadPoolExecutor(workers, thread_name_prefix="metasync-hash") as pool:
-            for scanned, hashed in ordered_map(pool, lambda e: self.read_one(e, sink), consume,
-                                               HASH_WINDOW * workers):
+            for scanned, hashed in (
+                pair
+                for batch, got in ordered_map(pool, read_batch, _batches(consume),
+                                              HASH_WINDOW * workers)
+                for pair in zip(batch, got, strict=True)
+            ):
                 reporter.advance(scanned.size)
                 if hashed is None:
                     result.skipped.append(scanned.path)
@@ -284,19 +298,20 @@ class Scanner:
         got = self.read_one(e, sink)
         return got[:2] if isinstance(got, tuple) else None
 
-    def read_one(self, e: ScanEntry, sink: ObjectSink | None
+    def read_one(self, e: ScanEntry, sink: ObjectSink | None, root: str | None = None
                  ) -> tuple[str, str, ScanEntry] | str | None:
         """As :meth:`hash_one`, with the entry as the content was read (its size,
         mtime and inode differ from ``e``'s if the file changed during a first
         read); a file that cannot be read gives the reason (``Permission denied``)
-        instead of None."""
+        instead of None. ``root`` is the folder's path as a string (saves a Path per file)."""
+        path = os.path.join(os.fspath(self.ctx.root) if root is None else root, e.disk or e.path)
         for _ in range(3):
             try:
-                hashed = self.ctx.chunker.hash_file(self.ctx.root / (e.disk or e.path), e, sink)
+                hashed = self.ctx.chunker.hash_file(path, e, sink)
                 return hashed.type, hashed.ref, e
             except FileChanged:
                 try:
-                    st = os.lstat(self.ctx.root / (e.disk or e.path))
+                    st = os.lstat(path)
                 except FileNotFoundError:
                     return None
                 if not stat.S_ISREG(st.st_mode):
@@ -434,13 +449,27 @@ def tree_fingerprint(files: dict[str, TreeEntry], dirs: set[str]) -> str:
     return h.hexdigest()
 
 
+def _batches(entries: Iterable[ScanEntry]) -> Iterator[list[ScanEntry]]:
+    """``entries`` in lists of at most HASH_BATCH files or about HASH_BATCH_BYTES."""
+    batch: list[ScanEntry] = []
+    size = 0
+    for e in entries:
+        batch.append(e)
+        size += e.size
+        if len(batch) >= HASH_BATCH or size >= HASH_BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
 def ordered_map(
-    pool: ThreadPoolExecutor, fn: Callable[[ScanEntry], T], items: Iterable[ScanEntry], window: int
-) -> Iterator[tuple[ScanEntry, T]]:
+    pool: ThreadPoolExecutor, fn: Callable[[U], T], items: Iterable[U], window: int
+) -> Iterator[tuple[U, T]]:
     """``(item, fn(item))`` in order, run on ``pool`` with at most ``window`` tasks
     queued at once (``pool.map`` makes every future up front: ~1.5 kB each, which
     for a million files is gigabytes)."""
-    pending: deque[tuple[ScanEntry, Future[T]]] = deque()
+    pending: deque[tuple[U, Future[T]]] = deque()
     items_iter = iter(items)
     for e in itertools.islice(items_iter, window):
         pending.append((e, pool.submit(fn, e)))

@@ -46,7 +46,7 @@ MAX_SOCKET_PATH = 100
 
 def find_root(start: str) -> str | None:
     """The folder containing ``start`` that has a repository, searching upwards as
-    :func:`metasync.worktree.find_root` does (without its ownership check: that
+    :func:`metasync.ownership.find_root` does (without its ownership check: that
     is :func:`_open_meta`'s and the scan's)."""
     path = os.path.abspath(start)
     while True:

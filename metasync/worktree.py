@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from metasync.errors import UnsafeRepository, UsageError
+from metasync.errors import UsageError
 from metasync.fstraits import NAME_REFUSED, NameRefused
 from metasync.objects import Chunk, FileObject, ObjectHasher
 from metasync.portable import O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW, O_NONBLOCK, effective_uid
@@ -256,8 +256,9 @@ class Chunker:
         With ``dir_fd``, ``path`` is a name in that folder, and a link is not followed.
 
         Raises :class:`FileChanged` if the file's size or mtime moved during the read
-        (a file still being written must not be committed half-written).
-        """
+        (a file still being written must not be committed half-written)."""
+        if expect.size <= CHUNK_MIN:
+            return self._hash_small(path, expect, sink, dir_fd)
         chunks: list[Chunk] = []
         opener = _open_nonblocking if dir_fd is None else _opener_at(dir_fd)
         with open(path, "rb", buffering=0, opener=opener) as fh:
@@ -265,26 +266,20 @@ class Chunker:
             if (not stat.S_ISREG(st.st_mode) or st.st_size != expect.size
                     or st.st_mtime_ns != expect.mtime_ns):
                 raise FileChanged(str(path))
-            if st.st_size <= CHUNK_MIN:
-                self._emit(fh.readall(), 0, chunks, sink)
-            else:
-                from pyfastcdc import FastCDC  # not loaded by status (start-up time)
+            from pyfastcdc import FastCDC  # not loaded by status (start-up time)
 
-                # FastCDC objects are not thread-safe; one per call is cheap.
-                cdc = FastCDC(CHUNK_AVG, min_size=CHUNK_MIN, max_size=CHUNK_MAX)
-                for piece in cdc.cut_stream(fh):
-                    self._emit(piece.data, piece.offset, chunks, sink)
+            # FastCDC objects are not thread-safe; one per call is cheap. Its stream
+            # reader holds 2 * CHUNK_MAX bytes: a file up to that size is read whole.
+            cdc = FastCDC(CHUNK_AVG, min_size=CHUNK_MIN, max_size=CHUNK_MAX)
+            small = st.st_size <= 2 * CHUNK_MAX
+            for piece in cdc.cut_buf(fh.read(st.st_size + 1)) if small else cdc.cut_stream(fh):
+                self._emit(piece.data, piece.offset, chunks, sink)
             after = os.fstat(fh.fileno())
         size = sum(c.length for c in chunks)
         if after.st_size != expect.size or after.st_mtime_ns != expect.mtime_ns or size != expect.size:
             raise FileChanged(str(path))
         if len(chunks) == 1:
             return HashedFile("file", chunks[0].blob_id, size, 1)
-        if not chunks:  # an empty file is one empty blob
-            empty = self.hasher.id_of("blob", b"")
-            if sink is not None:
-                sink("blob", empty, b"")
-            return HashedFile("file", empty, 0, 1)
         obj = FileObject(size, tuple(chunks))
         data = obj.to_bytes()
         file_id = self.hasher.id_of("file", data)
@@ -292,9 +287,33 @@ class Chunker:
             sink("file", file_id, data)
         return HashedFile("chunked", file_id, size, len(chunks))
 
-    def _emit(
-        self, data: bytes | memoryview, offset: int, chunks: list[Chunk], sink: ObjectSink | None
-    ) -> None:
+    def _hash_small(self, path: Path | str, expect: ScanEntry, sink: ObjectSink | None,
+                    dir_fd: int | None) -> HashedFile:
+        """:meth:`hash_file` of a file the scan saw at most CHUNK_MIN long (most files):
+        one blob, read with no file object."""
+        flags = os.O_RDONLY | O_CLOEXEC | O_NONBLOCK | getattr(os, "O_BINARY", 0)
+        fd = os.open(path, flags) if dir_fd is None else os.open(
+            path, flags | O_NOFOLLOW, dir_fd=dir_fd)
+        try:
+            st = os.fstat(fd)
+            data = b""  # one byte more than expected is read: a file that grew
+            while (stat.S_ISREG(st.st_mode) and len(data) <= expect.size
+                   and (more := os.read(fd, expect.size + 1 - len(data)))):
+                data += more
+            after = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if (not stat.S_ISREG(st.st_mode) or len(data) != expect.size
+                or {st.st_size, after.st_size} != {expect.size}
+                or {st.st_mtime_ns, after.st_mtime_ns} != {expect.mtime_ns}):
+            raise FileChanged(str(path))
+        blob_id = self.hasher.id_of("blob", data)
+        if sink is not None:
+            sink("blob", blob_id, data)
+        return HashedFile("file", blob_id, len(data), 1)
+
+    def _emit(self, data: bytes | memoryview, offset: int, chunks: list[Chunk],
+              sink: ObjectSink | None) -> None:
         if not data:
             return
         blob_id = self.hasher.id_of("blob", data)
@@ -651,130 +670,6 @@ def conflict_name(name: str, device: str, when: str) -> str:
     while len(os.fsencode(stem)) > budget and stem:
         stem = stem[:-1]
     return f"{stem}{suffix}"
-
-
-# ---------------------------------------------------------------- whose .metasync it is
-#: Folders (separated by ``os.pathsep``) whose ``.metasync`` is opened whoever owns
-#: it, for this process; ``*`` trusts every folder (as git's ``safe.directory``).
-SAFE_FOLDERS_ENV = "METASYNC_SAFE_DIRECTORIES"
-#: This user's trusted folders, one absolute path a line, in metasync's configuration
-#: folder (``metasync trust``).
-TRUST_FILE = "trusted-folders"
-#: The files of ``.metasync`` a command reads before anything else: their owner is
-#: checked too (others cannot reach them in a private ``.metasync``, but one made
-#: while the folder was open to them may be theirs).
-_READ_FIRST = ("state.db", "key")
-
-
-def find_root(path: str | Path) -> Path | None:
-    """The repository folder containing ``path`` (searching upwards, as git does);
-    None if there is none. The nearest ``.metasync`` found must pass
-    :func:`check_owner` (else :class:`UnsafeRepository`): a folder another user
-    made in a shared parent is never taken for this user's repository."""
-    start = Path(path).absolute()
-    for candidate in (start, *start.parents):
-        if (candidate / META_DIR / "state.db").is_file():
-            check_owner(candidate)
-            return candidate
-    return None
-
-
-def check_owner(root: Path) -> None:
-    """Raise :class:`UnsafeRepository` (one line naming the fix) unless ``root`` is
-    trusted (:func:`trusted_folders`) or its ``.metasync`` is a real folder that
-    belongs to the user running this process, that no one else can write to, and
-    whose state and key files belong to that user. Root is no exception (as git):
-    a folder another user planted is theirs to control whoever opens it."""
-    problem = _ownership_problem(root)
-    if problem is not None and not _is_trusted(root):
-        raise UnsafeRepository(problem)
-
-
-def _ownership_problem(root: Path) -> str | None:
-    me = effective_uid()
-    if me is None:  # Windows: a folder's owner is an ACL's, checked by the OS on open
-        return None
-    meta = root / META_DIR
-    trust = f"if you trust it, run `metasync trust {root}` (or set {SAFE_FOLDERS_ENV})"
-    st = os.lstat(meta)
-    if not stat.S_ISDIR(st.st_mode):
-        return f"{meta} is a link, not a folder; {trust}"
-    if st.st_uid != me:
-        return f"{meta} is owned by uid {st.st_uid}, not you (uid {me}); {trust}"
-    if st.st_mode & 0o022 and _keeps_modes(meta, st):
-        return (f"{meta} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}); "
-                f"run `chmod go-w {meta}`, or {trust}")
-    for name in _READ_FIRST:
-        try:
-            fst = os.lstat(meta / name)
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISREG(fst.st_mode):
-            return f"{meta / name} is not a regular file; {trust}"
-        if fst.st_uid != me:
-            return f"{meta / name} is owned by uid {fst.st_uid}, not you (uid {me}); {trust}"
-    return None
-
-
-def _keeps_modes(path: Path, st: os.stat_result) -> bool:
-    """True if the file system of ``path`` (a folder that shows mode ``st``) keeps
-    permission bits. exFAT and FAT keep none and show every folder writable by all
-    (who may write is the mount's business): a mode that does not stick says
-    nothing. Probed by taking group and other write away and putting the mode back."""
-    mode = stat.S_IMODE(st.st_mode)
-    try:
-        os.chmod(path, mode & ~0o022)
-        kept = not os.stat(path).st_mode & 0o022
-        if kept:
-            os.chmod(path, mode)
-    except OSError:
-        return False  # fusefat: no chmod at all
-    return kept
-
-
-def _is_trusted(root: Path) -> bool:
-    env = os.environ.get(SAFE_FOLDERS_ENV, "")
-    entries = [e for e in env.split(os.pathsep) if e]
-    if "*" in entries:
-        return True
-    real = root.resolve()
-    return any(Path(e).resolve() == real for e in entries) or real in trusted_folders()
-
-
-def trust_file() -> Path:
-    """Where this user's trusted folders are listed."""
-    from metasync.backends.cloud import config_dir  # loaded only when a check fails
-
-    return config_dir() / TRUST_FILE
-
-
-def trusted_folders() -> list[Path]:
-    """The folders this user trusts (``metasync trust``), as listed."""
-    try:
-        text = trust_file().read_text()
-    except FileNotFoundError:
-        return []
-    return [Path(line) for line in text.splitlines() if line.strip()]
-
-
-def set_trusted(folder: str | Path, trusted: bool = True) -> Path:
-    """Add ``folder`` (a repository's folder) to this user's trusted folders, or with
-    ``trusted=False`` remove it; return its absolute path. The list is rewritten
-    atomically, readable by this user only."""
-    path = Path(folder).resolve()
-    if trusted and not (path / META_DIR).is_dir():
-        raise UsageError(f"{path} holds no {META_DIR} folder; give the repository's folder")
-    listed = [p for p in trusted_folders() if p != path] + ([path] if trusted else [])
-    target = trust_file()
-    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = target.with_name(f".tmp-{os.urandom(6).hex()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.writelines(f"{p}\n" for p in listed)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, target)
-    return path
 
 
 def write_durable(path: Path, data: bytes) -> None:

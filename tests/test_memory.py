@@ -53,3 +53,21 @@ def test_push_and_clone_memory_is_flat(tmp_path: Path) -> None:
     (small_push, small_clone), (big_push, big_clone) = peaks[40], peaks[240]
     assert big_push - small_push < 48 * 1024, peaks
     assert big_clone - small_clone < 48 * 1024, peaks
+
+
+def test_push_holds_no_pack_in_memory(tmp_path: Path) -> None:
+    """Pushing 72 MB of small incompressible files (several 16 MiB packs) needs no
+    more memory than 2 MB of them (within 12 MiB): each pack is written to the
+    outbox as it fills, never gathered in memory (issue 21)."""
+    peaks: dict[int, int] = {}
+    for megabytes in (2, 72):
+        base = tmp_path / f"s{megabytes}"
+        src, b1 = base / "src", base / "b1"
+        for d in (src, b1):
+            d.mkdir(parents=True)
+        for n in range(megabytes * 5):  # 200 KiB each: one blob, below CHUNK_MIN
+            (src / f"{n:04}.bin").write_bytes(os.urandom(200 * 1024))
+        subprocess.run([METASYNC, "-q", "init", "--backend", f"dir:{b1}"], cwd=src,
+                       env=dict(os.environ, METASYNC_PASSPHRASE=PASSPHRASE), check=True)
+        peaks[megabytes] = _peak_kb("-q", "push", cwd=src)
+    assert peaks[72] - peaks[2] < 12 * 1024, peaks

@@ -1,0 +1,133 @@
+"""The push's hashing and packing pipeline (issue 21): new objects are claimed in
+batches, each exactly once; packs are written to the outbox as they fill; files
+read whole for chunking are cut exactly as a stream would be."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+from pathlib import Path
+
+import pytest
+from pyfastcdc import FastCDC
+
+from metasync import Repository
+from metasync.codec import Codec, PackBuilder
+from metasync.localdb import LocalDB
+from metasync.objects import ObjectHasher, PackEntry
+from metasync.outbox import SINK_BATCH, KnownIds
+from metasync.worktree import CHUNK_AVG, CHUNK_MAX, CHUNK_MIN, Chunker, ScanEntry
+
+
+def _entry(path: Path) -> ScanEntry:
+    st = path.stat()
+    return ScanEntry(path.name, "file", st.st_size, st.st_mtime_ns, st.st_ino, False)
+
+
+def test_claim_many_claims_each_new_id_once(tmp_path: Path) -> None:
+    """Ids already located are never claimed; a new id is claimed by exactly one
+    call, even when listed twice or in several calls (more ids than one query)."""
+    db = LocalDB(tmp_path / "local.db")
+    stored = [f"{n:064x}" for n in range(700)]
+    with db.transaction():
+        db.add_locations("p" * 64, [PackEntry(i, "blob", n, 1) for n, i in enumerate(stored)])
+    known = KnownIds(db.path)
+    new = [f"{n:064x}" for n in range(10_000, 11_300)]
+    mixed = [x for pair in zip(stored, new, strict=False) for x in pair] + new[700:] + new[:5]
+    assert known.claim_many(mixed) == set(new)
+    assert known.claim_many(new + stored) == set()
+    assert not known.claim(stored[0])
+    fresh = f"{99_999:064x}"
+    assert known.claim(fresh) and not known.claim(fresh)
+
+
+def test_spooled_pack_is_the_pack_built_in_memory(tmp_path: Path) -> None:
+    """A pack streamed to a spool file has the same id and bytes as one built in
+    memory, and reads back entry by entry."""
+    codec = Codec(None)
+    spools: list[Path] = []
+
+    def open_spool() -> io.BufferedWriter:
+        spools.append(tmp_path / f"spool{len(spools)}")
+        return open(spools[-1], "wb")
+
+    in_memory = PackBuilder(codec, target_size=20_000)
+    spooled = PackBuilder(codec, target_size=20_000, open_spool=open_spool)
+    rng = random.Random(4)
+    closed: list[tuple[object, object]] = []
+    for _ in range(60):
+        data = rng.randbytes(rng.randrange(0, 3000)) * rng.randrange(1, 4)
+        object_id = codec.id_of("blob", data)
+        a, b = in_memory.add("blob", object_id, data), spooled.add("blob", object_id, data)
+        assert (a is None) == (b is None)
+        if a is not None:
+            closed.append((a, b))
+    closed.append((in_memory.flush(), spooled.flush()))
+    assert len(closed) >= 3 and len(spools) == len(closed)
+    for (a, b), path in zip(closed, spools, strict=True):
+        assert a is not None and b is not None
+        assert b.data == b"" and b.spool is not None and b.spool.name == str(path)
+        b.spool.close()
+        stored = path.read_bytes()
+        assert (b.pack_id, b.entries, b.blobs) == (a.pack_id, a.entries, a.blobs)
+        assert stored == a.data
+        assert codec.pack_entries(b.pack_id, stored) == b.entries
+
+
+@pytest.mark.parametrize("size", [CHUNK_MIN + 1, 3 * CHUNK_AVG + 5, 2 * CHUNK_MAX,
+                                  2 * CHUNK_MAX + 1])
+def test_files_are_cut_as_a_stream_would_be(tmp_path: Path, size: int) -> None:
+    """A file read whole for chunking (up to 2 * CHUNK_MAX) gets exactly the chunks
+    FastCDC finds streaming it: chunk ids are part of the format (deduplication
+    across versions and clients)."""
+    rng = random.Random(size)
+    data = rng.randbytes(size // 2) + bytes(size // 4) + rng.randbytes(size - size // 2 - size // 4)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    hasher = ObjectHasher(b"k" * 32)
+    got: list[tuple[str, str, bytes]] = []
+    ref = Chunker(hasher).hash_file(path, _entry(path), lambda k, i, d: got.append((k, i, d)))
+    cdc = FastCDC(CHUNK_AVG, min_size=CHUNK_MIN, max_size=CHUNK_MAX)
+    want = [bytes(p.data) for p in cdc.cut_stream(io.BytesIO(data))]
+    assert [d for k, _, d in got if k == "blob"] == want
+    assert ref.blobs == len(want) and ref.size == size
+
+
+def test_commit_packs_every_new_object_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A commit of many files, most sharing content (more than one sink batch of
+    each), stores every object in exactly one pack, in verified packs in the
+    outbox, and leaves no temporary file there."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+    backend = tmp_path / "b"
+    backend.mkdir()
+    rng = random.Random(5)
+    contents = [rng.randbytes(rng.randrange(1, 40_000)) for _ in range(30)]
+    for n in range(4 * SINK_BATCH):
+        (folder / f"{n}.bin").write_bytes(contents[n % len(contents)])
+    big = rng.randbytes(3 * CHUNK_MAX)
+    (folder / "big.bin").write_bytes(big)
+    big_chunks = len(list(FastCDC(CHUNK_AVG, min_size=CHUNK_MIN, max_size=CHUNK_MAX).cut_buf(big)))
+    (folder / "empty").write_bytes(b"")
+    monkeypatch.setenv("METASYNC_PACK_SIZE", str(200_000))
+    with Repository.init(folder, [f"dir:{backend}"], replicas=1, encrypt=False) as repo:
+        result = repo.commit("many")
+        assert result is not None
+        outbox = folder / ".metasync" / "outbox"
+        names = sorted(os.listdir(outbox))
+        assert not [n for n in names if n.startswith(".tmp-")]
+        codec = Codec(None)
+        ids: list[str] = []
+        packs = [kind for _, kind in repo.queued() if kind == "pack"]
+        assert len(packs) >= 3
+        for stored_id, kind in repo.queued():
+            if kind == "pack":
+                ids += [e.object_id for e in codec.pack_entries(
+                    stored_id, (outbox / stored_id).read_bytes())]
+        assert len(ids) == len(set(ids))
+        # 30 contents, the empty blob, the big file's chunks; its file object
+        assert result.new_objects["blob"] == len(set(contents)) + 1 + big_chunks
+        assert result.new_objects["file"] == 1
+        assert sum(result.new_objects.values()) == len(ids)
+        repo.push("many")
