@@ -47,10 +47,10 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from benchlib import write_results
 from linux_workload import DEFAULT_WORK, Workload, WorkloadError, count_tree, prepare
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -620,18 +620,6 @@ def workload_record(workload: Workload) -> dict[str, Any]:
     }
 
 
-def write_record(kind: str, record: dict[str, Any], results: Path) -> Path:
-    """Write ``record`` to ``results/<kind>-<UTC time>.json`` (atomically)."""
-    now = datetime.now(UTC)
-    record = {"benchmark": kind, "timestamp": now.isoformat(timespec="seconds"), **record}
-    results.mkdir(parents=True, exist_ok=True)
-    out = results / f"{kind}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(out)
-    return out
-
-
 def make_scratch(args: argparse.Namespace, name: str = "run") -> Path:
     """A fresh scratch folder (``--scratch`` or WORK/``name``)."""
     scratch: Path = (args.scratch or args.work / name).resolve()
@@ -737,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
         "extra": extras,
         "skipped": sorted(set(args.skip)),
     }
-    out = write_record(kind, record, args.results)
+    out = write_results(kind, record, args.results)
     print(f"results written to {out}")
     return 0
 

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchlib import write_results
 from linux_bench import (
     DEFAULT_METASYNC,
     RESULTS_DIR,
@@ -39,7 +40,6 @@ from linux_bench import (
     verify_copy,
     workload_for,
     workload_record,
-    write_record,
 )
 from linux_workload import DEFAULT_WORK
 
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, c in counts.items()},
         "scheduling_calls": list(SCHEDULING),
     }
-    out = write_record(kind, record, args.results)
+    out = write_results(kind, record, args.results)
     print(f"results written to {out}")
     return 0
 
