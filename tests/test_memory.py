@@ -57,8 +57,10 @@ def test_push_and_clone_memory_is_flat(tmp_path: Path) -> None:
 
 def test_push_holds_no_pack_in_memory(tmp_path: Path) -> None:
     """Pushing 72 MB of small incompressible files (several 16 MiB packs) needs no
-    more memory than 2 MB of them (within 12 MiB): each pack is written to the
-    outbox as it fills, never gathered in memory (issue 21)."""
+    more memory than 2 MB of them (within 24 MiB: the hashing window's files and the
+    allocator's arenas come to 9-13 MiB; one pack held whole would add 16 MiB more,
+    all of them 77 MiB, as before issue 21): each pack is written to the outbox as it
+    fills, never gathered in memory."""
     peaks: dict[int, int] = {}
     for megabytes in (2, 72):
         base = tmp_path / f"s{megabytes}"
@@ -70,4 +72,4 @@ def test_push_holds_no_pack_in_memory(tmp_path: Path) -> None:
         subprocess.run([METASYNC, "-q", "init", "--backend", f"dir:{b1}"], cwd=src,
                        env=dict(os.environ, METASYNC_PASSPHRASE=PASSPHRASE), check=True)
         peaks[megabytes] = _peak_kb("-q", "push", cwd=src)
-    assert peaks[72] - peaks[2] < 12 * 1024, peaks
+    assert peaks[72] - peaks[2] < 24 * 1024, peaks
