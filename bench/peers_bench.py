@@ -142,7 +142,13 @@ class Metasync(Contender):
         return t
 
     def clone(self) -> Timing:
-        return self.timed(self._cmd("clone", self.uris[0], self.dst), self.base)
+        # The other backends by URI too: a clone reaches the entry backend by the URI
+        # it is given, and every other one only through `--backend` (credentials and
+        # mount points stay on each machine; issue 17).
+        others: list[str | Path] = []
+        for uri in self.uris[1:]:
+            others += ["--backend", uri]
+        return self.timed(self._cmd("clone", self.uris[0], self.dst, *others), self.base)
 
     def incremental(self) -> Timing:
         return self.timed(self._cmd("push"), self.src)
