@@ -66,6 +66,7 @@ from metasync.layout import (
 from metasync.localdb import LocalDB
 from metasync.mapping import vnode_unit
 from metasync.objects import FORMAT_VERSION, MAX_FRAGMENTS, BackendSpec, Config
+from metasync.ownership import check_owner
 from metasync.progress import CANCEL
 from metasync.state import LocalState
 from metasync.worktree import META_DIR
@@ -303,6 +304,9 @@ def clone_folder(root: str | Path) -> tuple[Path, Found]:
     meta = root / META_DIR
     if META_DIR not in names or meta.is_symlink() or not (meta / "state.db").is_file():
         raise refused
+    # Another user's folder is never resumed (its state would name the backends):
+    # the ownership check every command makes on the folder it opens.
+    check_owner(root)
     try:
         db = LocalDB(meta / "state.db")
     except (sqlite3.Error, OSError):
