@@ -54,8 +54,10 @@ RACY_NS = 2_000_000_000
 TREE_MEMO = "tree_memo_v1"
 #: metasync.localdb.NOT_ON_DISK and OUTSIDE: rows kept for paths not on disk.
 SPECIAL_MTIMES = (-1, -2)
-#: The key file in ``.metasync`` (metasync.context.KEY_FILE).
+#: The key file and the outbox folder in ``.metasync`` (metasync.context's KEY_FILE
+#: and OUTBOX_DIR).
 KEY_FILE = "key"
+OUTBOX_DIR = "outbox"
 
 
 class _Decline(Exception):
@@ -229,6 +231,14 @@ def _answer(root: str) -> dict[str, Any]:
             raise _Decline("the key file changed")
         if doc["device"] != os.stat(root).st_dev:
             raise _Decline("another file system")
+        # What opening the repository needs besides: the outbox folder (made if
+        # missing) and the head commit, cached locally (read from a backend else).
+        if not os.path.isdir(os.path.join(root, META_DIR, OUTBOX_DIR)):
+            raise _Decline("no outbox folder")
+        head = conn.execute("SELECT value FROM settings WHERE key = 'head'").fetchone()
+        if head is None or not conn.execute("SELECT 1 FROM objects WHERE object_id = ?",
+                                            (json.loads(head[0]),)).fetchone():
+            raise _Decline("the head commit is not cached")
         exec_bits = doc["exec_bits"]
         found, dirs, links = walk(root)
         files: list[tuple[str, str, str, int, bool]] = []

@@ -300,3 +300,16 @@ def test_console_script_answers_without_the_cli(tmp_path: Path, backends: list[P
     *printed, last = proc.stdout.splitlines(keepends=True)
     assert json.loads(last) == {"exit": 0, "click": False, "codec": False}
     assert "".join(printed) == full(root).stdout
+
+
+def test_constants_are_the_full_paths() -> None:
+    """The quick path keeps its own copies of the scan's names and rules (it imports
+    only the standard library): they must be the ones the full status uses."""
+    from metasync import context, localdb, scanner, watch_client, worktree
+
+    assert (quickstatus.META_DIR, quickstatus.TEMP_PREFIX, quickstatus.IGNORE_FILE) == (
+        worktree.META_DIR, worktree.TEMP_PREFIX, worktree.IGNORE_FILE)
+    assert (quickstatus.RACY_NS, quickstatus.TREE_MEMO) == (scanner.RACY_NS, scanner.TREE_MEMO)
+    assert set(quickstatus.SPECIAL_MTIMES) == {localdb.NOT_ON_DISK, localdb.OUTSIDE}
+    assert (quickstatus.KEY_FILE, quickstatus.OUTBOX_DIR) == (context.KEY_FILE, context.OUTBOX_DIR)
+    assert watch_client.META_DIR == quickstatus.META_DIR
