@@ -48,8 +48,8 @@ class Status:
     #: files and links of the tree are outside it (docs/sparse.md).
     sparse_patterns: list[str] = field(default_factory=list)
     outside: int = 0
-    #: The scan's tree fingerprint when the quick path may answer this status again
-    #: (:meth:`Committer.keep_quick_answer`), else "".
+    #: The digest of the scan's entries when the quick path may answer this status
+    #: again (:meth:`Committer.keep_quick_answer`), else "".
     quick: str = ""
 
     @property
@@ -138,7 +138,9 @@ class Committer:
         changes.sort(key=lambda c: c.path)
         prev, head_id = self.state.prev, self.state.head
         # Clean by the tree memo, with nothing the quick path leaves to this scan.
+        # Every file's index row trusted, as the quick path checks it.
         quick = exclusive and head is not None and not changes and not scan.skipped \
+            and scan.files_hashed == 0 and not scan.rows and bool(scan.seen) \
             and not scan.problems.unreadable and not scan.problems.special \
             and not scan.outside and not self.state.sparse_patterns \
             and self.state.tree_memo == (fingerprint, head.tree)
@@ -151,7 +153,8 @@ class Committer:
             problems=scan.problems,
             sparse_patterns=self.state.sparse_patterns,
             outside=sum(1 for p in scan.outside if p in scan.files),
-            quick=fingerprint if quick else "",
+            quick=quickstatus.lines_digest([quickstatus.entry_line(*e[:7])
+                                            for e in scan.seen.values()]) if quick else "",
         )
 
     def keep_quick_answer(self, st: Status, answer: dict[str, Any]) -> None:
@@ -167,8 +170,7 @@ class Committer:
         db = self.ctx.db
         with db.transaction():
             db.set(quickstatus.MEMO_KEY, quickstatus.memo(
-                db.conn, str(self.ctx.root), st.quick, FORMAT_VERSION, traits.exec_bits,
-                traits.device, answer))
+                db.conn, str(self.ctx.root), st.quick, traits.device, answer))
 
     def keep_unread(self, scan: ScanResult, head: Commit | None) -> None:
         """Put back into ``scan`` the committed version of every path it could not

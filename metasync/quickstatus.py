@@ -1,30 +1,29 @@
-"""A no-change ``metasync status --offline`` answered from the index, as git answers
-``git status``: before the CLI (click, the codec, the repository) is loaded.
+"""A no-change ``metasync status --offline`` answered from the last clean answer, as
+git answers ``git status`` from its index: before the CLI (click, the codec, the
+repository) is loaded. Only the standard library is imported here.
 
 When a full status finds the folder clean (:meth:`Committer.status
-<metasync.committer.Committer.status>`, with the folder's lock held), it keeps
-what it printed in the local state (setting :data:`MEMO_KEY`) together with a
-*stamp* of everything that answer was made from:
+<metasync.committer.Committer.status>`, with the folder's lock held) and trusted
+*every* file's index row (same size, mtime and inode, not racily clean: nothing
+was read), it keeps what it printed in the local state (setting :data:`MEMO_KEY`)
+with a stamp of everything that answer was made from:
 
 * ``settings``: a digest of every other row of the ``settings`` table (the
   version, head, pending checkout, unfinished clone, sparse selection, waiting
   folders, configuration, folder traits, the tree memo...);
-* ``tree``: the fingerprint of the scan (:func:`metasync.scanner.tree_fingerprint`
-  of every file's content id, size and exec bit, link targets and folders) that
-  the tree memo ties to the head commit's tree -- the full status then lists no
-  change without building a tree;
-* what the scan's rules read besides: the exec-bit trait and the file system's
-  device number, the key file (size, mtime, inode), the object format.
+* ``disk``: a digest of the scan's entries (:func:`entry_line`: each file's size,
+  mtime, inode and exec bit, each link's target, each folder);
+* the index as it was: any write to it drops the memo
+  (:meth:`metasync.localdb.LocalDB.upsert_index`, ``delete_index``), and
+  ``index`` holds sums over its rows that catch a writer that does not;
+* the key file (size, mtime, inode) and the file system's device number.
 
-:func:`answer` walks the folder with the scan's rules (:func:`metasync.worktree.scan`
-and :meth:`metasync.scanner.Scanner.scan`), taking each file's content id from
-its index row only where the full scan would (same size, mtime and inode, not
-racily clean), and recomputes the stamp. Equal stamps mean the full status would
-read the same inputs, and so print the same answer: it is printed. Anything the
-walk does not handle the way the full scan would -- a file the index cannot vouch
-for, an ignore file, a sparse selection, an unreadable folder, a special file, a
-name not in UTF-8, a row kept for a path not on disk -- or any error gives None,
-and the full CLI runs. Only the standard library is imported here.
+:func:`answer` walks the folder with the scan's rules (:func:`metasync.worktree.scan`)
+and recomputes the stamp. Equal stamps mean the full status would read the same
+files against the same index rows, trust each one again, find the same tree
+against the same head and settings, and so print the same answer: it is printed.
+Anything else -- an ignore file, a special file, a file this user may not read,
+a folder it cannot list, any error -- gives None, and the full CLI runs.
 """
 
 from __future__ import annotations
@@ -49,11 +48,6 @@ MEMO_VERSION = 1
 META_DIR = ".metasync"
 TEMP_PREFIX = ".metasync-tmp-"
 IGNORE_FILE = ".metasyncignore"
-#: metasync.scanner.RACY_NS and TREE_MEMO.
-RACY_NS = 2_000_000_000
-TREE_MEMO = "tree_memo_v1"
-#: metasync.localdb.NOT_ON_DISK and OUTSIDE: rows kept for paths not on disk.
-SPECIAL_MTIMES = (-1, -2)
 #: The key file and the outbox folder in ``.metasync`` (metasync.context's KEY_FILE
 #: and OUTBOX_DIR).
 KEY_FILE = "key"
@@ -76,18 +70,36 @@ def settings_digest(conn: sqlite3.Connection) -> str:
     return h.hexdigest()
 
 
-def fingerprint(files: list[tuple[str, str, str, int, bool]], dirs: list[str],
-                fmt: int) -> str:
-    """:func:`metasync.scanner.tree_fingerprint` of ``files`` (path, type, ref,
-    size, executable) and ``dirs``, for object format ``fmt``."""
+def entry_line(path: str, kind: str, size: int, mtime_ns: int, ino: int, executable: bool,
+               target: str) -> str:
+    """What the stamp holds of one scanned path (a metasync.worktree.ScanEntry):
+    for a file what decides whether its index row is trusted, and its exec bit;
+    for a link its target; for a folder its path."""
+    if kind == "file":
+        return f"{path}\0f\0{size}\0{mtime_ns}\0{ino}\0{'x' if executable else '-'}\0"
+    if kind == "link":
+        return f"{path}\0l\0{target}\0"
+    return f"{path}\0d\0"
+
+
+def lines_digest(lines: list[str]) -> str:
+    """The digest of a scan's :func:`entry_line` lines (any order)."""
+    lines.sort()
     h = hashlib.blake2b(digest_size=32)
-    h.update(f"{TREE_MEMO}\0{fmt}\0{len(files)}\0{len(dirs)}\0".encode())
-    files.sort()
-    batch = [f"{p}\0{t}\0{r}\0{s}\0{'x' if x else '-'}\0" for p, t, r, s, x in files]
-    dirs.sort()
-    batch.extend(f"{d}\0" for d in dirs)
-    h.update("".join(batch).encode("utf-8", "surrogatepass"))
+    h.update(f"{len(lines)}\0".encode())
+    h.update("".join(lines).encode("utf-8", "surrogatepass"))
     return h.hexdigest()
+
+
+def index_check(conn: sqlite3.Connection) -> list[int]:
+    """Sums over the index's rows, made by SQLite in one pass: a write by code that
+    does not drop the memo (:meth:`metasync.localdb.LocalDB.upsert_index` does)
+    changes them -- a file hashed again has a new ``hashed_at_ns``."""
+    m = 2_147_483_647
+    row = conn.execute(
+        f"SELECT count(*), sum(hashed_at_ns % {m}), sum(mtime_ns % {m}), sum(ino % {m}), "
+        f"sum(size % {m}), sum(length(ref)) FROM worktree").fetchone()
+    return [int(v or 0) for v in row]
 
 
 def key_stamp(meta: str) -> list[int] | None:
@@ -99,14 +111,14 @@ def key_stamp(meta: str) -> list[int] | None:
     return [st.st_size, st.st_mtime_ns, st.st_ino]
 
 
-def memo(conn: sqlite3.Connection, root: str, tree: str, fmt: int, exec_bits: bool,
-         device: int, answer: dict[str, Any]) -> dict[str, Any]:
+def memo(conn: sqlite3.Connection, root: str, disk: str, device: int,
+         answer: dict[str, Any]) -> dict[str, Any]:
     """The memo (:data:`MEMO_KEY`) for the clean ``answer`` (``{"json": ...,
-    "text": ...}`` of an offline status) of a scan with fingerprint ``tree``; read
-    the settings after every other write of the command."""
+    "text": ...}`` of an offline status) of a scan whose entries' :func:`lines_digest`
+    is ``disk``; read the settings after every other write of the command."""
     return {
-        "v": MEMO_VERSION, "settings": settings_digest(conn), "tree": tree, "format": fmt,
-        "exec_bits": exec_bits, "device": device,
+        "v": MEMO_VERSION, "settings": settings_digest(conn), "disk": disk,
+        "index": index_check(conn), "device": device,
         "key": key_stamp(os.path.join(root, META_DIR)),
         "answer": {"json": answer["json"], "text": answer["text"]}}
 
@@ -147,17 +159,16 @@ def _owned(root: str) -> bool:
     return True
 
 
-def walk(root: str) -> tuple[dict[str, os.stat_result], list[str], dict[str, str]]:
-    """Files, folders and links under ``root`` by the scan's rules
-    (metasync.worktree.scan): ``(files by path, folders, link targets by path)``;
-    _Decline for anything the scan would report as a problem."""
-    files: dict[str, os.stat_result] = {}
-    dirs: list[str] = []
-    links: dict[str, str] = {}
+def walk(root: str) -> list[str]:
+    """The :func:`entry_line` of every file, folder and link under ``root`` by the
+    scan's rules (metasync.worktree.scan); _Decline for anything the scan would
+    report as a problem. A folder or a link is told by its directory entry's type;
+    only files are stat'ed."""
+    lines: list[str] = []
+    add = lines.append
     me = os.geteuid()
     everything = me == 0
-    s_ifmt, s_ifreg, s_ifdir, s_iflnk = 0o170000, stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK
-    s_irusr = stat.S_IRUSR
+    s_ifmt, s_ifreg, s_irusr, s_ixusr = 0o170000, stat.S_IFREG, stat.S_IRUSR, stat.S_IXUSR
     stack = [(root, "")]
     while stack:
         abs_dir, rel_dir = stack.pop()
@@ -172,23 +183,22 @@ def walk(root: str) -> tuple[dict[str, os.stat_result], list[str], dict[str, str
                 if name.startswith(META_DIR) and (name == META_DIR or name.startswith(TEMP_PREFIX)):
                     continue
                 rel = prefix + name
-                try:
-                    st = de.stat(follow_symlinks=False)
-                except OSError:
-                    raise _Decline(f"cannot stat {rel}") from None
-                kind = st.st_mode & s_ifmt
-                if kind == s_ifreg:
-                    if not (everything or (st.st_uid == me and st.st_mode & s_irusr)):
-                        raise _Decline(f"maybe unreadable: {rel}")
-                    files[rel] = st
-                elif kind == s_ifdir:
-                    dirs.append(rel)
+                if de.is_dir(follow_symlinks=False):
+                    add(f"{rel}\0d\0")
                     stack.append((de.path, rel))
-                elif kind == s_iflnk:
-                    links[rel] = os.readlink(de.path)
-                else:
+                    continue
+                if de.is_symlink():
+                    add(f"{rel}\0l\0{os.readlink(de.path)}\0")
+                    continue
+                st = de.stat(follow_symlinks=False)
+                mode = st.st_mode
+                if mode & s_ifmt != s_ifreg:
                     raise _Decline(f"special file: {rel}")
-    return files, dirs, links
+                if not (everything or (st.st_uid == me and mode & s_irusr)):
+                    raise _Decline(f"maybe unreadable: {rel}")
+                add(f"{rel}\0f\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0"
+                    f"{'x' if mode & s_ixusr else '-'}\0")
+    return lines
 
 
 def _open_db(root: str) -> sqlite3.Connection:
@@ -214,8 +224,12 @@ def answer(cwd: str) -> dict[str, Any] | None:
 
 
 def _answer(root: str) -> dict[str, Any]:
+    meta = os.path.join(root, META_DIR)
     if os.path.lexists(os.path.join(root, IGNORE_FILE)):
         raise _Decline("an ignore file")  # its rules are pathspec's: the full scan's
+    # What opening the repository needs besides: the outbox folder (made if missing).
+    if not os.path.isdir(os.path.join(meta, OUTBOX_DIR)):
+        raise _Decline("no outbox folder")
     conn = _open_db(root)
     try:
         conn.execute("BEGIN")  # one snapshot of the settings and the index
@@ -227,45 +241,22 @@ def _answer(root: str) -> dict[str, Any]:
             raise _Decline("no memo of this version")
         if doc["settings"] != settings_digest(conn):
             raise _Decline("the local state changed")
-        if doc["key"] != key_stamp(os.path.join(root, META_DIR)):
-            raise _Decline("the key file changed")
-        if doc["device"] != os.stat(root).st_dev:
-            raise _Decline("another file system")
-        # What opening the repository needs besides: the outbox folder (made if
-        # missing) and the head commit, cached locally (read from a backend else).
-        if not os.path.isdir(os.path.join(root, META_DIR, OUTBOX_DIR)):
-            raise _Decline("no outbox folder")
+        if doc["index"] != index_check(conn):
+            raise _Decline("the index changed")
+        # The head commit is read from the local cache (else from a backend).
         head = conn.execute("SELECT value FROM settings WHERE key = 'head'").fetchone()
         if head is None or not conn.execute("SELECT 1 FROM objects WHERE object_id = ?",
                                             (json.loads(head[0]),)).fetchone():
             raise _Decline("the head commit is not cached")
-        exec_bits = doc["exec_bits"]
-        found, dirs, links = walk(root)
-        files: list[tuple[str, str, str, int, bool]] = []
-        for path, kind, ref, size, executable, mtime_ns, ino, hashed_at in conn.execute(
-                "SELECT path, type, ref, size, executable, mtime_ns, ino, hashed_at_ns "
-                "FROM worktree"):
-            if path.__class__ is not str or ref.__class__ is not str:
-                raise _Decline("a name not in UTF-8")
-            st = found.pop(path, None)
-            if st is None:
-                if mtime_ns in SPECIAL_MTIMES or not path.isascii():
-                    raise _Decline("a row kept for a path not on disk, or respelled")
-                continue  # not a file here: a folder, a link, or gone
-            # The scanner's test of a row it trusts (Scanner.scan).
-            if (st.st_size != size or st.st_mtime_ns != mtime_ns or st.st_ino != ino
-                    or mtime_ns + RACY_NS >= hashed_at):
-                raise _Decline(f"changed or racily clean: {path}")
-            files.append((path, kind, ref, size,
-                          bool(st.st_mode & stat.S_IXUSR) if exec_bits else bool(executable)))
-        if found:
-            raise _Decline("files the index does not vouch for")
-        files.extend((p, "link", t, len(os.fsencode(t)), False) for p, t in links.items())
-        if fingerprint(files, dirs, doc["format"]) != doc["tree"]:
-            raise _Decline("another tree")
         conn.execute("COMMIT")
     finally:
         conn.close()
+    if doc["key"] != key_stamp(meta):
+        raise _Decline("the key file changed")
+    if doc["device"] != os.stat(root).st_dev:
+        raise _Decline("another file system")
+    if lines_digest(walk(root)) != doc["disk"]:
+        raise _Decline("the folder changed")
     got = doc["answer"]
     if not isinstance(got.get("json"), str) or not isinstance(got.get("text"), list):
         raise _Decline("a malformed memo")

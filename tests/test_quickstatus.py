@@ -24,8 +24,6 @@ import pytest
 
 from conftest import PASSPHRASE, run_cli
 from metasync import quickstatus
-from metasync.objects import TreeEntry
-from metasync.scanner import tree_fingerprint
 
 #: How far in the past test files' mtimes are put (well beyond scanner.RACY_NS).
 OLD = 60
@@ -189,6 +187,38 @@ def test_same_size_same_mtime_same_inode_edit_agrees(tmp_path: Path,
     assert agree(root)
 
 
+def test_stat_put_back_after_a_status_saw_the_change(tmp_path: Path,
+                                                     backends: list[Path]) -> None:
+    """An edit a status saw (and hashed), whose size, mtime and inode are then put
+    back as they were when the answer was kept: the index row is the edit's, so the
+    full status reads the file again; the quick path must not answer from the memo."""
+    root = make_folder(tmp_path, backends)
+    clean_and_kept(root)
+    f1 = root / "docs" / "f1.txt"
+    st = f1.stat()
+    with open(f1, "r+") as fh:
+        fh.write("FILE")
+    age_one(f1)
+    assert not agree(root)  # the edit is seen, and its row written
+    os.utime(f1, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert not agree(root)
+    assert "M docs/f1.txt" in full(root).stdout
+
+
+def test_an_index_written_behind_the_memo_declines(tmp_path: Path,
+                                                   backends: list[Path]) -> None:
+    """A writer that does not drop the memo (older code, a tool) changes the sums."""
+    root = make_folder(tmp_path, backends)
+    clean_and_kept(root)
+    db = sqlite3.connect(root / ".metasync" / "state.db")
+    try:
+        db.execute("UPDATE worktree SET hashed_at_ns = hashed_at_ns + 1 WHERE path = 'docs/f1.txt'")
+        db.commit()
+    finally:
+        db.close()
+    assert quickstatus.answer(str(root)) is None
+
+
 def test_unpushed_commit_and_after_a_pull(tmp_path: Path, backends: list[Path]) -> None:
     root = make_folder(tmp_path, backends)
     clean_and_kept(root)
@@ -264,17 +294,6 @@ def test_a_changed_setting_or_key_declines(tmp_path: Path, backends: list[Path])
     assert quickstatus.answer(str(root)) is None
 
 
-def test_fingerprint_is_the_scanners() -> None:
-    files = {"a": TreeEntry("a", "file", "r1", 3, False),
-             "d/x": TreeEntry("x", "chunked", "r2", 9, True),
-             "l": TreeEntry("l", "link", "t\udce9", 2),
-             "é/ü": TreeEntry("ü", "file", "r3", 0, False)}
-    dirs = {"d", "é", "empty"}
-    quick = [(p, e.type, e.ref, e.size, e.executable) for p, e in files.items()]
-    assert quickstatus.fingerprint(quick, sorted(dirs, reverse=True), 6) == \
-        tree_fingerprint(files, dirs)
-
-
 #: The console script's quick path, in a fresh process: what it printed, and
 #: whether it loaded the CLI.
 PROBE = """
@@ -305,11 +324,9 @@ def test_console_script_answers_without_the_cli(tmp_path: Path, backends: list[P
 def test_constants_are_the_full_paths() -> None:
     """The quick path keeps its own copies of the scan's names and rules (it imports
     only the standard library): they must be the ones the full status uses."""
-    from metasync import context, localdb, scanner, watch_client, worktree
+    from metasync import context, watch_client, worktree
 
     assert (quickstatus.META_DIR, quickstatus.TEMP_PREFIX, quickstatus.IGNORE_FILE) == (
         worktree.META_DIR, worktree.TEMP_PREFIX, worktree.IGNORE_FILE)
-    assert (quickstatus.RACY_NS, quickstatus.TREE_MEMO) == (scanner.RACY_NS, scanner.TREE_MEMO)
-    assert set(quickstatus.SPECIAL_MTIMES) == {localdb.NOT_ON_DISK, localdb.OUTSIDE}
     assert (quickstatus.KEY_FILE, quickstatus.OUTBOX_DIR) == (context.KEY_FILE, context.OUTBOX_DIR)
     assert watch_client.META_DIR == quickstatus.META_DIR
