@@ -153,8 +153,8 @@ class Committer:
             problems=scan.problems,
             sparse_patterns=self.state.sparse_patterns,
             outside=sum(1 for p in scan.outside if p in scan.files),
-            quick=quickstatus.keys_digest([quickstatus.entry_key(*e[:7])
-                                           for e in scan.seen.values()]) if quick else "",
+            quick=quickstatus.lines_digest([quickstatus.entry_line(*e[:7])
+                                            for e in scan.seen.values()]) if quick else "",
         )
 
     def keep_quick_answer(self, st: Status, answer: dict[str, Any]) -> None:

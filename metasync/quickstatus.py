@@ -11,7 +11,7 @@ with a stamp of everything that answer was made from:
 * ``settings``: a digest of every other row of the ``settings`` table (the
   version, head, pending checkout, unfinished clone, sparse selection, waiting
   folders, configuration, folder traits, the tree memo...);
-* ``disk``: a digest of the scan's entries (:func:`entry_key`: each file's size,
+* ``disk``: a digest of the scan's entries (:func:`entry_line`: each file's size,
   mtime, inode and exec bit, each link's target, each folder);
 * the index as it was: any write to it drops the memo
   (:meth:`metasync.localdb.LocalDB.upsert_index`, ``delete_index``), and
@@ -74,23 +74,25 @@ def settings_digest(conn: sqlite3.Connection) -> str:
     return h.hexdigest()
 
 
-def entry_key(path: str, kind: str, size: int, mtime_ns: int, ino: int, executable: bool,
-              target: str) -> tuple[Any, ...]:
+def entry_line(path: str, kind: str, size: int, mtime_ns: int, ino: int, executable: bool,
+               target: str) -> str:
     """What the stamp holds of one scanned path (a metasync.worktree.ScanEntry):
     for a file what decides whether its index row is trusted, and its exec bit;
     for a link its target; for a folder its path."""
     if kind == "file":
-        return (path, size, mtime_ns, ino, bool(executable))
+        return f"{path}\0f\0{size}\0{mtime_ns}\0{ino}\0{'x' if executable else '-'}\0"
     if kind == "link":
-        return (path, target)
-    return (path,)
+        return f"{path}\0l\0{target}\0"
+    return f"{path}\0d\0"
 
 
-def keys_digest(keys: list[tuple[Any, ...]]) -> str:
-    """The digest of a scan's :func:`entry_key` keys (any order: sorted by path, each
-    path once; ``repr`` writes str, int and bool one way only)."""
-    keys.sort()
-    return blake2b(repr(keys).encode("utf-8", "surrogatepass"), digest_size=32).hexdigest()
+def lines_digest(lines: list[str]) -> str:
+    """The digest of a scan's :func:`entry_line` lines (any order)."""
+    lines.sort()
+    h = blake2b(digest_size=32)
+    h.update(f"{len(lines)}\0".encode())
+    h.update("".join(lines).encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
 
 
 def index_check(conn: sqlite3.Connection) -> list[int]:
@@ -116,7 +118,7 @@ def key_stamp(meta: str) -> list[int] | None:
 def memo(conn: sqlite3.Connection, root: str, disk: str, device: int,
          answer: dict[str, Any]) -> dict[str, Any]:
     """The memo (:data:`MEMO_KEY`) for the clean ``answer`` (``{"json": ...,
-    "text": ...}`` of an offline status) of a scan whose entries' :func:`keys_digest`
+    "text": ...}`` of an offline status) of a scan whose entries' :func:`lines_digest`
     is ``disk``; read the settings after every other write of the command."""
     return {
         "v": MEMO_VERSION, "settings": settings_digest(conn), "disk": disk,
@@ -161,50 +163,46 @@ def _owned(root: str) -> bool:
     return True
 
 
-def walk(root: str) -> list[tuple[Any, ...]]:
-    """The :func:`entry_key` of every file, folder and link under ``root`` by the
-    scan's rules (metasync.worktree.scan), in the scan's order; _Decline for
-    anything the scan would report as a problem. A folder or a link is told by
-    its directory entry's type; only files are stat'ed."""
-    stack = [(root, "")]
-    keys: list[tuple[Any, ...]] = []
-    while stack:
-        _walk_one(*stack.pop(), stack, keys)
-    return keys
-
-
-def _walk_one(abs_dir: str, rel_dir: str, stack: list[tuple[str, str]],
-              keys: list[tuple[Any, ...]]) -> None:
-    """List one folder into ``keys``; its folders go on ``stack``."""
-    add = keys.append
+def walk(root: str) -> list[str]:
+    """The :func:`entry_line` of every file, folder and link under ``root`` by the
+    scan's rules (metasync.worktree.scan); _Decline for anything the scan would
+    report as a problem. A folder or a link is told by its directory entry's type;
+    only files are stat'ed."""
+    lines: list[str] = []
+    add = lines.append
     me = os.geteuid()
     everything = me == 0
     s_ifmt, s_ifreg, s_irusr, s_ixusr = 0o170000, stat.S_IFREG, stat.S_IRUSR, stat.S_IXUSR
-    try:
-        it = os.scandir(abs_dir)
-    except OSError:
-        raise _Decline(f"cannot list {rel_dir}") from None
-    prefix = f"{rel_dir}/" if rel_dir else ""
-    with it:
-        for de in it:
-            name = de.name
-            if name.startswith(META_DIR) and (name == META_DIR or name.startswith(TEMP_PREFIX)):
-                continue
-            rel = prefix + name
-            if de.is_dir(follow_symlinks=False):
-                add((rel,))
-                stack.append((de.path, rel))
-                continue
-            if de.is_symlink():
-                add((rel, os.readlink(de.path)))
-                continue
-            st = de.stat(follow_symlinks=False)
-            mode = st.st_mode
-            if mode & s_ifmt != s_ifreg:
-                raise _Decline(f"special file: {rel}")
-            if not (everything or (st.st_uid == me and mode & s_irusr)):
-                raise _Decline(f"maybe unreadable: {rel}")
-            add((rel, st.st_size, st.st_mtime_ns, st.st_ino, mode & s_ixusr != 0))
+    stack = [(root, "")]
+    while stack:
+        abs_dir, rel_dir = stack.pop()
+        try:
+            it = os.scandir(abs_dir)
+        except OSError:
+            raise _Decline(f"cannot list {rel_dir}") from None
+        prefix = f"{rel_dir}/" if rel_dir else ""
+        with it:
+            for de in it:
+                name = de.name
+                if name.startswith(META_DIR) and (name == META_DIR or name.startswith(TEMP_PREFIX)):
+                    continue
+                rel = prefix + name
+                if de.is_dir(follow_symlinks=False):
+                    add(f"{rel}\0d\0")
+                    stack.append((de.path, rel))
+                    continue
+                if de.is_symlink():
+                    add(f"{rel}\0l\0{os.readlink(de.path)}\0")
+                    continue
+                st = de.stat(follow_symlinks=False)
+                mode = st.st_mode
+                if mode & s_ifmt != s_ifreg:
+                    raise _Decline(f"special file: {rel}")
+                if not (everything or (st.st_uid == me and mode & s_irusr)):
+                    raise _Decline(f"maybe unreadable: {rel}")
+                add(f"{rel}\0f\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0"
+                    f"{'x' if mode & s_ixusr else '-'}\0")
+    return lines
 
 
 def _open_db(root: str) -> sqlite3.Connection:
@@ -261,7 +259,7 @@ def _answer(root: str) -> dict[str, Any]:
         raise _Decline("the key file changed")
     if doc["device"] != os.stat(root).st_dev:
         raise _Decline("another file system")
-    if keys_digest(walk(root)) != doc["disk"]:
+    if lines_digest(walk(root)) != doc["disk"]:
         raise _Decline("the folder changed")
     got = doc["answer"]
     if not isinstance(got.get("json"), str) or not isinstance(got.get("text"), list):
