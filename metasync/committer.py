@@ -137,8 +137,9 @@ class Committer:
                 self._diff_trees(head.tree if head else None, root_id, trees, "", changes)
         changes.sort(key=lambda c: c.path)
         prev, head_id = self.state.prev, self.state.head
-        # Clean by the tree memo, with nothing the quick path leaves to this scan.
-        # Every file's index row trusted, as the quick path checks it.
+        # The quick path may give this answer again (metasync.quickstatus): clean by
+        # the tree memo, every file's index row trusted (none read), nothing else
+        # (unreadable, special, outside the selection) that the quick walk declines.
         quick = exclusive and head is not None and not changes and not scan.skipped \
             and scan.files_hashed == 0 and not scan.rows and bool(scan.seen) \
             and not scan.problems.unreadable and not scan.problems.special \
