@@ -89,6 +89,15 @@ class CommitResult:
     files_hashed: int
 
 
+def quick_stamp(scan: ScanResult) -> str:
+    """The digest of what ``scan`` saw, as :func:`metasync.quickstatus.walk` sees it
+    (in the scan's order)."""
+    found = quickstatus.Found()
+    for e in scan.seen.values():
+        found.add(*e[:7])
+    return found.digest()
+
+
 class Committer:
     """Status and local commits of one repository."""
 
@@ -154,8 +163,7 @@ class Committer:
             problems=scan.problems,
             sparse_patterns=self.state.sparse_patterns,
             outside=sum(1 for p in scan.outside if p in scan.files),
-            quick=quickstatus.lines_digest([quickstatus.entry_line(*e[:7])
-                                            for e in scan.seen.values()]) if quick else "",
+            quick=quick_stamp(scan) if quick else "",
         )
 
     def keep_quick_answer(self, st: Status, answer: dict[str, Any]) -> None:

@@ -16,8 +16,9 @@ import sys
 
 #: The options the fast path understands, and what each sets.
 _OPTIONS = {"--json": "json", "-q": "quiet", "--quiet": "quiet", "--debug": "debug"}
-#: metasync.cli_common's variable: the CLI checks it before any command (quick path: not set).
-BWLIMIT_ENV = "METASYNC_BWLIMIT"
+#: Variables the CLI checks before ``status`` runs (a bad value is an error): the
+#: quick path runs only while they are not set.
+CHECKED_ENV = ("METASYNC_BWLIMIT", "METASYNC_TIMEOUT")
 #: Options of the ``status`` command itself (not the group's).
 _STATUS_OPTIONS = {"--offline": "offline"}
 
@@ -49,7 +50,7 @@ def main() -> None:
         if answer is not None and "debug" in flags:
             sys.stderr.write(f"metasync: status answered by the daemon ({answer['how']})\n")
         if (answer is None and "offline" in flags and "debug" not in flags
-                and not os.environ.get(BWLIMIT_ENV)):
+                and not any(os.environ.get(name) for name in CHECKED_ENV)):
             from metasync import quickstatus
 
             answer = quickstatus.answer(os.getcwd())

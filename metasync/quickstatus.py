@@ -11,7 +11,7 @@ with a stamp of everything that answer was made from:
 * ``settings``: a digest of every other row of the ``settings`` table (the
   version, head, pending checkout, unfinished clone, sparse selection, waiting
   folders, configuration, folder traits, the tree memo...);
-* ``disk``: a digest of the scan's entries (:func:`entry_line`: each file's size,
+* ``disk``: a digest of the scan's entries (:class:`Found`: each file's size,
   mtime, inode and exec bit, each link's target, each folder);
 * the index as it was: any write to it drops the memo
   (:meth:`metasync.localdb.LocalDB.upsert_index`, ``delete_index``), and
@@ -33,6 +33,7 @@ import os
 import sqlite3
 import stat
 import sys
+from array import array
 
 try:  # the C module under hashlib: hashlib loads OpenSSL first, a few milliseconds
     from _blake2 import blake2b
@@ -74,25 +75,45 @@ def settings_digest(conn: sqlite3.Connection) -> str:
     return h.hexdigest()
 
 
-def entry_line(path: str, kind: str, size: int, mtime_ns: int, ino: int, executable: bool,
-               target: str) -> str:
-    """What the stamp holds of one scanned path (a metasync.worktree.ScanEntry):
-    for a file what decides whether its index row is trusted, and its exec bit;
-    for a link its target; for a folder its path."""
-    if kind == "file":
-        return f"{path}\0f\0{size}\0{mtime_ns}\0{ino}\0{'x' if executable else '-'}\0"
-    if kind == "link":
-        return f"{path}\0l\0{target}\0"
-    return f"{path}\0d\0"
+class Found:
+    """What the stamp holds of a scan, in the scan's order (a folder's entries as
+    ``scandir`` gives them, folders depth first from a stack, as
+    metasync.worktree.scan walks): each file's path, and its size, mtime, inode
+    and exec bit (what decides whether its index row is trusted); each folder's
+    path; each link's path and target."""
 
+    __slots__ = ("dirs", "files", "links", "stats")
 
-def lines_digest(lines: list[str]) -> str:
-    """The digest of a scan's :func:`entry_line` lines (any order)."""
-    lines.sort()
-    h = blake2b(digest_size=32)
-    h.update(f"{len(lines)}\0".encode())
-    h.update("".join(lines).encode("utf-8", "surrogatepass"))
-    return h.hexdigest()
+    def __init__(self) -> None:
+        self.files: list[str] = []
+        self.stats: list[int] = []  # four per file
+        self.dirs: list[str] = []
+        self.links: list[str] = []  # path, target
+
+    def add(self, path: str, kind: str, size: int, mtime_ns: int, ino: int,
+            executable: bool, target: str) -> None:
+        """Add one scanned path (a metasync.worktree.ScanEntry's fields)."""
+        if kind == "file":
+            self.files.append(path)
+            self.stats.extend((size, mtime_ns, ino, stat.S_IXUSR if executable else 0))
+        elif kind == "link":
+            self.links.extend((path, target))
+        else:
+            self.dirs.append(path)
+
+    def digest(self) -> str:
+        """The stamp's digest ("" if a number does not fit 64 bits: no stamp). No
+        name or target holds a NUL, and the counts come first: one reading only."""
+        try:
+            numbers = array("q", self.stats).tobytes()
+        except OverflowError:
+            return ""
+        h = blake2b(digest_size=32)
+        h.update(f"{len(self.files)}\0{len(self.dirs)}\0{len(self.links)}\0".encode())
+        text = "\0".join(self.files) + "\0" + "\0".join(self.dirs) + "\0" + "\0".join(self.links)
+        h.update(text.encode("utf-8", "surrogatepass"))
+        h.update(numbers)
+        return h.hexdigest()
 
 
 def index_check(conn: sqlite3.Connection) -> list[int]:
@@ -118,7 +139,7 @@ def key_stamp(meta: str) -> list[int] | None:
 def memo(conn: sqlite3.Connection, root: str, disk: str, device: int,
          answer: dict[str, Any]) -> dict[str, Any]:
     """The memo (:data:`MEMO_KEY`) for the clean ``answer`` (``{"json": ...,
-    "text": ...}`` of an offline status) of a scan whose entries' :func:`lines_digest`
+    "text": ...}`` of an offline status) of a scan whose entries' :meth:`Found.digest`
     is ``disk``; read the settings after every other write of the command."""
     return {
         "v": MEMO_VERSION, "settings": settings_digest(conn), "disk": disk,
@@ -163,13 +184,13 @@ def _owned(root: str) -> bool:
     return True
 
 
-def walk(root: str) -> list[str]:
-    """The :func:`entry_line` of every file, folder and link under ``root`` by the
-    scan's rules (metasync.worktree.scan); _Decline for anything the scan would
-    report as a problem. A folder or a link is told by its directory entry's type;
-    only files are stat'ed."""
-    lines: list[str] = []
-    add = lines.append
+def walk(root: str) -> Found:
+    """Every file, folder and link under ``root`` by the scan's rules and in its
+    order (metasync.worktree.scan); _Decline for anything the scan would report as
+    a problem. A folder or a link is told by its directory entry's type; only
+    files are stat'ed."""
+    found = Found()
+    files, stats, dirs, links = found.files, found.stats, found.dirs, found.links
     me = os.geteuid()
     everything = me == 0
     s_ifmt, s_ifreg, s_irusr, s_ixusr = 0o170000, stat.S_IFREG, stat.S_IRUSR, stat.S_IXUSR
@@ -188,11 +209,11 @@ def walk(root: str) -> list[str]:
                     continue
                 rel = prefix + name
                 if de.is_dir(follow_symlinks=False):
-                    add(f"{rel}\0d\0")
+                    dirs.append(rel)
                     stack.append((de.path, rel))
                     continue
                 if de.is_symlink():
-                    add(f"{rel}\0l\0{os.readlink(de.path)}\0")
+                    links.extend((rel, os.readlink(de.path)))
                     continue
                 st = de.stat(follow_symlinks=False)
                 mode = st.st_mode
@@ -200,9 +221,9 @@ def walk(root: str) -> list[str]:
                     raise _Decline(f"special file: {rel}")
                 if not (everything or (st.st_uid == me and mode & s_irusr)):
                     raise _Decline(f"maybe unreadable: {rel}")
-                add(f"{rel}\0f\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0"
-                    f"{'x' if mode & s_ixusr else '-'}\0")
-    return lines
+                files.append(rel)
+                stats.extend((st.st_size, st.st_mtime_ns, st.st_ino, mode & s_ixusr))
+    return found
 
 
 def _open_db(root: str) -> sqlite3.Connection:
@@ -259,7 +280,7 @@ def _answer(root: str) -> dict[str, Any]:
         raise _Decline("the key file changed")
     if doc["device"] != os.stat(root).st_dev:
         raise _Decline("another file system")
-    if lines_digest(walk(root)) != doc["disk"]:
+    if walk(root).digest() != doc["disk"]:
         raise _Decline("the folder changed")
     got = doc["answer"]
     if not isinstance(got.get("json"), str) or not isinstance(got.get("text"), list):

@@ -321,6 +321,16 @@ def test_console_script_answers_without_the_cli(tmp_path: Path, backends: list[P
     assert "".join(printed) == full(root).stdout
 
 
+def test_a_checked_variable_runs_the_full_status(tmp_path: Path, backends: list[Path]) -> None:
+    """The CLI refuses a bad METASYNC_TIMEOUT before status runs: so does the
+    console script, which then does not take its quick path."""
+    root = make_folder(tmp_path, backends)
+    clean_and_kept(root)
+    bad = run_cli("status", "--offline", cwd=root, check=False,
+                  env_extra={"METASYNC_TIMEOUT": "soon"})
+    assert bad.returncode != 0 and "timeout" in bad.stderr
+
+
 def test_constants_are_the_full_paths() -> None:
     """The quick path keeps its own copies of the scan's names and rules (it imports
     only the standard library): they must be the ones the full status uses."""
@@ -330,3 +340,7 @@ def test_constants_are_the_full_paths() -> None:
         worktree.META_DIR, worktree.TEMP_PREFIX, worktree.IGNORE_FILE)
     assert (quickstatus.KEY_FILE, quickstatus.OUTBOX_DIR) == (context.KEY_FILE, context.OUTBOX_DIR)
     assert watch_client.META_DIR == quickstatus.META_DIR
+    from metasync import entry
+    from metasync.backends import bwlimit
+
+    assert bwlimit.ENV in entry.CHECKED_ENV
