@@ -13,13 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from metasync import quickstatus
 from metasync.checkout import Checkout
 from metasync.context import RepoContext
 from metasync.faults import crash_point
 from metasync.graph import ObjectGraph
 from metasync.localdb import IndexRow
 from metasync.names import display_path, json_path
-from metasync.objects import Commit, Tree, TreeEntry, same_entry
+from metasync.objects import FORMAT_VERSION, Commit, Tree, TreeEntry, same_entry
 from metasync.outbox import ObjectWriter, Outbox
 from metasync.scanner import Scanner, ScanResult, tree_fingerprint
 from metasync.worktree import ScanProblems
@@ -47,6 +48,9 @@ class Status:
     #: files and links of the tree are outside it (docs/sparse.md).
     sparse_patterns: list[str] = field(default_factory=list)
     outside: int = 0
+    #: The digest of the scan's entries when the quick path may answer this status
+    #: again (:meth:`Committer.keep_quick_answer`), else "".
+    quick: str = ""
 
     @property
     def clean(self) -> bool:
@@ -83,6 +87,15 @@ class CommitResult:
     new_objects: dict[str, int]
     packs: int
     files_hashed: int
+
+
+def quick_stamp(scan: ScanResult) -> str:
+    """The digest of what ``scan`` saw, as :func:`metasync.quickstatus.walk` sees it
+    (in the scan's order)."""
+    found = quickstatus.Found()
+    for e in scan.seen.values():
+        found.add(*e[:7])
+    return found.digest()
 
 
 class Committer:
@@ -133,6 +146,14 @@ class Committer:
                 self._diff_trees(head.tree if head else None, root_id, trees, "", changes)
         changes.sort(key=lambda c: c.path)
         prev, head_id = self.state.prev, self.state.head
+        # The quick path may give this answer again (metasync.quickstatus): clean by
+        # the tree memo, every file's index row trusted (none read), nothing else
+        # (unreadable, special, outside the selection) that the quick walk declines.
+        quick = exclusive and head is not None and not changes and not scan.skipped \
+            and scan.files_hashed == 0 and not scan.rows and bool(scan.seen) \
+            and not scan.problems.unreadable and not scan.problems.special \
+            and not scan.outside and not self.state.sparse_patterns \
+            and self.state.tree_memo == (fingerprint, head.tree)
         return Status(
             changes=changes,
             version=prev.number,
@@ -142,7 +163,23 @@ class Committer:
             problems=scan.problems,
             sparse_patterns=self.state.sparse_patterns,
             outside=sum(1 for p in scan.outside if p in scan.files),
+            quick=quick_stamp(scan) if quick else "",
         )
+
+    def keep_quick_answer(self, st: Status, answer: dict[str, Any]) -> None:
+        """Keep ``answer``, what an offline ``status`` printed for ``st``, for the quick
+        path (:mod:`metasync.quickstatus`) when ``st`` allows it; the last write of
+        the command (the memo's stamp digests the other settings)."""
+        state = self.state
+        traits = self.scanner.traits
+        if (not st.quick or not self.ctx.exclusive or state.checkout_pending is not None
+                or state.waiting_folders or state.unfinished_clone
+                or state.folder_traits != traits or state.format != FORMAT_VERSION):
+            return
+        db = self.ctx.db
+        with db.transaction():
+            db.set(quickstatus.MEMO_KEY, quickstatus.memo(
+                db.conn, str(self.ctx.root), st.quick, traits.device, answer))
 
     def keep_unread(self, scan: ScanResult, head: Commit | None) -> None:
         """Put back into ``scan`` the committed version of every path it could not

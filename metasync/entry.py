@@ -1,7 +1,8 @@
 """The ``metasync`` console script: answers ``metasync status`` from the daemon
 watching the folder before loading the rest of the CLI (docs/daemon.md, "status
-from the watch"); every other command, and ``status`` when no daemon answers,
-goes to :func:`metasync.cli.main`.
+from the watch"), else a no-change ``status --offline`` from the index
+(:mod:`metasync.quickstatus`); every other command, and ``status`` when neither
+answers, goes to :func:`metasync.cli.main`.
 
 Only ``status`` with the options below is tried here (global ones before it too);
 anything else (``--timeout``, ``--scan``, ``--help``, a typo) is the CLI's to
@@ -15,6 +16,9 @@ import sys
 
 #: The options the fast path understands, and what each sets.
 _OPTIONS = {"--json": "json", "-q": "quiet", "--quiet": "quiet", "--debug": "debug"}
+#: Variables the CLI checks before ``status`` runs (a bad value is an error): the
+#: quick path runs only while they are not set.
+CHECKED_ENV = ("METASYNC_BWLIMIT", "METASYNC_TIMEOUT")
 #: Options of the ``status`` command itself (not the group's).
 _STATUS_OPTIONS = {"--offline": "offline"}
 
@@ -43,9 +47,14 @@ def main() -> None:
         from metasync import watch_client
 
         answer = watch_client.ask(os.getcwd(), "offline" in flags)
+        if answer is not None and "debug" in flags:
+            sys.stderr.write(f"metasync: status answered by the daemon ({answer['how']})\n")
+        if (answer is None and "offline" in flags and "debug" not in flags
+                and not any(os.environ.get(name) for name in CHECKED_ENV)):
+            from metasync import quickstatus
+
+            answer = quickstatus.answer(os.getcwd())
         if answer is not None:
-            if "debug" in flags:
-                sys.stderr.write(f"metasync: status answered by the daemon ({answer['how']})\n")
             try:
                 watch_client.emit(answer, "json" in flags, "quiet" in flags)
             except OSError as exc:  # as the CLI says it (a closed pipe)

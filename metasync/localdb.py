@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from metasync.objects import PackEntry
+from metasync.quickstatus import MEMO_KEY as QUICK_STATUS
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -232,7 +233,13 @@ class LocalDB:
             self.conn.execute("DELETE FROM worktree")
             self.upsert_index(rows)
 
+    def drop_quick_status(self) -> None:
+        """Forget the last clean status (:mod:`metasync.quickstatus`): it holds only
+        while the index is the one it was made with, so every write here drops it."""
+        self.conn.execute("DELETE FROM settings WHERE key=?", (QUICK_STATUS,))
+
     def upsert_index(self, rows: Iterable[IndexRow]) -> None:
+        self.drop_quick_status()
         self.conn.executemany(
             "INSERT OR REPLACE INTO worktree VALUES (?,?,?,?,?,?,?,?)",
             (
@@ -255,6 +262,7 @@ class LocalDB:
             "SELECT path FROM worktree WHERE mtime_ns=? AND type='dir'", (mtime_ns,))]
 
     def delete_index(self, paths: Iterable[str]) -> None:
+        self.drop_quick_status()
         self.conn.executemany("DELETE FROM worktree WHERE path=?", ((path_key(p),) for p in paths))
 
     # --- object locations -----------------------------------------------------------

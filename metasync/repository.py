@@ -336,6 +336,11 @@ class Repository(RepositoryAdmin):
     def status(self) -> Status:
         return self.committer.status()
 
+    def keep_status_answer(self, st: Status, answer: dict[str, Any]) -> None:
+        """Keep ``answer`` (what an offline ``status`` printed for ``st``) for the next
+        ``status --offline`` to print while nothing changed (:mod:`metasync.quickstatus`)."""
+        self.committer.keep_quick_answer(st, answer)
+
     def commit(self, message: str = "") -> CommitResult | None:
         return self.committer.commit(message)
 

@@ -1,0 +1,290 @@
+"""A no-change ``metasync status --offline`` answered from the last clean answer, as
+git answers ``git status`` from its index: before the CLI (click, the codec, the
+repository) is loaded. Only the standard library is imported here.
+
+When a full status finds the folder clean (:meth:`Committer.status
+<metasync.committer.Committer.status>`, with the folder's lock held) and trusted
+*every* file's index row (same size, mtime and inode, not racily clean: nothing
+was read), it keeps what it printed in the local state (setting :data:`MEMO_KEY`)
+with a stamp of everything that answer was made from:
+
+* ``settings``: a digest of every other row of the ``settings`` table (the
+  version, head, pending checkout, unfinished clone, sparse selection, waiting
+  folders, configuration, folder traits, the tree memo...);
+* ``disk``: a digest of the scan's entries (:class:`Found`: each file's size,
+  mtime, inode and exec bit, each link's target, each folder);
+* the index as it was: any write to it drops the memo
+  (:meth:`metasync.localdb.LocalDB.upsert_index`, ``delete_index``), and
+  ``index`` holds sums over its rows that catch a writer that does not;
+* the key file (size, mtime, inode) and the file system's device number.
+
+:func:`answer` walks the folder with the scan's rules (:func:`metasync.worktree.scan`)
+and recomputes the stamp. Equal stamps mean the full status would read the same
+files against the same index rows, trust each one again, find the same tree
+against the same head and settings, and so print the same answer: it is printed.
+Anything else -- an ignore file, a special file, a file this user may not read,
+a folder it cannot list, any error -- gives None, and the full CLI runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import stat
+import sys
+from array import array
+
+try:  # the C module under hashlib: hashlib loads OpenSSL first, a few milliseconds
+    from _blake2 import blake2b
+except ImportError:  # pragma: no cover - another Python
+    from hashlib import blake2b
+
+TYPE_CHECKING = False  # not typing's: importing typing costs start-up time
+if TYPE_CHECKING:
+    from typing import Any
+
+#: The setting that keeps the last clean answer and its stamp.
+MEMO_KEY = "quick_status_v1"
+#: Version of the memo's document and of the rules below: a memo of another is not used.
+MEMO_VERSION = 1
+#: The folder's metadata folder (metasync.worktree.META_DIR), its temporary files'
+#: prefix (TEMP_PREFIX) and the ignore file (IGNORE_FILE).
+META_DIR = ".metasync"
+TEMP_PREFIX = ".metasync-tmp-"
+IGNORE_FILE = ".metasyncignore"
+#: The key file and the outbox folder in ``.metasync`` (metasync.context's KEY_FILE
+#: and OUTBOX_DIR).
+KEY_FILE = "key"
+OUTBOX_DIR = "outbox"
+
+
+class _Decline(Exception):
+    """The quick path cannot vouch for the answer: the full status runs."""
+
+
+# --- the stamp, for both sides -------------------------------------------------------
+
+
+def settings_digest(conn: sqlite3.Connection) -> str:
+    """A digest of every row of the ``settings`` table but the memo itself."""
+    h = blake2b(digest_size=32)
+    for key, value in conn.execute(
+            "SELECT key, value FROM settings WHERE key != ? ORDER BY key", (MEMO_KEY,)):
+        h.update(f"{len(key)}:{key}\0{len(value)}:{value}\0".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+class Found:
+    """What the stamp holds of a scan, in the scan's order (a folder's entries as
+    ``scandir`` gives them, folders depth first from a stack, as
+    metasync.worktree.scan walks): each file's path, and its size, mtime, inode
+    and exec bit (what decides whether its index row is trusted); each folder's
+    path; each link's path and target."""
+
+    __slots__ = ("dirs", "files", "links", "stats")
+
+    def __init__(self) -> None:
+        self.files: list[str] = []
+        self.stats: list[int] = []  # four per file
+        self.dirs: list[str] = []
+        self.links: list[str] = []  # path, target
+
+    def add(self, path: str, kind: str, size: int, mtime_ns: int, ino: int,
+            executable: bool, target: str) -> None:
+        """Add one scanned path (a metasync.worktree.ScanEntry's fields)."""
+        if kind == "file":
+            self.files.append(path)
+            self.stats.extend((size, mtime_ns, ino, stat.S_IXUSR if executable else 0))
+        elif kind == "link":
+            self.links.extend((path, target))
+        else:
+            self.dirs.append(path)
+
+    def digest(self) -> str:
+        """The stamp's digest ("" if a number does not fit 64 bits: no stamp). No
+        name or target holds a NUL, and the counts come first: one reading only."""
+        try:
+            numbers = array("q", self.stats).tobytes()
+        except OverflowError:
+            return ""
+        h = blake2b(digest_size=32)
+        h.update(f"{len(self.files)}\0{len(self.dirs)}\0{len(self.links)}\0".encode())
+        text = "\0".join(self.files) + "\0" + "\0".join(self.dirs) + "\0" + "\0".join(self.links)
+        h.update(text.encode("utf-8", "surrogatepass"))
+        h.update(numbers)
+        return h.hexdigest()
+
+
+def index_check(conn: sqlite3.Connection) -> list[int]:
+    """Sums over the index's rows, made by SQLite in one pass: a write by code that
+    does not drop the memo (:meth:`metasync.localdb.LocalDB.upsert_index` does)
+    changes them -- a file hashed again has a new ``hashed_at_ns``."""
+    m = 2_147_483_647
+    row = conn.execute(
+        f"SELECT count(*), sum(hashed_at_ns % {m}), sum(mtime_ns % {m}), sum(ino % {m}), "
+        f"sum(size % {m}), sum(length(ref)) FROM worktree").fetchone()
+    return [int(v or 0) for v in row]
+
+
+def key_stamp(meta: str) -> list[int] | None:
+    """What the key file's change would show: size, mtime, inode (None: no file)."""
+    try:
+        st = os.lstat(os.path.join(meta, KEY_FILE))
+    except FileNotFoundError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def memo(conn: sqlite3.Connection, root: str, disk: str, device: int,
+         answer: dict[str, Any]) -> dict[str, Any]:
+    """The memo (:data:`MEMO_KEY`) for the clean ``answer`` (``{"json": ...,
+    "text": ...}`` of an offline status) of a scan whose entries' :meth:`Found.digest`
+    is ``disk``; read the settings after every other write of the command."""
+    return {
+        "v": MEMO_VERSION, "settings": settings_digest(conn), "disk": disk,
+        "index": index_check(conn), "device": device,
+        "key": key_stamp(os.path.join(root, META_DIR)),
+        "answer": {"json": answer["json"], "text": answer["text"]}}
+
+
+# --- the quick path ------------------------------------------------------------------
+
+
+def find_root(start: str) -> str | None:
+    """As :func:`metasync.watch_client.find_root` (metasync.worktree.find_root's search)."""
+    path = os.path.abspath(start)
+    while True:
+        if os.path.isfile(os.path.join(path, META_DIR, "state.db")):
+            return path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+
+
+def _owned(root: str) -> bool:
+    """``root/.metasync`` passes metasync.worktree.check_owner without being trusted:
+    a real folder of this user that no one else may write to, its state and key
+    files this user's regular files."""
+    if not hasattr(os, "geteuid"):
+        return False  # Windows: no quick path
+    me = os.geteuid()
+    meta = os.path.join(root, META_DIR)
+    st = os.lstat(meta)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != me or st.st_mode & 0o022:
+        return False
+    for name in ("state.db", KEY_FILE):
+        try:
+            fst = os.lstat(os.path.join(meta, name))
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(fst.st_mode) or fst.st_uid != me:
+            return False
+    return True
+
+
+def walk(root: str) -> Found:
+    """Every file, folder and link under ``root`` by the scan's rules and in its
+    order (metasync.worktree.scan); _Decline for anything the scan would report as
+    a problem. A folder or a link is told by its directory entry's type; only
+    files are stat'ed."""
+    if sys.platform == "win32":  # never asked there (:func:`answer`)
+        raise _Decline
+    found = Found()
+    files, stats, dirs, links = found.files, found.stats, found.dirs, found.links
+    me = os.geteuid()
+    everything = me == 0
+    s_ifmt, s_ifreg, s_irusr, s_ixusr = 0o170000, stat.S_IFREG, stat.S_IRUSR, stat.S_IXUSR
+    stack = [(root, "")]
+    while stack:
+        abs_dir, rel_dir = stack.pop()
+        try:
+            it = os.scandir(abs_dir)
+        except OSError:
+            raise _Decline(f"cannot list {rel_dir}") from None
+        prefix = f"{rel_dir}/" if rel_dir else ""
+        with it:
+            for de in it:
+                name = de.name
+                if name.startswith(META_DIR) and (name == META_DIR or name.startswith(TEMP_PREFIX)):
+                    continue
+                rel = prefix + name
+                if de.is_dir(follow_symlinks=False):
+                    dirs.append(rel)
+                    stack.append((de.path, rel))
+                    continue
+                if de.is_symlink():
+                    links.extend((rel, os.readlink(de.path)))
+                    continue
+                st = de.stat(follow_symlinks=False)
+                mode = st.st_mode
+                if mode & s_ifmt != s_ifreg:
+                    raise _Decline(f"special file: {rel}")
+                if not (everything or (st.st_uid == me and mode & s_irusr)):
+                    raise _Decline(f"maybe unreadable: {rel}")
+                files.append(rel)
+                stats.extend((st.st_size, st.st_mtime_ns, st.st_ino, mode & s_ixusr))
+    return found
+
+
+def _open_db(root: str) -> sqlite3.Connection:
+    """``state.db``, read-only (what a URI's path cannot hold as it is, escaped)."""
+    path = os.path.join(root, META_DIR, "state.db")
+    path = path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    return sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+
+
+def answer(cwd: str) -> dict[str, Any] | None:
+    """The offline status of the repository containing ``cwd`` (``{"json": ...,
+    "text": [[stream, line], ...]}``, as :func:`metasync.watch_client.ask` gives
+    it) if the quick path can vouch for it, else None."""
+    if sys.platform == "win32" or not hasattr(os, "geteuid"):
+        return None
+    try:
+        root = find_root(cwd)
+        if root is None or not _owned(root):
+            return None
+        return _answer(root)
+    except (_Decline, OSError, sqlite3.Error, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _answer(root: str) -> dict[str, Any]:
+    meta = os.path.join(root, META_DIR)
+    if os.path.lexists(os.path.join(root, IGNORE_FILE)):
+        raise _Decline("an ignore file")  # its rules are pathspec's: the full scan's
+    # What opening the repository needs besides: the outbox folder (made if missing).
+    if not os.path.isdir(os.path.join(meta, OUTBOX_DIR)):
+        raise _Decline("no outbox folder")
+    conn = _open_db(root)
+    try:
+        conn.execute("BEGIN")  # one snapshot of the settings and the index
+        row = conn.execute("SELECT value FROM settings WHERE key = ?", (MEMO_KEY,)).fetchone()
+        if row is None:
+            raise _Decline("no memo")
+        doc = json.loads(row[0])
+        if not isinstance(doc, dict) or doc.get("v") != MEMO_VERSION:
+            raise _Decline("no memo of this version")
+        if doc["settings"] != settings_digest(conn):
+            raise _Decline("the local state changed")
+        if doc["index"] != index_check(conn):
+            raise _Decline("the index changed")
+        # The head commit is read from the local cache (else from a backend).
+        head = conn.execute("SELECT value FROM settings WHERE key = 'head'").fetchone()
+        if head is None or not conn.execute("SELECT 1 FROM objects WHERE object_id = ?",
+                                            (json.loads(head[0]),)).fetchone():
+            raise _Decline("the head commit is not cached")
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+    if doc["key"] != key_stamp(meta):
+        raise _Decline("the key file changed")
+    if doc["device"] != os.stat(root).st_dev:
+        raise _Decline("another file system")
+    if walk(root).digest() != doc["disk"]:
+        raise _Decline("the folder changed")
+    got = doc["answer"]
+    if not isinstance(got.get("json"), str) or not isinstance(got.get("text"), list):
+        raise _Decline("a malformed memo")
+    return {"json": got["json"], "text": got["text"]}
