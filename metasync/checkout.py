@@ -43,7 +43,7 @@ from metasync.graph import ObjectGraph
 from metasync.localdb import OUTSIDE, IndexRow
 from metasync.names import display_path
 from metasync.objects import PackEntry, TreeEntry, same_entry
-from metasync.portable import sync_all
+from metasync.portable import O_CLOEXEC, O_NOFOLLOW, sync_all
 from metasync.scanner import Scanner, ScanResult, name_clashes
 from metasync.selection import Selection, drop_selected_rows
 from metasync.state import PendingCheckout
@@ -121,10 +121,8 @@ class Checkout:
         self._selection = Selection()
         self._outside_kept: set[str] = set()
         self._outside_rows: list[IndexRow] = []
-        #: The current checkout writes new files at their own names (:func:`writes_in_place`).
-        self._in_place = False
+        self._place = InPlace()  #: The current checkout's writing in place (a fresh clone's).
 
-    # ---------------------------------------------------------------- pending checkouts
     def resume(self) -> PullResult | None:
         """Finish a checkout a crash interrupted, and apply changes held back in folders
         that could not be read (:func:`apply_waiting`); ``None`` if none was pending."""
@@ -173,7 +171,7 @@ class Checkout:
         ``pending``: the recorded checkout this is, may write in place (:func:`writes_in_place`).
         """
         self._refused = RefusedNames(self.ctx.reporter, result, self.scanner.traits)
-        self._in_place = pending is not None and writes_in_place(self.ctx, pending, base)
+        self._place = InPlace.of(self.ctx, pending, base) if pending is not None else InPlace()
         with Folders(self.root) as folders:
             self._folders = folders
             self._run(base, remote, result, moves)
@@ -373,7 +371,7 @@ class Checkout:
                     pending = []
             rows += self._install(pending, stamp, result)
             pending = []
-            if self._in_place:
+            if self._place.writes:
                 sync_all()  # what was written in place is on disk before its rows say so
         except BaseException:
             for fut in futures:  # leave no temporary file behind
@@ -408,7 +406,8 @@ class Checkout:
             try:
                 existing = lstat_at(fd, name)
                 if existing is not None and (stat.S_ISDIR(existing.st_mode)
-                                             or self._changed_since_scan(path, existing)):
+                                             or self._changed_since_scan(path, existing)
+                                             or not self._place.replaces(fd, name, tmp, path)):
                     return False
                 os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
             except OSError as exc:
@@ -462,7 +461,8 @@ class Checkout:
                     self._folders.forget(where)
                 except OSError:
                     result.conflicts.append(self._move_aside(fd, where, stamp))
-            elif existing is not None and self._changed_since_scan(path, existing):
+            elif existing is not None and (path in self._place.partial  # not the clone's
+                                           or self._changed_since_scan(path, existing)):
                 # Edited (or created) while we were downloading: keep it.
                 copy = self._move_aside(fd, where, stamp)
                 result.conflicts.append(copy)
@@ -485,7 +485,7 @@ class Checkout:
                     try:  # in place where nothing was there at the scan
                         written, st = self.writer.write(
                             fd, name, entry, chunks, prefetched,
-                            in_place=self._in_place and path not in self._seen)
+                            in_place=self._place.writes and path not in self._seen)
                         done.append((plan, written, FileStat.of(st)))
                         if written is None:
                             crash_point("checkout:write")
@@ -506,9 +506,11 @@ def writes_in_place(ctx: RepoContext, pending: PendingCheckout, base: dict[str, 
     protect, and no one looking). Recorded before anything is written, so that
     after a crash the files it left part-written are written again, not kept as
     conflict copies (docs/design.md, "Writing the folder")."""
+    if daemon_running(ctx.root):
+        return False  # someone may be looking: never in place (a resumed one neither)
     if pending.in_place:
         return True
-    if base or daemon_running(ctx.root):
+    if base:
         return False
     with os.scandir(ctx.root) as entries:
         if any(e.name != META_DIR for e in entries):
@@ -517,6 +519,65 @@ def writes_in_place(ctx: RepoContext, pending: PendingCheckout, base: dict[str, 
     with state.transaction():
         state.checkout_pending = replace(pending, in_place=True)
     return True
+
+
+class InPlace:
+    """A recorded checkout's writing in place: whether this run writes new files at
+    their own names (:attr:`writes`: :func:`writes_in_place`), and -- resuming one
+    that did before a crash -- which files found at its paths may be ones it left
+    part-written (:attr:`partial`): no index row (a file whose row was recorded was
+    finished, so a difference is the user's), a file, no longer than the tree's. Such
+    a file is replaced only if its bytes are the start of the tree's
+    (:meth:`replaces`), else kept as a conflict copy: nothing the user wrote is lost."""
+
+    def __init__(self, writes: bool = False, resuming: bool = False,
+                 indexed: frozenset[str] = frozenset()) -> None:
+        self.writes = writes
+        self.resuming = resuming
+        self.indexed = indexed
+        self.partial: set[str] = set()
+
+    @classmethod
+    def of(cls, ctx: RepoContext, pending: PendingCheckout, base: dict[str, TreeEntry]) -> InPlace:
+        indexed = frozenset(ctx.db.index_paths()) if pending.in_place else frozenset()
+        return cls(writes_in_place(ctx, pending, base), pending.in_place, indexed)
+
+    def may_be_partial(self, path: str, b: TreeEntry | None, loc: TreeEntry | None,
+                       n: TreeEntry) -> bool:
+        """True (and noted in :attr:`partial`) if ``loc``, the file at ``path`` where
+        the tree has ``n``, may be one this checkout left part-written."""
+        if (self.resuming and b is None and loc is not None and loc.type in ("file", "chunked")
+                and loc.ref != UNREAD_REF and path not in self.indexed and loc.size <= n.size):
+            self.partial.add(path)
+            return True
+        return False
+
+    def replaces(self, fd: int, name: str, tmp: str, path: str) -> bool:
+        """True unless ``path`` is in :attr:`partial` and the file ``name`` of folder
+        ``fd`` is not the start of the temporary file ``tmp`` (its new content)."""
+        return path not in self.partial or starts(fd, tmp, name)
+
+
+def starts(fd: int, whole: str, part: str) -> bool:
+    """True if the bytes of file ``part`` are the first bytes of file ``whole`` (both
+    in folder ``fd``; holes read as zeros; links are not followed)."""
+    flags = os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC
+    try:
+        a = os.open(whole, flags, dir_fd=fd)
+    except OSError:
+        return False
+    try:
+        b = os.open(part, flags, dir_fd=fd)
+    except OSError:
+        os.close(a)
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            piece = fb.read(1024 * 1024)
+            if not piece:
+                return True
+            if fa.read(len(piece)) != piece:
+                return False
 
 
 def pack_jobs(pack_id: str, placed: list[tuple[PackEntry, WritePlan]]) -> list[WriteJob]:
@@ -600,10 +661,9 @@ def plan(
             co.ctx.reporter.note(f"kept {display_path(path)}: deleted remotely but changed here")
         else:
             # Not on disk (an index row): nothing to keep; another name may answer.
-            # A file a fresh clone wrote in place before a crash is its own, part-
-            # written: written again, not kept (:meth:`Checkout._writes_in_place`).
-            ours = (co._in_place and b is None and loc is not None
-                    and loc.type in ("file", "chunked"))
+            # A file a crashed fresh clone may have left part-written is replaced
+            # if it is (:class:`InPlace`), else kept as a conflict copy then.
+            ours = co._place.may_be_partial(path, b, loc, n)
             if (loc is not None and loc.type != "dir" and not ours
                     and (path in co._seen or loc.ref == UNREAD_REF)):
                 copy = co._conflict_copy(path, stamp)

@@ -368,3 +368,50 @@ def test_rerun_refuses_what_is_not_an_interrupted_clone(source: Source, tmp_path
     assert killed.returncode == CRASH_STATUS
     one_line_error(source.clone(foreign, check=False), "another repository")
     assert (foreign / META_DIR).is_dir()
+
+
+def written_files(folder: Path) -> list[Path]:
+    """The regular files a killed clone left in ``folder`` (outside ``.metasync``)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        if dirpath == str(folder):
+            dirnames[:] = [d for d in dirnames if d != META_DIR]
+        out += [Path(dirpath) / n for n in filenames if not n.startswith(".metasync")]
+    return sorted(p for p in out if p.is_file() and not p.is_symlink())
+
+
+@pytest.mark.parametrize(("point", "way"), [("checkout:write:60", "pull"),
+                                             ("checkout:write:60", "re-run"),
+                                             ("checkout:done", "pull")])
+def test_what_the_user_wrote_in_an_interrupted_clone_is_kept(
+        source: Source, tmp_path: Path, point: str, way: str) -> None:
+    """After a kill, the user edits a file the clone wrote and makes one at a path it
+    had not written yet (and, the clone's files all written, appends to one): the
+    clone finished either way keeps each as a conflict copy -- a file in the folder
+    is replaced only if it is the start of the tree's content (part-written by the
+    clone), never the user's bytes (review of issue 21: they were overwritten)."""
+    folder = tmp_path / "clone"
+    proc = source.clone(folder, crash=point, check=False)
+    assert proc.returncode == CRASH_STATUS, proc.stderr
+    rel_written = {p.relative_to(folder).as_posix() for p in written_files(folder)}
+    small = sorted(p for p in source.expected if p.endswith(".txt"))
+    edited = next(p for p in small if p in rel_written)
+    (folder / edited).write_bytes(b"MY PRECIOUS EDIT")
+    mine = {edited: b"MY PRECIOUS EDIT"}
+    if point == "checkout:done":
+        appended = next(p for p in reversed(small) if p in rel_written and p != edited)
+        mine[appended] = (folder / appended).read_bytes() + b" and my line"
+        (folder / appended).write_bytes(mine[appended])
+    else:
+        created = next(p for p in small if p not in rel_written)
+        (folder / created).parent.mkdir(parents=True, exist_ok=True)
+        (folder / created).write_bytes(b"MADE BY ME")
+        mine[created] = b"MADE BY ME"
+    finish(source, folder, way)
+    got = snapshot(folder)
+    for path, data in mine.items():
+        assert got[path] == source.expected[path], f"{path} is not the tree's after the finish"
+        stem = path.rsplit(".", 1)[0]
+        copies = [p for p in got if p.startswith(stem + " (conflict ")]
+        assert len(copies) == 1, f"no conflict copy of {path}: {sorted(got)[:20]}"
+        assert (folder / copies[0]).read_bytes() == data, f"{copies[0]} is not what the user wrote"
