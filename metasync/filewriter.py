@@ -9,16 +9,22 @@ runs of zeros are left as holes, so a sparse file stays sparse.
 
 from __future__ import annotations
 
+import errno
 import os
 
 from metasync.context import RepoContext
 from metasync.errors import CorruptObject
 from metasync.faults import crash_point
-from metasync.fstraits import cannot_write
+from metasync.fstraits import NAME_REFUSED, cannot_write
 from metasync.graph import ObjectGraph
 from metasync.objects import TreeEntry
 from metasync.portable import O_CLOEXEC, O_NOFOLLOW, SYNC_ALL_FLUSHES_FILES
 from metasync.worktree import CHUNK_MAX, temp_name
+
+#: What creating a file at its own name may answer that the temporary-file way then
+#: sorts out (:meth:`FileWriter.write`): something made there since the scan, or a
+#: name the file system refuses (some say so with ENOENT or EPERM).
+RETRY_ASIDE = frozenset({errno.EEXIST, errno.ENOENT, errno.EPERM}) | NAME_REFUSED
 
 
 class FileWriter:
@@ -41,12 +47,15 @@ class FileWriter:
         the name -- to a temporary name returned for the caller to rename."""
         if in_place:
             try:
-                return None, self.write_new(folder, name, entry, chunks, prefetched)
+                fd = self._create(folder, name, entry)
             except OSError as exc:
-                if cannot_write(entry.type, exc) is not None:
+                # Made since the scan (EEXIST), or a name this file system may refuse
+                # (exfat-fuse says ENOENT or EPERM): the rename of a temporary file
+                # tells which. Anything else -- no space, a failing disk -- is raised.
+                if exc.errno not in RETRY_ASIDE or cannot_write(entry.type, exc) is not None:
                     raise
-                # Made since the scan, or a name this file system may refuse
-                # (exfat-fuse says ENOENT): the rename of a temporary file tells which.
+            else:
+                return None, self._finish(folder, name, fd, entry, chunks, prefetched)
         return self.write_temp(folder, entry, chunks, prefetched)
 
     def write_temp(
@@ -71,14 +80,27 @@ class FileWriter:
         fails or is interrupted removes what it created, so no file that looks whole
         but is not is left behind (a crash can leave one: the caller records what it
         is writing, and checks it again after a crash)."""
+        return self._finish(folder, name, self._create(folder, name, entry), entry, chunks,
+                            prefetched, durable=durable)
+
+    def _create(self, folder: int, name: str, entry: TreeEntry) -> int | None:
+        """Create ``name`` in ``folder``: a link, whole (None), or an empty file whose
+        descriptor is returned. ``FileExistsError`` if anything is there."""
         if entry.type == "link":
             os.symlink(entry.ref, name, dir_fd=folder)
             return None
-        mode = self.ctx.file_modes[entry.executable]
         # Unbuffered writes on the descriptor: a file costs open, write(s), fstat and
         # close -- no buffer object and its fstat, ioctl and lseek.
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC,
-                     mode, dir_fd=folder)
+        return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                       self.ctx.file_modes[entry.executable], dir_fd=folder)
+
+    def _finish(self, folder: int, name: str, fd: int | None, entry: TreeEntry,
+                chunks: list[tuple[str, int]], prefetched: dict[str, bytes] | None,
+                *, durable: bool = False) -> os.stat_result | None:
+        """Write the content of the file :meth:`_create` made (``fd``; None: a link,
+        done) and close it; return its stat. A failure removes the file."""
+        if fd is None:
+            return None
         try:
             try:
                 self._fill(fd, entry, chunks, prefetched)

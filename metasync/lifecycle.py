@@ -16,6 +16,7 @@ import os
 import secrets
 import shutil
 import sqlite3
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -67,6 +68,7 @@ from metasync.localdb import LocalDB
 from metasync.mapping import vnode_unit
 from metasync.objects import FORMAT_VERSION, MAX_FRAGMENTS, BackendSpec, Config
 from metasync.ownership import check_owner
+from metasync.portable import effective_uid
 from metasync.progress import CANCEL
 from metasync.state import LocalState
 from metasync.worktree import META_DIR
@@ -298,7 +300,7 @@ def clone_folder(root: str | Path) -> tuple[Path, Found]:
         raise refused
     names = [child.name for child in root.iterdir()]
     found.staging = [root / n for n in names if n.startswith(f"{META_DIR}.new-")
-                     and (root / n).is_dir() and not (root / n).is_symlink()]
+                     and _own_staging(root / n)]
     if len(found.staging) == len(names):
         return root, found
     meta = root / META_DIR
@@ -323,6 +325,25 @@ def clone_folder(root: str | Path) -> tuple[Path, Found]:
     finally:
         db.close()
     return root, found
+
+
+#: What an interrupted :func:`~metasync.context.create_local` may leave in its
+#: staging folder (SQLite's side files included).
+_STAGED = frozenset({"state.db", "state.db-journal", "state.db-wal", "state.db-shm",
+                     "key", "outbox"})
+
+
+def _own_staging(path: Path) -> bool:
+    """True if ``path`` looks like a staging folder this user's clone made (a private
+    folder of this user's holding only what one holds): only such are removed."""
+    try:
+        st = path.lstat()
+        if not stat.S_ISDIR(st.st_mode) or stat.S_IMODE(st.st_mode) & 0o077:
+            return False
+        me = effective_uid()
+        return (me is None or st.st_uid == me) and all(c.name in _STAGED for c in path.iterdir())
+    except OSError:
+        return False
 
 
 def prepare_clone(

@@ -13,6 +13,7 @@ following a symbolic link, so nothing is ever written through one.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import stat
 import sys
@@ -272,7 +273,7 @@ class Chunker:
             # reader holds 2 * CHUNK_MAX bytes: a file up to that size is read whole.
             cdc = FastCDC(CHUNK_AVG, min_size=CHUNK_MIN, max_size=CHUNK_MAX)
             small = st.st_size <= 2 * CHUNK_MAX
-            for piece in cdc.cut_buf(fh.read(st.st_size + 1)) if small else cdc.cut_stream(fh):
+            for piece in cdc.cut_buf(read_upto(fh, st.st_size + 1)) if small else cdc.cut_stream(fh):
                 self._emit(piece.data, piece.offset, chunks, sink)
             after = os.fstat(fh.fileno())
         size = sum(c.length for c in chunks)
@@ -320,6 +321,17 @@ class Chunker:
         chunks.append(Chunk(blob_id, offset, len(data)))
         if sink is not None:
             sink("blob", blob_id, bytes(data))
+
+
+def read_upto(fh: io.RawIOBase, limit: int) -> bytes:
+    """Up to ``limit`` bytes of ``fh``, fewer only at its end (one ``read`` may return
+    less than asked: a FUSE or network file system, a signal)."""
+    parts: list[bytes] = []
+    got = 0
+    while got < limit and (more := fh.read(limit - got)):
+        parts.append(more)
+        got += len(more)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _open_nonblocking(path: str, flags: int) -> int:
