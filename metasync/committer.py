@@ -23,7 +23,7 @@ from metasync.names import display_path, json_path
 from metasync.objects import FORMAT_VERSION, Commit, Tree, TreeEntry, same_entry
 from metasync.outbox import ObjectWriter, Outbox
 from metasync.scanner import Scanner, ScanResult, tree_fingerprint
-from metasync.worktree import ScanProblems
+from metasync.worktree import ScanEntry, ScanProblems
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,10 @@ class Status:
     #: files and links of the tree are outside it (docs/sparse.md).
     sparse_patterns: list[str] = field(default_factory=list)
     outside: int = 0
-    #: The digest of the scan's entries when the quick path may answer this status
-    #: again (:meth:`Committer.keep_quick_answer`), else "".
-    quick: str = ""
+    #: What the scan saw, by path, when the quick path may answer this status again
+    #: (:meth:`Committer.keep_quick_answer` digests it then: a status whose answer
+    #: is not kept, the daemon's, pays nothing), else None.
+    quick: dict[str, ScanEntry] | None = field(default=None, repr=False, compare=False)
 
     @property
     def clean(self) -> bool:
@@ -89,11 +90,11 @@ class CommitResult:
     files_hashed: int
 
 
-def quick_stamp(scan: ScanResult) -> str:
-    """The digest of what ``scan`` saw, as :func:`metasync.quickstatus.walk` sees it
-    (in the scan's order)."""
+def quick_stamp(seen: dict[str, ScanEntry]) -> str:
+    """The digest of what a scan saw (``seen``), as :func:`metasync.quickstatus.walk`
+    sees it (in the scan's order)."""
     found = quickstatus.Found()
-    for e in scan.seen.values():
+    for e in seen.values():
         found.add(*e[:7])
     return found.digest()
 
@@ -163,7 +164,7 @@ class Committer:
             problems=scan.problems,
             sparse_patterns=self.state.sparse_patterns,
             outside=sum(1 for p in scan.outside if p in scan.files),
-            quick=quick_stamp(scan) if quick else "",
+            quick=scan.seen if quick else None,
         )
 
     def keep_quick_answer(self, st: Status, answer: dict[str, Any]) -> None:
@@ -172,14 +173,14 @@ class Committer:
         the command (the memo's stamp digests the other settings)."""
         state = self.state
         traits = self.scanner.traits
-        if (not st.quick or not self.ctx.exclusive or state.checkout_pending is not None
+        if (st.quick is None or not self.ctx.exclusive or state.checkout_pending is not None
                 or state.waiting_folders or state.unfinished_clone
                 or state.folder_traits != traits or state.format != FORMAT_VERSION):
             return
         db = self.ctx.db
         with db.transaction():
             db.set(quickstatus.MEMO_KEY, quickstatus.memo(
-                db.conn, str(self.ctx.root), st.quick, traits.device, answer))
+                db.conn, str(self.ctx.root), quick_stamp(st.quick), traits.device, answer))
 
     def keep_unread(self, scan: ScanResult, head: Commit | None) -> None:
         """Put back into ``scan`` the committed version of every path it could not

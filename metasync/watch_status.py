@@ -139,7 +139,7 @@ def scan_answer(repo: Repository, offline: bool) -> dict[str, Any]:
     if repo.unfinished_clone:
         return unfinished_clone_answer(repo)
     st = repo.status()
-    if st.quick:  # clean: kept for the quick path (metasync.quickstatus)
+    if st.quick is not None:  # clean: kept for the quick path (metasync.quickstatus)
         repo.keep_status_answer(st, render(st, None, ""))
     return render(st, *learn_standing(repo, offline))
 
