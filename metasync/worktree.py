@@ -13,7 +13,6 @@ following a symbolic link, so nothing is ever written through one.
 from __future__ import annotations
 
 import errno
-import io
 import os
 import stat
 import sys
@@ -22,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -273,7 +273,7 @@ class Chunker:
             # reader holds 2 * CHUNK_MAX bytes: a file up to that size is read whole.
             cdc = FastCDC(CHUNK_AVG, min_size=CHUNK_MIN, max_size=CHUNK_MAX)
             small = st.st_size <= 2 * CHUNK_MAX
-            for piece in cdc.cut_buf(read_upto(fh, st.st_size + 1)) if small else cdc.cut_stream(fh):
+            for piece in cdc.cut_buf(read_upto(fh.read, st.st_size + 1)) if small else cdc.cut_stream(fh):
                 self._emit(piece.data, piece.offset, chunks, sink)
             after = os.fstat(fh.fileno())
         size = sum(c.length for c in chunks)
@@ -297,10 +297,9 @@ class Chunker:
             path, flags | O_NOFOLLOW, dir_fd=dir_fd)
         try:
             st = os.fstat(fd)
-            data = b""  # one byte more than expected is read: a file that grew
-            while (stat.S_ISREG(st.st_mode) and len(data) <= expect.size
-                   and (more := os.read(fd, expect.size + 1 - len(data)))):
-                data += more
+            # One byte more than expected is read: a file that grew.
+            data = (read_upto(partial(os.read, fd), expect.size + 1)
+                    if stat.S_ISREG(st.st_mode) else b"")
             after = os.fstat(fd)
         finally:
             os.close(fd)
@@ -323,12 +322,13 @@ class Chunker:
             sink("blob", blob_id, bytes(data))
 
 
-def read_upto(fh: io.RawIOBase, limit: int) -> bytes:
-    """Up to ``limit`` bytes of ``fh``, fewer only at its end (one ``read`` may return
-    less than asked: a FUSE or network file system, a signal)."""
+def read_upto(read: Callable[[int], bytes | None], limit: int) -> bytes:
+    """Up to ``limit`` bytes from ``read`` (a file's ``read`` or ``os.read`` on its
+    descriptor), fewer only at its end: one read may return less than asked (a FUSE
+    or network file system, a signal)."""
     parts: list[bytes] = []
     got = 0
-    while got < limit and (more := fh.read(limit - got)):
+    while got < limit and (more := read(limit - got)):
         parts.append(more)
         got += len(more)
     return parts[0] if len(parts) == 1 else b"".join(parts)
