@@ -49,6 +49,10 @@ class Capabilities:
     #: removing the old file first, so a read in that moment finds no object; every
     #: reader still sees complete objects only.
     atomic_replace: bool = True
+    #: Objects are files on this machine (``dir:``, memory): a read waits on a disk,
+    #: not a network, so reading more at once than there are cores only makes the
+    #: threads contend (for the interpreter lock); see ``RemoteStore.parallel_reads``.
+    local: bool = False
 
 
 #: The values of the ``logs=`` option of a backend whose logs are exclusive creates

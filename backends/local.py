@@ -122,6 +122,7 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
 #: A ``dir:`` folder whose logs are entry files published exclusively (a filesystem
 #: with hard links or a no-replace rename): what the class declares.
 ENTRY_CAPABILITIES = Capabilities(
+    local=True,
     conditional_create=True,
     compare_and_swap=False,
     conditional_append=True,

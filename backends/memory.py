@@ -80,6 +80,7 @@ class MemoryBackend(Backend):
 
     scheme = "memory"
     capabilities = Capabilities(
+        local=True,
         conditional_create=True,
         compare_and_swap=True,
         conditional_append=True,

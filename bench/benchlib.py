@@ -19,7 +19,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -163,6 +164,51 @@ def verify_copy(expected: dict[str, tuple[int, str]], root: Path, what: str) -> 
         f"{len(differ)} different; e.g. missing {missing[:3]}, extra {extra[:3]}, "
         f"different {differ[:3]}"
     )
+
+
+#: ``--fs`` choices: a fresh ext4 made for the run, or a folder of the host's own.
+SCRATCH_FS = ("ext4", "host")
+#: Size of the sparse image behind ``--fs ext4`` (only what is written takes space).
+SCRATCH_IMAGE_BYTES = 16 << 30
+
+
+@contextmanager
+def scratch_fs(kind: str, work: Path) -> Iterator[tuple[Path, str]]:
+    """Yield (a folder for the run's copies, what file system it is on).
+
+    ``ext4``: a fresh ext4 file system, made by ``mkfs.ext4`` with its defaults (so
+    with a journal, as on a user's disk), on a loop device over a sparse file in
+    ``work``; unmounted and deleted afterwards. Both tools then create their files on
+    the same fresh file system, so a figure measures the tools. The host's own
+    folders need not be like that: this machine's root ext4 has no journal, and there
+    creating the same 16k files cost 0.3 s of system time in one folder and 1.7-5.8 s
+    in another, by the block group each folder's inodes came from (docs/benchmarks.md).
+    ``host``: ``work`` itself, as before.
+    """
+    if kind == "host":
+        yield work, "host folder"
+        return
+    if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
+        raise BenchError("--fs ext4 needs root and mkfs.ext4 (e2fsprogs); or use --fs host")
+    image, mnt = work / "scratch-ext4.img", work / "scratch-ext4"
+    subprocess.run(["umount", str(mnt)], capture_output=True)  # a previous run's, if left
+    image.unlink(missing_ok=True)
+    mnt.mkdir(parents=True, exist_ok=True)
+    with open(image, "wb") as fh:
+        fh.truncate(SCRATCH_IMAGE_BYTES)
+    try:
+        for cmd in (["mkfs.ext4", "-q", "-F", str(image)],
+                    ["mount", "-o", "loop", str(image), str(mnt)]):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise BenchError(f"{' '.join(cmd)} failed: {done.stderr.strip()}; "
+                                 "or use --fs host")
+        try:
+            yield mnt, "ext4 (mkfs.ext4 defaults, loop device)"
+        finally:
+            subprocess.run(["umount", str(mnt)], capture_output=True)
+    finally:
+        image.unlink(missing_ok=True)
 
 
 def tool_version(cmd: Sequence[str | Path]) -> str:

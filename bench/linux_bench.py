@@ -46,11 +46,12 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchlib import write_results
+from benchlib import SCRATCH_FS, BenchError, scratch_fs, write_results
 from linux_workload import DEFAULT_WORK, Workload, WorkloadError, count_tree, prepare
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -60,6 +61,10 @@ ROOT = BENCH_DIR.parent
 RESULTS_DIR = Path(os.environ.get("METASYNC_BENCH_RESULTS") or BENCH_DIR / "results")
 DEFAULT_METASYNC = ROOT / ".venv" / "bin" / "metasync"
 PASSPHRASE = "metasync-linux-bench"
+#: The one folder both the clone and the restore write into (each deletes the
+#: other's first, not timed): where a folder lands can decide what creating files in
+#: it costs (``benchlib.scratch_fs``), so both tools write to the same place.
+OUTPUT = "out"
 TOOLS = ("metasync", "restic", "git")
 DEFAULT_PAIRS = 5
 QUICK_PAIRS = 3
@@ -81,10 +86,6 @@ TARGETS: tuple[tuple[str, str, float, float | None, str], ...] = (
     ("push", "memory", 1.2, None, "push peak memory <= 1.2x restic backup's"),
     ("clone", "memory", 1.2, None, "clone peak memory <= 1.2x restic restore's"),
 )
-
-
-class BenchError(RuntimeError):
-    """Raised when a benchmarked or helper command fails."""
 
 
 @dataclass
@@ -256,7 +257,7 @@ class MetasyncSide:
         self.workload = workload
         self.base = scratch / "metasync"
         self.repo = self.base / "repo"
-        self.target = self.base / "clone"
+        self.target = scratch / OUTPUT
         self.backends = [self.base / f"B{i}" for i in (1, 2, 3)]
         self.env = {"METASYNC_PASSPHRASE": PASSPHRASE}
         self.quiet: list[str | Path] = [metasync, "--quiet"]
@@ -317,7 +318,7 @@ class ResticSide:
         self.workload = workload
         self.base = scratch / "restic"
         self.repo = self.base / "repo"
-        self.target = self.base / "restore"
+        self.target = scratch / OUTPUT
         self.env = {
             "RESTIC_PASSWORD": PASSPHRASE,
             "RESTIC_REPOSITORY": str(self.repo),
@@ -409,11 +410,11 @@ def run_pair(
         for who in order:
             if step[who] is not None:
                 out[figure][peer if who == "peer" else "metasync"] = step[who]()
-        if figure == "clone" and verify:
-            if ms is not None:
-                verify_copy(expected, ms.target, "metasync clone")
-            if restic is not None:
-                verify_copy(expected, restic.target, "restic restore")
+                # Checked at once: the other tool's clone replaces this one (OUTPUT).
+                if figure == "clone" and verify and who == "metasync" and ms is not None:
+                    verify_copy(expected, ms.target, "metasync clone")
+                if figure == "clone" and verify and who == "peer" and restic is not None:
+                    verify_copy(expected, restic.target, "restic restore")
         if figure == "status" and verify:
             if ms is not None:
                 ms.check_status()
@@ -620,49 +621,21 @@ def workload_record(workload: Workload) -> dict[str, Any]:
     }
 
 
-def make_scratch(args: argparse.Namespace, name: str = "run") -> Path:
-    """A fresh scratch folder (``--scratch`` or WORK/``name``)."""
-    scratch: Path = (args.scratch or args.work / name).resolve()
+def make_scratch(args: argparse.Namespace, name: str = "run", where: Path | None = None) -> Path:
+    """A fresh scratch folder (``--scratch``, or ``name`` in ``where`` or WORK)."""
+    scratch: Path = (args.scratch or (where or args.work) / name).resolve()
     if scratch.exists():
         shutil.rmtree(scratch)
     scratch.mkdir(parents=True)
     return scratch
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help="workload cache folder")
-    parser.add_argument(
-        "--scratch", type=Path, default=None, help="folder for copies (default WORK/run)"
-    )
-    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="results folder")
-    parser.add_argument("--metasync", type=Path, default=DEFAULT_METASYNC, help="metasync binary")
-    parser.add_argument(
-        "--skip", action="append", choices=TOOLS, default=[], help="skip a tool (repeatable)"
-    )
-    parser.add_argument("--pairs", type=int, default=None,
-                        help=f"pairs timed after the warm-up (default {DEFAULT_PAIRS}, "
-                             f"{QUICK_PAIRS} with --quick)")
-    parser.add_argument("--verify-all", action="store_true",
-                        help="check clones, restores and statuses in every pair, not only in "
-                             "the warm-up and the first")
-    parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test on the small 'paper' workload instead of Linux")
-    args = parser.parse_args(argv)
-    pairs = args.pairs if args.pairs is not None else QUICK_PAIRS if args.quick else DEFAULT_PAIRS
-    if pairs < 1:
-        parser.error("--pairs must be at least 1")
-
-    workload = workload_for(args.work, args.quick)
-    if workload is None:
-        return 1
-    log(f"workload {workload.describe()}")
-    log(CACHE_NOTE)
+def run_pairs(args: argparse.Namespace, workload: Workload, scratch: Path, pairs: int
+              ) -> tuple[list[dict[str, dict[str, Timing]]], dict[str, dict[str, Timing]],
+                         dict[str, dict[str, Any]], list[float], Path] | None:
+    """The warm-up and the timed pairs in ``scratch``; None if a command failed."""
     load_start = [round(x, 2) for x in os.getloadavg()]
     log(f"load average at start: {load_start}")
-    scratch = make_scratch(args)
     metasync = args.metasync.resolve()
     if "metasync" not in args.skip:
         compile_bytecode(metasync)
@@ -694,11 +667,61 @@ def main(argv: list[str] | None = None) -> int:
             extras["metasync"]["version"] = sides["metasync"].check_status().get("version")
     except BenchError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
-        return 1
+        return None
     finally:
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
 
+    return timed, warmup, extras, load_start, metasync
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help="workload cache folder")
+    parser.add_argument(
+        "--scratch", type=Path, default=None, help="folder for copies (default WORK/run)"
+    )
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="results folder")
+    parser.add_argument("--metasync", type=Path, default=DEFAULT_METASYNC, help="metasync binary")
+    parser.add_argument(
+        "--skip", action="append", choices=TOOLS, default=[], help="skip a tool (repeatable)"
+    )
+    parser.add_argument("--pairs", type=int, default=None,
+                        help=f"pairs timed after the warm-up (default {DEFAULT_PAIRS}, "
+                             f"{QUICK_PAIRS} with --quick)")
+    parser.add_argument("--verify-all", action="store_true",
+                        help="check clones, restores and statuses in every pair, not only in "
+                             "the warm-up and the first")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the scratch folder (with --fs host or --scratch)")
+    parser.add_argument("--fs", choices=SCRATCH_FS, default="ext4",
+                        help="where the copies and clones go: a fresh ext4 made for the run "
+                             "(default; needs root) or a folder of the host (--fs host)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test on the small 'paper' workload instead of Linux")
+    args = parser.parse_args(argv)
+    pairs = args.pairs if args.pairs is not None else QUICK_PAIRS if args.quick else DEFAULT_PAIRS
+    if pairs < 1:
+        parser.error("--pairs must be at least 1")
+
+    workload = workload_for(args.work, args.quick)
+    if workload is None:
+        return 1
+    log(f"workload {workload.describe()}")
+    log(CACHE_NOTE)
+    with ExitStack() as stack:
+        try:
+            where, fs = (args.scratch, "host folder") if args.scratch else \
+                stack.enter_context(scratch_fs(args.fs, args.work))
+        except BenchError as exc:
+            print(f"\nerror: {exc}", file=sys.stderr)
+            return 1
+        log(f"copies and clones on: {fs}")
+        outcome = run_pairs(args, workload, make_scratch(args, where=where), pairs)
+    if outcome is None:
+        return 1
+    timed, warmup, extras, load_start, metasync = outcome
     figures = summarize(timed)
     targets = check_targets(figures)
     print_report(figures, targets, pairs)
@@ -713,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
                 "(metasync first in odd pairs); status is the second of two runs in each pair; "
                 "peak memory is each command's own max RSS (os.wait4)",
         "pairs_timed": pairs,
+        "scratch_fs": fs,
         "workload": workload_record(workload),
         "machine": {**machine_info(metasync), "loadavg_start": load_start},
         "figures": figures,

@@ -362,7 +362,7 @@ class Checkout:
         pending: list[WrittenTemp] = []
         reporter = self.ctx.reporter
         reporter.start("download", total)
-        futures = [self.ctx.store.executor.submit(self._write_job, job, aside) for job in jobs]
+        futures = self.ctx.store.windowed(self._write_job, jobs, aside)
         try:
             for fut in futures:
                 pending.extend(fut.result())
@@ -374,7 +374,7 @@ class Checkout:
             if self._place.writes:
                 sync_all()  # what was written in place is on disk before its rows say so
         except BaseException:
-            for fut in futures:  # leave no temporary file behind
+            for fut in futures.submitted:  # leave no temporary file behind
                 fut.cancel()
                 if not fut.cancelled() and fut.exception() is None:
                     pending.extend(fut.result())

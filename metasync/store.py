@@ -16,15 +16,17 @@ from a backend is used before it is verified.
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Generic, TypeVar
 
 from metasync.backends import Backend
 from metasync.codec import Codec
@@ -108,6 +110,33 @@ class LinkEstimate:
             self.throughput += EWMA_WEIGHT * (rate - self.throughput)
 
 
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+def _call_first(fn: Callable[..., T], args: tuple[Any, ...], item: Any) -> T:
+    return fn(item, *args)
+
+
+class Windowed(Generic[T]):
+    """Futures of ``fn(item)`` in the order of ``items``: iterating submits each item
+    ``width`` places ahead of the future it yields. :attr:`submitted` are those made
+    so far (a caller's clean-up after a failure)."""
+
+    def __init__(self, executor: ThreadPoolExecutor, fn: Callable[[Any], T],
+                 items: Sequence[Any], width: int) -> None:
+        self._executor, self._fn = executor, fn
+        self._items = items
+        self._width = width
+        self.submitted: list[Future[T]] = [executor.submit(fn, i) for i in items[:width]]
+
+    def __iter__(self) -> Iterator[Future[T]]:
+        for i in range(len(self._items)):
+            if i + self._width < len(self._items):
+                self.submitted.append(self._executor.submit(self._fn, self._items[i + self._width]))
+            yield self.submitted[i]
+
+
 class RemoteStore:
     """Objects on the backends of one configuration."""
 
@@ -123,6 +152,7 @@ class RemoteStore:
         self.reconfigure(config, backends)
         self.links: dict[str, LinkEstimate] = {}
         self._links_lock = threading.Lock()
+        self.workers = workers
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="metasync-io")
         #: Backends that failed as unreachable in this session, with the reason; a
         #: backend that refused a write for want of space is here too (no copy is
@@ -133,6 +163,24 @@ class RemoteStore:
         self.stats = TransferStats()
         #: A local folder of stored objects not uploaded yet (the outbox), read first.
         self.local: Path | None = None
+
+    def parallel_reads(self) -> int:
+        """How many read-and-use jobs to run at once on :attr:`executor`: one per core
+        (at least two) where every backend is on this machine (``local``), else the
+        executor's width, for reads that wait on a network. More threads than cores
+        for local reads only contend for the interpreter lock: a 15.8k-file clone
+        from ``dir:`` backends on 2 cores took 3.1-3.4 s with 2 jobs, 4.0 s with 8."""
+        if all(b.capabilities.local for b in self.backends.values()):
+            return min(self.workers, max(2, len(os.sched_getaffinity(0))
+                                         if hasattr(os, "sched_getaffinity")
+                                         else os.cpu_count() or 2))
+        return self.workers
+
+    def windowed(self, fn: Callable[..., T], items: Sequence[U], *args: Any) -> Windowed[T]:
+        """``fn(item, *args)`` for each of ``items`` on :attr:`executor`, as futures in
+        order, with :meth:`parallel_reads` of them in flight (not all queued)."""
+        return Windowed(self.executor, functools.partial(_call_first, fn, args), items,
+                        self.parallel_reads())
 
     def reconfigure(self, config: Config, backends: dict[str, Backend]) -> None:
         """Place and read by ``config`` (with these opened backends) from now on."""
