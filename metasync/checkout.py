@@ -372,7 +372,7 @@ class Checkout:
             rows += self._install(pending, stamp, result)
             pending = []
             if self._place.writes:
-                sync_all()  # what was written in place is on disk before its rows say so
+                self.writer.in_place_flush.durable()  # on disk before its rows say so
         except BaseException:
             for fut in futures.submitted:  # leave no temporary file behind
                 fut.cancel()

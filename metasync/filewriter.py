@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 from metasync.context import RepoContext
 from metasync.errors import CorruptObject
@@ -18,13 +19,49 @@ from metasync.faults import crash_point
 from metasync.fstraits import NAME_REFUSED, cannot_write
 from metasync.graph import ObjectGraph
 from metasync.objects import TreeEntry
-from metasync.portable import O_CLOEXEC, O_NOFOLLOW, SYNC_ALL_FLUSHES_FILES
+from metasync.portable import O_CLOEXEC, O_NOFOLLOW, SYNC_ALL_FLUSHES_FILES, sync_all
 from metasync.worktree import CHUNK_MAX, temp_name
 
 #: What creating a file at its own name may answer that the temporary-file way then
 #: sorts out (:meth:`FileWriter.write`): something made there since the scan, or a
 #: name the file system refuses (some say so with ENOENT or EPERM).
 RETRY_ASIDE = frozenset({errno.EEXIST, errno.ENOENT, errno.EPERM}) | NAME_REFUSED
+
+
+#: Written in place since the last background flush began, that starts the next.
+FLUSH_EVERY = 32 * 1024 * 1024
+
+
+class EarlyFlush:
+    """Files written in place are made durable by one flush at the end
+    (:meth:`durable`), before any index row says they are written. Until then a
+    thread flushes in the background (``sync_all``) each time :data:`FLUSH_EVERY`
+    more bytes were written, one flush at a time: the disk writes while the clone
+    computes, and the last flush has only the rest to write (on this machine it
+    took 0.3 s of a 3.4 s clone when it had everything)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since = 0
+        self._thread: threading.Thread | None = None
+
+    def wrote(self, size: int) -> None:
+        """``size`` more bytes were written in place (any thread)."""
+        with self._lock:
+            self._since += size
+            if self._since < FLUSH_EVERY or (self._thread and self._thread.is_alive()):
+                return
+            self._since = 0
+            self._thread = threading.Thread(target=sync_all, name="metasync-flush", daemon=True)
+            self._thread.start()
+
+    def durable(self) -> None:
+        """Return once everything written so far is on disk."""
+        with self._lock:
+            thread, self._thread, self._since = self._thread, None, 0
+        if thread is not None:
+            thread.join()
+        sync_all()
 
 
 class FileWriter:
@@ -36,6 +73,8 @@ class FileWriter:
     def __init__(self, ctx: RepoContext, graph: ObjectGraph) -> None:
         self.ctx = ctx
         self.graph = graph
+        #: What was written in place is flushed early and made durable by the caller.
+        self.in_place_flush = EarlyFlush()
 
     def write(
         self, folder: int, name: str, entry: TreeEntry, chunks: list[tuple[str, int]],
@@ -55,7 +94,9 @@ class FileWriter:
                 if exc.errno not in RETRY_ASIDE or cannot_write(entry.type, exc) is not None:
                     raise
             else:
-                return None, self._finish(folder, name, fd, entry, chunks, prefetched)
+                st = self._finish(folder, name, fd, entry, chunks, prefetched)
+                self.in_place_flush.wrote(entry.size)
+                return None, st
         return self.write_temp(folder, entry, chunks, prefetched)
 
     def write_temp(

@@ -30,11 +30,13 @@ import random
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -415,3 +417,59 @@ def test_what_the_user_wrote_in_an_interrupted_clone_is_kept(
         copies = [p for p in got if p.startswith(stem + " (conflict ")]
         assert len(copies) == 1, f"no conflict copy of {path}: {sorted(got)[:20]}"
         assert (folder / copies[0]).read_bytes() == data, f"{copies[0]} is not what the user wrote"
+
+
+def test_a_clone_flushes_early_and_records_its_files_only_once_all_are_on_disk(
+        source: Source, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-place clone starts flushing in the background as it writes
+    (``filewriter.EarlyFlush``), but the index rows of what it wrote are recorded
+    only after a flush that began once every file was written had returned: a power
+    cut can never leave a row vouching for a file not on disk."""
+    from metasync import Repository, filewriter
+    from metasync.localdb import LocalDB
+
+    events: list[str] = []
+    lock = threading.Lock()
+    writing = {"files": 0}
+
+    def flush() -> None:
+        with lock:
+            events.append(f"flush-start {threading.current_thread().name} {writing['files']}")
+        with lock:
+            events.append(f"flush-end {threading.current_thread().name}")
+
+    real_wrote = filewriter.EarlyFlush.wrote
+
+    def wrote(self: filewriter.EarlyFlush, size: int) -> None:
+        with lock:
+            writing["files"] += 1
+        real_wrote(self, size)
+
+    real_upsert = LocalDB.upsert_index
+
+    def upsert(self: LocalDB, rows: Any) -> None:
+        rows = list(rows)
+        if rows:
+            with lock:
+                events.append(f"rows {len(rows)}")
+        real_upsert(self, rows)
+
+    monkeypatch.setattr(filewriter, "sync_all", flush)
+    monkeypatch.setattr(filewriter, "FLUSH_EVERY", 64 * 1024)
+    monkeypatch.setattr(filewriter.EarlyFlush, "wrote", wrote)
+    monkeypatch.setattr(LocalDB, "upsert_index", upsert)
+    repo = Repository.clone(source.uri, tmp_path / "c", passphrase=lambda: PASSPHRASE)
+    repo.close()
+    assert snapshot(tmp_path / "c") == source.expected
+    early = [e for e in events if e.startswith("flush-start metasync-flush")]
+    assert early, f"no background flush while writing: {events}"
+    total = writing["files"]
+    first_rows = next(i for i, e in enumerate(events) if e.startswith("rows"))
+    finals = [i for i, e in enumerate(events[:first_rows])
+              if e.startswith("flush-start") and "metasync-flush" not in e
+              and e.endswith(f" {total}")]
+    assert finals, f"no flush after the last file and before its rows: {events}"
+    assert events[finals[-1] + 1].startswith("flush-end"), events
+    # Every background flush ended before the rows were recorded (durable joins it).
+    assert (events[:first_rows].count("flush-end metasync-flush")
+            == len(early)), events
