@@ -43,12 +43,12 @@ MAX_FRAGMENTS = 16
 ObjectKind = Literal["blob", "file", "tree", "commit", "index", "config", "pack"]
 KINDS: tuple[str, ...] = ("blob", "file", "tree", "commit", "index", "config", "pack")
 
-_ID = re.compile(r"^[0-9a-f]{64}$")
+_ID = re.compile(r"[0-9a-f]{64}")
 
 
 def is_object_id(value: object) -> bool:
     """True if ``value`` is a well-formed object id (64 lowercase hex digits)."""
-    return isinstance(value, str) and bool(_ID.match(value))
+    return isinstance(value, str) and bool(_ID.fullmatch(value))  # "$" would allow a "\n"
 
 
 class ObjectHasher:
@@ -221,30 +221,36 @@ class Tree:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Tree:
+        # Checks inline, messages built only on failure: a clone parses every tree
+        # before it writes a file.
         raw = parse_json(data, "tree")
         _want(isinstance(raw, list), "malformed tree")
         entries: list[TreeEntry] = []
         previous: bytes | None = None
+        is_id = _ID.fullmatch
         for item in raw:
-            _want(isinstance(item, list) and len(item) == 5, "malformed tree entry")
-            name = check_name(item[0])
-            etype = item[1]
-            _want(etype in ENTRY_TYPES, f"unknown entry type {etype!r}")
-            ref = item[2]
+            if type(item) is not list or len(item) != 5:
+                raise CorruptObject("malformed tree entry")
+            name, etype, ref, size, xbit = item
+            check_name(name)
             if etype == "link":
                 _want(
                     isinstance(ref, str) and "\x00" not in ref and ref != "" and _fs_roundtrips(ref),
                     "bad link target",
                 )
-            else:
-                _want_id(ref, "tree entry")
-            size = _want_int(item[3], "entry size")
-            _want(type(item[4]) is int and item[4] in (0, 1), "entry exec bit")
-            entry = TreeEntry(name, etype, ref, size, item[4] == 1)
-            key = entry.sort_key()
-            _want(previous is None or key > previous, "tree entries not sorted or not unique")
+            elif etype not in ENTRY_TYPES:
+                raise CorruptObject(f"unknown entry type {etype!r}")
+            elif type(ref) is not str or not is_id(ref):
+                raise CorruptObject("tree entry is not an object id")
+            if type(size) is not int or size < 0:
+                raise CorruptObject("entry size")
+            if type(xbit) is not int or xbit not in (0, 1):
+                raise CorruptObject("entry exec bit")
+            key = os.fsencode(name)  # TreeEntry.sort_key
+            if previous is not None and key <= previous:
+                raise CorruptObject("tree entries not sorted or not unique")
             previous = key
-            entries.append(entry)
+            entries.append(TreeEntry(name, etype, ref, size, xbit == 1))
         return cls(tuple(entries))
 
 
@@ -337,16 +343,22 @@ class Index:
 
 
 def parse_pack_entry(item: object) -> PackEntry:
-    _want(isinstance(item, list) and len(item) == 4, "malformed pack entry")
-    assert isinstance(item, list)
-    kind = item[1]
-    _want(kind in ("blob", "file", "tree"), f"unexpected packed kind {kind!r}")
-    return PackEntry(
-        _want_id(item[0], "pack entry"),
-        kind,
-        _want_int(item[2], "pack entry offset"),
-        _want_int(item[3], "pack entry length", 1),
-    )
+    if type(item) is not list or len(item) != 4:
+        raise CorruptObject("malformed pack entry")
+    object_id, kind, offset, length = item
+    if kind not in PACKED_KINDS:
+        raise CorruptObject(f"unexpected packed kind {kind!r}")
+    if type(object_id) is not str or not _ID.fullmatch(object_id):
+        raise CorruptObject("pack entry is not an object id")
+    if type(offset) is not int or offset < 0:
+        raise CorruptObject("pack entry offset")
+    if type(length) is not int or length < 1:
+        raise CorruptObject("pack entry length")
+    return PackEntry(object_id, kind, offset, length)
+
+
+#: What a pack holds.
+PACKED_KINDS = ("blob", "file", "tree")  # a tuple: a hostile unhashable kind is refused, not a TypeError
 
 
 def same_entry(a: TreeEntry | None, b: TreeEntry | None) -> bool:
