@@ -99,7 +99,7 @@ DEFAULT_ACCOUNT = "default"
 #: Keyring service name under which grants are stored.
 KEYRING_SERVICE = "metasync"
 
-_ACCOUNT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_ACCOUNT = re.compile(r"^[A-Za-z0-9._-]{1,64}\Z")
 #: The options every cloud-provider URI takes (and no others).
 CLOUD_URI_OPTIONS = ("account", "transfers", "timeout", "api", "ca")
 #: Requests of one backend instance at once, and seconds one request may take, where
@@ -662,7 +662,7 @@ def endpoint(provider: str, options: dict[str, str] | None = None) -> Endpoint:
     ca = options.get("ca") or os.environ.get(prefix + "CA_FILE") or None
     if base is not None:
         base = base.rstrip("/")
-        if not re.match(r"^https?://[^/?#]+$", base):
+        if not re.match(r"^https?://[^/?#]+\Z", base):
             raise UsageError(
                 f"{provider} API URL {base!r} must be scheme://host[:port] with no path"
             )

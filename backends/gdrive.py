@@ -140,7 +140,7 @@ FANOUT = 256
 #: read says 404: a read racing the other creator's commit.
 READ_AFTER_CONFLICT_TRIES = 6
 _FILE_FIELDS = "id,name,mimeType,size,md5Checksum,headRevisionId,modifiedTime,createdTime,trashed"
-_ID = re.compile(r"^[A-Za-z0-9_-]{8,128}$")
+_ID = re.compile(r"^[A-Za-z0-9_-]{8,128}\Z")
 #: Properties of the namespace folder naming the reserved ids of the log machinery.
 PROP_LOG_FOLDER = "metasyncLogFolder"
 PROP_LOG_ROOT = "metasyncLogRoot"

@@ -12,7 +12,7 @@ import re
 
 from metasync.errors import InvalidKey, UsageError
 
-_KEY_PART = re.compile(r"^[A-Za-z0-9._-]+$")
+_KEY_PART = re.compile(r"^[A-Za-z0-9._-]+\Z")
 #: Prefix of names of in-progress writes: never a key part, never listed.
 TEMP_PREFIX = ".tmp-"
 

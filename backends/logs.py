@@ -59,8 +59,8 @@ R = TypeVar("R")
 
 # Exactly the canonical spelling counts: an entry must have one name, or two names
 # could claim one position.
-_ENTRY = re.compile(r"^[0-9]{10,}$")
-_BLOCK = re.compile(r"^([0-9]{10,})\.b\.([0-9a-f]{32})\.([1-9][0-9]{0,8})$")
+_ENTRY = re.compile(r"^[0-9]{10,}\Z")
+_BLOCK = re.compile(r"^([0-9]{10,})\.b\.([0-9a-f]{32})\.([1-9][0-9]{0,8})\Z")
 
 
 class LogStore(ABC):

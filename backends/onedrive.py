@@ -127,7 +127,7 @@ MAX_FILE_SIZE = 250 * (1 << 30)
 LIST_PAGE_SIZE = 1000
 #: How long the browser sign-in waits for the user (seconds).
 BROWSER_SIGN_IN_TIMEOUT = 600
-_TENANT = re.compile(r"^[A-Za-z0-9.-]{1,128}$")
+_TENANT = re.compile(r"^[A-Za-z0-9.-]{1,128}\Z")
 
 
 # --- names -------------------------------------------------------------------------------

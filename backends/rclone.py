@@ -506,7 +506,7 @@ def _claim_name(token: str, name: str) -> str | None:
     return claim if len(claim.encode()) <= MAX_NAME else None
 
 
-_CLAIM = re.compile(r"^\.tmp-[0-9a-f]{16}\.(.+)$")
+_CLAIM = re.compile(r"^\.tmp-[0-9a-f]{16}\.(.+)\Z")
 
 
 def _claimed(name: str) -> str | None:

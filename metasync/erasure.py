@@ -53,7 +53,7 @@ _DIGEST = 32
 SHARE_KIND = "share"
 HEADER_KIND = "fraghdr"
 
-_SCHEME = re.compile(r"^\s*(\d{1,3})\s*/\s*(\d{1,3})\s*$")
+_SCHEME = re.compile(r"^\s*(\d{1,3})\s*/\s*(\d{1,3})\s*\Z")
 
 
 # ----------------------------------------------------------------------------- scheme

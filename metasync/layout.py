@@ -55,7 +55,7 @@ FLOOR_PREFIX = "floor"
 
 DEFAULT_NAMESPACE = "metasync"
 
-_FRAGMENT_KEY = re.compile(r"^objects/([0-9a-f]{2})/([0-9a-f]{64})\.f(0|[1-9][0-9]?)$")
+_FRAGMENT_KEY = re.compile(r"^objects/([0-9a-f]{2})/([0-9a-f]{64})\.f(0|[1-9][0-9]?)\Z")
 
 
 # --- objects ---------------------------------------------------------------------------

@@ -487,3 +487,31 @@ def test_a_note_on_a_terminal_prints_a_name_as_text_not_markup(
 
     RichReporter().note(f"conflict: {display_path('[/x] [bold]')} is in the way")
     assert "conflict: [/x] [bold] is in the way" in capsys.readouterr().err
+
+
+def test_validators_refuse_a_trailing_newline() -> None:
+    """A regex's ``$`` also matches before a final newline: every check of a name
+    from a backend or a user anchors at the very end (``\\Z``), so ``name + "\\n"``
+    is refused wherever ``name`` is accepted (ids, keys, log entries, fragments,
+    snapshot and account names). Failed on main before: each of these took it."""
+    from metasync.backends.cloud import check_account
+    from metasync.backends.keys import InvalidKey, check_key
+    from metasync.backends.logs import entry_name, entry_position
+    from metasync.errors import UsageError
+    from metasync.layout import fragment_key, parse_fragment_key
+    from metasync.objects import is_object_id, is_snapshot_name
+
+    oid = "ab" * 32
+    assert is_object_id(oid) and not is_object_id(oid + "\n")
+    assert is_snapshot_name("v1") and not is_snapshot_name("v1\n")
+    assert check_key("objects/ab") == "objects/ab"
+    with pytest.raises(InvalidKey):
+        check_key("objects/ab\n")
+    assert entry_position(entry_name(7)) == 7
+    assert entry_position(entry_name(7) + "\n") is None
+    key = fragment_key(oid, 1)
+    assert parse_fragment_key(key) == (oid, 1)
+    assert parse_fragment_key(key + "\n") is None
+    assert check_account("me") == "me"
+    with pytest.raises(UsageError):
+        check_account("me\n")

@@ -38,8 +38,8 @@ RUNNING_FILE = "running.json"
 LOCK_FILE = "registry.lock"
 SERVICE_LOCK_FILE = "service.lock"
 DEFAULT_LISTEN = ("127.0.0.1", 8384)
-_ID = re.compile(r"^[0-9a-f]{8}$")
-_KEY = re.compile(r"^[A-Za-z0-9_-]{16,128}$")
+_ID = re.compile(r"^[0-9a-f]{8}\Z")
+_KEY = re.compile(r"^[A-Za-z0-9_-]{16,128}\Z")
 
 
 @dataclass(frozen=True)
