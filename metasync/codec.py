@@ -221,6 +221,16 @@ class PackBuilder:
         with self._lock:
             return self._close() if self._entries else None
 
+    def discard(self) -> BinaryIO | None:
+        """Drop the pack being built (its commit failed): close its spool and return
+        it (the caller removes the file), None if nothing was written yet."""
+        with self._lock:
+            out = self._out
+            self._start()
+        if out is not None:
+            out.close()
+        return out
+
     def _close(self) -> FinishedPack:
         entries = self._entries
         header = canonical_json([[e.object_id, e.kind, e.offset, e.length] for e in entries])

@@ -272,6 +272,14 @@ class Committer:
         self.checkout.resume()
         self.outbox.clean()
         writer = self.outbox.writer()
+        try:
+            return self._commit(writer, message, skipped)
+        except BaseException:
+            writer.abandon()
+            raise
+
+    def _commit(self, writer: ObjectWriter, message: str,
+                skipped: list[str] | None) -> CommitResult | None:
         # A checkout scans again before it compares anything with a scan, so a commit
         # need not keep this one (on a huge tree it is a third of the memory).
         scan = self.scanner.scan(writer.sink, flush_index=True, keep_seen=False)

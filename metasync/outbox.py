@@ -188,6 +188,15 @@ class ObjectWriter:
                 self.counts[kind] = self.counts.get(kind, 0) + 1
             self._keep(self.builder.add(kind, object_id, data))
 
+    def abandon(self) -> None:
+        """The commit failed: close and remove the pack being spooled now (a failed
+        commit otherwise kept its file open until the cyclic garbage collector ran:
+        one descriptor per failed commit in a daemon). Finished packs stay in the
+        outbox for :meth:`Outbox.clean`."""
+        spool = self.builder.discard()
+        if spool is not None and not isinstance(spool, io.BytesIO):
+            Path(spool.name).unlink(missing_ok=True)
+
     def finish(self) -> list[Standalone]:
         """Pack what waits in every thread's batch, flush the last pack; return the
         index objects listing every pack. Only once no thread sinks any more."""

@@ -131,3 +131,45 @@ def test_commit_packs_every_new_object_once(tmp_path: Path, monkeypatch: pytest.
         assert result.new_objects["file"] == 1
         assert sum(result.new_objects.values()) == len(ids)
         repo.push("many")
+
+
+def test_a_failed_commit_closes_and_removes_the_pack_it_was_spooling(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A commit that fails after packing began (here: building its trees fails)
+    leaves no descriptor open on a spool file, and no spool file in the outbox
+    (before, the file stayed open until the cyclic garbage collector ran: one
+    descriptor per failed commit in a daemon)."""
+    from metasync.scanner import Scanner
+
+    folder = tmp_path / "f"
+    folder.mkdir()
+    backend = tmp_path / "b"
+    backend.mkdir()
+    rng = random.Random(7)
+    for n in range(6):
+        (folder / f"{n}.bin").write_bytes(rng.randbytes(600_000))  # > one spool write
+
+    def spools_open() -> list[str]:
+        out = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if "/outbox/.tmp-" in target:
+                out.append(target)
+        return out
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("building the trees failed")
+
+    monkeypatch.setenv("METASYNC_PACK_SIZE", str(64 << 20))  # one pack, still open
+    with Repository.init(folder, [f"dir:{backend}"], replicas=1, encrypt=False) as repo:
+        monkeypatch.setattr(Scanner, "build_trees", fail)
+        with pytest.raises(RuntimeError, match="building the trees"):
+            repo.commit("fails")
+        assert spools_open() == []
+        outbox = folder / ".metasync" / "outbox"
+        assert not [n for n in os.listdir(outbox) if n.startswith(".tmp-")]
+        monkeypatch.undo()
+        assert repo.commit("works") is not None
