@@ -18,6 +18,7 @@ import shutil
 import sqlite3
 import stat
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from fractions import Fraction
@@ -70,7 +71,7 @@ from metasync.objects import FORMAT_VERSION, MAX_FRAGMENTS, BackendSpec, Config
 from metasync.ownership import check_owner
 from metasync.portable import effective_uid
 from metasync.progress import CANCEL
-from metasync.state import LocalState
+from metasync.state import LocalState, PrimitivesChecked
 from metasync.worktree import META_DIR
 
 DEFAULT_PARTITIONS = 16384
@@ -141,17 +142,26 @@ def create(
     prepare_locations(backends, mkdir)
     local: LocalKey | None = None
     keyfile = b""
-    if encrypt:
+    ids = [secrets.token_hex(4) for _ in uris]
+
+    def ready(backend: Backend) -> PrimitivesChecked:
+        backend.create()
+        return verification.verify(backend)
+
+    # The key slot's scrypt (a third of a second, without the interpreter lock) runs
+    # while each backend is made and checked, all at once: they wait on disks and
+    # servers. The first backend (in order) that fails is the error.
+    secret = ask(passphrase) if encrypt else ""
+    with ThreadPoolExecutor(len(backends) + 1, "metasync-init") as pool:
         ring = Keyring(id_key=os.urandom(32), data_keys={0: os.urandom(32)}, current=0)
         slot = new_slot_id()
-        keyfile, private = make_slot(ring, ask(passphrase), slot=slot, label=device_name(),
-                                     created=today())
-        local = LocalKey(ring, slot, private)
-    ids = [secrets.token_hex(4) for _ in uris]
-    checked = {}
-    for backend_id, backend in zip(ids, backends, strict=True):
-        backend.create()
-        checked[backend_id] = verification.verify(backend)
+        made = pool.submit(make_slot, ring, secret, slot=slot, label=device_name(),
+                           created=today()) if encrypt else None
+        verified = [pool.submit(ready, backend) for backend in backends]
+        checked = {backend_id: f.result() for backend_id, f in zip(ids, verified, strict=True)}
+        if made is not None:
+            keyfile, private = made.result()
+            local = LocalKey(ring, slot, private)
 
     unit = vnode_unit([Fraction(repr(float(c))) for c in caps])
     config = Config(
