@@ -207,16 +207,18 @@ def walk(root: str) -> Found:
         with it:
             for de in it:
                 name = de.name
-                if name.startswith(META_DIR) and (name == META_DIR or name.startswith(TEMP_PREFIX)):
+                if name[0] == "." and (name == META_DIR or name.startswith(TEMP_PREFIX)):
                     continue
                 rel = prefix + name
-                if de.is_dir(follow_symlinks=False):
-                    dirs.append(rel)
-                    stack.append((de.path, rel))
-                    continue
-                if de.is_symlink():
-                    links.extend((rel, os.readlink(de.path)))
-                    continue
+                # A regular file first: most entries are, and it is one call.
+                if not de.is_file(follow_symlinks=False):
+                    if de.is_dir(follow_symlinks=False):
+                        dirs.append(rel)
+                        stack.append((de.path, rel))
+                        continue
+                    if de.is_symlink():
+                        links.extend((rel, os.readlink(de.path)))
+                        continue
                 st = de.stat(follow_symlinks=False)
                 mode = st.st_mode
                 if mode & s_ifmt != s_ifreg:
