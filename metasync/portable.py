@@ -96,6 +96,13 @@ else:
 SYNC_ALL_FLUSHES_FILES = sys.platform != "win32"
 
 
+def cores() -> int:
+    """The cores this process may run on (its affinity, where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 def sync_all() -> None:
     """Flush every file system's written data (one call for a batch of files instead
     of an fsync each); nothing on Windows, where :data:`SYNC_ALL_FLUSHES_FILES` is

@@ -17,7 +17,6 @@ from a backend is used before it is verified.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -41,6 +40,7 @@ from metasync.errors import (
 from metasync.layout import fragment_key, object_key
 from metasync.mapping import StableMapping
 from metasync.objects import Config, PackEntry
+from metasync.portable import cores
 from metasync.progress import CANCEL
 
 if TYPE_CHECKING:
@@ -171,9 +171,7 @@ class RemoteStore:
         for local reads only contend for the interpreter lock: a 15.8k-file clone
         from ``dir:`` backends on 2 cores took 3.1-3.4 s with 2 jobs, 4.0 s with 8."""
         if all(b.capabilities.local for b in self.backends.values()):
-            return min(self.workers, max(2, len(os.sched_getaffinity(0))
-                                         if hasattr(os, "sched_getaffinity")
-                                         else os.cpu_count() or 2))
+            return min(self.workers, max(2, cores()))
         return self.workers
 
     def windowed(self, fn: Callable[..., T], items: Sequence[U], *args: Any) -> Windowed[T]:
