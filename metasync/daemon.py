@@ -466,7 +466,8 @@ class Daemon:
 
     def _record_backends(self, repo: Repository) -> None:
         self.status.backends = self.health.record(
-            repo.config.acceptors, repo.health(), repo.backend_requests(), self._names)
+            repo.config.acceptors, repo.health(), repo.backend_requests(), self._names,
+            repo.backend_latencies())
 
     # --- local changes -------------------------------------------------------------------
     def _watch(self) -> Any:

@@ -365,3 +365,33 @@ def test_fleet_restarts_a_failed_folder_and_steers_each_alone(tmp_path: Path) ->
         fleet.stop()
     assert all(not r.alive() for r in (runner, other))
     assert daemon_json(busy)["state"] == daemon_json(main)["state"] == "stopped"
+
+
+def test_a_backend_never_polled_shows_the_latency_of_the_syncs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``dir:`` backend's change feed may work before the daemon's first look, and
+    then its hint is never polled: its latency is that of the syncs' own requests
+    (the page showed "—" for it, however often it synced)."""
+    from metasync.app.fleet import Fleet
+    from metasync.app.registry import Registry
+    from metasync.daemon import Settings
+    from metasync.remote_watch import RemoteWatch
+
+    # No hint is ever read by a poll, as where every feed works from the start.
+    monkeypatch.setattr(RemoteWatch, "hints_moved", lambda self, acceptors, on_poll=None: False)
+    folder = make_folder(tmp_path / "folder", [tmp_path / "b0", tmp_path / "b1"])
+    (folder / "new.txt").write_text("new\n")
+    registry = Registry(tmp_path / "config")
+    folder_id = registry.add(folder).id
+    fleet = Fleet(registry, Settings(settle=0.2, poll=3600, rescan=3600, usage_every=0))
+    fleet.start()
+    try:
+        runner = fleet.get(folder_id)
+        wait_until(lambda: runner.snapshot()["state"] == "idle" and runner.snapshot()["version"] == 2,
+                   20, "the new file synced", lambda: str(runner.snapshot()))
+        backends = runner.snapshot()["backends"]
+        assert len(backends) == 2, backends
+        assert all(b["latency_ms"] is not None and b["latency_ms"] >= 0 for b in backends), backends
+        assert all(b["health"] == "ok" for b in backends), backends
+    finally:
+        fleet.stop()
