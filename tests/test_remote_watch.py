@@ -25,6 +25,7 @@ from test_daemon_sync import Daemons, _daemon_log, _diff, _setup, wait_until
 from test_daemon_sync import daemons as daemons  # the fixture
 
 from conftest import run_cli
+from metasync import Repository
 from metasync.backends import open_backend
 from metasync.backends.dirfeed import DirFeed, watchable
 from metasync.backends.faulty import FaultyBackend
@@ -238,6 +239,30 @@ def test_a_push_reaches_the_other_daemon_through_the_feeds(tmp_path: Path, daemo
                    FEED_DEADLINE, f"A's file {i} in B", _diff(a, b))
     (b / "from-b.txt").write_text("written in B\n")
     wait_until(lambda: (a / "from-b.txt").is_file(), FEED_DEADLINE, "B's file in A", _diff(a, b))
+
+
+def test_a_push_seen_while_a_command_has_the_folder_is_pulled_once_it_is_done(
+        tmp_path: Path, daemons: Daemons) -> None:
+    """A feed fires while a command has A's folder (as the service's API has it,
+    reading, many times a second while a page watches): A's sync finds the folder
+    busy and runs again once it is free -- and that sync still pulls. (It looked at
+    nothing but the folder, so B's version waited for another push or the
+    half-hourly check: a conflict was never listed on A.)"""
+    a, b = _setup(tmp_path)
+    daemons.start(a, *NO_POLL)
+    (b / "first.txt").write_text("first\n")
+    run_cli("push", "-m", "first", cwd=b)
+    wait_until(lambda: (a / "first.txt").is_file(), FEED_DEADLINE, "B's first file in A", _diff(a, b))
+    held = Repository.open(a, wait=FEED_DEADLINE)
+    try:
+        (b / "second.txt").write_text("second\n")
+        run_cli("push", "-m", "second", cwd=b)
+        wait_until(lambda: "another command is using" in _daemon_log(a), FEED_DEADLINE,
+                   "A's sync finding its folder in use", lambda: _daemon_log(a))
+    finally:
+        held.close()
+    wait_until(lambda: (a / "second.txt").is_file(), FEED_DEADLINE, "B's second file in A",
+               lambda: _diff(a, b)() + "\n" + _daemon_log(a))
 
 
 def test_the_daemon_stays_up_while_feeds_fail_and_syncs_once_they_work(
