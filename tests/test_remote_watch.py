@@ -29,7 +29,7 @@ from metasync import Repository
 from metasync.backends import open_backend
 from metasync.backends.dirfeed import DirFeed, watchable
 from metasync.backends.faulty import FaultyBackend
-from metasync.backends.feeds import PollingFeed, PollSchedule
+from metasync.backends.feeds import ChangeFeed, PollingFeed, PollSchedule
 from metasync.backends.memory import MemoryBackend
 from metasync.errors import BackendUnavailable
 from metasync.layout import HINT_KEY
@@ -215,8 +215,10 @@ def test_a_new_acceptor_set_restarts_the_feeds(tmp_path: Path) -> None:
         watch.restart({k: uris[k] for k in ("b2", "b3")}, "ns")
         assert not any(f.thread.is_alive() for f in first.values())
         assert set(watch.feeds) == {"b2", "b3"}
-        wait_until(lambda: all(f.kind == "notify" for f in watch.feeds.values()),
+        wait_until(lambda: all(f.started.is_set() for f in watch.feeds.values()),
                    FEED_DEADLINE, "the new feeds run")
+        assert all(f.kind == "notify" for f in watch.feeds.values())
+        watch.take_fired()  # their start's (test_a_feed_fires_once_when_it_has_started)
         b3 = open_backend(uris["b3"], "ns")
         b3.put(HINT_KEY, b"moved")
         b3.close()
@@ -278,6 +280,54 @@ def test_the_daemon_stays_up_while_feeds_fail_and_syncs_once_they_work(
     assert log.count("change feed of") - log.count("works again") == 3, log
     (a / "after.txt").write_text("after the failures\n")
     wait_until(lambda: (b / "after.txt").is_file(), FEED_DEADLINE, "A's file in B", _diff(a, b))
+
+
+def test_a_feed_fires_once_when_it_has_started() -> None:
+    """A feed starts after the daemon's last look at the backends (its first sync, or
+    the sync that found a new configuration): a push in between fires nothing, so
+    the feed fires once its starting point is set, and then only on changes."""
+    made: list[_QuietFeed] = []
+
+    class Opened:
+        def change_feed(self, key: str | None = None) -> ChangeFeed:
+            made.append(_QuietFeed())
+            return made[-1]
+
+        def close(self) -> None:
+            pass
+
+    watch, _, wake = _watch(lambda uri, ns: Opened())
+    watch.restart({"b1": "memory:x"}, "ns")
+    try:
+        feed = watch.feeds["b1"]
+        wait_until(feed.started.is_set, FEED_DEADLINE, "the feed started")
+        assert watch.take_fired() and wake.is_set()
+        wait_until(lambda: made[0].waits >= 2, FEED_DEADLINE, "the feed waiting for changes")
+        assert not watch.take_fired()  # once: the feed itself saw nothing
+        assert len(made) == 1
+    finally:
+        watch.stop()
+    assert not feed.thread.is_alive()
+
+
+class _QuietFeed(ChangeFeed):
+    """A feed that sees no change: its first wait sets its starting point at once,
+    the others last until it is closed."""
+
+    kind = "notify"
+
+    def __init__(self) -> None:
+        self.waits = 0
+        self.closed = threading.Event()
+
+    def wait(self, timeout: float) -> bool:
+        self.waits += 1
+        if self.waits > 1:
+            self.closed.wait(timeout)
+        return False
+
+    def close(self) -> None:
+        self.closed.set()
 
 
 def test_acceptors_without_a_working_feed_have_their_hint_read() -> None:
