@@ -196,7 +196,13 @@ def test_two_services_side_by_side(services: Services, tmp_path: Path) -> None:
     wait_until(lambda: (b / "from-a.txt").read_text() == "written in A\n", 30,
                "A's new file in B", lambda: one.output() + two.output())
 
-    listed = json.loads(one.cli("folders", "--json").stdout)
+    # A's own push fired its feeds: it may sync once more (finding nothing) meanwhile.
+    def listing() -> dict[str, Any]:
+        doc: dict[str, Any] = json.loads(one.cli("folders", "--json").stdout)
+        return doc
+
+    listed = wait_until(lambda: (doc := listing())["folders"][0]["state"] == "idle" and doc,
+                        20, "A listed idle", one.output)
     assert listed["service"]["pid"] == one.proc.pid
     assert [(f["path"], f["state"]) for f in listed["folders"]] == [(str(a), "idle")]
 
@@ -263,8 +269,12 @@ def test_ten_folders_one_without_backends_one_deleted_the_others_sync(
     # The new files are on the backends: a clone of the last folder has its file.
     clone = clone_of(tmp_path / "b9", tmp_path / "clone9")
     assert (clone / "new.txt").read_text() == "new in F9\n"
-    listed = {f["path"]: f for f in json.loads(_cli(config, "folders", "--json").stdout)["folders"]}
-    assert listed[str(no_backend)]["state"] == "offline"
+    def listing() -> dict[str, dict[str, Any]]:
+        return {f["path"]: f for f in json.loads(_cli(config, "folders", "--json").stdout)["folders"]}
+
+    # The offline folder tries again every poll ("syncing" while it does).
+    listed = wait_until(lambda: (doc := listing())[str(no_backend)]["state"] == "offline" and doc,
+                        20, "the folder without its backend listed offline", shown)
     assert listed[str(deleted)]["state"] == "paused" and "gone" in listed[str(deleted)]["reason"]
     # (a healthy folder may be in its periodic rescan right now)
     assert all(listed[str(f)]["state"] in ("idle", "syncing") for f in healthy), listed
