@@ -22,6 +22,7 @@ import builtins
 import functools
 import io
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,13 +57,20 @@ _IN_REQUEST = threading.local()
 _UPLOADS = frozenset({"put", "put_if_absent", "replace_if"})
 #: The methods whose result is a download's payload (``open``: its stream's reads).
 _DOWNLOADS = frozenset({"get", "get_range", "open"})
+#: A request that moves at most this many bytes measures the backend's latency
+#: (:attr:`Backend.latency`): a bigger transfer's time is mostly its size's.
+LATENCY_PAYLOAD = 64 * 1024
+#: Requests whose time says little of the round trip: a listing's grows with its
+#: length, and ``open`` returns before its stream is read.
+_UNTIMED = frozenset({"list", "list_sizes", "open"})
 
 
 def _counted(method: Any) -> Any:
-    """``method``, counting its outermost calls in the instance's ``requests`` and
-    charging their payload to the process's bandwidth limit (:mod:`.bwlimit`): an
-    outermost call is the one place every transfer of every backend passes through
-    (a wrapper backend's inner calls are not charged again)."""
+    """``method``, counting its outermost calls in the instance's ``requests``, timing
+    the small ones (:attr:`Backend.latency`), and charging their payload to the
+    process's bandwidth limit (:mod:`.bwlimit`): an outermost call is the one place
+    every transfer of every backend passes through (a wrapper backend's inner calls
+    are not charged again)."""
     name = method.__name__
 
     @functools.wraps(method)
@@ -73,7 +81,7 @@ def _counted(method: Any) -> Any:
         _IN_REQUEST.depth = 1
         try:
             if not LIMITER.active:
-                return method(self, *args, **kwargs)
+                return _timed(name, method, self, args, kwargs)
             return _limited(name, method, self, args, kwargs)
         finally:
             _IN_REQUEST.depth = 0
@@ -81,18 +89,45 @@ def _counted(method: Any) -> Any:
     return call
 
 
+def _timed(name: str, method: Any, self: Backend, args: tuple[Any, ...],
+           kwargs: dict[str, Any]) -> Any:
+    """``method`` called; if it succeeds having moved at most :data:`LATENCY_PAYLOAD`
+    bytes (and is no listing), its seconds are the backend's :attr:`~Backend.latency`."""
+    started = time.monotonic()
+    result = method(self, *args, **kwargs)
+    seconds = time.monotonic() - started
+    if name not in _UNTIMED and _payload(name, args, kwargs, result) <= LATENCY_PAYLOAD:
+        self.latency = seconds
+    return result
+
+
+def _payload(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> float:
+    """Bytes a request moved: an upload's data, a download's result (a stream, whose
+    size is unknown: infinite), else none."""
+    if name in _UPLOADS:
+        data = args[1] if len(args) >= 2 else kwargs.get("data")
+    elif name in _DOWNLOADS:
+        data = result
+    else:
+        return 0
+    if isinstance(data, bytes | bytearray | memoryview):
+        return memoryview(data).nbytes
+    return float("inf")
+
+
 def _limited(name: str, method: Any, self: Backend, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
     """``method`` called with its payload charged to :data:`.bwlimit.LIMITER`: an
     upload's data before it is sent (a stream as it is read), a download's bytes as
-    they arrive (``open``'s stream as it is read)."""
+    they arrive (``open``'s stream as it is read). The waits for the limit are not
+    part of the time measured (:func:`_timed`)."""
     if name in _UPLOADS:
         if len(args) >= 2:
             args = (args[0], metered_upload(args[1]), *args[2:])
         elif "data" in kwargs:
             kwargs = {**kwargs, "data": metered_upload(kwargs["data"])}
-        return method(self, *args, **kwargs)
-    result = method(self, *args, **kwargs)
+        return _timed(name, method, self, args, kwargs)
+    result = _timed(name, method, self, args, kwargs)
     if name == "open":
         return LIMITER.reader(result, DOWN)
     if name in _DOWNLOADS:
@@ -151,6 +186,10 @@ class Backend(ABC):
     #: Calls of :data:`REQUEST_METHODS` made on this instance (the service's
     #: ``/metrics``); approximate under concurrent calls, never reset.
     requests: int = 0
+    #: Seconds the last successful small request took (one that moved at most
+    #: :data:`LATENCY_PAYLOAD` bytes, not a listing): the service's ``latency_ms``
+    #: of a backend; None before one.
+    latency: float | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

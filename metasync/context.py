@@ -210,6 +210,12 @@ class BackendPool:
         """Backend id -> requests made to it so far (:attr:`Backend.requests`)."""
         return {b: backend.requests for b, backend in self._opened.items()}
 
+    def latencies(self) -> dict[str, float]:
+        """Backend id -> seconds its last small request took (:attr:`Backend.latency`),
+        for those that answered one."""
+        return {b: backend.latency for b, backend in self._opened.items()
+                if backend.latency is not None}
+
     def name(self, backend_id: str) -> str:
         """A backend's name for messages (its id if it was never opened)."""
         backend = self._opened.get(backend_id)

@@ -131,7 +131,8 @@ class Daemon:
         self._acceptors: dict[str, Backend] = {}
         self._acceptors_config = ""
         self._names: dict[str, str] = {}
-        self._allow_deletes = self._guard_held = False
+        # The deletion guard's; "another command is using" the folder, said.
+        self._allow_deletes = self._guard_held = self._busy_said = False
         self._conflicts: list[str] = []  # conflict copies made here, as paths
         self._remote_pending = True  # others may have pushed while no daemon ran
         self._rebalance_after = 0.0
@@ -251,13 +252,11 @@ class Daemon:
                 local_due = True
                 remote_due = self._remote.full_check_due() or remote_due
             settling = self._dirty and now - self._last_event < self.settings.settle
+            self._remote_pending = remote_due  # until a sync looked (a feed fires once)
             if (local_due or remote_due) and not settling:
                 # Never while files are still being written: a sync would commit them
                 # half-written (the settle wait is what makes a slow writer safe).
-                self._remote_pending = False
                 self._sync(remote=remote_due)
-            else:
-                self._remote_pending = remote_due
             timeout = next_poll - time.monotonic()
             if self._dirty:
                 timeout = min(timeout, self._last_event + self.settings.settle - time.monotonic())
@@ -276,6 +275,7 @@ class Daemon:
         started = time.monotonic()
         try:
             with Repository.open(self.root, self._notes, wait=0) as repo:
+                self._busy_said = False
                 try:
                     self._sync_repo(repo, remote)
                 finally:
@@ -289,6 +289,9 @@ class Daemon:
         except FolderBusy:
             self._dirty = True  # a CLI command has the folder: try again soon
             self._last_event = time.monotonic()
+            if not self._busy_said:  # once until a sync gets the folder
+                self.log.info("another command is using %s; syncing once it is done", self.root)
+                self._busy_said = True
             self.status.state = "idle"
             return
         except Interrupted as exc:
@@ -345,6 +348,7 @@ class Daemon:
         if held is not None:
             self._pause(*held)
             raise _Paused
+        self._remote_pending = False  # looked (what fires from now on is seen anew)
         # Copies a backend missed while away are rewritten by a push, so one runs
         # for them too, even with nothing new.
         missed = bool(repo.missing_copies())
@@ -466,7 +470,8 @@ class Daemon:
 
     def _record_backends(self, repo: Repository) -> None:
         self.status.backends = self.health.record(
-            repo.config.acceptors, repo.health(), repo.backend_requests(), self._names)
+            repo.config.acceptors, repo.health(), repo.backend_requests(), self._names,
+            repo.backend_latencies())
 
     # --- local changes -------------------------------------------------------------------
     def _watch(self) -> Any:

@@ -42,8 +42,10 @@ EventSink = Callable[[str, str], None]
 @dataclass
 class BackendStats:
     """One backend as this folder's daemon saw it: the requests made to it (its
-    syncs' and its hint polls), the hint polls that failed (``errors``) and the
-    last one's ``latency_ms``, and since when it fails (Unix time)."""
+    syncs' and its hint polls), the hint polls that failed (``errors``), the
+    latency of the last small request (a hint poll's, or the last sync's: a
+    backend whose change feed works is never polled), and since when it fails
+    (Unix time)."""
 
     requests: int = 0
     errors: int = 0
@@ -151,10 +153,12 @@ class Health:
             self.observe(name, f"unreachable: {error}")
 
     def record(self, acceptors: Iterable[str], failing: dict[str, str],
-               requests: dict[str, int], names: dict[str, str]) -> dict[str, str]:
+               requests: dict[str, int], names: dict[str, str],
+               latencies: dict[str, float] | None = None) -> dict[str, str]:
         """After a sync: the acceptors are "ok" unless ``failing`` (backend id ->
         why, :meth:`Repository.health`) says otherwise; ``requests`` (backend id ->
-        count) were made. Returns each backend's health by name (``names``: id ->
+        count) were made, the last small one to each taking ``latencies`` (backend
+        id -> seconds). Returns each backend's health by name (``names``: id ->
         name, else the id)."""
         health = {names.get(b, b): "ok" for b in acceptors}
         for backend_id, why in failing.items():
@@ -163,6 +167,8 @@ class Health:
             self.observe(name, why)
         for backend_id, count in requests.items():
             self._backend(names.get(backend_id, backend_id)).requests += count
+        for backend_id, seconds in (latencies or {}).items():
+            self._backend(names.get(backend_id, backend_id)).latency_ms = round(seconds * 1000, 3)
         return health
 
     def observe(self, name: str, health: str) -> None:

@@ -3,7 +3,10 @@
 Each acceptor's :meth:`~metasync.backends.base.Backend.change_feed` runs in a thread
 of its own (:class:`RemoteWatch`); any fire marks the daemon's remote side pending
 and wakes its loop, which then syncs (reading the acceptors' ``latest`` hints and
-pulling, as a poll that saw a moved hint does). The kinds (docs/daemon.md):
+pulling, as a poll that saw a moved hint does). A feed fires once when it has
+started (its starting point set), and again when it works after failing: what
+changed before is looked at, whenever the daemon's last look was. The kinds
+(docs/daemon.md):
 
 - ``notify`` (``dir:``: inotify on the namespace and log folders), ``longpoll``
   (Dropbox, Box), ``cursor`` (Google Drive, OneDrive): the feed sees every write
@@ -79,6 +82,8 @@ class _Feed:
         self.failures = 0
         self.delays: list[float] = []
         self.opened = 0
+        #: Set once the feed has fired for its start (tests wait for it).
+        self.started = threading.Event()
         self.stopping = threading.Event()
         self._feed: ChangeFeed | None = None
         self._lock = threading.Lock()
@@ -87,6 +92,7 @@ class _Feed:
 
     def _run(self) -> None:
         backend: Backend | None = None
+        fresh = False  # a feed just made: its first wait only set its starting point
         try:
             while not self.stopping.is_set():
                 try:
@@ -107,6 +113,7 @@ class _Feed:
                             self._feed = feed
                         if not self.failures:
                             self.kind = feed.kind
+                        fresh = True
                     fired = self._feed.wait(WAIT_SLICE)
                 except Exception as exc:  # any failure: back off, never end the daemon
                     self._failed(exc)
@@ -115,9 +122,18 @@ class _Feed:
                     self.watch.log.info("change feed of %s works again", self.name)
                     self.failures = 0
                     fired = True  # what changed while it failed is looked at now
+                start, fresh = fresh, False
+                if start:
+                    # The starting point is set: what changed between the daemon's
+                    # last look and it is looked at now (the feeds start after the
+                    # daemon's first look, a new configuration's after the sync
+                    # that found it; a push in between fired no feed).
+                    fired = True
                 self.kind = self._feed.kind
                 if fired and not self.stopping.is_set():
                     self.watch.fire()
+                if start:
+                    self.started.set()
         finally:
             self.kind = None
             self._close_feed()

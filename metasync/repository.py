@@ -398,6 +398,11 @@ class Repository(RepositoryAdmin):
         """Backend id -> requests this repository handle made to it (``/metrics``)."""
         return self._ctx.pool.requests()
 
+    def backend_latencies(self) -> dict[str, float]:
+        """Backend id -> seconds the last small request of this repository handle to
+        it took (``latency_ms``), for the backends that answered one."""
+        return self._ctx.pool.latencies()
+
     def acceptor_uris(self) -> dict[str, str]:
         """The URI this client uses for each acceptor of :attr:`config`, by id."""
         return self.versions.acceptor_uris()

@@ -196,7 +196,13 @@ def test_two_services_side_by_side(services: Services, tmp_path: Path) -> None:
     wait_until(lambda: (b / "from-a.txt").read_text() == "written in A\n", 30,
                "A's new file in B", lambda: one.output() + two.output())
 
-    listed = json.loads(one.cli("folders", "--json").stdout)
+    # A's own push fired its feeds: it may sync once more (finding nothing) meanwhile.
+    def listing() -> dict[str, Any]:
+        doc: dict[str, Any] = json.loads(one.cli("folders", "--json").stdout)
+        return doc
+
+    listed = wait_until(lambda: (doc := listing())["folders"][0]["state"] == "idle" and doc,
+                        20, "A listed idle", one.output)
     assert listed["service"]["pid"] == one.proc.pid
     assert [(f["path"], f["state"]) for f in listed["folders"]] == [(str(a), "idle")]
 
@@ -263,8 +269,12 @@ def test_ten_folders_one_without_backends_one_deleted_the_others_sync(
     # The new files are on the backends: a clone of the last folder has its file.
     clone = clone_of(tmp_path / "b9", tmp_path / "clone9")
     assert (clone / "new.txt").read_text() == "new in F9\n"
-    listed = {f["path"]: f for f in json.loads(_cli(config, "folders", "--json").stdout)["folders"]}
-    assert listed[str(no_backend)]["state"] == "offline"
+    def listing() -> dict[str, dict[str, Any]]:
+        return {f["path"]: f for f in json.loads(_cli(config, "folders", "--json").stdout)["folders"]}
+
+    # The offline folder tries again every poll ("syncing" while it does).
+    listed = wait_until(lambda: (doc := listing())[str(no_backend)]["state"] == "offline" and doc,
+                        20, "the folder without its backend listed offline", shown)
     assert listed[str(deleted)]["state"] == "paused" and "gone" in listed[str(deleted)]["reason"]
     # (a healthy folder may be in its periodic rescan right now)
     assert all(listed[str(f)]["state"] in ("idle", "syncing") for f in healthy), listed
@@ -365,3 +375,33 @@ def test_fleet_restarts_a_failed_folder_and_steers_each_alone(tmp_path: Path) ->
         fleet.stop()
     assert all(not r.alive() for r in (runner, other))
     assert daemon_json(busy)["state"] == daemon_json(main)["state"] == "stopped"
+
+
+def test_a_backend_never_polled_shows_the_latency_of_the_syncs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``dir:`` backend's change feed may work before the daemon's first look, and
+    then its hint is never polled: its latency is that of the syncs' own requests
+    (the page showed "—" for it, however often it synced)."""
+    from metasync.app.fleet import Fleet
+    from metasync.app.registry import Registry
+    from metasync.daemon import Settings
+    from metasync.remote_watch import RemoteWatch
+
+    # No hint is ever read by a poll, as where every feed works from the start.
+    monkeypatch.setattr(RemoteWatch, "hints_moved", lambda self, acceptors, on_poll=None: False)
+    folder = make_folder(tmp_path / "folder", [tmp_path / "b0", tmp_path / "b1"])
+    (folder / "new.txt").write_text("new\n")
+    registry = Registry(tmp_path / "config")
+    folder_id = registry.add(folder).id
+    fleet = Fleet(registry, Settings(settle=0.2, poll=3600, rescan=3600, usage_every=0))
+    fleet.start()
+    try:
+        runner = fleet.get(folder_id)
+        wait_until(lambda: runner.snapshot()["state"] == "idle" and runner.snapshot()["version"] == 2,
+                   20, "the new file synced", lambda: str(runner.snapshot()))
+        backends = runner.snapshot()["backends"]
+        assert len(backends) == 2, backends
+        assert all(b["latency_ms"] is not None and b["latency_ms"] >= 0 for b in backends), backends
+        assert all(b["health"] == "ok" for b in backends), backends
+    finally:
+        fleet.stop()

@@ -5,12 +5,13 @@ request, and logs from exclusive creates."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import pytest
 
 from metasync.backends import open_backend
+from metasync.backends.base import LATENCY_PAYLOAD
 from metasync.backends.conformance import BackendConformance, Location
 from metasync.backends.logs import ObjectStoreLogs, RegisterLogs, log_store_for
 from metasync.backends.memory import MemoryBackend, drop_store
@@ -167,3 +168,30 @@ def test_each_request_counts_once_whatever_calls_it_inside() -> None:
     with pytest.raises(ObjectNotFound):
         backend.get("missing")
     assert backend.requests - before == 5  # a failed request is a request too
+
+
+def test_small_requests_measure_the_latency_and_transfers_and_listings_do_not() -> None:
+    """``Backend.latency`` (the service's ``latency_ms``, measured by every sync, so a
+    backend whose change feed works and whose hint is never polled has one too) is
+    the time of the last successful request that moved at most ``LATENCY_PAYLOAD``
+    bytes; a big transfer, a listing or a failed request leaves it as it was."""
+    backend = open_backend(f"memory:{fresh_name()}", "ns")
+    assert backend.latency is None
+    backend.create()
+    assert backend.latency is not None
+
+    def measured(request: Callable[[], object]) -> bool:
+        backend.latency = -1.0  # no request takes negative time: a measurement replaces it
+        request()
+        return backend.latency != -1.0
+
+    assert not measured(lambda: backend.put("big", b"x" * (LATENCY_PAYLOAD + 1)))
+    assert not measured(lambda: backend.get("big"))
+    assert not measured(lambda: sorted(backend.list_sizes()))
+    with pytest.raises(ObjectNotFound):
+        measured(lambda: backend.get("missing"))
+    assert backend.latency == -1.0
+    assert measured(lambda: backend.put("small", b"y" * LATENCY_PAYLOAD))
+    assert measured(lambda: backend.get("small"))
+    assert measured(lambda: backend.size("small"))
+    assert measured(lambda: backend.poll("small"))

@@ -25,10 +25,11 @@ from test_daemon_sync import Daemons, _daemon_log, _diff, _setup, wait_until
 from test_daemon_sync import daemons as daemons  # the fixture
 
 from conftest import run_cli
+from metasync import Repository
 from metasync.backends import open_backend
 from metasync.backends.dirfeed import DirFeed, watchable
 from metasync.backends.faulty import FaultyBackend
-from metasync.backends.feeds import PollingFeed, PollSchedule
+from metasync.backends.feeds import ChangeFeed, PollingFeed, PollSchedule
 from metasync.backends.memory import MemoryBackend
 from metasync.errors import BackendUnavailable
 from metasync.layout import HINT_KEY
@@ -214,8 +215,10 @@ def test_a_new_acceptor_set_restarts_the_feeds(tmp_path: Path) -> None:
         watch.restart({k: uris[k] for k in ("b2", "b3")}, "ns")
         assert not any(f.thread.is_alive() for f in first.values())
         assert set(watch.feeds) == {"b2", "b3"}
-        wait_until(lambda: all(f.kind == "notify" for f in watch.feeds.values()),
+        wait_until(lambda: all(f.started.is_set() for f in watch.feeds.values()),
                    FEED_DEADLINE, "the new feeds run")
+        assert all(f.kind == "notify" for f in watch.feeds.values())
+        watch.take_fired()  # their start's (test_a_feed_fires_once_when_it_has_started)
         b3 = open_backend(uris["b3"], "ns")
         b3.put(HINT_KEY, b"moved")
         b3.close()
@@ -240,6 +243,30 @@ def test_a_push_reaches_the_other_daemon_through_the_feeds(tmp_path: Path, daemo
     wait_until(lambda: (a / "from-b.txt").is_file(), FEED_DEADLINE, "B's file in A", _diff(a, b))
 
 
+def test_a_push_seen_while_a_command_has_the_folder_is_pulled_once_it_is_done(
+        tmp_path: Path, daemons: Daemons) -> None:
+    """A feed fires while a command has A's folder (as the service's API has it,
+    reading, many times a second while a page watches): A's sync finds the folder
+    busy and runs again once it is free -- and that sync still pulls. (It looked at
+    nothing but the folder, so B's version waited for another push or the
+    half-hourly check: a conflict was never listed on A.)"""
+    a, b = _setup(tmp_path)
+    daemons.start(a, *NO_POLL)
+    (b / "first.txt").write_text("first\n")
+    run_cli("push", "-m", "first", cwd=b)
+    wait_until(lambda: (a / "first.txt").is_file(), FEED_DEADLINE, "B's first file in A", _diff(a, b))
+    held = Repository.open(a, wait=FEED_DEADLINE)
+    try:
+        (b / "second.txt").write_text("second\n")
+        run_cli("push", "-m", "second", cwd=b)
+        wait_until(lambda: "another command is using" in _daemon_log(a), FEED_DEADLINE,
+                   "A's sync finding its folder in use", lambda: _daemon_log(a))
+    finally:
+        held.close()
+    wait_until(lambda: (a / "second.txt").is_file(), FEED_DEADLINE, "B's second file in A",
+               lambda: _diff(a, b)() + "\n" + _daemon_log(a))
+
+
 def test_the_daemon_stays_up_while_feeds_fail_and_syncs_once_they_work(
     tmp_path: Path, daemons: Daemons
 ) -> None:
@@ -253,6 +280,54 @@ def test_the_daemon_stays_up_while_feeds_fail_and_syncs_once_they_work(
     assert log.count("change feed of") - log.count("works again") == 3, log
     (a / "after.txt").write_text("after the failures\n")
     wait_until(lambda: (b / "after.txt").is_file(), FEED_DEADLINE, "A's file in B", _diff(a, b))
+
+
+def test_a_feed_fires_once_when_it_has_started() -> None:
+    """A feed starts after the daemon's last look at the backends (its first sync, or
+    the sync that found a new configuration): a push in between fires nothing, so
+    the feed fires once its starting point is set, and then only on changes."""
+    made: list[_QuietFeed] = []
+
+    class Opened:
+        def change_feed(self, key: str | None = None) -> ChangeFeed:
+            made.append(_QuietFeed())
+            return made[-1]
+
+        def close(self) -> None:
+            pass
+
+    watch, _, wake = _watch(lambda uri, ns: Opened())
+    watch.restart({"b1": "memory:x"}, "ns")
+    try:
+        feed = watch.feeds["b1"]
+        wait_until(feed.started.is_set, FEED_DEADLINE, "the feed started")
+        assert watch.take_fired() and wake.is_set()
+        wait_until(lambda: made[0].waits >= 2, FEED_DEADLINE, "the feed waiting for changes")
+        assert not watch.take_fired()  # once: the feed itself saw nothing
+        assert len(made) == 1
+    finally:
+        watch.stop()
+    assert not feed.thread.is_alive()
+
+
+class _QuietFeed(ChangeFeed):
+    """A feed that sees no change: its first wait sets its starting point at once,
+    the others last until it is closed."""
+
+    kind = "notify"
+
+    def __init__(self) -> None:
+        self.waits = 0
+        self.closed = threading.Event()
+
+    def wait(self, timeout: float) -> bool:
+        self.waits += 1
+        if self.waits > 1:
+            self.closed.wait(timeout)
+        return False
+
+    def close(self) -> None:
+        self.closed.set()
 
 
 def test_acceptors_without_a_working_feed_have_their_hint_read() -> None:
