@@ -25,12 +25,19 @@ come from ``os.wait4``.  Reported per figure:
 each tool's median, min-max wall time and median peak memory, the per-pair
 ratios (their median and the highest), and whether issue 21's targets are met.
 
+Everything a tool writes -- copies of the tree, backends, repositories, clones --
+is on a fresh ext4 made for the run (``mkfs.ext4`` defaults, a loop device; needs
+root; ``--fs host`` uses a folder of the host instead): what creating files costs
+on the host's own file system can depend on where a folder lands
+(``benchlib.scratch_fs``). The clone and the restore write into one folder.
+
 Clones and restores are checked against the workload (paths, sizes and SHA-256
 of every file) and both statuses to be clean in the warm-up and the first timed
 pair (``--verify-all``: in every pair).  Results go to
 ``bench/results/linux-<timestamp>.json``.
 
-    python bench/linux_bench.py [--pairs N] [--work DIR] [--skip TOOL] [--keep] [--quick]
+    python bench/linux_bench.py [--pairs N] [--work DIR] [--skip TOOL] [--fs ext4|host]
+                                [--keep] [--quick]
 """
 
 from __future__ import annotations
