@@ -168,21 +168,22 @@ class RemoteStore:
         """Every backend is on this machine (``local``): a read costs no round trip."""
         return all(b.capabilities.local for b in self.backends.values())
 
-    def parallel_reads(self) -> int:
+    def parallel_reads(self) -> int | None:
         """How many read-and-use jobs to run at once on :attr:`executor`: one per core
-        (at least two) where every backend is on this machine (``local``), else the
-        executor's width, for reads that wait on a network. More threads than cores
-        for local reads only contend for the interpreter lock: a 15.8k-file clone
-        from ``dir:`` backends on 2 cores took 3.1-3.4 s with 2 jobs, 4.0 s with 8."""
+        (at least two) where every backend is on this machine (``local``); None -- all
+        of them queued, the executor's width running, none waiting for an earlier one
+        -- for reads that wait on a network. More threads than cores for local reads
+        only contend for the interpreter lock: a 15.8k-file clone from ``dir:``
+        backends on 2 cores took 3.1-3.4 s with 2 jobs, 4.0 s with 8."""
         if self.all_local():
             return min(self.workers, max(2, cores()))
-        return self.workers
+        return None
 
     def windowed(self, fn: Callable[..., T], items: Sequence[U], *args: Any) -> Windowed[T]:
         """``fn(item, *args)`` for each of ``items`` on :attr:`executor`, as futures in
         order, with :meth:`parallel_reads` of them in flight (not all queued)."""
         return Windowed(self.executor, functools.partial(_call_first, fn, args), items,
-                        self.parallel_reads())
+                        self.parallel_reads() or len(items))
 
     def reconfigure(self, config: Config, backends: dict[str, Backend]) -> None:
         """Place and read by ``config`` (with these opened backends) from now on."""
