@@ -370,7 +370,7 @@ class Checkout:
         reporter.start("download", total)
         futures = self.ctx.store.windowed(self._write_job, jobs, aside)
         try:
-            for fut in futures:
+            for _, fut in futures:
                 pending.extend(fut.result())
                 if len(pending) >= WRITE_BATCH:
                     rows += self._install(pending, stamp, result)
@@ -380,7 +380,7 @@ class Checkout:
             if self._place.writes:
                 self.writer.in_place_flush.durable()  # on disk before its rows say so
         except BaseException:
-            for fut in futures.submitted:  # leave no temporary file behind
+            for _, fut in futures.outstanding:  # leave no temporary file behind
                 fut.cancel()
                 if not fut.cancelled() and fut.exception() is None:
                     pending.extend(fut.result())

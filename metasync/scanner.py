@@ -10,16 +10,15 @@ nothing about a scan is kept anywhere else.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 import stat
 import time
 import unicodedata
 from collections import deque
 from collections.abc import Callable, Container, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any
 
 from metasync.context import RepoContext
 from metasync.fstraits import FolderTraits, probe_traits
@@ -27,6 +26,7 @@ from metasync.localdb import NOT_ON_DISK, OUTSIDE, IndexRow, index_row
 from metasync.objects import FORMAT_VERSION, Tree, TreeEntry
 from metasync.portable import cores
 from metasync.selection import Selection, filter_scan
+from metasync.store import Windowed
 from metasync.worktree import (
     META_DIR,
     FileChanged,
@@ -52,9 +52,6 @@ HASH_BATCH = 32
 HASH_BATCH_BYTES = 4 << 20
 #: Names the fingerprint's format (and the local setting that keeps the last one).
 TREE_MEMO = "tree_memo_v1"
-
-T = TypeVar("T")
-U = TypeVar("U")
 
 
 @dataclass
@@ -270,9 +267,9 @@ class Scanner:
         with ThreadPoolExecutor(workers, thread_name_prefix="metasync-hash") as pool:
             for scanned, hashed in (
                 pair
-                for batch, got in ordered_map(pool, read_batch, _batches(consume),
-                                              HASH_WINDOW * workers)
-                for pair in zip(batch, got, strict=True)
+                for batch, got in Windowed(pool, read_batch, _batches(consume),
+                                           HASH_WINDOW * workers)
+                for pair in zip(batch, got.result(), strict=True)
             ):
                 reporter.advance(scanned.size)
                 if hashed is None:
@@ -465,22 +462,3 @@ def _batches(entries: Iterable[ScanEntry]) -> Iterator[list[ScanEntry]]:
             batch, size = [], 0
     if batch:
         yield batch
-
-
-def ordered_map(
-    pool: ThreadPoolExecutor, fn: Callable[[U], T], items: Iterable[U], window: int
-) -> Iterator[tuple[U, T]]:
-    """``(item, fn(item))`` in order, run on ``pool`` with at most ``window`` tasks
-    queued at once (``pool.map`` makes every future up front: ~1.5 kB each, which
-    for a million files is gigabytes)."""
-    pending: deque[tuple[U, Future[T]]] = deque()
-    items_iter = iter(items)
-    for e in itertools.islice(items_iter, window):
-        pending.append((e, pool.submit(fn, e)))
-    while pending:
-        e, fut = pending.popleft()
-        result = fut.result()
-        nxt = next(items_iter, None)
-        if nxt is not None:
-            pending.append((nxt, pool.submit(fn, nxt)))
-        yield e, result

@@ -17,9 +17,11 @@ from a backend is used before it is verified.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -118,23 +120,27 @@ def _call_first(fn: Callable[..., T], args: tuple[Any, ...], item: Any) -> T:
     return fn(item, *args)
 
 
-class Windowed(Generic[T]):
-    """Futures of ``fn(item)`` in the order of ``items``: iterating submits each item
-    ``width`` places ahead of the future it yields. :attr:`submitted` are those made
-    so far (a caller's clean-up after a failure)."""
+class Windowed(Generic[U, T]):
+    """``(item, future of fn(item))`` in the order of ``items``, run on ``executor``
+    with at most ``width`` submitted and not yet handed out (``executor.map`` makes
+    every future up front: ~1.5 kB each, which for a million files is gigabytes; and
+    a local read gains nothing from more than a core each). :attr:`outstanding` are
+    those submitted and not handed out yet: a caller's clean-up after a failure."""
 
-    def __init__(self, executor: ThreadPoolExecutor, fn: Callable[[Any], T],
-                 items: Sequence[Any], width: int) -> None:
-        self._executor, self._fn = executor, fn
-        self._items = items
-        self._width = width
-        self.submitted: list[Future[T]] = [executor.submit(fn, i) for i in items[:width]]
+    def __init__(self, executor: ThreadPoolExecutor, fn: Callable[[U], T],
+                 items: Iterable[U], width: int) -> None:
+        self._submit = executor.submit
+        self._fn = fn
+        self._items = iter(items)
+        self.outstanding: deque[tuple[U, Future[T]]] = deque()
+        for item in itertools.islice(self._items, max(1, width)):
+            self.outstanding.append((item, executor.submit(fn, item)))
 
-    def __iter__(self) -> Iterator[Future[T]]:
-        for i in range(len(self._items)):
-            if i + self._width < len(self._items):
-                self.submitted.append(self._executor.submit(self._fn, self._items[i + self._width]))
-            yield self.submitted[i]
+    def __iter__(self) -> Iterator[tuple[U, Future[T]]]:
+        while self.outstanding:
+            for item in itertools.islice(self._items, 1):
+                self.outstanding.append((item, self._submit(self._fn, item)))
+            yield self.outstanding.popleft()
 
 
 class RemoteStore:
@@ -179,9 +185,9 @@ class RemoteStore:
             return min(self.workers, max(2, cores()))
         return None
 
-    def windowed(self, fn: Callable[..., T], items: Sequence[U], *args: Any) -> Windowed[T]:
-        """``fn(item, *args)`` for each of ``items`` on :attr:`executor`, as futures in
-        order, with :meth:`parallel_reads` of them in flight (not all queued)."""
+    def windowed(self, fn: Callable[..., T], items: Sequence[U], *args: Any) -> Windowed[U, T]:
+        """``fn(item, *args)`` for each of ``items`` on :attr:`executor` (see
+        :class:`Windowed`), :meth:`parallel_reads` of them in flight."""
         return Windowed(self.executor, functools.partial(_call_first, fn, args), items,
                         self.parallel_reads() or len(items))
 
