@@ -151,15 +151,15 @@ def create(
     # The key slot's scrypt (a third of a second, without the interpreter lock) runs
     # while each backend is made and checked, all at once: they wait on disks and
     # servers. The first backend (in order) that fails is the error.
-    secret = ask(passphrase) if encrypt else ""
     with ThreadPoolExecutor(len(backends) + 1, "metasync-init") as pool:
-        ring = Keyring(id_key=os.urandom(32), data_keys={0: os.urandom(32)}, current=0)
-        slot = new_slot_id()
-        made = pool.submit(make_slot, ring, secret, slot=slot, label=device_name(),
-                           created=today()) if encrypt else None
+        if encrypt:
+            ring = Keyring(id_key=os.urandom(32), data_keys={0: os.urandom(32)}, current=0)
+            slot = new_slot_id()
+            made = pool.submit(make_slot, ring, ask(passphrase), slot=slot,
+                               label=device_name(), created=today())
         verified = [pool.submit(ready, backend) for backend in backends]
         checked = {backend_id: f.result() for backend_id, f in zip(ids, verified, strict=True)}
-        if made is not None:
+        if encrypt:
             keyfile, private = made.result()
             local = LocalKey(ring, slot, private)
 
