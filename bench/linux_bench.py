@@ -31,6 +31,11 @@ root; ``--fs host`` uses a folder of the host instead): what creating files cost
 on the host's own file system can depend on where a folder lands
 (``benchlib.scratch_fs``). The clone and the restore write into one folder.
 
+The metasync timed is this checkout as a user installs it: built as a wheel and
+installed into a virtualenv of its own (``benchlib.installed_copy``; not timed),
+not the development virtualenv's editable install, whose import finder costs every
+command ~20 ms of start-up (``--metasync PATH`` times another program).
+
 Clones and restores are checked against the workload (paths, sizes and SHA-256
 of every file) and both statuses to be clean in the warm-up and the first timed
 pair (``--verify-all``: in every pair).  Results go to
@@ -58,7 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchlib import SCRATCH_FS, BenchError, scratch_fs, write_results
+from benchlib import SCRATCH_FS, BenchError, installed_copy, scratch_fs, write_results
 from linux_workload import DEFAULT_WORK, Workload, WorkloadError, count_tree, prepare
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -643,9 +648,17 @@ def run_pairs(args: argparse.Namespace, workload: Workload, scratch: Path, pairs
     """The warm-up and the timed pairs in ``scratch``; None if a command failed."""
     load_start = [round(x, 2) for x in os.getloadavg()]
     log(f"load average at start: {load_start}")
-    metasync = args.metasync.resolve()
+    metasync = (args.metasync or DEFAULT_METASYNC).resolve()
     if "metasync" not in args.skip:
-        compile_bytecode(metasync)
+        try:
+            if args.metasync is None:  # pip compiles its bytecode
+                log("installing this checkout as a wheel (not timed)")
+                metasync = installed_copy(args.work)
+            else:
+                compile_bytecode(metasync)
+        except BenchError as exc:
+            print(f"\nerror: {exc}", file=sys.stderr)
+            return None
 
     sides: dict[str, Any] = {}
     if "metasync" not in args.skip:
@@ -690,7 +703,9 @@ def main(argv: list[str] | None = None) -> int:
         "--scratch", type=Path, default=None, help="folder for copies (default WORK/run)"
     )
     parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="results folder")
-    parser.add_argument("--metasync", type=Path, default=DEFAULT_METASYNC, help="metasync binary")
+    parser.add_argument("--metasync", type=Path, default=None,
+                        help="metasync program to time (default: this checkout built as a "
+                             "wheel and installed in WORK/installed, as a user has it)")
     parser.add_argument(
         "--skip", action="append", choices=TOOLS, default=[], help="skip a tool (repeatable)"
     )
@@ -744,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
                 "peak memory is each command's own max RSS (os.wait4)",
         "pairs_timed": pairs,
         "scratch_fs": fs,
+        "metasync_install": "given (--metasync)" if args.metasync else
+                            "wheel of this checkout in its own virtualenv (benchlib.installed_copy)",
         "workload": workload_record(workload),
         "machine": {**machine_info(metasync), "loadavg_start": load_start},
         "figures": figures,
