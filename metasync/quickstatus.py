@@ -28,20 +28,31 @@ a folder it cannot list, any error -- gives None, and the full CLI runs.
 
 from __future__ import annotations
 
-import json
 import os
-import sqlite3
 import stat
 import sys
 from array import array
+
+try:  # the C module under sqlite3: sqlite3.dbapi2 imports datetime and collections first, ~4 ms
+    from _sqlite3 import Error as DBError
+    from _sqlite3 import connect
+except ImportError:  # pragma: no cover - another Python
+    from sqlite3 import Error as DBError
+    from sqlite3 import connect
 
 try:  # the C module under hashlib: hashlib loads OpenSSL first, a few milliseconds
     from _blake2 import blake2b
 except ImportError:  # pragma: no cover - another Python
     from hashlib import blake2b
 
+try:  # json's C scanner: the json package imports re for its pure-Python one, ~10 ms
+    from _json import make_scanner
+except ImportError:  # pragma: no cover - another Python
+    make_scanner = None  # type: ignore[assignment,misc]
+
 TYPE_CHECKING = False  # not typing's: importing typing costs start-up time
 if TYPE_CHECKING:
+    import sqlite3
     from typing import Any
 
 #: The setting that keeps the last clean answer and its stamp.
@@ -57,6 +68,39 @@ IGNORE_FILE = ".metasyncignore"
 #: and OUTBOX_DIR).
 KEY_FILE = "key"
 OUTBOX_DIR = "outbox"
+
+
+class _JSONRules:
+    """What json's C scanner reads of its decoder: strict strings, plain objects,
+    floats and ints; no NaN or Infinity (json.dumps writes none into a memo)."""
+
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = float
+    parse_int = int
+    array_hook = None  # read from Python 3.15 on
+
+    @staticmethod
+    def parse_constant(name: str) -> None:
+        raise ValueError(f"{name} in a memo")
+
+
+def loads(text: str) -> Any:
+    """``json.loads(text)`` for a document written by ``json.dumps`` (no white
+    space around it), without importing json; ValueError if it is not one."""
+    if make_scanner is None:  # pragma: no cover - another Python
+        import json
+
+        return json.loads(text)
+    try:
+        # A duck-typed context, as json.decoder passes (typeshed's stub wants the class).
+        value, end = make_scanner(_JSONRules)(text, 0)  # type: ignore[arg-type]
+    except StopIteration:
+        raise ValueError("not a JSON document") from None
+    if end != len(text):
+        raise ValueError("more after the JSON document")
+    return value
 
 
 class _Decline(Exception):
@@ -184,26 +228,34 @@ def _owned(root: str) -> bool:
     return True
 
 
-def walk(root: str) -> Found:
-    """Every file, folder and link under ``root`` by the scan's rules and in its
-    order (metasync.worktree.scan); _Decline for anything the scan would report as
-    a problem. A folder or a link is told by its directory entry's type; only
-    files are stat'ed."""
-    if sys.platform == "win32":  # never asked there (:func:`answer`)
-        raise _Decline
-    found = Found()
+#: Folders this deep (1: in the root) are shared between this process and a forked
+#: helper, every other one to the helper (:func:`walk`); deeper ones go with them.
+SHARE_DEPTHS = (2, 3)
+#: The open flags of a folder the walk lists.
+_DIR_FLAGS = os.O_RDONLY | sum(getattr(os, flag, 0) for flag in ("O_DIRECTORY", "O_NOFOLLOW",
+                                                                  "O_CLOEXEC"))
+
+
+def _list(top: int, rel_dir: str, depth: int, found: Found, stack: list[tuple[str, int]],
+          me: int) -> None:
+    """Add the entries of the folder ``rel_dir`` (under the folder open as ``top``)
+    to ``found`` and push its folders on ``stack``; _Decline for what the scan
+    would report. Each file is stat'ed by its name in its open folder (``fstatat``:
+    the kernel looks up one name, not the whole path)."""
+    try:
+        fd = os.open(rel_dir or ".", _DIR_FLAGS, dir_fd=top)
+    except OSError:
+        raise _Decline(f"cannot list {rel_dir}") from None
+    try:
+        it = os.scandir(fd)  # its own copy of fd
+    except OSError:
+        os.close(fd)
+        raise _Decline(f"cannot list {rel_dir}") from None
     files, stats, dirs, links = found.files, found.stats, found.dirs, found.links
-    me = os.geteuid()
     everything = me == 0
-    s_ifmt, s_ifreg, s_irusr, s_ixusr = 0o170000, stat.S_IFREG, stat.S_IRUSR, stat.S_IXUSR
-    stack = [(root, "")]
-    while stack:
-        abs_dir, rel_dir = stack.pop()
-        try:
-            it = os.scandir(abs_dir)
-        except OSError:
-            raise _Decline(f"cannot list {rel_dir}") from None
-        prefix = f"{rel_dir}/" if rel_dir else ""
+    prefix = f"{rel_dir}/" if rel_dir else ""
+    deeper = depth + 1
+    try:
         with it:
             for de in it:
                 name = de.name
@@ -214,19 +266,175 @@ def walk(root: str) -> Found:
                 if not de.is_file(follow_symlinks=False):
                     if de.is_dir(follow_symlinks=False):
                         dirs.append(rel)
-                        stack.append((de.path, rel))
+                        stack.append((rel, deeper))
                         continue
                     if de.is_symlink():
-                        links.extend((rel, os.readlink(de.path)))
+                        links.extend((rel, os.readlink(name, dir_fd=fd)))
                         continue
                 st = de.stat(follow_symlinks=False)
                 mode = st.st_mode
-                if mode & s_ifmt != s_ifreg:
+                if mode & 0o170000 != stat.S_IFREG:
                     raise _Decline(f"special file: {rel}")
-                if not (everything or (st.st_uid == me and mode & s_irusr)):
+                if not (everything or (st.st_uid == me and mode & stat.S_IRUSR)):
                     raise _Decline(f"maybe unreadable: {rel}")
                 files.append(rel)
-                stats.extend((st.st_size, st.st_mtime_ns, st.st_ino, mode & s_ixusr))
+                stats.extend((st.st_size, st.st_mtime_ns, st.st_ino, mode & stat.S_IXUSR))
+    finally:
+        os.close(fd)
+
+
+def _subtree(top: int, rel_dir: str, depth: int, me: int) -> Found:
+    """Everything under the folder ``rel_dir``, in the scan's order."""
+    found = Found()
+    stack = [(rel_dir, depth)]
+    while stack:
+        rel, at = stack.pop()
+        _list(top, rel, at, found, stack, me)
+    return found
+
+
+class _Helper:
+    """A forked copy of this process that walks the subtrees it is sent while this
+    one walks the rest: with one interpreter lock per process, the two lists and
+    ``lstat``s run on two cores (threads would take turns; git stats its index's
+    files from several threads too). Forked only when there is a subtree to share,
+    and only where a fork copies nothing but this small process (Linux).
+
+    Subtrees go as NUL-ended names on one pipe; at its end the helper sends back, on
+    another, every subtree's :class:`Found` lists (``marshal``) or the reason to
+    decline."""
+
+    pid: int
+    sent: int
+    _to: int
+    _back: int
+
+    def __init__(self, top: int, me: int) -> None:
+        if sys.platform == "win32":  # never made there (:func:`walk`)
+            raise _Decline
+        to_r, self._to = os.pipe()
+        self._back, back_w = os.pipe()
+        self.sent = 0
+        self.pid = os.fork()
+        if self.pid == 0:  # the helper: never returns
+            code = 1
+            try:
+                os.close(self._to)
+                os.close(self._back)
+                self._serve(top, me, to_r, back_w)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(to_r)
+        os.close(back_w)
+
+    @staticmethod
+    def _serve(top: int, me: int, names_fd: int, out_fd: int) -> None:
+        import marshal
+
+        results: list[Any] = []
+        pending = b""
+        try:
+            while chunk := os.read(names_fd, 1 << 16):
+                *names, pending = (pending + chunk).split(b"\0")
+                for raw in names:
+                    depth, _, rel = raw.decode("utf-8", "surrogatepass").partition(":")
+                    f = _subtree(top, rel, int(depth), me)
+                    results.append((f.files, f.stats, f.dirs, f.links))
+            data = marshal.dumps(("ok", results))
+        except (_Decline, OSError, ValueError) as exc:
+            data = marshal.dumps(("decline", str(exc)))
+        view = memoryview(data)
+        while view:
+            view = view[os.write(out_fd, view):]
+
+    def send(self, rel: str, depth: int) -> int:
+        """Have the helper walk the subtree at ``rel``; its number among those sent."""
+        data = f"{depth}:{rel}\0".encode("utf-8", "surrogatepass")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._to, view):]
+        self.sent += 1
+        return self.sent - 1
+
+    def results(self) -> list[Found]:
+        """Every subtree's entries, in the order sent; _Decline as the helper did."""
+        import marshal
+
+        os.close(self._to)
+        self._to = -1
+        chunks = []
+        while chunk := os.read(self._back, 1 << 20):
+            chunks.append(chunk)
+        kind, body = marshal.loads(b"".join(chunks))
+        if kind != "ok" or len(body) != self.sent:
+            raise _Decline(f"the helper walk: {body}")
+        out = []
+        for files, stats, dirs, links in body:
+            f = Found()
+            f.files, f.stats, f.dirs, f.links = files, stats, dirs, links
+            out.append(f)
+        return out
+
+    def close(self) -> None:
+        """Stop the helper (if still at work) and reap it."""
+        for fd in (self._to, self._back):
+            if fd >= 0:
+                os.close(fd)
+        self._to = self._back = -1
+        try:
+            os.kill(self.pid, 9)
+        except ProcessLookupError:
+            pass
+        os.waitpid(self.pid, 0)
+
+
+def walk(root: str, *, share: bool = True) -> Found:
+    """Every file, folder and link under ``root`` by the scan's rules and in its
+    order (metasync.worktree.scan); _Decline for anything the scan would report as
+    a problem. A folder or a link is told by its directory entry's type; only
+    files are stat'ed. One folder is open at a time besides ``root``.
+
+    With ``share`` (on Linux), every other folder at :data:`SHARE_DEPTHS` is walked,
+    with all below it, by a forked :class:`_Helper` while this process walks the
+    rest. The order comes out the same: the walk takes folders from a stack, so a
+    folder's whole subtree comes next after it, and is put there."""
+    if sys.platform == "win32":  # never asked there (:func:`answer`)
+        raise _Decline
+    me = os.geteuid()
+    top = os.open(root, _DIR_FLAGS)
+    helper: _Helper | None = None
+    try:
+        # This process's entries, and the helper's subtrees by number, in order.
+        parts: list[Found | int] = [Found()]
+        share = share and sys.platform == "linux"
+        turn = False
+        stack = [("", 0)]
+        while stack:
+            rel, depth = stack.pop()
+            if share and depth in SHARE_DEPTHS:
+                turn = not turn
+                if turn:
+                    if helper is None:
+                        helper = _Helper(top, me)
+                    parts.append(helper.send(rel, depth))
+                    parts.append(Found())
+                    continue
+            here = parts[-1]
+            assert isinstance(here, Found)
+            _list(top, rel, depth, here, stack, me)
+        theirs = helper.results() if helper is not None else []
+    finally:
+        if helper is not None:
+            helper.close()
+        os.close(top)
+    found = Found()
+    for part in parts:
+        got = theirs[part] if isinstance(part, int) else part
+        found.files += got.files
+        found.stats += got.stats
+        found.dirs += got.dirs
+        found.links += got.links
     return found
 
 
@@ -234,7 +442,7 @@ def _open_db(root: str) -> sqlite3.Connection:
     """``state.db``, read-only (what a URI's path cannot hold as it is, escaped)."""
     path = os.path.join(root, META_DIR, "state.db")
     path = path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
-    return sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+    return connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
 
 
 def answer(cwd: str) -> dict[str, Any] | None:
@@ -248,7 +456,7 @@ def answer(cwd: str) -> dict[str, Any] | None:
         if root is None or not _owned(root):
             return None
         return _answer(root)
-    except (_Decline, OSError, sqlite3.Error, ValueError, KeyError, TypeError, AttributeError):
+    except (_Decline, OSError, DBError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
@@ -265,7 +473,7 @@ def _answer(root: str) -> dict[str, Any]:
         row = conn.execute("SELECT value FROM settings WHERE key = ?", (MEMO_KEY,)).fetchone()
         if row is None:
             raise _Decline("no memo")
-        doc = json.loads(row[0])
+        doc = loads(row[0])
         if not isinstance(doc, dict) or doc.get("v") != MEMO_VERSION:
             raise _Decline("no memo of this version")
         if doc["settings"] != settings_digest(conn):
@@ -275,7 +483,7 @@ def _answer(root: str) -> dict[str, Any]:
         # The head commit is read from the local cache (else from a backend).
         head = conn.execute("SELECT value FROM settings WHERE key = 'head'").fetchone()
         if head is None or not conn.execute("SELECT 1 FROM objects WHERE object_id = ?",
-                                            (json.loads(head[0]),)).fetchone():
+                                            (loads(head[0]),)).fetchone():
             raise _Decline("the head commit is not cached")
         conn.execute("COMMIT")
     finally:

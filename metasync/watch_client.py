@@ -20,7 +20,6 @@ from __future__ import annotations
 # The C module under `socket`: the Python one loads selectors, enum and array first,
 # a few milliseconds this path exists to save.
 import _socket
-import json
 import os
 import stat
 import sys
@@ -142,6 +141,8 @@ def _exchange(address: str, request: dict[str, Any], timeout: float) -> dict[str
         uid = peer_uid(sock)
         if uid is not None and uid != os.geteuid():
             return None  # someone else's process listens there
+        import json  # only with a daemon to ask: json's decoder imports re, ~10 ms
+
         sock.sendall(json.dumps(request).encode() + b"\n")
         sock.shutdown(_socket.SHUT_WR)
         chunks, size = [], 0

@@ -344,3 +344,85 @@ def test_constants_are_the_full_paths() -> None:
     from metasync.backends import bwlimit
 
     assert bwlimit.ENV in entry.CHECKED_ENV
+
+
+def _entries(found: quickstatus.Found) -> tuple[list[str], list[int], list[str], list[str]]:
+    return found.files, found.stats, found.dirs, found.links
+
+
+def _wide_tree(root: Path) -> None:
+    """Folders at every depth the walk shares and below, files at each level, links,
+    an executable, names that are not UTF-8 and an empty folder."""
+    for top in ("a", "b", "c"):
+        for mid in range(4):
+            for low in range(3):
+                folder = root / top / f"m{mid}" / f"l{low}" / "deeper"
+                folder.mkdir(parents=True)
+                (folder / "x.txt").write_text(f"{top}{mid}{low}\n")
+                (folder.parent / f"y{low}.txt").write_text("y\n")
+            (root / top / f"m{mid}" / "z.txt").write_text("z\n")
+        (root / top / "t.txt").write_text("t\n")
+    (root / "r.txt").write_text("r\n")
+    os.chmod(root / "a" / "m1" / "z.txt", 0o755)
+    os.symlink("../t.txt", root / "b" / "m2" / "up")
+    (root / "c" / "empty").mkdir()
+    if sys.platform == "linux":
+        os.mkdir(os.fsencode(root / "c" / "m0") + b"/caf\xe9")
+        (Path(os.fsdecode(os.fsencode(root / "c" / "m0") + b"/caf\xe9")) / "n.txt").write_text("n\n")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the walk is shared with a forked helper on Linux only")
+def test_the_shared_walk_lists_what_one_process_lists(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The helper's subtrees are put back where one walk lists them: every list is
+    the same, in the same order (the stamp's digest depends on the order)."""
+    _wide_tree(tmp_path)
+    forks = []
+    real = quickstatus._Helper.__init__
+
+    def counting(self: quickstatus._Helper, top: int, me: int) -> None:
+        real(self, top, me)
+        forks.append(self.pid)
+
+    monkeypatch.setattr(quickstatus._Helper, "__init__", counting)
+    alone = quickstatus.walk(str(tmp_path), share=False)
+    shared = quickstatus.walk(str(tmp_path))
+    assert len(forks) == 1, "the walk was not shared"
+    assert _entries(shared) == _entries(alone)
+    assert len(alone.files) == 3 * 4 * 3 * 2 + 3 * 4 + 3 + 1 + 1
+    assert shared.digest() == alone.digest()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(forks[0], os.WNOHANG)  # reaped
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the walk is shared with a forked helper on Linux only")
+@pytest.mark.parametrize("problem", ["fifo", "unlistable"])
+def test_a_problem_the_helper_finds_declines(tmp_path: Path, problem: str) -> None:
+    """What the helper meets in its subtree (the first folder two deep is its) makes
+    the quick path decline, as it does in this process's part."""
+    deep = tmp_path / "a" / "b" / "c"
+    deep.mkdir(parents=True)
+    (deep / "f.txt").write_text("f\n")
+    if problem == "fifo":
+        os.mkfifo(deep / "pipe")
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root reads every folder")
+        deep.chmod(0)
+    try:
+        with pytest.raises(quickstatus._Decline):
+            quickstatus.walk(str(tmp_path))
+        with pytest.raises(quickstatus._Decline):
+            quickstatus.walk(str(tmp_path), share=False)
+    finally:
+        deep.chmod(0o755)
+
+
+def test_loads_reads_json_dumps_and_refuses_the_rest() -> None:
+    """The memo's JSON is read without importing json: what json.dumps wrote comes
+    back; anything else is a ValueError."""
+    doc = {"v": 1, "a": [1, 2.5, "x\u00e9\n", None, True, False], "n": {"k": -3}}
+    assert quickstatus.loads(json.dumps(doc)) == doc
+    for bad in ["", " 1", "[1]x", "NaN", '{"a":', "[Infinity]", '"\\ud800', "{'a': 1}"]:
+        with pytest.raises(ValueError):
+            quickstatus.loads(bad)
