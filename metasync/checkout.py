@@ -485,13 +485,13 @@ class Checkout:
             with self._folders.cursor(aside) as cursor:
                 for plan in plans:
                     path, entry, chunks = plan
-                    parent, _, name = self._on_disk(path).rpartition("/")
+                    parent, _, name = (where := self._on_disk(path)).rpartition("/")
                     fd = cursor.at(parent)
                     assert fd is not None  # made, never None
                     try:  # in place where nothing was there at the scan
                         written, st = self.writer.write(
                             fd, name, entry, chunks, prefetched,
-                            in_place=self._place.writes and path not in self._seen)
+                            in_place=where if self._place.writes and path not in self._seen else None)
                         done.append((plan, written, FileStat.of(st)))
                         if written is None:
                             crash_point("checkout:write")

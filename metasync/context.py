@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from metasync.backends import (
     AUTOMATIC_SCHEMES,
@@ -226,6 +227,22 @@ class BackendPool:
             backend.close()
 
 
+class InPlaceWrite(NamedTuple):
+    """A file or link a checkout wrote at its own name (a fresh clone writes in
+    place: :mod:`metasync.filewriter`), as it was then: a failed clone removes it
+    only if it is still that (:meth:`metasync.lifecycle.CloneStart.undo`)."""
+
+    #: Relative to the folder, as spelled on disk.
+    path: str
+    #: A file's size, mtime and inode and its file system (0 for a link).
+    size: int
+    mtime_ns: int
+    ino: int
+    dev: int
+    #: A link's target (None: a file).
+    target: str | None
+
+
 @dataclass
 class RepoContext:
     """The shared handles of one open repository (see the module docstring)."""
@@ -249,6 +266,8 @@ class RepoContext:
     keyring: Keyring | None = None
     #: Fetches this client's keyring anew from its key slot (after a key rotation).
     reload_keyring: Callable[[], Keyring] | None = None
+    #: Every file and link this process wrote in place (any thread appends).
+    written_in_place: list[InPlaceWrite] = field(default_factory=list)
 
     def note_full_backends(self) -> dict[str, str]:
         """Remember the backends that refused a copy for want of space in this

@@ -13,7 +13,7 @@ import errno
 import os
 import threading
 
-from metasync.context import RepoContext
+from metasync.context import InPlaceWrite, RepoContext
 from metasync.errors import CorruptObject
 from metasync.faults import crash_point
 from metasync.fstraits import NAME_REFUSED, cannot_write
@@ -78,12 +78,14 @@ class FileWriter:
 
     def write(
         self, folder: int, name: str, entry: TreeEntry, chunks: list[tuple[str, int]],
-        prefetched: dict[str, bytes] | None = None, *, in_place: bool,
+        prefetched: dict[str, bytes] | None = None, *, in_place: str | None,
     ) -> tuple[str | None, os.stat_result | None]:
         """Write the file or link ``name`` of the folder open as ``folder``: with
-        ``in_place``, at ``name`` itself (:meth:`write_new`; the name returned is None),
-        else -- or if something is at ``name`` by now, or this file system may refuse
-        the name -- to a temporary name returned for the caller to rename."""
+        ``in_place`` (its path in the repository's folder, as on disk), at ``name``
+        itself (:meth:`write_new`; the name returned is None; recorded in the
+        context's ``written_in_place``), else -- or if something is at ``name`` by
+        now, or this file system may refuse the name -- to a temporary name returned
+        for the caller to rename."""
         if in_place:
             try:
                 fd = self._create(folder, name, entry)
@@ -95,6 +97,9 @@ class FileWriter:
                     raise
             else:
                 st = self._finish(folder, name, fd, entry, chunks, prefetched)
+                self.ctx.written_in_place.append(
+                    InPlaceWrite(in_place, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, None)
+                    if st is not None else InPlaceWrite(in_place, 0, 0, 0, 0, entry.ref))
                 self.in_place_flush.wrote(entry.size)
                 return None, st
         return self.write_temp(folder, entry, chunks, prefetched)

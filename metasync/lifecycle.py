@@ -12,12 +12,13 @@ local ``.metasync`` folder appears whole or not at all (:func:`create_local`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
 import sqlite3
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -28,7 +29,7 @@ from metasync import verification
 from metasync.backends import Backend, normalize_uri, open_backend, public_uri, typed_uri
 from metasync.backends.uris import overlap
 from metasync.codec import Codec
-from metasync.context import create_local, device_name
+from metasync.context import InPlaceWrite, create_local, device_name
 from metasync.errors import (
     BackendUnavailable,
     FormatError,
@@ -239,9 +240,11 @@ class CloneStart:
     #: finished, not started (nothing of it is removed if that fails).
     resumed: bool = False
 
-    def finish(self, first_pull: Callable[[], None], close: Callable[[], None]) -> None:
-        """Run the clone's ``first_pull``; if it fails, ``close`` and :meth:`undo`. A
-        clone the user stopped (Ctrl-C) is kept instead, as a pull finishes it."""
+    def finish(self, first_pull: Callable[[], None], close: Callable[[], None],
+               written: Sequence[InPlaceWrite] = ()) -> None:
+        """Run the clone's ``first_pull``; if it fails, ``close`` and :meth:`undo`
+        (``written``: what it wrote in place, filled as it goes). A clone the user
+        stopped (Ctrl-C) is kept instead, as a pull finishes it."""
         try:
             first_pull()
         except BaseException as exc:
@@ -250,22 +253,35 @@ class CloneStart:
                     isinstance(exc, KeyboardInterrupt) and CANCEL.requested()):
                 raise Interrupted(
                     f"the clone stopped; `metasync pull` in {self.root} finishes it") from None
-            self.undo()
+            self.undo(written)
             raise
 
-    def undo(self) -> None:
-        """Leave no half-cloned folder behind (a failure we can report); a resumed
-        clone is left as it was (the next try finishes it)."""
+    def undo(self, written: Sequence[InPlaceWrite] = ()) -> None:
+        """Leave no half-cloned folder behind (a failure we can report), removing only
+        what the clone made: ``.metasync``, each file or link it wrote (``written``)
+        that is still what it wrote (same inode, size and mtime; same target), then
+        every folder left empty, and the folder itself if the clone created it and
+        nothing is left. Anything else stays: a file saved there during the clone,
+        a cloned file edited since. A resumed clone is left as it was (the next try
+        finishes it)."""
         if self.resumed:
             return
-        if self.created:
-            shutil.rmtree(self.root, ignore_errors=True)
-            return
-        for child in self.root.iterdir():  # it was empty before: empty it again
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child, ignore_errors=True)
-            else:
-                child.unlink(missing_ok=True)
+        shutil.rmtree(self.root / META_DIR, ignore_errors=True)
+        for item in written:
+            path = self.root / item.path
+            try:
+                st = path.lstat()
+                ours = (os.readlink(path) == item.target if item.target is not None
+                        else (stat.S_ISREG(st.st_mode) and (st.st_ino, st.st_dev, st.st_size,
+                              st.st_mtime_ns) == (item.ino, item.dev, item.size, item.mtime_ns)))
+                if ours:
+                    path.unlink()
+            except OSError:
+                continue  # gone, or not ours to remove
+        for folder, _, _ in os.walk(self.root, topdown=False):  # links are not followed
+            if folder != str(self.root) or self.created:
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)  # only an empty one
 
 
 def new_folder(root: str | Path, verb: str) -> Path:

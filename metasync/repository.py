@@ -181,7 +181,8 @@ class Repository(RepositoryAdmin):
 
         Everything that can fail on bad input (not a repository, wrong passphrase,
         ``root`` not empty) is checked before anything is written; a clone that
-        fails later removes what it created. A ``root`` holding an interrupted clone
+        fails later removes what it created, and only that
+        (:meth:`metasync.lifecycle.CloneStart.undo`). A ``root`` holding an interrupted clone
         of this repository is finished instead (:func:`metasync.lifecycle.clone_folder`)."""
         from metasync import lifecycle
         from metasync.faults import crash_point
@@ -205,7 +206,7 @@ class Repository(RepositoryAdmin):
                 crash_point("clone:hinted")
             repo.pull()
 
-        start.finish(first_pull, repo.close)
+        start.finish(first_pull, repo.close, repo._ctx.written_in_place)
         return repo
 
     @classmethod

@@ -3,6 +3,7 @@ local changes safe, and recovery after an interrupted command."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -284,6 +285,51 @@ def test_failed_clone_leaves_nothing(
     with pytest.raises(ObjectUnavailable):
         _clone(tmp_path, backends, passphrase, "empty")
     assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_failed_clone_removes_only_what_it_wrote(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A clone that fails halfway removes the files it wrote and the folders left
+    empty -- but not a file the user saved into the folder meanwhile, nor a cloned
+    file the user edited since it was written: nothing of theirs is lost."""
+    from metasync import checkout
+
+    a = _init(tmp_path, backends, passphrase)
+    for i in range(12):
+        (a.root / "sub" / f"d{i % 3}").mkdir(parents=True, exist_ok=True)
+        (a.root / "sub" / f"d{i % 3}" / f"f{i}.txt").write_text(f"file {i}\n")
+    os.symlink("doc.txt", a.root / "link")
+    a.push("more")
+    target = tmp_path / "new"
+    writes = 0
+    edited: list[Path] = []
+
+    def fail_midway(name: str) -> None:
+        nonlocal writes
+        if name != "checkout:write":
+            return
+        writes += 1
+        if writes == 6:  # the user saves a file, edits a cloned one, then a read fails
+            (target / "mine.txt").write_text("the user's\n")
+            (target / "sub" / "d0" / "mine too.txt").write_text("also the user's\n")
+            done = sorted(p for p in target.rglob("*.txt") if ".metasync" not in p.parts
+                          and "mine" not in p.name)
+            edited.append(done[0])
+            with open(done[0], "a") as fh:
+                fh.write("edited by the user\n")
+            raise ObjectUnavailable("a read failed (test)")
+
+    monkeypatch.setattr(checkout, "crash_point", fail_midway)
+    with pytest.raises(ObjectUnavailable, match="a read failed"):
+        _clone(tmp_path, backends, passphrase, "new")
+    left = sorted(str(p.relative_to(target)) for p in target.rglob("*"))
+    kept = str(edited[0].relative_to(target))
+    assert left == sorted({"mine.txt", "sub", "sub/d0", "sub/d0/mine too.txt", kept,
+                           *(str(Path(kept).parents[i]) for i in range(len(Path(kept).parents) - 1))})
+    assert (target / "mine.txt").read_text() == "the user's\n"
+    assert edited[0].read_text().endswith("edited by the user\n")
 
 
 def test_many_pushes_merge_indexes(
