@@ -57,11 +57,16 @@ def main() -> None:
         if answer is not None:
             try:
                 watch_client.emit(answer, "json" in flags, "quiet" in flags)
+                sys.stdout.flush()
+                sys.stderr.flush()
             except OSError as exc:  # as the CLI says it (a closed pipe)
                 sys.stderr.write(f"metasync: error: {exc.strerror or exc}; run with --debug "
                                  "for details\n")
                 sys.exit(2)
-            sys.exit(0)
+            # All is said and flushed: no interpreter teardown (freeing the walk's
+            # lists, every module), ~5 ms of a ~70 ms answer. Nothing registered
+            # an exit handler on this path.
+            os._exit(0)
     from metasync.cli import main as cli_main
 
     cli_main()
