@@ -106,7 +106,9 @@ def check_name(name: object) -> str:
         or name in ("", ".", "..", ".metasync")
         or "/" in name
         or "\x00" in name
-        or not _fs_roundtrips(name)
+        # An ASCII name round-trips in every file system encoding (and isascii is
+        # one flag test): only the others are encoded and decoded.
+        or not (name.isascii() or _fs_roundtrips(name))
     ):
         raise CorruptObject(f"unsafe entry name {name!r}")
     return name
