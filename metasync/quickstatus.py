@@ -312,18 +312,27 @@ class _Helper:
     def __init__(self, top: int, me: int) -> None:
         if sys.platform == "win32":  # never made there (:func:`walk`)
             raise _Decline
-        to_r, self._to = os.pipe()
-        self._back, back_w = os.pipe()
         self.sent = 0
-        self.pid = os.fork()
-        if self.pid == 0:  # the helper: never returns
-            code = 1
-            try:
+        opened: list[int] = []
+        try:  # OSError (no descriptors, no processes left): none is left open
+            to_r, self._to = os.pipe()
+            opened += (to_r, self._to)
+            self._back, back_w = os.pipe()
+            opened += (self._back, back_w)
+            self.pid = os.fork()
+        except OSError:
+            for fd in opened:
+                os.close(fd)
+            raise
+        code = 1
+        try:
+            if self.pid == 0:  # the helper: never returns
                 os.close(self._to)
                 os.close(self._back)
                 self._serve(top, me, to_r, back_w)
                 code = 0
-            finally:
+        finally:
+            if self.pid == 0:
                 os._exit(code)
         os.close(to_r)
         os.close(back_w)
@@ -342,8 +351,8 @@ class _Helper:
                     f = _subtree(top, rel, int(depth), me)
                     results.append((f.files, f.stats, f.dirs, f.links))
             data = marshal.dumps(("ok", results))
-        except (_Decline, OSError, ValueError) as exc:
-            data = marshal.dumps(("decline", str(exc)))
+        except Exception as exc:  # any failure: the parent declines
+            data = marshal.dumps(("decline", f"{type(exc).__name__}: {exc}"))
         view = memoryview(data)
         while view:
             view = view[os.write(out_fd, view):]
@@ -352,8 +361,11 @@ class _Helper:
         """Have the helper walk the subtree at ``rel``; its number among those sent."""
         data = f"{depth}:{rel}\0".encode("utf-8", "surrogatepass")
         view = memoryview(data)
-        while view:
-            view = view[os.write(self._to, view):]
+        try:
+            while view:
+                view = view[os.write(self._to, view):]
+        except BrokenPipeError:
+            pass  # the helper stopped (it declined): :meth:`results` says why
         self.sent += 1
         return self.sent - 1
 
@@ -366,14 +378,17 @@ class _Helper:
         chunks = []
         while chunk := os.read(self._back, 1 << 20):
             chunks.append(chunk)
-        kind, body = marshal.loads(b"".join(chunks))
-        if kind != "ok" or len(body) != self.sent:
-            raise _Decline(f"the helper walk: {body}")
-        out = []
-        for files, stats, dirs, links in body:
-            f = Found()
-            f.files, f.stats, f.dirs, f.links = files, stats, dirs, links
-            out.append(f)
+        try:  # a helper that died (killed, out of memory) sent nothing or part
+            kind, body = marshal.loads(b"".join(chunks))
+            if kind != "ok" or len(body) != self.sent:
+                raise _Decline(f"the helper walk: {body}")
+            out = []
+            for files, stats, dirs, links in body:
+                f = Found()
+                f.files, f.stats, f.dirs, f.links = files, stats, dirs, links
+                out.append(f)
+        except (EOFError, ValueError, TypeError) as exc:
+            raise _Decline(f"the helper walk: {exc}") from None
         return out
 
     def close(self) -> None:
@@ -384,9 +399,9 @@ class _Helper:
         self._to = self._back = -1
         try:
             os.kill(self.pid, 9)
-        except ProcessLookupError:
-            pass
-        os.waitpid(self.pid, 0)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass  # reaped already (a parent that ignores SIGCHLD has no zombies)
 
 
 def walk(root: str, *, share: bool = True) -> Found:
@@ -416,10 +431,14 @@ def walk(root: str, *, share: bool = True) -> Found:
                 turn = not turn
                 if turn:
                     if helper is None:
-                        helper = _Helper(top, me)
-                    parts.append(helper.send(rel, depth))
-                    parts.append(Found())
-                    continue
+                        try:
+                            helper = _Helper(top, me)
+                        except OSError:  # no process to spare: walk alone
+                            share = False
+                    if helper is not None:
+                        parts.append(helper.send(rel, depth))
+                        parts.append(Found())
+                        continue
             here = parts[-1]
             assert isinstance(here, Found)
             _list(top, rel, depth, here, stack, me)
@@ -456,7 +475,8 @@ def answer(cwd: str) -> dict[str, Any] | None:
         if root is None or not _owned(root):
             return None
         return _answer(root)
-    except (_Decline, OSError, DBError, ValueError, KeyError, TypeError, AttributeError):
+    except (_Decline, OSError, DBError, ValueError, KeyError, TypeError, AttributeError,
+            EOFError, RecursionError):
         return None
 
 

@@ -432,3 +432,45 @@ def test_loads_reads_json_dumps_and_refuses_the_rest() -> None:
     for bad in ["", " 1", "[1]x", "NaN", '{"a":', "[Infinity]", '"\\ud800', "{'a': 1}"]:
         with pytest.raises(ValueError):
             quickstatus.loads(bad)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the walk is shared with a forked helper on Linux only")
+def test_a_helper_that_fails_or_cannot_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A helper that dies without a word (here: out of memory) makes the quick path
+    decline, not crash; no process to spare (fork fails) walks alone, leaking no
+    descriptor."""
+    _wide_tree(tmp_path)
+    alone = quickstatus.walk(str(tmp_path), share=False)
+    real = quickstatus._subtree
+
+    def no_memory(*args: object) -> quickstatus.Found:
+        if os.getpid() != parent:
+            raise MemoryError("simulated")
+        return real(*args)  # type: ignore[arg-type]
+
+    parent = os.getpid()
+    monkeypatch.setattr(quickstatus, "_subtree", no_memory)
+    with pytest.raises(quickstatus._Decline, match="MemoryError"):
+        quickstatus.walk(str(tmp_path))
+    monkeypatch.setattr(quickstatus, "_subtree", real)
+
+    def no_fork() -> int:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    before = _pipes()
+    assert _entries(quickstatus.walk(str(tmp_path))) == _entries(alone)
+    assert _pipes() == before
+
+
+def _pipes() -> set[str]:
+    """This process's open pipes (what a helper that could not start might leak)."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("pipe:"):
+            found.add(f"{fd}={target}")
+    return found
