@@ -99,7 +99,7 @@ class FileWriter:
                 st = self._finish(folder, name, fd, entry, chunks, prefetched)
                 self.ctx.written_in_place.append(
                     InPlaceWrite(in_place, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, None)
-                    if st is not None else InPlaceWrite(in_place, 0, 0, 0, 0, entry.ref))
+                    if st is not None else _link_written(folder, name, in_place, entry.ref))
                 self.in_place_flush.wrote(entry.size)
                 return None, st
         return self.write_temp(folder, entry, chunks, prefetched)
@@ -182,6 +182,13 @@ class FileWriter:
                     crash_point("write:piece")  # a file left part-written (crash tests)
         if holes:
             os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR))  # the size, if it ends in a hole
+
+
+def _link_written(folder: int, name: str, path: str, target: str) -> InPlaceWrite:
+    """The record of the link just made at ``name`` in ``folder`` (its inode too: a
+    link the user made with the same target is not the clone's to remove)."""
+    st = os.stat(name, dir_fd=folder, follow_symlinks=False)
+    return InPlaceWrite(path, 0, 0, st.st_ino, st.st_dev, target)
 
 
 def write_all(fd: int, data: bytes) -> None:

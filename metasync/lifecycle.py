@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from fractions import Fraction
+from functools import partial
 from pathlib import Path
 
 from metasync import verification
@@ -267,21 +268,99 @@ class CloneStart:
         if self.resumed:
             return
         shutil.rmtree(self.root / META_DIR, ignore_errors=True)
-        for item in written:
-            path = self.root / item.path
+        _remove_written(self.root, written)
+        _remove_empty_folders(self.root, self.created)
+
+
+#: How :func:`_remove_written` opens a folder: never through a link.
+_FOLDER_FLAGS = os.O_RDONLY | sum(getattr(os, f, 0) for f in ("O_DIRECTORY", "O_NOFOLLOW", "O_CLOEXEC"))
+#: Where folders can be opened and their entries removed by name (not Windows).
+_BY_DESCRIPTOR = os.unlink in os.supports_dir_fd and os.open in os.supports_dir_fd
+
+
+def _still_written(st: os.stat_result, item: InPlaceWrite, target: Callable[[], str]) -> bool:
+    """True if ``st`` is the file or link ``item`` recorded (``target`` reads a link's)."""
+    if (st.st_ino, st.st_dev) != (item.ino, item.dev):
+        return False
+    if item.target is not None:
+        return stat.S_ISLNK(st.st_mode) and target() == item.target
+    return stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns) == (item.size, item.mtime_ns)
+
+
+def _remove_written(root: Path, written: Sequence[InPlaceWrite]) -> None:
+    """Remove each of ``written`` (relative to ``root``) that is still as written.
+    A folder on the way is opened one name at a time and never through a link, so a
+    folder the user replaced by a link to elsewhere leads nowhere; on Windows (no
+    such opening) every folder on the way is checked to be no link or junction."""
+    by_folder: dict[str, list[InPlaceWrite]] = {}
+    for item in written:
+        by_folder.setdefault(item.path.rpartition("/")[0], []).append(item)
+    for folder, items in by_folder.items():
+        if not _BY_DESCRIPTOR:
+            if _plain_folders(root, folder):
+                for item in items:
+                    path = root / item.path
+                    with contextlib.suppress(OSError):
+                        if _still_written(path.lstat(), item, partial(os.readlink, str(path))):
+                            path.unlink()
+            continue
+        fds: list[int] = []
+        try:
+            fds.append(os.open(root, _FOLDER_FLAGS))
+            for name in filter(None, folder.split("/")):
+                fds.append(os.open(name, _FOLDER_FLAGS, dir_fd=fds[-1]))
+        except OSError:
+            items = []  # gone, or a link now: nothing of ours to remove there
+        for item in items:
+            name, fd = item.path.rpartition("/")[2], fds[-1]
+            with contextlib.suppress(OSError):
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if _still_written(st, item, partial(os.readlink, name, dir_fd=fd)):
+                    os.unlink(name, dir_fd=fd)
+        for fd in fds:
+            os.close(fd)
+
+
+def _plain_folders(root: Path, folder: str) -> bool:
+    """True if every folder from ``root`` down to ``folder`` is a real folder: no link,
+    no junction or other reparse point (Windows' check; elsewhere folders are opened
+    without following links)."""
+    path = root
+    for name in ["", *filter(None, folder.split("/"))]:
+        path = path / name if name else path
+        try:
+            st = path.lstat()
+        except OSError:
+            return False
+        if not stat.S_ISDIR(st.st_mode) or getattr(st, "st_file_attributes", 0) & 0x400:
+            return False  # 0x400: FILE_ATTRIBUTE_REPARSE_POINT
+    return True
+
+
+def _remove_empty_folders(root: Path, created: bool) -> None:
+    """Remove every empty folder under ``root`` (and ``root`` itself if ``created``),
+    deepest first, entering no link or junction."""
+
+    def prune(path: Path) -> None:
+        try:
+            entries = list(os.scandir(path))
+        except OSError:
+            return
+        for entry in entries:
             try:
-                st = path.lstat()
-                ours = (os.readlink(path) == item.target if item.target is not None
-                        else (stat.S_ISREG(st.st_mode) and (st.st_ino, st.st_dev, st.st_size,
-                              st.st_mtime_ns) == (item.ino, item.dev, item.size, item.mtime_ns)))
-                if ours:
-                    path.unlink()
+                if not entry.is_dir(follow_symlinks=False) or getattr(
+                        entry.stat(follow_symlinks=False), "st_file_attributes", 0) & 0x400:
+                    continue
             except OSError:
-                continue  # gone, or not ours to remove
-        for folder, _, _ in os.walk(self.root, topdown=False):  # links are not followed
-            if folder != str(self.root) or self.created:
-                with contextlib.suppress(OSError):
-                    os.rmdir(folder)  # only an empty one
+                continue
+            prune(Path(entry.path))
+            with contextlib.suppress(OSError):
+                os.rmdir(entry.path)  # only an empty one
+
+    prune(root)
+    if created:
+        with contextlib.suppress(OSError):
+            os.rmdir(root)
 
 
 def new_folder(root: str | Path, verb: str) -> Path:

@@ -303,6 +303,7 @@ def test_failed_clone_removes_only_what_it_wrote(
     os.symlink("doc.txt", a.root / "link")
     a.push("more")
     target = tmp_path / "new"
+    elsewhere = tmp_path / "elsewhere"
     writes = 0
     edited: list[Path] = []
 
@@ -311,7 +312,7 @@ def test_failed_clone_removes_only_what_it_wrote(
         if name != "checkout:write":
             return
         writes += 1
-        if writes == 6:  # the user saves a file, edits a cloned one, then a read fails
+        if writes == 10:  # the user saves a file, edits a cloned one, then a read fails
             (target / "mine.txt").write_text("the user's\n")
             (target / "sub" / "d0" / "mine too.txt").write_text("also the user's\n")
             done = sorted(p for p in target.rglob("*.txt") if ".metasync" not in p.parts
@@ -319,14 +320,24 @@ def test_failed_clone_removes_only_what_it_wrote(
             edited.append(done[0])
             with open(done[0], "a") as fh:
                 fh.write("edited by the user\n")
+            # A folder moved elsewhere, a link left in its place: what was written
+            # into it is the user's now, out of the clone's reach.
+            moved = next(d for d in sorted((target / "sub").iterdir())
+                         if d.name != "d0" and any(d.iterdir()) and d != edited[0].parent)
+            shutil.move(moved, elsewhere)
+            os.symlink(elsewhere, moved)
             raise ObjectUnavailable("a read failed (test)")
 
     monkeypatch.setattr(checkout, "crash_point", fail_midway)
     with pytest.raises(ObjectUnavailable, match="a read failed"):
         _clone(tmp_path, backends, passphrase, "new")
+    moved_files = sorted(p.name for p in elsewhere.iterdir())
+    assert moved_files and all(p.read_text().startswith("file ") for p in elsewhere.iterdir())
+    link = next(p for p in (target / "sub").iterdir() if p.is_symlink())
     left = sorted(str(p.relative_to(target)) for p in target.rglob("*"))
     kept = str(edited[0].relative_to(target))
     assert left == sorted({"mine.txt", "sub", "sub/d0", "sub/d0/mine too.txt", kept,
+                           str(link.relative_to(target)),
                            *(str(Path(kept).parents[i]) for i in range(len(Path(kept).parents) - 1))})
     assert (target / "mine.txt").read_text() == "the user's\n"
     assert edited[0].read_text().endswith("edited by the user\n")
