@@ -285,12 +285,26 @@ class LocalDB:
         left out), in a few queries of many ids each: a checkout of a whole tree asks
         for thousands, and a query each costs SQLite's file locking each time."""
         found: dict[str, tuple[str, PackEntry]] = {}
+        columns = "object_id, kind, pack_id, offset, length"
         for table in ("locations", "historic_locations"):
             wanted = [i for i in dict.fromkeys(object_ids) if i not in found]
+            if not wanted:
+                break
+            # Asked for most of the table (a clone's checkout): one pass over it is
+            # ~4x faster than looking each id up (0.08 against 0.29 s for 15.8k).
+            rows = self.conn.execute("SELECT max(rowid) FROM " + table).fetchone()[0] or 0
+            if len(wanted) * _SCAN_FACTOR >= rows:
+                wanted_set = set(wanted)
+                for object_id, kind, pack_id, offset, length in self.conn.execute(
+                        f"SELECT {columns} FROM {table}"):
+                    if object_id in wanted_set:
+                        found.setdefault(object_id, (pack_id, PackEntry(object_id, kind, offset, length)))
+                object_ids = wanted
+                continue
             for k in range(0, len(wanted), _IDS_PER_QUERY):
                 part = wanted[k : k + _IDS_PER_QUERY]
                 for object_id, kind, pack_id, offset, length in self.conn.execute(
-                        f"SELECT object_id, kind, pack_id, offset, length FROM {table} "
+                        f"SELECT {columns} FROM {table} "
                         f"WHERE object_id IN ({','.join('?' * len(part))})", part):
                     found.setdefault(object_id, (pack_id, PackEntry(object_id, kind, offset, length)))
             object_ids = wanted
@@ -421,6 +435,10 @@ class LocalDB:
 #: Ids asked for in one query by :meth:`LocalDB.locations` (SQLite allows 32,766
 #: parameters since 3.32, 999 before).
 _IDS_PER_QUERY = 900
+#: :meth:`LocalDB.locations` reads the whole table when asked for at least one id
+#: per this many rows in it (by its largest rowid): a pass costs a row what a lookup
+#: costs about four.
+_SCAN_FACTOR = 3
 
 
 def location_in(conn: sqlite3.Connection, object_id: str) -> tuple[str, PackEntry] | None:

@@ -543,3 +543,34 @@ def test_a_recheck_waits_a_bounded_time_and_a_refusal_always_fails(tmp_path: Pat
         assert state.primitives_checked["g"].logs == "ObjectStoreLogs"
     finally:
         db.close()
+
+
+def test_locations_by_lookup_and_by_one_pass_agree(tmp_path: Path) -> None:
+    """``LocalDB.locations`` looks ids up, or reads the whole table when asked for
+    most of it (a clone's checkout): the same answer either way, current locations
+    first, then historic ones, unknown ids left out."""
+    from metasync import localdb
+    from metasync.objects import PackEntry
+
+    db = LocalDB(tmp_path / "state.db")
+    try:
+        with db.transaction():
+            db.add_locations("p1", [PackEntry(f"{i:064x}", "blob", i * 10, 10) for i in range(50)])
+            db.add_locations("h1", [PackEntry(f"{i:064x}", "blob", 7, 3) for i in range(40, 60)],
+                             historic=True)
+        few = [f"{i:064x}" for i in (1, 45, 55, 99)]
+        most = [f"{i:064x}" for i in range(100)]
+        for ids in (few, most):
+            by_pass = db.locations(ids)
+            original = localdb._SCAN_FACTOR
+            try:
+                localdb._SCAN_FACTOR = 0  # never a pass: every id looked up
+                by_lookup = db.locations(ids)
+            finally:
+                localdb._SCAN_FACTOR = original
+            assert by_pass == by_lookup
+        assert set(by_pass) == {f"{i:064x}" for i in range(60)}
+        assert by_pass[f"{45:064x}"][0] == "p1" and by_pass[f"{55:064x}"][0] == "h1"
+        assert db.locations([]) == {}
+    finally:
+        db.close()
