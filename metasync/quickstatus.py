@@ -417,7 +417,9 @@ def walk(root: str, *, share: bool = True) -> Found:
     if sys.platform == "win32":  # never asked there (:func:`answer`)
         raise _Decline
     me = os.geteuid()
-    top = os.open(root, _DIR_FLAGS)
+    # The root may be reached through a link (a folder's path, as the user gave it):
+    # only folders inside it are never followed.
+    top = os.open(root, _DIR_FLAGS & ~getattr(os, "O_NOFOLLOW", 0))
     helper: _Helper | None = None
     try:
         # This process's entries, and the helper's subtrees by number, in order.

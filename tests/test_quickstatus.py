@@ -474,3 +474,13 @@ def _pipes() -> set[str]:
         if target.startswith("pipe:"):
             found.add(f"{fd}={target}")
     return found
+
+
+def test_answered_through_a_link_to_the_folder(tmp_path: Path, backends: list[Path]) -> None:
+    """A folder reached by a path that ends in a link (``cd ~/sync`` where ``sync``
+    points at the folder) is answered as the folder itself is."""
+    root = make_folder(tmp_path, backends)
+    clean_and_kept(root)
+    os.symlink(root, tmp_path / "via-link")
+    assert quickstatus.answer(str(tmp_path / "via-link")) == quickstatus.answer(str(root))
+    assert quickstatus.answer(str(tmp_path / "via-link")) is not None
