@@ -30,6 +30,7 @@ old as the last poll.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import itertools
 import json
@@ -195,6 +196,8 @@ class StatusServer:
         self._db_id: tuple[int, ...] = ()
         self._sock: socket.socket | None = None
         self._sock_id: tuple[int, int] | None = None
+        self._stop_lock = threading.Lock()
+        self._stopped = False
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._refused = ""  # why the last request was not answered
@@ -380,24 +383,30 @@ class StatusServer:
                     pass  # the command went away
 
     def stop(self) -> None:
-        """Stop answering; remove the socket if it is still this server's."""
-        self._stopping.set()
-        if self._sock is not None:
-            try:
-                st = os.stat(self.meta / SOCKET_NAME, follow_symlinks=False)
-                if (st.st_dev, st.st_ino) == self._sock_id:
-                    (self.meta / SOCKET_NAME).unlink()
-            except OSError:
-                pass
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._sock.close()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        if self._db is not None:
-            self._db.close()
+        """Stop answering; remove the socket if it is still this server's. Once: the
+        watch's end and the process's exit may both ask (:func:`answer_status`), and
+        the second returns only when the first is done."""
+        with self._stop_lock:  # held throughout: a second caller returns once it is done
+            if self._stopped:
+                return
+            self._stopped = True
+            self._stopping.set()
+            if self._sock is not None:
+                try:
+                    st = os.stat(self.meta / SOCKET_NAME, follow_symlinks=False)
+                    if (st.st_dev, st.st_ino) == self._sock_id:
+                        (self.meta / SOCKET_NAME).unlink()
+                except OSError:
+                    pass
+                try:
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                self._sock.close()
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+            if self._db is not None:
+                self._db.close()
 
 
 def answer_status(observer: Any, root: Path, relevant: Callable[[str], bool],
@@ -416,10 +425,15 @@ def answer_status(observer: Any, root: Path, relevant: Callable[[str], bool],
                     "on %s (%s)", root / META_DIR / SOCKET_NAME, exc)
         server.stop()
         return observer
-    # The answers end with the watch they come from: when the daemon stops it.
+    # The answers end with the watch they come from: when the daemon stops it. This
+    # thread may not get its turn before the process exits (it is a daemon thread,
+    # so that a watch that never ends cannot hold the exit): the exit stops the
+    # server too, so no socket is left behind.
     def end_with_the_watch() -> None:
         observer.join()
         server.stop()
+        atexit.unregister(server.stop)
 
+    atexit.register(server.stop)
     threading.Thread(target=end_with_the_watch, daemon=True, name=f"status end {root.name}").start()
     return observer

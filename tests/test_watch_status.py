@@ -269,3 +269,32 @@ def test_daemon_removes_its_socket(tmp_path: Path, backends: list[Path]) -> None
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
     assert not sock.exists()
+
+
+EXIT_WITH_THE_WATCH_RUNNING = """
+import logging, sys
+from pathlib import Path
+from watchdog.observers import Observer
+from metasync.watch_status import answer_status
+root = Path(sys.argv[1])
+observer = Observer()
+observer.schedule(type("H", (), {"dispatch": lambda self, e: None})(), str(root), recursive=True)
+observer.start()
+answer_status(observer, root, lambda path: True, logging.getLogger("t"))
+assert (root / ".metasync" / "daemon.sock").exists()
+print("listening", flush=True)
+# The process ends with the watch still running: the thread that stops the answers
+# when the watch ends never gets its turn.
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no status socket on Windows")
+def test_the_socket_goes_when_the_process_ends_first(tmp_path: Path) -> None:
+    """A process that ends before its watch does (the daemon's last steps race the
+    thread that ends the answers with the watch) still removes its socket."""
+    root = tmp_path / "folder"
+    (root / ".metasync").mkdir(parents=True, mode=0o700)
+    done = subprocess.run([sys.executable, "-c", EXIT_WITH_THE_WATCH_RUNNING, str(root)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and "listening" in done.stdout, done.stderr
+    assert not (root / ".metasync" / SOCKET_NAME).exists()
