@@ -74,7 +74,7 @@ from metasync.ownership import check_owner
 from metasync.portable import effective_uid
 from metasync.progress import CANCEL
 from metasync.state import LocalState, PrimitivesChecked
-from metasync.worktree import META_DIR
+from metasync.worktree import META_DIR, Folders, lstat_at
 
 DEFAULT_PARTITIONS = 16384
 #: The most key slots a clone tries (one scrypt each).
@@ -272,12 +272,6 @@ class CloneStart:
         _remove_empty_folders(self.root, self.created)
 
 
-#: How :func:`_remove_written` opens a folder: never through a link.
-_FOLDER_FLAGS = os.O_RDONLY | sum(getattr(os, f, 0) for f in ("O_DIRECTORY", "O_NOFOLLOW", "O_CLOEXEC"))
-#: Where folders can be opened and their entries removed by name (not Windows).
-_BY_DESCRIPTOR = os.unlink in os.supports_dir_fd and os.open in os.supports_dir_fd
-
-
 def _still_written(st: os.stat_result, item: InPlaceWrite, target: Callable[[], str]) -> bool:
     """True if ``st`` is the file or link ``item`` recorded (``target`` reads a link's)."""
     if (st.st_ino, st.st_dev) != (item.ino, item.dev):
@@ -289,52 +283,22 @@ def _still_written(st: os.stat_result, item: InPlaceWrite, target: Callable[[], 
 
 def _remove_written(root: Path, written: Sequence[InPlaceWrite]) -> None:
     """Remove each of ``written`` (relative to ``root``) that is still as written.
-    A folder on the way is opened one name at a time and never through a link, so a
-    folder the user replaced by a link to elsewhere leads nowhere; on Windows (no
-    such opening) every folder on the way is checked to be no link or junction."""
-    by_folder: dict[str, list[InPlaceWrite]] = {}
-    for item in written:
-        by_folder.setdefault(item.path.rpartition("/")[0], []).append(item)
-    for folder, items in by_folder.items():
-        if not _BY_DESCRIPTOR:
-            if _plain_folders(root, folder):
-                for item in items:
-                    path = root / item.path
-                    with contextlib.suppress(OSError):
-                        if _still_written(path.lstat(), item, partial(os.readlink, str(path))):
-                            path.unlink()
-            continue
-        fds: list[int] = []
-        try:
-            fds.append(os.open(root, _FOLDER_FLAGS))
-            for name in filter(None, folder.split("/")):
-                fds.append(os.open(name, _FOLDER_FLAGS, dir_fd=fds[-1]))
-        except OSError:
-            items = []  # gone, or a link now: nothing of ours to remove there
-        for item in items:
-            name, fd = item.path.rpartition("/")[2], fds[-1]
-            with contextlib.suppress(OSError):
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                if _still_written(st, item, partial(os.readlink, name, dir_fd=fd)):
+    Folders are opened as the checkout opens them (:class:`Folders`: one name at a
+    time, never through a link), so a folder the user replaced by a link to
+    elsewhere leads nowhere. (Nothing is written in place where there are no folder
+    descriptors: ``Folders`` refuses to write there.)"""
+    if not written:
+        return
+    folders = Folders(root)
+    try:
+        for item in written:
+            folder, _, name = item.path.rpartition("/")
+            with folders.opened(folder) as fd, contextlib.suppress(OSError):
+                st = lstat_at(fd, name) if fd is not None else None
+                if st is not None and _still_written(st, item, partial(os.readlink, name, dir_fd=fd)):
                     os.unlink(name, dir_fd=fd)
-        for fd in fds:
-            os.close(fd)
-
-
-def _plain_folders(root: Path, folder: str) -> bool:
-    """True if every folder from ``root`` down to ``folder`` is a real folder: no link,
-    no junction or other reparse point (Windows' check; elsewhere folders are opened
-    without following links)."""
-    path = root
-    for name in ["", *filter(None, folder.split("/"))]:
-        path = path / name if name else path
-        try:
-            st = path.lstat()
-        except OSError:
-            return False
-        if not stat.S_ISDIR(st.st_mode) or getattr(st, "st_file_attributes", 0) & 0x400:
-            return False  # 0x400: FILE_ATTRIBUTE_REPARSE_POINT
-    return True
+    finally:
+        folders.close()
 
 
 def _remove_empty_folders(root: Path, created: bool) -> None:
