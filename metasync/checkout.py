@@ -20,7 +20,6 @@ never holds two spellings of one file.
 
 from __future__ import annotations
 
-import functools
 import os
 import stat
 import time
@@ -30,7 +29,6 @@ from itertools import chain
 from typing import NamedTuple
 
 from metasync.checkout_limits import PullResult, RefusedNames, SealedFolders, still_sealed
-from metasync.checkout_share import SharedWrites
 from metasync.context import RepoContext, daemon_running
 from metasync.errors import ObjectUnavailable
 from metasync.faults import crash_point
@@ -278,6 +276,15 @@ class Checkout:
         seen = self._seen.get(path)
         return seen is None or seen.size != st.st_size or seen.mtime_ns != st.st_mtime_ns
 
+    def _conflict_copy(self, path: str, stamp: str) -> str | None:
+        """Rename ``path`` to a free conflict name beside it; None if nothing is there
+        (or its folder is no longer a folder of this tree: a link is not followed)."""
+        where = self._on_disk(path)
+        with self._folders.opened(where.rpartition("/")[0]) as fd:
+            if fd is None or lstat_name(fd, where.rpartition("/")[2]) is None:
+                return None
+            return self._move_aside(fd, where, stamp)
+
     def _move_aside(self, fd: int, path: str, stamp: str) -> str:
         return self._folders.move_aside(fd, path, self.ctx.device, stamp)
 
@@ -361,22 +368,18 @@ class Checkout:
         pending: list[WrittenTemp] = []
         reporter = self.ctx.reporter
         reporter.start("download", total)
-        shared = SharedWrites.of(self.ctx, self.writer, self._refused, result, jobs,  # 2 processes?
-                                 functools.partial(self._write_job, aside=aside), self._place.writes)
-        futures = self.ctx.store.windowed(self._write_job, shared.mine(), aside)
+        futures = self.ctx.store.windowed(self._write_job, jobs, aside)
         try:
             for _, fut in futures:
                 pending.extend(fut.result())
                 if len(pending) >= WRITE_BATCH:
                     rows += self._install(pending, stamp, result)
                     pending = []
-            shared.collect(pending)
             rows += self._install(pending, stamp, result)
             pending = []
             if self._place.writes:
                 self.writer.in_place_flush.durable()  # on disk before its rows say so
         except BaseException:
-            shared.stop(pending)  # the copy first: it writes no more
             for _, fut in futures.outstanding:  # leave no temporary file behind
                 fut.cancel()
                 if not fut.cancelled() and fut.exception() is None:
@@ -619,16 +622,6 @@ def local_side(scan: ScanResult) -> dict[str, TreeEntry]:
     return local
 
 
-def conflict_copy(co: Checkout, path: str, stamp: str) -> str | None:
-    """Rename ``path`` to a free conflict name beside it; None if nothing is there
-    (or its folder is no longer a folder of this tree: a link is not followed)."""
-    where = co._on_disk(path)
-    with co._folders.opened(where.rpartition("/")[0]) as fd:
-        if fd is None or lstat_name(fd, where.rpartition("/")[2]) is None:
-            return None
-        return co._move_aside(fd, where, stamp)
-
-
 def plan(
     co: Checkout, base: dict[str, TreeEntry], remote: dict[str, TreeEntry],
     local: dict[str, TreeEntry], stamp: str, result: PullResult,
@@ -682,7 +675,7 @@ def plan(
             ours = co._place.may_be_partial(path, b, loc, n)
             if (loc is not None and loc.type != "dir" and not ours
                     and (path in co._seen or loc.ref == UNREAD_REF)):
-                copy = conflict_copy(co, path, stamp)
+                copy = co._conflict_copy(path, stamp)
                 if copy is not None:
                     result.conflicts.append(copy)
                     co.ctx.reporter.note(f"conflict: your version of {display_path(path)} is now "

@@ -26,12 +26,6 @@ _target, _remaining = (_head, int(_tail)) if _head and _tail.isdigit() else (_sp
 _counts: dict[str, int] = {}
 
 
-def crash_points_armed() -> bool:
-    """True if a test asked for a crash at a point (the arrivals must all be
-    this process's: no work is handed to another)."""
-    return bool(_spec)
-
-
 def crash_point(name: str) -> None:
     """Die here if the environment asks for a crash at this arrival of ``name``."""
     global _remaining

@@ -21,7 +21,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -185,12 +185,11 @@ class RemoteStore:
             return min(self.workers, max(2, cores()))
         return None
 
-    def windowed(self, fn: Callable[..., T], items: Iterable[U], *args: Any) -> Windowed[U, T]:
+    def windowed(self, fn: Callable[..., T], items: Sequence[U], *args: Any) -> Windowed[U, T]:
         """``fn(item, *args)`` for each of ``items`` on :attr:`executor` (see
-        :class:`Windowed`), :meth:`parallel_reads` of them in flight (all of a
-        sequence, or the executor's width, for reads that wait on a network)."""
-        width = self.parallel_reads() or (len(items) if isinstance(items, Sized) else self.workers)
-        return Windowed(self.executor, functools.partial(_call_first, fn, args), items, width)
+        :class:`Windowed`), :meth:`parallel_reads` of them in flight."""
+        return Windowed(self.executor, functools.partial(_call_first, fn, args), items,
+                        self.parallel_reads() or len(items))
 
     def reconfigure(self, config: Config, backends: dict[str, Backend]) -> None:
         """Place and read by ``config`` (with these opened backends) from now on."""
