@@ -45,14 +45,12 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from metasync.errors import FormatError, NotTrusted
 from metasync.keys import (
-    SCRYPT_P,
-    SCRYPT_R,
     Keyring,
     MasterKey,
     check_scrypt_params,
     kek,
+    new_kek,
     repository_id,
-    scrypt_write_n,
     wrong_passphrase,
 )
 
@@ -245,10 +243,10 @@ def make_slot(ring: Keyring, passphrase: str, *, slot: str, label: str, created:
     private = key.private_bytes_raw()
     public = key.public_key().public_bytes_raw()
     repository = repository_id(ring)
-    salt, nonce, n = os.urandom(16), os.urandom(12), scrypt_write_n()
-    wrapped = AESGCM(kek(passphrase, salt, n, SCRYPT_R, SCRYPT_P)).encrypt(
-        nonce, private, _wrap_ad(repository, slot, public))
-    draft = Slot(repository, slot, label, created, "", public, (n, SCRYPT_R, SCRYPT_P, salt),
+    salt, (n, r, p), key_key = new_kek(passphrase)
+    nonce = os.urandom(12)
+    wrapped = AESGCM(key_key).encrypt(nonce, private, _wrap_ad(repository, slot, public))
+    draft = Slot(repository, slot, label, created, "", public, (n, r, p, salt),
                  nonce, wrapped, seal(ring, repository, slot, public), ring.current, "", b"")
     doc = _document(draft)
     doc["mac"] = {"epoch": ring.current, "tag": _mac(ring.data_keys[ring.current], draft._mac_body())}

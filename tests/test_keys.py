@@ -21,7 +21,7 @@ from metasync import Repository, keys, keyslots
 from metasync.backends import open_backend
 from metasync.codec import Codec
 from metasync.context import refresh_key
-from metasync.errors import FormatError, KeyRevoked, NotTrusted
+from metasync.errors import FormatError, KeyRevoked, NotTrusted, WrongPassphrase
 from metasync.keys import Keyring, MasterKey, fingerprint
 from metasync.keyslots import LocalKey, open_envelope, parse_slot
 from metasync.maintenance.keymgmt import reseal
@@ -275,7 +275,7 @@ def test_new_key_files_cost_2_17_in_32_mib_and_test_cost_files_are_refused(
     with pytest.raises(FormatError, match="scrypt"):
         parse_slot(cheap, "00000000000000aa")
     monkeypatch.setattr(keys, "SCRYPT_N", 2**17)
-    monkeypatch.setattr(keyslots, "SCRYPT_P", 1)
+    monkeypatch.setattr(keys, "SCRYPT_P", 1)
     older, old_private = keyslots.make_slot(ring, "p", slot="00000000000000cc", label="t",
                                             created="d")
     assert (json.loads(older)["kdf"]["n"], json.loads(older)["kdf"]["p"]) == (2**17, 1)
@@ -435,3 +435,59 @@ def test_a_client_follows_a_new_key_epoch_and_a_removed_one_cannot(tmp_path: Pat
     run_cli("status", cwd=tmp_path / "alice2", passphrase=None)
     assert _local(tmp_path / "alice2").ring == ring
     assert 1 not in _local(tmp_path / "bob").ring.data_keys
+
+
+# ------------------------------------------------------- init's key derived ahead
+
+
+def test_a_key_derived_ahead_is_used_once_and_only_for_its_passphrase() -> None:
+    """``init`` starts a new slot's scrypt while the program loads: the slot then
+    uses that salt and key -- only under the same passphrase, and only once (a
+    salt is never used twice)."""
+    keys.derive_ahead("the phrase")
+    ahead = keys._AHEAD[0]
+    salt, cost, key = keys.new_kek("the phrase")
+    assert salt == ahead.salt and cost == (keys.scrypt_write_n(), keys.SCRYPT_R, keys.SCRYPT_P)
+    assert key == keys.kek("the phrase", salt, *cost)
+    again = keys.new_kek("the phrase")
+    assert again[0] != salt  # taken once
+    keys.derive_ahead("the phrase")
+    other = keys.new_kek("another phrase")
+    assert other[0] != ahead.salt  # derived now, with a salt of its own
+    assert other[2] == keys.kek("another phrase", other[0], *other[1])
+    assert not keys._AHEAD  # the mismatched one is dropped, never used later
+
+
+def test_the_key_slot_init_writes_opens_with_the_passphrase_derived_ahead(tmp_path: Path) -> None:
+    """Through the slot file: made from the key derived ahead, it opens with the
+    passphrase (and not with another)."""
+    ring = Keyring(id_key=b"i" * 32, data_keys={0: b"d" * 32}, current=0)
+    keys.derive_ahead(PASSPHRASE)
+    raw, _ = keyslots.make_slot(ring, PASSPHRASE, slot="ab12cd34ef56ab78", label="here",
+                                created="2026-11-27")
+    slot = parse_slot(raw, "ab12cd34ef56ab78")
+    assert open_envelope(slot, keyslots.unlock(slot, PASSPHRASE)) == ring
+    with pytest.raises(WrongPassphrase):
+        keyslots.unlock(slot, "not it")
+
+
+@pytest.mark.parametrize(("argv", "ahead"), [
+    (["init", "/x", "--backend", "dir:/b"], True),
+    (["--quiet", "init", "/x"], True),
+    (["init", "/x", "--no-encrypt"], False),
+    (["clone", "dir:/b", "/x"], False),
+    (["push"], False),
+])
+def test_only_init_with_the_passphrase_in_the_environment_derives_ahead(
+    argv: list[str], ahead: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from metasync import entry
+
+    monkeypatch.setattr(keys, "_AHEAD", [])
+    monkeypatch.setenv("METASYNC_PASSPHRASE", "set")
+    entry.derive_init_key_ahead(argv)
+    assert bool(keys._AHEAD) == ahead
+    monkeypatch.delenv("METASYNC_PASSPHRASE")
+    keys._AHEAD.clear()
+    entry.derive_init_key_ahead(argv)
+    assert not keys._AHEAD
