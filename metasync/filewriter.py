@@ -98,7 +98,8 @@ class FileWriter:
             else:
                 st = self._finish(folder, name, fd, entry, chunks, prefetched)
                 self.ctx.written_in_place.append(
-                    InPlaceWrite(in_place, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, None)
+                    InPlaceWrite(in_place, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev,
+                                 None, entry.ref)
                     if st is not None else _link_written(folder, name, in_place, entry.ref))
                 self.in_place_flush.wrote(entry.size)
                 return None, st

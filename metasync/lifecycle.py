@@ -30,7 +30,7 @@ from metasync import verification
 from metasync.backends import Backend, normalize_uri, open_backend, public_uri, typed_uri
 from metasync.backends.uris import overlap
 from metasync.codec import Codec
-from metasync.context import InPlaceWrite, create_local, device_name
+from metasync.context import InPlaceWrite, coarse_time, create_local, device_name
 from metasync.errors import (
     BackendUnavailable,
     FormatError,
@@ -74,7 +74,7 @@ from metasync.ownership import check_owner
 from metasync.portable import effective_uid
 from metasync.progress import CANCEL
 from metasync.state import LocalState, PrimitivesChecked
-from metasync.worktree import META_DIR, Folders, lstat_at
+from metasync.worktree import META_DIR, Chunker, FileChanged, Folders, ScanEntry, lstat_at
 
 DEFAULT_PARTITIONS = 16384
 #: The most key slots a clone tries (one scrypt each).
@@ -242,10 +242,11 @@ class CloneStart:
     resumed: bool = False
 
     def finish(self, first_pull: Callable[[], None], close: Callable[[], None],
-               written: Sequence[InPlaceWrite] = ()) -> None:
+               written: Sequence[InPlaceWrite] = (), chunker: Chunker | None = None) -> None:
         """Run the clone's ``first_pull``; if it fails, ``close`` and :meth:`undo`
-        (``written``: what it wrote in place, filled as it goes). A clone the user
-        stopped (Ctrl-C) is kept instead, as a pull finishes it."""
+        (``written``: what it wrote in place, filled as it goes; ``chunker``: the
+        repository's, to compare contents). A clone the user stopped (Ctrl-C) is
+        kept instead, as a pull finishes it."""
         try:
             first_pull()
         except BaseException as exc:
@@ -254,34 +255,53 @@ class CloneStart:
                     isinstance(exc, KeyboardInterrupt) and CANCEL.requested()):
                 raise Interrupted(
                     f"the clone stopped; `metasync pull` in {self.root} finishes it") from None
-            self.undo(written)
+            self.undo(written, chunker)
             raise
 
-    def undo(self, written: Sequence[InPlaceWrite] = ()) -> None:
+    def undo(self, written: Sequence[InPlaceWrite] = (), chunker: Chunker | None = None) -> None:
         """Leave no half-cloned folder behind (a failure we can report), removing only
         what the clone made: ``.metasync``, each file or link it wrote (``written``)
         that is still what it wrote (same inode, size and mtime; same target), then
         every folder left empty, and the folder itself if the clone created it and
         nothing is left. Anything else stays: a file saved there during the clone,
-        a cloned file edited since. A resumed clone is left as it was (the next try
-        finishes it)."""
+        a cloned file edited since. Where timestamps are coarse (:func:`coarse_time`)
+        a file's content is compared too, with ``chunker`` (without it, such a file
+        stays). A resumed clone is left as it was (the next try finishes it)."""
         if self.resumed:
             return
         shutil.rmtree(self.root / META_DIR, ignore_errors=True)
-        _remove_written(self.root, written)
+        _remove_written(self.root, written, chunker)
         _remove_empty_folders(self.root, self.created)
 
 
-def _still_written(st: os.stat_result, item: InPlaceWrite, target: Callable[[], str]) -> bool:
-    """True if ``st`` is the file or link ``item`` recorded (``target`` reads a link's)."""
+def _still_written(st: os.stat_result, item: InPlaceWrite, target: Callable[[], str],
+                   content: Callable[[os.stat_result], str | None]) -> bool:
+    """True if ``st`` is the file or link ``item`` recorded (``target`` reads a link's;
+    ``content`` gives a file's ref, None if it cannot tell)."""
     if (st.st_ino, st.st_dev) != (item.ino, item.dev):
         return False
     if item.target is not None:
         return stat.S_ISLNK(st.st_mode) and target() == item.target
-    return stat.S_ISREG(st.st_mode) and (st.st_size, st.st_mtime_ns) == (item.size, item.mtime_ns)
+    if not stat.S_ISREG(st.st_mode) or (st.st_size, st.st_mtime_ns) != (item.size, item.mtime_ns):
+        return False
+    # Rewritten with as many bytes within the tick, the stat cannot tell: the content does.
+    return not coarse_time(item.mtime_ns) or (bool(item.ref) and content(st) == item.ref)
 
 
-def _remove_written(root: Path, written: Sequence[InPlaceWrite]) -> None:
+def _content_at(chunker: Chunker | None, fd: int, name: str, path: str,
+                st: os.stat_result) -> str | None:
+    """The ref of the file ``name`` in folder ``fd`` as ``chunker`` hashes it; None
+    if there is no chunker, or the file changes or cannot be read meanwhile."""
+    if chunker is None:
+        return None
+    try:
+        expect = ScanEntry(path, "file", st.st_size, st.st_mtime_ns, st.st_ino, False)
+        return chunker.hash_file(name, expect, None, dir_fd=fd).ref
+    except (FileChanged, OSError):
+        return None
+
+
+def _remove_written(root: Path, written: Sequence[InPlaceWrite], chunker: Chunker | None) -> None:
     """Remove each of ``written`` (relative to ``root``) that is still as written.
     Folders are opened as the checkout opens them (:class:`Folders`: one name at a
     time, never through a link), so a folder the user replaced by a link to
@@ -295,7 +315,9 @@ def _remove_written(root: Path, written: Sequence[InPlaceWrite]) -> None:
             folder, _, name = item.path.rpartition("/")
             with folders.opened(folder) as fd, contextlib.suppress(OSError):
                 st = lstat_at(fd, name) if fd is not None else None
-                if st is not None and _still_written(st, item, partial(os.readlink, name, dir_fd=fd)):
+                if st is not None and fd is not None and _still_written(
+                        st, item, partial(os.readlink, name, dir_fd=fd),
+                        partial(_content_at, chunker, fd, name, item.path)):
                     os.unlink(name, dir_fd=fd)
     finally:
         folders.close()

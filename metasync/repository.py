@@ -206,7 +206,7 @@ class Repository(RepositoryAdmin):
                 crash_point("clone:hinted")
             repo.pull()
 
-        start.finish(first_pull, repo.close, repo._ctx.written_in_place)
+        start.finish(first_pull, repo.close, repo._ctx.written_in_place, repo._ctx.chunker)
         return repo
 
     @classmethod

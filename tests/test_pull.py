@@ -343,6 +343,54 @@ def test_failed_clone_removes_only_what_it_wrote(
     assert edited[0].read_text().endswith("edited by the user\n")
 
 
+def test_a_failed_clone_on_fat_keeps_a_same_size_edit_made_in_the_same_tick(
+    tmp_path: Path, backends: list[Path], passphrase: Callable[[], str],
+    monkeypatch: pytest.MonkeyPatch, fs_images: dict[str, Path],
+) -> None:
+    """FAT keeps mtimes to 2 s: a cloned file the user rewrote with as many bytes
+    within the tick of the clone's write has the size, mtime and inode the clone
+    recorded. A failed clone's undo compares such a file's content with what it
+    wrote before removing it: the user's version stays."""
+    from metasync import checkout
+    from tests.servers.fsimages import fresh_folder
+
+    a = _init(tmp_path, backends, passphrase)
+    for i in range(12):
+        (a.root / f"f{i:02}.txt").write_text(f"file {i:02}\n")
+    a.push("more")
+    target = fresh_folder(fs_images["fat"], "clone") / "new"
+    writes = 0
+    edited: list[tuple[Path, str]] = []
+
+    def fail_midway(name: str) -> None:
+        nonlocal writes
+        if name != "checkout:write":
+            return
+        writes += 1
+        if writes == 10:
+            done = sorted(p for p in target.glob("f*.txt"))
+            path = done[0]
+            before = path.stat()
+            mine = path.read_text().upper()  # as many bytes
+            with open(path, "r+") as fh:
+                fh.write(mine)
+            # Within the same tick on FAT; set explicitly, so the test never depends
+            # on the clock's moment within it.
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+            after = path.stat()
+            assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
+                before.st_size, before.st_mtime_ns, before.st_ino)
+            edited.append((path, mine))
+            raise ObjectUnavailable("a read failed (test)")
+
+    monkeypatch.setattr(checkout, "crash_point", fail_midway)
+    with pytest.raises(ObjectUnavailable, match="a read failed"):
+        Repository.clone(f"dir:{backends[0]}", target, passphrase=passphrase)
+    (path, mine), = edited
+    assert path.exists() and path.read_text() == mine, "the user's edit went with the clone"
+    assert sorted(p.name for p in target.iterdir()) == [path.name]
+
+
 def test_many_pushes_merge_indexes(
     tmp_path: Path, backends: list[Path], passphrase: Callable[[], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
