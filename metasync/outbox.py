@@ -25,7 +25,7 @@ from metasync.backends import Backend
 from metasync.codec import PACK_TARGET_SIZE, FinishedPack, PackBuilder
 from metasync.context import RepoContext
 from metasync.errors import BackendUnavailable, Interrupted, MetasyncError, UsageError
-from metasync.faults import crash_point
+from metasync.faults import crash_point, pause_point
 from metasync.graph import ObjectGraph
 from metasync.layout import client_key
 from metasync.localdb import IndexRow
@@ -330,6 +330,10 @@ class Outbox:
                 self.publish_client_state([sid for sid, _ in pending])
             reporter.start("upload", sum(sizes.values()) * replicas)
             for phase in ("pack", "index", "commit"):
+                if phase == "index":
+                    # The packs are up and announced, nothing refers to them yet: a
+                    # test runs another client's gc here (tests/test_gc.py).
+                    pause_point("upload:packs")
                 items = [(sid, self._loader(sid)) for sid, kind in pending if kind == phase]
                 if not items:
                     continue

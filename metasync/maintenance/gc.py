@@ -25,6 +25,7 @@ from metasync.errors import (
     ObjectNotFound,
     ObjectUnavailable,
 )
+from metasync.faults import pause_point
 from metasync.graph import ObjectGraph
 from metasync.layout import CLIENTS_PREFIX, fragment_key, object_key, spill_key
 from metasync.maintenance.reconfig import Reconfiguration
@@ -207,6 +208,7 @@ class GarbageCollector:
         new_id = self.reconfig.store_config(new, backends.values())
         consensus = versions.consensus_for(latest.config)
         proposal = Version(latest.number + 1, commit_id, new_id)
+        pause_point("gc:propose")  # garbage chosen, not yet decided: a push may win first
         chosen = consensus.propose(proposal.number, proposal)
         if chosen != proposal:
             report.lost_race = True
