@@ -260,10 +260,18 @@ class ObjectGraph:
         return flat
 
     def tree_at(self, commit_id: str) -> dict[str, TreeEntry]:
-        """Every path of a commit's tree (flattened), loading what it needs."""
+        """Every path of a commit's tree (flattened), loading what it needs. The
+        indexes of this client's head and base become current locations, unless a
+        gc ran since that base (this client learned a newer ``gc_epoch`` than the
+        base's configuration has, and has not moved its base yet: a merge, or the
+        daemon's deletion guard, in between): then they may list collected packs
+        and serve reads only, as an older commit's do -- deduplicating against them
+        would refer to deleted objects (docs/FORMAT.md §10)."""
         commit = self.load_commit(commit_id)
         state = self.ctx.state
-        self.load_indexes(commit, historic=commit_id not in (state.head, state.prev.master))
+        current = (commit_id in (state.head, state.prev.master)
+                   and state.config.gc_epoch >= state.gc_epoch)
+        self.load_indexes(commit, historic=not current)
         return self.flatten(commit.tree)
 
     def file_chunks(self, entry: TreeEntry) -> list[tuple[str, int]]:
