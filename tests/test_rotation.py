@@ -247,8 +247,9 @@ def _items_opened_by(backends: list[Path], ring: Keyring) -> int:
 def test_key_rotate_revokes_a_removed_device_and_survives_kill_9(tmp_path: Path) -> None:
     """Alice's repository has a second passphrase (Bob's device, cloned with it) and
     a second device of Alice's. Bob's device is lost: `key remove` its slot, then
-    `key rotate`, killed (kill -9) at 20 points spread over the whole rotation and
-    run again each time. After every kill `metasync fsck` passes; once done, the
+    `key rotate`, killed (kill -9) after it starts, before its first and its last
+    write, at every sixth of its re-encryption pass and before it retires the old
+    key, and run again each time. After every kill `metasync fsck` passes; once done, the
     old keyring (Bob's stolen `.metasync/key`) opens no stored item, Bob's device
     fails in one line, and Alice's other device follows the new key and syncs."""
     dirs = [tmp_path / f"b{i}" for i in range(3)]
@@ -290,8 +291,14 @@ def test_key_rotate_revokes_a_removed_device_and_survives_kill_9(tmp_path: Path)
     names = trace.read_text().split()
     writes = names.count("rekey:write")
     assert writes > 20 and {"rotate:started", "rotate:retiring"} <= set(names), names[:5]
-    points = ["rotate:started:1",
-              *(f"rekey:write:{n}" for n in sorted(random.Random(9).sample(range(1, writes), 18))),
+    # The pass goes backend by backend, each holding about a third of the writes, so
+    # a cut at every sixth falls inside each backend's stretch (that backend part
+    # re-keyed, the copies of an item under both keys) and near each boundary (every
+    # kind of record -- hint, client states, configurations, packs -- new on one
+    # backend and old on the next); the first and the last write are the ends of the
+    # pass. Crashes write by write are test_a_rekey_killed_at_any_write_...'s.
+    cuts = {1, writes, *(round(writes * i / 6) for i in range(1, 6))}
+    points = ["rotate:started:1", *(f"rekey:write:{n}" for n in sorted(cuts)),
               "rotate:retiring:1"]
     done = 0
     for point in points:
