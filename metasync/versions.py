@@ -107,12 +107,17 @@ class Versions:
                 return
             self._rotation_checked = "moved" if moved else "same"
             if moved:
-                for config_id, consensus in self._consensus.items():
-                    ring = self.ctx.log_codec(self.load_config(config_id)).keyring
-                    consensus.codec.use(ring)
+                self.keys_changed()
                 return
         if self._rotation_checked != "revoked":
             self.ctx.reporter.note(message)
+
+    def keys_changed(self) -> None:
+        """Let every agreement opened so far read under the keys this client holds
+        now: after it fetched a newer keyring, or made one (``key rotate``), whose
+        re-encrypted records -- a backend's ``latest`` hint -- are under the new key."""
+        for config_id, consensus in self._consensus.items():
+            consensus.codec.use(self.ctx.log_codec(self.load_config(config_id)).keyring)
 
     def consensus_errors(self) -> dict[str, str]:
         """Acceptor id -> why it failed, in the last agreement this client ran, or

@@ -94,6 +94,7 @@ class KeyRotation:
             ring = ring.with_new_epoch()
             self.slots.save_local(ring)
             self.ctx.keyring = ring
+            self.versions.keys_changed()  # records re-keyed below stay readable here
             failed = self.slots.publish(ring)
             if failed:
                 raise BackendError(
