@@ -333,20 +333,18 @@ def test_key_rotate_revokes_a_removed_device_and_survives_kill_9(tmp_path: Path)
     assert (fresh / "from-a2.txt").exists()
 
 
-def test_a_rotation_warns_of_no_tampering_here_or_on_another_device(tmp_path: Path) -> None:
+def test_a_rotation_warns_of_no_tampering_here_or_on_another_device(
+        tmp_path: Path, backends: list[Path]) -> None:
     """``key rotate`` re-encrypts every backend's ``latest`` hint under the new key:
     the rotating client reads them with it (it used to warn, once per backend, that
     each hint "does not decode ... the backend may be tampering with it"), and so
     does another device once it has fetched the new key."""
-    dirs = [tmp_path / f"b{i}" for i in range(3)]
-    for d in dirs:
-        d.mkdir()
     a, other = tmp_path / "a", tmp_path / "other"
     a.mkdir()
     (a / "x.txt").write_text("one\n")
-    run_cli("init", str(a), *(f"--backend=dir:{d}" for d in dirs))
+    run_cli("init", str(a), *(f"--backend=dir:{d}" for d in backends))
     run_cli("push", "-m", "one", cwd=a)
-    run_cli("clone", f"dir:{dirs[0]}", str(other))
+    run_cli("clone", f"dir:{backends[0]}", str(other))
     rotated = run_cli("key", "rotate", cwd=a)
     assert "Rotated the repository's key" in rotated.stdout
     assert "ignored" not in rotated.stderr and "tampering" not in rotated.stderr, rotated.stderr
