@@ -168,7 +168,10 @@ class _Ahead:
         self.thread.start()
 
     def _derive(self) -> None:
-        self.key = kek(self.passphrase, self.salt, *self.cost)
+        try:
+            self.key = kek(self.passphrase, self.salt, *self.cost)
+        except Exception:  # said where it is asked for: new_kek derives again
+            self.key = b""  # a passphrase that is not UTF-8: no traceback from this thread
 
 
 #: The key derived ahead, until :func:`new_kek` takes it.

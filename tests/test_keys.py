@@ -491,3 +491,19 @@ def test_only_init_with_the_passphrase_in_the_environment_derives_ahead(
     keys._AHEAD.clear()
     entry.derive_init_key_ahead(argv)
     assert not keys._AHEAD
+
+
+def test_a_key_derived_ahead_that_fails_says_nothing_until_it_is_asked_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A passphrase that is not UTF-8 (an undecodable byte in the environment): the
+    thread deriving ahead prints no traceback; the slot's own derivation fails as
+    it did before there was one."""
+    import threading
+
+    raised: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    keys.derive_ahead("\udcff")
+    keys._AHEAD[0].thread.join()
+    assert raised == []
+    with pytest.raises(UnicodeEncodeError):
+        keys.new_kek("\udcff")
