@@ -261,17 +261,20 @@ class Committer:
                     self._diff_trees(None, n.ref, new_trees, path, out)
 
     # ---------------------------------------------------------------- commit
-    def commit(self, message: str = "", skipped: list[str] | None = None) -> CommitResult | None:
+    def commit(self, message: str = "", skipped: list[str] | None = None,
+               upload_early: bool = False) -> CommitResult | None:
         """Record the folder as a new local commit; ``None`` if nothing changed.
         Paths the scan had to leave out (each noted to the reporter) are appended
         to ``skipped`` when given.
 
         New objects are packed, encrypted and written to the outbox (flushed to
-        disk) before the commit that refers to them is recorded.
+        disk) before the commit that refers to them is recorded. With
+        ``upload_early`` (a push, which flushes next) finished packs are already
+        uploaded meanwhile (:class:`~metasync.outbox.EarlyUpload`).
         """
         self.checkout.resume()
         self.outbox.clean()
-        writer = self.outbox.writer()
+        writer = self.outbox.writer(upload_early)
         try:
             return self._commit(writer, message, skipped)
         except BaseException:

@@ -29,7 +29,7 @@ from metasync.faults import crash_point, pause_point
 from metasync.graph import ObjectGraph
 from metasync.layout import client_key
 from metasync.localdb import IndexRow
-from metasync.objects import Commit, Index, PackEntry
+from metasync.objects import Commit, Index, PackEntry, Version
 from metasync.progress import CANCEL
 from metasync.replicator import Replicator, Uploaded
 from metasync.worktree import write_durable
@@ -132,8 +132,9 @@ class ObjectWriter:
     Each thread's objects wait in a small batch (:data:`SINK_BATCH`) so which of
     them are new is asked once per batch; :meth:`finish` packs what still waits."""
 
-    def __init__(self, outbox: Outbox) -> None:
+    def __init__(self, outbox: Outbox, early: EarlyUpload | None = None) -> None:
         self.outbox = outbox
+        self.early = early
         self.known = KnownIds(outbox.ctx.db.path)
         # Each pack is written to the outbox as it fills: no pack is held in memory.
         self.builder = PackBuilder(outbox.ctx.codec, pack_target_size(), self._spool)
@@ -163,6 +164,8 @@ class ObjectWriter:
             pack.spool = None
         with self._lock:
             self.finished.append(pack)
+        if self.early is not None:
+            self.early.offer(pack.pack_id)
 
     def sink(self, kind: str, object_id: str, data: bytes) -> None:
         """Store one object unless some pack already holds it (once this thread's
@@ -193,6 +196,8 @@ class ObjectWriter:
         commit otherwise kept its file open until the cyclic garbage collector ran:
         one descriptor per failed commit in a daemon). Finished packs stay in the
         outbox for :meth:`Outbox.clean`."""
+        if self.early is not None:
+            self.early.stop()
         spool = self.builder.discard()
         if spool is not None and not isinstance(spool, io.BytesIO):
             Path(spool.name).unlink(missing_ok=True)
@@ -204,6 +209,109 @@ class ObjectWriter:
             self._drain(batch)
         self._keep(self.builder.flush())
         return self.outbox.index_objects([(p.pack_id, tuple(p.entries)) for p in self.finished])
+
+
+class EarlyUpload:
+    """Packs uploaded while the commit that made them is still being built, so a
+    push hashes on every core while the backends already take its first packs.
+
+    One thread announces each batch of finished packs to gc and then uploads it,
+    exactly as :meth:`Outbox.flush` does for its own, but from a snapshot of this
+    client's state taken when the commit began: it writes nothing to the local
+    database, which the committing thread holds. What it placed waits in
+    :attr:`placed`; once the commit has recorded the packs, the flush books each
+    (missed holders, outbox row) as if it had uploaded it itself and announces
+    them again, durably. A pack uploaded here whose commit is never recorded is
+    garbage nothing refers to (announced until a later push of this client is
+    decided): gc collects it.
+
+    Best effort: a batch it cannot announce or place stops it, and the flush
+    uploads what is left, and says why, as it always did."""
+
+    #: Packs announced and uploaded together (an announcement is one small write to
+    #: every backend; a batch bounds what a stop waits for).
+    BATCH = 8
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+        state = outbox.ctx.state
+        self._head, self._prev = state.head, state.prev
+        self._announced = set(state.announced)
+        self._queue: list[str] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        #: Packs on enough backends, by id, with where their copies went.
+        self.placed: dict[str, Uploaded] = {}
+
+    def offer(self, pack_id: str) -> None:
+        """Queue a pack now durable in the outbox (from any thread)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._queue.append(pack_id)
+            self._cond.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="metasync-early-upload",
+                                                daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        outbox = self.outbox
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                batch, self._queue = self._queue[:self.BATCH], self._queue[self.BATCH:]
+            if not batch:
+                return
+            self._announced.update(batch)
+            try:
+                outbox.write_client_state(self._head, self._prev, self._announced, required=True)
+                outbox.replicator.upload(
+                    [(pack_id, outbox._loader(pack_id)) for pack_id in batch], self._keep)
+            except (MetasyncError, Interrupted):
+                # Left to the flush, which retries and reports (nothing refers to a
+                # pack yet: the commit is not even recorded).
+                with self._cond:
+                    self._closed = True
+                    self._queue.clear()
+                return
+            crash_point("upload:early")
+            pause_point("upload:early")
+
+    def _keep(self, placed: Uploaded) -> None:
+        self.placed[placed.stored_id] = placed
+
+    def finish(self) -> dict[str, Uploaded]:
+        """Wait until every offered pack is uploaded (or left to the flush); the
+        packs placed."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            try:
+                self._thread.join()
+            except BaseException:  # Ctrl-C while waiting: stop the transfers first
+                self.stop()
+                raise
+        return self.placed
+
+    def stop(self) -> None:
+        """The commit failed: drop what waits and stop the transfers under way (as a
+        Ctrl-C does), returning once none runs."""
+        with self._cond:
+            self._closed = True
+            self._queue.clear()
+            self._cond.notify()
+        if self._thread is None or not self._thread.is_alive():
+            return
+        asked_here = CANCEL.request()
+        try:
+            self._thread.join()
+        finally:
+            if asked_here:
+                CANCEL.clear()
 
 
 @dataclass
@@ -224,9 +332,17 @@ class Outbox:
         self.graph = graph
         self.replicator = replicator
 
-    def writer(self) -> ObjectWriter:
-        """A writer packing the objects of one new commit."""
-        return ObjectWriter(self)
+        #: Packs a push uploaded while it committed (see :class:`EarlyUpload`),
+        #: booked by the next flush.
+        self._early: EarlyUpload | None = None
+
+    def writer(self, upload_early: bool = False) -> ObjectWriter:
+        """A writer packing the objects of one new commit; with ``upload_early`` (a
+        push) each finished pack is uploaded at once, booked by the next flush."""
+        if not upload_early:
+            return ObjectWriter(self)
+        self._early = EarlyUpload(self)
+        return ObjectWriter(self, self._early)
 
     # ---------------------------------------------------------------- index objects
     def index_objects(self, packs: list[tuple[str, tuple[PackEntry, ...]]]) -> list[Standalone]:
@@ -319,37 +435,51 @@ class Outbox:
     def flush(self) -> FlushReport:
         """Upload queued objects: all packs, then indexes, then commits, so nothing
         on a backend ever refers to an object that is not there yet. Announces the
-        uploads to gc first."""
+        uploads to gc first. Packs a push already uploaded while it committed are
+        waited for and booked, not uploaded again (:class:`EarlyUpload`)."""
+        early_upload, self._early = self._early, None
         pending = self.db.outbox()
         report = FlushReport()
         sizes = {sid: (self.folder / sid).stat().st_size for sid, _ in pending}
         replicas = self.ctx.store.config.replicas
         reporter = self.ctx.reporter
+        booked: set[str] = set()
+
+        def done(placed: Uploaded) -> None:
+            stored_id = placed.stored_id
+            with self.db.transaction():
+                self._record_missed(placed)
+                self.db.remove_outbox(stored_id)
+            (self.folder / stored_id).unlink(missing_ok=True)
+            booked.add(stored_id)
+            report.add(placed)
+            reporter.advance(sizes[stored_id] * replicas)
+            crash_point("upload")
+
+        def book_early(phase: str | None = None) -> None:
+            """Book the recorded packs the early upload placed (of ``phase``)."""
+            placed = early_upload.placed if early_upload is not None else {}
+            for sid, kind in pending:
+                if sid in placed and sid not in booked and phase in (None, kind):
+                    done(placed[sid])
+
         try:
             if pending:
                 self.publish_client_state([sid for sid, _ in pending])
             reporter.start("upload", sum(sizes.values()) * replicas)
+            early = early_upload.finish() if early_upload is not None else {}
             for phase in ("pack", "index", "commit"):
                 if phase == "index":
                     # The packs are up and announced, nothing refers to them yet: a
                     # test runs another client's gc here (tests/test_gc.py).
                     pause_point("upload:packs")
-                items = [(sid, self._loader(sid)) for sid, kind in pending if kind == phase]
-                if not items:
-                    continue
-
-                def done(placed: Uploaded) -> None:
-                    stored_id = placed.stored_id
-                    with self.db.transaction():
-                        self._record_missed(placed)
-                        self.db.remove_outbox(stored_id)
-                    (self.folder / stored_id).unlink(missing_ok=True)
-                    report.add(placed)
-                    reporter.advance(sizes[stored_id] * replicas)
-                    crash_point("upload")
-
-                self.replicator.upload(items, done)
+                book_early(phase)
+                items = [(sid, self._loader(sid)) for sid, kind in pending
+                         if kind == phase and sid not in early]
+                if items:
+                    self.replicator.upload(items, done)
         except (Interrupted, KeyboardInterrupt) as exc:
+            book_early()  # what the early upload placed before it stopped is kept too
             if not CANCEL.requested() and not isinstance(exc, Interrupted):
                 raise  # not the user's stop (a library caller's KeyboardInterrupt)
             # Each object recorded as uploaded has its copies; the others stay queued
@@ -358,6 +488,8 @@ class Outbox:
                 f"{report.objects} of {len(pending)} objects uploaded; the next push "
                 "continues") from None
         finally:
+            if early_upload is not None:
+                early_upload.stop()  # an error above: no transfer is left running
             reporter.finish()
         return report
 
@@ -404,7 +536,14 @@ class Outbox:
             announced |= set(pending)
             with state.transaction():
                 state.announced = sorted(announced)
-        doc: dict[str, Any] = {"head": state.head, "prev": state.prev.to_json()}
+        self.write_client_state(state.head, state.prev, announced, required=bool(pending))
+
+    def write_client_state(self, head: str | None, prev: Version, announced: set[str],
+                           required: bool) -> None:
+        """Write this client's state (:meth:`publish_client_state`) on every backend;
+        ``required``: raise :class:`BackendUnavailable` unless the announcement
+        quorum took it. Touches no local database (any thread may call it)."""
+        doc: dict[str, Any] = {"head": head, "prev": prev.to_json()}
         if announced:
             # Every object uploaded since the last decided push stays announced: a
             # local commit not decided yet may still need it.
@@ -426,7 +565,7 @@ class Outbox:
 
         needed = announcement_quorum(
             len(backends), self.ctx.store.config.fault_model == "byzantine")
-        if pending and written < needed:
+        if required and written < needed:
             raise BackendUnavailable(
                 f"could not announce the upload on {needed} of the {len(backends)} backends "
                 f"(written on {written}: {failures[0]}); nothing was uploaded; retry"

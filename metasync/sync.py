@@ -130,7 +130,7 @@ class Sync:
             # Place this push's objects by the new configuration's mapping.
             fork = self.integrate(latest).fork
         skipped: list[str] = []
-        result = self.committer.commit(message, skipped)
+        result = self.committer.commit(message, skipped, upload_early=True)
         uploaded = self.outbox.flush()
         self.replicator.repair_missing()
         conflicts: list[str] = []

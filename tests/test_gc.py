@@ -289,13 +289,15 @@ def test_client_behind_compaction_and_a_backend_change_catches_up(tmp_path: Path
 HOLD_LIMIT = 60.0
 
 
-def _held(args: list[str], cwd: Path, point: str, pause: Path) -> subprocess.Popen[str]:
-    """``metasync ARGS`` in ``cwd``, started and waited for until it stands at pause
-    point ``point`` (it goes on once :func:`_release` is called)."""
+def _held(args: list[str], cwd: Path, point: str, pause: Path,
+          **extra: str) -> subprocess.Popen[str]:
+    """``metasync ARGS`` in ``cwd`` (with ``extra`` environment variables), started
+    and waited for until it stands at pause point ``point`` (it goes on once
+    :func:`_release` is called)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("METASYNC_CRASH", "METASYNC_PASSPHRASE", "METASYNC_PAUSE"))}
     env.update(METASYNC_PASSPHRASE=PASSPHRASE, METASYNC_PAUSE_AT=point,
-               METASYNC_PAUSE_FILE=str(pause))
+               METASYNC_PAUSE_FILE=str(pause), **extra)
     proc = subprocess.Popen([METASYNC, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + HOLD_LIMIT
@@ -383,6 +385,30 @@ def test_gc_keeps_the_uploads_of_a_push_in_progress_which_then_merges(tmp_path: 
     assert json.loads(run_cli("push", "--json", cwd=a).stdout)["bytes_uploaded"] > len(gone)
     _converged(tmp_path, a, b, backends)
     assert (b / "new.bin").read_bytes() == new and (b / "gone.bin").read_bytes() == gone
+
+
+def test_gc_keeps_the_packs_a_push_uploads_while_it_still_hashes(tmp_path: Path) -> None:
+    """A's push uploads its first packs while it still hashes and commits (issue 21:
+    a thread announces each batch to gc first, then uploads it). B's gc runs while
+    that thread stands after its first batch: it keeps those packs, which only the
+    announcement names; A loses the version to gc, merges and pushes, and nothing
+    its versions name is missing -- the flush did not upload those packs again."""
+    a, b, backends, _ = _collected_content_repo(tmp_path)
+    rng = random.Random(5)
+    new = {f"new-{i}.bin": rng.randbytes(90_000) for i in range(8)}
+    for name, data in new.items():
+        (a / name).write_bytes(data)
+    before = _objects(backends)
+    pause = tmp_path / "pause"
+    push = _held(["push", "--json"], a, "upload:early", pause, METASYNC_PACK_SIZE="100000")
+    uploaded = _objects(backends) - before
+    assert uploaded, "the push uploaded no pack while it committed"
+    gc_version = _gc_version(run_cli("gc", cwd=b).stdout)
+    assert uploaded <= _objects(backends), "gc deleted a pack uploaded early"
+    out, _ = _release(push, pause)
+    assert json.loads(out)["version"] == gc_version + 1
+    _converged(tmp_path, a, b, backends)
+    assert all((b / name).read_bytes() == data for name, data in new.items())
 
 
 def test_a_push_repacks_content_gc_collected_while_it_ran(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import random
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import threading
 import time
@@ -228,6 +229,20 @@ class Setup:
         return any(p.parent.parent.name == "objects" for s in self.stores if s.exists()
                    for p in temp_files(s))
 
+    def flushing(self) -> bool:
+        """True once a push has recorded its commit (queued with the objects it
+        names) and an upload is under way: a push uploads its first packs while it
+        still commits, so an upload alone does not say it has."""
+        if not self.uploading():
+            return False
+        db = self.work / ".metasync" / "state.db"
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+                row = conn.execute("SELECT 1 FROM outbox WHERE kind = 'commit'").fetchone()
+        except sqlite3.Error:  # busy: ask again
+            return False
+        return row is not None
+
 
 @pytest.fixture
 def setup(tmp_path: Path, sshd_server: SshServer) -> Iterator[Setup]:
@@ -246,8 +261,8 @@ def test_ctrl_c_stops_a_push_and_the_next_push_finishes(setup: Setup) -> None:
     file; the next push finishes, fsck finds every copy, a clone is identical."""
     setup.fill(24)  # 24 MB, 48 MB of copies: far longer than the deadline at 1 MB/s
     setup.valve.rate["up"] = 1_000_000
-    err = setup.interrupt_when(setup.start("push", "-m", "big"), setup.uploading,
-                               "the push to start uploading")
+    err = setup.interrupt_when(setup.start("push", "-m", "big"), setup.flushing,
+                               "the push to commit and upload")
     kept = re.search(r"metasync: interrupted: (\d+) of (\d+) objects uploaded; the next push "
                      r"continues", err)
     assert kept, err
@@ -267,7 +282,7 @@ def test_sigterm_stops_a_push_like_ctrl_c(setup: Setup) -> None:
     setup.valve.rate["up"] = 1_000_000
     push = setup.start("push")
     try:
-        wait_until(setup.uploading, "the push to start uploading")
+        wait_until(setup.flushing, "the push to commit and upload")
         push.interrupt(signal.SIGTERM)
         code, err = push.finish()
     finally:
@@ -328,7 +343,7 @@ def test_read_only_commands_work_while_a_push_holds_the_folder(setup: Setup) -> 
     setup.valve.rate["up"] = 1_000_000
     push = setup.start("push", "-m", "second")
     try:
-        wait_until(setup.uploading, "the push to start uploading")
+        wait_until(setup.flushing, "the push to commit and upload")
         status = setup.cli("--timeout", "10", "status", check=False)
         assert status.returncode == 0, status.stderr
         # The push committed before uploading: the folder is its commit.
@@ -384,7 +399,7 @@ def test_stopping_the_daemon_stops_its_push(setup: Setup) -> None:
     setup.valve.rate["up"] = 1_000_000
     run = setup.start("daemon", "--settle", "0", "--poll", "3600")
     try:
-        wait_until(setup.uploading, "the daemon to start uploading")
+        wait_until(setup.flushing, "the daemon to commit and upload")
         status = setup.cli("--timeout", "10", "status", check=False)
         assert status.returncode == 0, status.stderr
         state = setup.cli("--timeout", "10", "daemon", "status", check=False)

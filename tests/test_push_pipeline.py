@@ -7,17 +7,24 @@ from __future__ import annotations
 import io
 import os
 import random
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pyfastcdc import FastCDC
 
+from conftest import snapshot, wait_until
 from metasync import Repository
 from metasync.codec import Codec, PackBuilder
 from metasync.localdb import LocalDB
 from metasync.objects import ObjectHasher, PackEntry
 from metasync.outbox import SINK_BATCH, KnownIds
+from metasync.scanner import Scanner
 from metasync.worktree import CHUNK_AVG, CHUNK_MAX, CHUNK_MIN, Chunker, ScanEntry
+
+#: The real tree builder, for a test that breaks it and mends it again.
+_build_trees = Scanner.build_trees
 
 
 def _entry(path: Path) -> ScanEntry:
@@ -139,8 +146,6 @@ def test_a_failed_commit_closes_and_removes_the_pack_it_was_spooling(
     leaves no descriptor open on a spool file, and no spool file in the outbox
     (before, the file stayed open until the cyclic garbage collector ran: one
     descriptor per failed commit in a daemon)."""
-    from metasync.scanner import Scanner
-
     folder = tmp_path / "f"
     folder.mkdir()
     backend = tmp_path / "b"
@@ -173,3 +178,93 @@ def test_a_failed_commit_closes_and_removes_the_pack_it_was_spooling(
         assert not [n for n in os.listdir(outbox) if n.startswith(".tmp-")]
         monkeypatch.undo()
         assert repo.commit("works") is not None
+
+
+def _watch_uploads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Every ``(thread name, stored id)`` the replicator is asked to upload, from now."""
+    from metasync.replicator import Replicator
+
+    asked: list[tuple[str, str]] = []
+    upload = Replicator.upload
+
+    def watched(self: Replicator, items: Any, on_done: Any) -> None:
+        items = list(items)
+        asked.extend((threading.current_thread().name, stored_id) for stored_id, _ in items)
+        upload(self, items, on_done)
+
+    monkeypatch.setattr(Replicator, "upload", watched)
+    return asked
+
+
+def test_a_push_uploads_its_packs_while_it_commits_each_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push uploads each pack as it is finished, by its early-upload thread while
+    the commit is built, and the flush books those uploads without uploading them
+    again (issue 21): every pack is asked for exactly once, and the flush uploads
+    only the indexes and the commit. The version holds every object: a fresh clone
+    is the folder, fsck finds nothing."""
+    backends = [tmp_path / f"b{i}" for i in range(3)]
+    for b in backends:
+        b.mkdir()
+    folder = tmp_path / "f"
+    folder.mkdir()
+    rng = random.Random(11)
+    for n in range(30):  # packs finish during the scan and when it ends
+        (folder / f"{n}.bin").write_bytes(rng.randbytes(100_000))
+    monkeypatch.setenv("METASYNC_PACK_SIZE", str(100_000))
+    with Repository.init(folder, [f"dir:{b}" for b in backends], replicas=2,
+                         encrypt=False) as repo:
+        asked = _watch_uploads(monkeypatch)
+        result = repo.push("early")
+        queued = repo.queued()
+        report = repo.fsck()
+    assert queued == [] and report.ok, report.problems
+    ids = [stored_id for _, stored_id in asked]
+    assert len(ids) == len(set(ids)), "an object was uploaded twice"
+    early = {stored_id for thread, stored_id in asked if thread == "metasync-early-upload"}
+    assert len(early) >= 25, asked
+    flushed = set(ids) - early
+    assert len(flushed) == 2, asked  # one index, the commit
+    assert result.objects_uploaded == len(ids)
+    clone = tmp_path / "clone"
+    Repository.clone(f"dir:{backends[2]}", clone, allow_unencrypted=True).close()
+    assert snapshot(clone) == snapshot(folder)
+
+
+def test_a_commit_that_fails_stops_its_early_uploads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push whose commit fails after packs were uploaded early (here: building its
+    trees fails) leaves no upload thread running and nothing queued; the packs it
+    uploaded are garbage nothing names, and the next push stores everything again
+    and completes."""
+    from metasync.scanner import Scanner
+
+    backend = tmp_path / "b"
+    backend.mkdir()
+    folder = tmp_path / "f"
+    folder.mkdir()
+    rng = random.Random(12)
+    for n in range(30):  # more than a sink batch's bytes: packs finish during the scan
+        (folder / f"{n}.bin").write_bytes(rng.randbytes(100_000))
+    monkeypatch.setenv("METASYNC_PACK_SIZE", str(100_000))
+
+    asked: list[tuple[str, str]] = []
+
+    def fail(*args: object, **kwargs: object) -> None:
+        wait_until(lambda: asked, 30, "an early upload")
+        raise RuntimeError("building the trees failed")
+
+    with Repository.init(folder, [f"dir:{backend}"], replicas=1, encrypt=False) as repo:
+        asked = _watch_uploads(monkeypatch)
+        monkeypatch.setattr(Scanner, "build_trees", fail)
+        with pytest.raises(RuntimeError, match="building the trees"):
+            repo.push("fails")
+        assert "metasync-early-upload" in {thread for thread, _ in asked}
+        assert not [t for t in threading.enumerate() if t.name == "metasync-early-upload"]
+        assert repo.queued() == [] and repo.head is None
+        monkeypatch.setattr(Scanner, "build_trees", _build_trees)
+        result = repo.push("works")
+        assert result.version is not None and repo.fsck().ok
+    clone = tmp_path / "clone"
+    Repository.clone(f"dir:{backend}", clone, allow_unencrypted=True).close()
+    assert snapshot(clone) == snapshot(folder)
