@@ -16,7 +16,7 @@ from typing import Any
 from metasync import quickstatus
 from metasync.checkout import Checkout
 from metasync.context import RepoContext
-from metasync.faults import crash_point
+from metasync.faults import crash_point, pause_point
 from metasync.graph import ObjectGraph
 from metasync.localdb import IndexRow
 from metasync.names import display_path, json_path
@@ -362,6 +362,9 @@ class Committer:
         stored.append(("commit", commit_id, commit_bytes))
         self.outbox.store_standalone(stored)
         crash_point("commit:stored")
+        # Every pack is finished and offered to the push's early upload, nothing is
+        # recorded: a test runs another client's gc here (tests/test_gc.py).
+        pause_point("commit:stored")
         db = self.ctx.db
         with db.transaction():
             self.outbox.record_packs(writer.finished, refreshed)

@@ -215,22 +215,20 @@ class EarlyUpload:
     """Packs uploaded while the commit that made them is still being built, so a
     push hashes on every core while the backends already take its first packs.
 
-    One thread announces each batch of finished packs to gc and then uploads it,
-    exactly as :meth:`Outbox.flush` does for its own, but from a snapshot of this
-    client's state taken when the commit began: it writes nothing to the local
-    database, which the committing thread holds. What it placed waits in
-    :attr:`placed`; once the commit has recorded the packs, the flush books each
-    (missed holders, outbox row) as if it had uploaded it itself and announces
-    them again, durably. A pack uploaded here whose commit is never recorded is
-    garbage nothing refers to (announced until a later push of this client is
-    decided): gc collects it.
+    One thread announces each batch of finished packs to gc, exactly as
+    :meth:`Outbox.flush` does for its own, but from a snapshot of this client's
+    state taken when the commit began: it writes nothing to the local database,
+    which the committing thread holds. It then hands the batch to a thread of its
+    own that uploads it, and goes on with the next batch, so uploads overlap as in
+    the flush (a slow link is not left idle between packs). What they placed waits
+    in :attr:`placed`; once the commit has recorded the packs, the flush books each
+    (missed holders, outbox row) as if it had uploaded it itself and announces them
+    again, durably. A pack uploaded here whose commit is never recorded is garbage
+    nothing refers to (announced until a later push of this client is decided): gc
+    collects it.
 
     Best effort: a batch it cannot announce or place stops it, and the flush
     uploads what is left, and says why, as it always did."""
-
-    #: Packs announced and uploaded together (an announcement is one small write to
-    #: every backend; a batch bounds what a stop waits for).
-    BATCH = 8
 
     def __init__(self, outbox: Outbox) -> None:
         self.outbox = outbox
@@ -241,6 +239,7 @@ class EarlyUpload:
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._uploads: list[threading.Thread] = []
         #: Packs on enough backends, by id, with where their copies went.
         self.placed: dict[str, Uploaded] = {}
 
@@ -252,33 +251,51 @@ class EarlyUpload:
             self._queue.append(pack_id)
             self._cond.notify()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="metasync-early-upload",
+                self._thread = threading.Thread(target=self._run, name="metasync-early-announce",
                                                 daemon=True)
                 self._thread.start()
 
     def _run(self) -> None:
-        outbox = self.outbox
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                batch, self._queue = self._queue[:self.BATCH], self._queue[self.BATCH:]
-            if not batch:
-                return
-            self._announced.update(batch)
-            try:
-                outbox.write_client_state(self._head, self._prev, self._announced, required=True)
-                outbox.replicator.upload(
-                    [(pack_id, outbox._loader(pack_id)) for pack_id in batch], self._keep)
-            except (MetasyncError, Interrupted):
-                # Left to the flush, which retries and reports (nothing refers to a
-                # pack yet: the commit is not even recorded).
+        try:
+            while True:
                 with self._cond:
-                    self._closed = True
-                    self._queue.clear()
-                return
-            crash_point("upload:early")
-            pause_point("upload:early")
+                    while not self._queue and not self._closed:
+                        self._cond.wait()
+                    batch, self._queue = self._queue, []
+                if not batch:
+                    return
+                self._announced.update(batch)
+                try:
+                    self.outbox.write_client_state(self._head, self._prev, self._announced,
+                                                   required=True)
+                except Exception:  # the flush does it again, and reports it
+                    self._give_up()
+                    return
+                upload = threading.Thread(target=self._upload, args=(batch,),
+                                          name="metasync-early-upload", daemon=True)
+                upload.start()
+                self._uploads.append(upload)
+        finally:
+            for upload in self._uploads:
+                upload.join()
+
+    def _upload(self, batch: list[str]) -> None:
+        outbox = self.outbox
+        try:
+            outbox.replicator.upload(
+                [(pack_id, outbox._loader(pack_id)) for pack_id in batch], self._keep)
+        except Exception:
+            # Left to the flush, which retries and reports in the command's thread
+            # (nothing refers to a pack yet: the commit is not even recorded).
+            self._give_up()
+            return
+        crash_point("upload:early")
+        pause_point("upload:early")
+
+    def _give_up(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._queue.clear()
 
     def _keep(self, placed: Uploaded) -> None:
         self.placed[placed.stored_id] = placed
@@ -437,7 +454,9 @@ class Outbox:
         on a backend ever refers to an object that is not there yet. Announces the
         uploads to gc first. Packs a push already uploaded while it committed are
         waited for and booked, not uploaded again (:class:`EarlyUpload`)."""
-        early_upload, self._early = self._early, None
+        # Left in place until the end: whatever stops the flush early, the push's
+        # own cleanup (:meth:`stop_early`) still stops the early upload.
+        early_upload = self._early
         pending = self.db.outbox()
         report = FlushReport()
         sizes = {sid: (self.folder / sid).stat().st_size for sid, _ in pending}
@@ -488,10 +507,16 @@ class Outbox:
                 f"{report.objects} of {len(pending)} objects uploaded; the next push "
                 "continues") from None
         finally:
-            if early_upload is not None:
-                early_upload.stop()  # an error above: no transfer is left running
+            self.stop_early()  # an error above: no transfer is left running
             reporter.finish()
         return report
+
+    def stop_early(self) -> None:
+        """Stop the early upload of the last commit, if any still runs (its placed
+        packs not booked are uploaded again by the next flush)."""
+        early, self._early = self._early, None
+        if early is not None:
+            early.stop()
 
     def _record_missed(self, placed: Uploaded) -> None:
         """Remember (inside the caller's transaction) the holders an upload missed,

@@ -130,8 +130,12 @@ class Sync:
             # Place this push's objects by the new configuration's mapping.
             fork = self.integrate(latest).fork
         skipped: list[str] = []
-        result = self.committer.commit(message, skipped, upload_early=True)
-        uploaded = self.outbox.flush()
+        try:
+            result = self.committer.commit(message, skipped, upload_early=True)
+            uploaded = self.outbox.flush()
+        finally:
+            # Stopped between the two (Ctrl-C), no early upload outlives the push.
+            self.outbox.stop_early()
         self.replicator.repair_missing()
         conflicts: list[str] = []
         for _ in range(MAX_MERGES):
