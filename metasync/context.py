@@ -242,16 +242,9 @@ class InPlaceWrite(NamedTuple):
     #: A link's target (None: a file).
     target: str | None
     #: A file's content as the tree has it (its ref): what it is compared with where
-    #: the file system's timestamps are too coarse to tell an edit (:func:`coarse_time`).
+    #: the file system's timestamps are too coarse to tell an edit
+    #: (:func:`~metasync.worktree.coarse_time`).
     ref: str = ""
-
-
-def coarse_time(mtime_ns: int) -> bool:
-    """True if ``mtime_ns`` has nothing below 10 ms: a file system that keeps times
-    to 2 s (FAT), 1 s (HFS+) or 10 ms (exFAT), where a file rewritten with as many
-    bytes in the same tick keeps its size, mtime and inode. (On one that keeps
-    nanoseconds, a time that falls on a whole 10 ms is one in ten million.)"""
-    return mtime_ns % 10_000_000 == 0
 
 
 @dataclass

@@ -30,7 +30,7 @@ from metasync import verification
 from metasync.backends import Backend, normalize_uri, open_backend, public_uri, typed_uri
 from metasync.backends.uris import overlap
 from metasync.codec import Codec
-from metasync.context import InPlaceWrite, coarse_time, create_local, device_name
+from metasync.context import InPlaceWrite, create_local, device_name
 from metasync.errors import (
     BackendUnavailable,
     FormatError,
@@ -74,7 +74,7 @@ from metasync.ownership import check_owner
 from metasync.portable import effective_uid
 from metasync.progress import CANCEL
 from metasync.state import LocalState, PrimitivesChecked
-from metasync.worktree import META_DIR, Chunker, FileChanged, Folders, ScanEntry, lstat_at
+from metasync.worktree import META_DIR, Chunker, Folders, content_is, lstat_at
 
 DEFAULT_PARTITIONS = 16384
 #: The most key slots a clone tries (one scrypt each).
@@ -264,7 +264,7 @@ class CloneStart:
         that is still what it wrote (same inode, size and mtime; same target), then
         every folder left empty, and the folder itself if the clone created it and
         nothing is left. Anything else stays: a file saved there during the clone,
-        a cloned file edited since. Where timestamps are coarse (:func:`coarse_time`)
+        a cloned file edited since. Where timestamps are coarse (:func:`~metasync.worktree.coarse_time`)
         a file's content is compared too, with ``chunker`` (without it, such a file
         stays). A resumed clone is left as it was (the next try finishes it)."""
         if self.resumed:
@@ -275,30 +275,16 @@ class CloneStart:
 
 
 def _still_written(st: os.stat_result, item: InPlaceWrite, target: Callable[[], str],
-                   content: Callable[[os.stat_result], str | None]) -> bool:
+                   content: Callable[[os.stat_result, str], bool]) -> bool:
     """True if ``st`` is the file or link ``item`` recorded (``target`` reads a link's;
-    ``content`` gives a file's ref, None if it cannot tell)."""
+    ``content`` tells whether a file still holds a ref: :func:`content_is`)."""
     if (st.st_ino, st.st_dev) != (item.ino, item.dev):
         return False
     if item.target is not None:
         return stat.S_ISLNK(st.st_mode) and target() == item.target
     if not stat.S_ISREG(st.st_mode) or (st.st_size, st.st_mtime_ns) != (item.size, item.mtime_ns):
         return False
-    # Rewritten with as many bytes within the tick, the stat cannot tell: the content does.
-    return not coarse_time(item.mtime_ns) or (bool(item.ref) and content(st) == item.ref)
-
-
-def _content_at(chunker: Chunker | None, fd: int, name: str, path: str,
-                st: os.stat_result) -> str | None:
-    """The ref of the file ``name`` in folder ``fd`` as ``chunker`` hashes it; None
-    if there is no chunker, or the file changes or cannot be read meanwhile."""
-    if chunker is None:
-        return None
-    try:
-        expect = ScanEntry(path, "file", st.st_size, st.st_mtime_ns, st.st_ino, False)
-        return chunker.hash_file(name, expect, None, dir_fd=fd).ref
-    except (FileChanged, OSError):
-        return None
+    return content(st, item.ref)
 
 
 def _remove_written(root: Path, written: Sequence[InPlaceWrite], chunker: Chunker | None) -> None:
@@ -317,7 +303,7 @@ def _remove_written(root: Path, written: Sequence[InPlaceWrite], chunker: Chunke
                 st = lstat_at(fd, name) if fd is not None else None
                 if st is not None and fd is not None and _still_written(
                         st, item, partial(os.readlink, name, dir_fd=fd),
-                        partial(_content_at, chunker, fd, name, item.path)):
+                        partial(content_is, chunker, fd, name, item.path)):
                     os.unlink(name, dir_fd=fd)
     finally:
         folders.close()

@@ -35,7 +35,7 @@ from metasync.objects import Commit, Tree, TreeEntry, same_entry
 from metasync.scanner import Scanner
 from metasync.selection import Selection, check_patterns, drop_selected_rows, parents_of
 from metasync.state import PendingCheckout
-from metasync.worktree import Folders, ScanEntry, lstat_name
+from metasync.worktree import Folders, ScanEntry, content_is, lstat_name
 
 #: Paths a refusal names (the rest are counted).
 NAMED = 3
@@ -141,7 +141,7 @@ class Sparse:
             if entering and head is not None:
                 state.checkout_pending = PendingCheckout(head.tree, head.tree)
         change = SparseChange(patterns)
-        self._remove(leaving, leaving_dirs, scan.seen, change)
+        self._remove(leaving, leaving_dirs, scan.seen, scan.files, change)
         drop_selected_rows(db, new, self.ctx.root)  # folders here (taken in as parents)
         if entering and head is not None:
             self.checkout.run_pending()
@@ -155,18 +155,22 @@ class Sparse:
         return self.graph.tree_at(master_id) if master_id else {}
 
     def _remove(self, files: list[str], dirs: list[str], seen: dict[str, ScanEntry],
-                change: SparseChange) -> None:
-        """Remove ``files`` (each still as the scan saw it: one changed since is kept
+                scanned: dict[str, TreeEntry], change: SparseChange) -> None:
+        """Remove ``files`` (each still as the scan saw it -- its size and mtime, and
+        where timestamps are too coarse to tell a rewrite within the tick, its
+        content: :func:`~metasync.worktree.content_is` -- one changed since is kept
         and said), then ``dirs`` that are empty, deepest first. Never through a link."""
         with Folders(self.ctx.root) as folders:
             for path in files:
                 parent, _, name = path.rpartition("/")
                 with folders.opened(parent) as fd:
                     st = lstat_name(fd, name) if fd is not None else None
-                    if st is None or stat.S_ISDIR(st.st_mode):
+                    if fd is None or st is None or stat.S_ISDIR(st.st_mode):
                         continue
-                    was = seen.get(path)
-                    if was is None or (was.size, was.mtime_ns) != (st.st_size, st.st_mtime_ns):
+                    was, entry = seen.get(path), scanned.get(path)
+                    if (was is None or entry is None
+                            or (was.size, was.mtime_ns) != (st.st_size, st.st_mtime_ns)
+                            or not content_is(self.ctx.chunker, fd, name, path, st, entry.ref)):
                         change.kept.append(path)
                         self.ctx.reporter.note(
                             f"kept {display_path(path)}: it changed while the selection "

@@ -235,6 +235,34 @@ class FileChanged(Exception):
     """The file changed while it was being read; try again later."""
 
 
+def coarse_time(mtime_ns: int) -> bool:
+    """True if ``mtime_ns`` has nothing below 10 ms: a file system that keeps times
+    to 2 s (FAT), 1 s (HFS+) or 10 ms (exFAT), where a file rewritten with as many
+    bytes in the same tick keeps its size, mtime and inode. (On one that keeps
+    nanoseconds, a time that falls on a whole 10 ms is one in ten million.)"""
+    return mtime_ns % 10_000_000 == 0
+
+
+def content_is(chunker: Chunker | None, fd: int, name: str, path: str,
+               st: os.stat_result, ref: str) -> bool:
+    """Whether the regular file ``name`` in folder ``fd`` -- ``st`` its lstat, whose
+    size and mtime the caller found as it recorded them along with content ``ref``
+    -- still holds that content, as far as can be told before removing it. Where
+    timestamps are fine the stat tells; where they are coarse (:func:`coarse_time`)
+    a rewrite of as many bytes within the tick keeps them, so the content is hashed
+    with ``chunker`` and compared. False where it cannot tell: no chunker or
+    ``ref``, or the file cannot be read or changes meanwhile."""
+    if not coarse_time(st.st_mtime_ns):
+        return True
+    if chunker is None or not ref:
+        return False
+    try:
+        expect = ScanEntry(path, "file", st.st_size, st.st_mtime_ns, st.st_ino, False)
+        return chunker.hash_file(name, expect, None, dir_fd=fd).ref == ref
+    except (FileChanged, OSError):
+        return False
+
+
 @dataclass(frozen=True)
 class HashedFile:
     """A file's content as objects: ``type`` is ``file`` (one blob) or ``chunked``."""

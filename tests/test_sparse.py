@@ -318,3 +318,43 @@ def test_folder_taken_in_then_deleted_here_leaves_the_tree(
     shutil.rmtree(b.root / "photos")
     b.push("photos deleted here")
     assert not _under(b.tree_at(b.prev.master))
+
+
+def test_narrowing_on_fat_keeps_a_same_size_edit_made_in_the_same_tick(
+        tmp_path: Path, backends: list[Path], passphrase: Callable[[], str],
+        monkeypatch: pytest.MonkeyPatch, fs_images: dict[str, Path]) -> None:
+    """FAT keeps mtimes to 2 s: a file leaving the selection that the user rewrites
+    with as many bytes between the narrowing's scan and its removal, within the
+    tick, keeps the size, mtime and inode the scan saw. The narrowing compares such
+    a file's content with the scan's before removing it: the user's version stays,
+    and is said to."""
+    from metasync.sparse import Sparse
+    from tests.servers.fsimages import fresh_folder
+
+    src = fresh_folder(fs_images["fat"], "sparse") / "a"
+    _write(src, "top.txt", "top\n")
+    _write(src, "photos/p1.jpg", "photo one\n")
+    _write(src, "photos/p2.jpg", "photo two\n")
+    a = Repository.init(src, [f"dir:{d}" for d in backends], passphrase=passphrase)
+    a.push("first")
+    remove = Sparse._remove
+    edited = src / "photos/p1.jpg"
+    mine = "PHOTO ONE\n"  # as many bytes
+
+    def edit_then_remove(self: Sparse, *args: object) -> None:
+        before = edited.stat()
+        with open(edited, "r+") as fh:
+            fh.write(mine)
+        # Within the same tick on FAT; set explicitly, so the test never depends on
+        # the clock's moment within it.
+        os.utime(edited, ns=(before.st_atime_ns, before.st_mtime_ns))
+        after = edited.stat()
+        assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
+            before.st_size, before.st_mtime_ns, before.st_ino)
+        remove(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Sparse, "_remove", edit_then_remove)
+    change = a.sparse.set(NO_PHOTOS)
+    assert edited.read_text() == mine, "the user's edit went with the narrowing"
+    assert change.kept == ["photos/p1.jpg"] and change.removed == ["photos/p2.jpg"]
+    a.close()
