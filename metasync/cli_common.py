@@ -122,23 +122,46 @@ def _passphrase_source(passphrase_file: str | None, confirm: bool) -> Callable[[
     def read() -> str:
         env = os.environ.get("METASYNC_PASSPHRASE")
         if env:
-            return env
+            return passphrase_text(env, "METASYNC_PASSPHRASE")
         if env == "" and not passphrase_file:
             raise UsageError("METASYNC_PASSPHRASE is empty: set it to the passphrase, or unset "
                              "it (then --passphrase-file or a prompt is used)")
         if passphrase_file:
-            try:
-                return Path(passphrase_file).read_text().rstrip("\r\n")
-            except OSError as exc:
-                raise UsageError(f"cannot read passphrase file {passphrase_file}: {exc.strerror}") from None
+            return read_passphrase_file(passphrase_file)
         if not sys.stdin.isatty():
             raise UsageError(
                 "this repository is encrypted: set METASYNC_PASSPHRASE or use --passphrase-file"
             )
         value: str = click.prompt("Passphrase", hide_input=True, confirmation_prompt=confirm, err=True)
-        return value
+        return passphrase_text(value, "the passphrase typed")
 
     return read
+
+
+def read_passphrase_file(path: str) -> str:
+    """The passphrase in file ``path`` (its first line's end dropped); a usage error
+    if it cannot be read or is not UTF-8 text."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read passphrase file {path}: {exc.strerror}") from None
+    try:
+        return raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError:
+        raise UsageError(f"passphrase file {path} is not UTF-8 text; save the passphrase in it "
+                         "as UTF-8") from None
+
+
+def passphrase_text(passphrase: str, where: str) -> str:
+    """``passphrase`` if it is text (a key is derived from its UTF-8 bytes); a usage
+    error naming ``where`` it came from if it holds bytes that are not UTF-8 (the
+    environment and the terminal hand those over as lone surrogates)."""
+    try:
+        passphrase.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"{where} is not UTF-8 text (it holds bytes no character is made "
+                         "of); use a passphrase of UTF-8 text") from None
+    return passphrase
 
 
 def _open(read_only: bool = False) -> Repository:

@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 import click
 
-from metasync.cli_common import _open, _say
+from metasync.cli_common import _open, _say, passphrase_text, read_passphrase_file
 from metasync.errors import UsageError
 
 new_passphrase_option = click.option(
@@ -25,17 +24,17 @@ new_passphrase_option = click.option(
 
 def _new_passphrase(path: str | None) -> str:
     """The new passphrase from its source; a clean error if there is none or it is empty."""
-    value = os.environ.get("METASYNC_NEW_PASSPHRASE", "")
+    value = passphrase_text(os.environ.get("METASYNC_NEW_PASSPHRASE", ""),
+                            "METASYNC_NEW_PASSPHRASE")
     if not value and path:
-        try:
-            value = Path(path).read_text().rstrip("\r\n")
-        except OSError as exc:
-            raise UsageError(f"cannot read passphrase file {path}: {exc.strerror}") from None
+        value = read_passphrase_file(path)
     if not value and not path:
         if not sys.stdin.isatty():
             raise UsageError("give the new passphrase: set METASYNC_NEW_PASSPHRASE or use "
                              "--new-passphrase-file")
-        value = click.prompt("New passphrase", hide_input=True, confirmation_prompt=True, err=True)
+        value = passphrase_text(
+            click.prompt("New passphrase", hide_input=True, confirmation_prompt=True, err=True),
+            "the passphrase typed")
     if not value:
         raise UsageError("the new passphrase is empty")
     return value

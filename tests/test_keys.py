@@ -507,3 +507,30 @@ def test_a_key_derived_ahead_that_fails_says_nothing_until_it_is_asked_for(
     assert raised == []
     with pytest.raises(UnicodeEncodeError):
         keys.new_kek("\udcff")
+
+
+def test_a_passphrase_that_is_not_utf8_text_is_a_one_line_error(tmp_path: Path) -> None:
+    """A passphrase holding bytes that are not UTF-8 -- in METASYNC_PASSPHRASE (the
+    environment hands them over as lone surrogates), in a passphrase file, or as the
+    new passphrase of ``key passwd`` -- is refused in one line naming where it came
+    from, before anything is written (before, "unexpected UnicodeEncodeError ...
+    report it")."""
+    backend = tmp_path / "b"
+    backend.mkdir()
+    folder = tmp_path / "f"
+    folder.mkdir()
+    proc = run_cli("init", str(folder), f"--backend=dir:{backend}", passphrase="caf\udce9",
+                   check=False)
+    one_line_error(proc, "METASYNC_PASSPHRASE is not UTF-8 text")
+    assert proc.returncode == 2
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"caf\xe9\n")
+    proc = run_cli("init", str(folder), f"--backend=dir:{backend}", "--passphrase-file",
+                   str(secret), passphrase=None, check=False)
+    one_line_error(proc, f"passphrase file {secret} is not UTF-8 text")
+    assert not list(backend.iterdir()) and not (folder / ".metasync").exists()
+    run_cli("init", str(folder), f"--backend=dir:{backend}")
+    proc = run_cli("key", "passwd", cwd=folder, check=False,
+                   env_extra={"METASYNC_NEW_PASSPHRASE": "caf\udce9"})
+    one_line_error(proc, "METASYNC_NEW_PASSPHRASE is not UTF-8 text")
+    run_cli("status", cwd=folder)  # the old passphrase still opens it
