@@ -352,7 +352,7 @@ def test_a_failed_clone_on_fat_keeps_a_same_size_edit_made_in_the_same_tick(
     recorded. A failed clone's undo compares such a file's content with what it
     wrote before removing it: the user's version stays."""
     from metasync import checkout
-    from tests.servers.fsimages import fresh_folder
+    from tests.servers.fsimages import fresh_folder, rewrite_within_the_tick
 
     a = _init(tmp_path, backends, passphrase)
     for i in range(12):
@@ -370,16 +370,8 @@ def test_a_failed_clone_on_fat_keeps_a_same_size_edit_made_in_the_same_tick(
         if writes == 10:
             done = sorted(p for p in target.glob("f*.txt"))
             path = done[0]
-            before = path.stat()
             mine = path.read_text().upper()  # as many bytes
-            with open(path, "r+") as fh:
-                fh.write(mine)
-            # Within the same tick on FAT; set explicitly, so the test never depends
-            # on the clock's moment within it.
-            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
-            after = path.stat()
-            assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
-                before.st_size, before.st_mtime_ns, before.st_ino)
+            rewrite_within_the_tick(path, mine)
             edited.append((path, mine))
             raise ObjectUnavailable("a read failed (test)")
 

@@ -197,15 +197,12 @@ def _watch_uploads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
 
 
 def test_a_push_uploads_its_packs_while_it_commits_each_once(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, backends: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """A push uploads each pack as it is finished, by its early-upload thread while
     the commit is built, and the flush books those uploads without uploading them
     again (issue 21): every pack is asked for exactly once, and the flush uploads
     only the indexes and the commit. The version holds every object: a fresh clone
     is the folder, fsck finds nothing."""
-    backends = [tmp_path / f"b{i}" for i in range(3)]
-    for b in backends:
-        b.mkdir()
     folder = tmp_path / "f"
     folder.mkdir()
     rng = random.Random(11)

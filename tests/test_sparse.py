@@ -329,7 +329,7 @@ def test_narrowing_on_fat_keeps_a_same_size_edit_made_in_the_same_tick(
     a file's content with the scan's before removing it: the user's version stays,
     and is said to."""
     from metasync.sparse import Sparse
-    from tests.servers.fsimages import fresh_folder
+    from tests.servers.fsimages import fresh_folder, rewrite_within_the_tick
 
     src = fresh_folder(fs_images["fat"], "sparse") / "a"
     _write(src, "top.txt", "top\n")
@@ -342,15 +342,7 @@ def test_narrowing_on_fat_keeps_a_same_size_edit_made_in_the_same_tick(
     mine = "PHOTO ONE\n"  # as many bytes
 
     def edit_then_remove(self: Sparse, *args: object) -> None:
-        before = edited.stat()
-        with open(edited, "r+") as fh:
-            fh.write(mine)
-        # Within the same tick on FAT; set explicitly, so the test never depends on
-        # the clock's moment within it.
-        os.utime(edited, ns=(before.st_atime_ns, before.st_mtime_ns))
-        after = edited.stat()
-        assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
-            before.st_size, before.st_mtime_ns, before.st_ino)
+        rewrite_within_the_tick(edited, mine)
         remove(self, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Sparse, "_remove", edit_then_remove)

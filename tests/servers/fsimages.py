@@ -24,6 +24,7 @@ message (never a silent skip).
 from __future__ import annotations
 
 import contextlib
+import os
 import select
 import shutil
 import subprocess
@@ -114,6 +115,20 @@ class Mounted:
                 _run("losetup", "-d", self.loop)
         with contextlib.suppress(OSError):
             self.image.unlink()
+
+
+def rewrite_within_the_tick(path: Path, text: str) -> None:
+    """Rewrite ``path`` with ``text`` -- as many bytes as it holds -- in place, and
+    give it back its mtime, as a rewrite within FAT's 2 s tick leaves it (set
+    explicitly, so a test never depends on the clock's moment within the tick):
+    its size, mtime and inode are what they were, which this checks."""
+    before = path.stat()
+    with open(path, "r+") as fh:
+        fh.write(text)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
+        before.st_size, before.st_mtime_ns, before.st_ino)
 
 
 def fresh_folder(mountpoint: Path, prefix: str = "t") -> Path:
