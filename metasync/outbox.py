@@ -457,6 +457,8 @@ class Outbox:
         # Left in place until the end: whatever stops the flush early, the push's
         # own cleanup (:meth:`stop_early`) still stops the early upload.
         early_upload = self._early
+        # What it placed, filled until EarlyUpload.finish returns.
+        placed: dict[str, Uploaded] = early_upload.placed if early_upload is not None else {}
         pending = self.db.outbox()
         report = FlushReport()
         sizes = {sid: (self.folder / sid).stat().st_size for sid, _ in pending}
@@ -477,7 +479,6 @@ class Outbox:
 
         def book_early(phase: str | None = None) -> None:
             """Book the recorded packs the early upload placed (of ``phase``)."""
-            placed = early_upload.placed if early_upload is not None else {}
             for sid, kind in pending:
                 if sid in placed and sid not in booked and phase in (None, kind):
                     done(placed[sid])
@@ -486,7 +487,8 @@ class Outbox:
             if pending:
                 self.publish_client_state([sid for sid, _ in pending])
             reporter.start("upload", sum(sizes.values()) * replicas)
-            early = early_upload.finish() if early_upload is not None else {}
+            if early_upload is not None:
+                early_upload.finish()
             for phase in ("pack", "index", "commit"):
                 if phase == "index":
                     # The packs are up and announced, nothing refers to them yet: a
@@ -494,7 +496,7 @@ class Outbox:
                     pause_point("upload:packs")
                 book_early(phase)
                 items = [(sid, self._loader(sid)) for sid, kind in pending
-                         if kind == phase and sid not in early]
+                         if kind == phase and sid not in placed]
                 if items:
                     self.replicator.upload(items, done)
         except (Interrupted, KeyboardInterrupt) as exc:
