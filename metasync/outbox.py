@@ -477,18 +477,28 @@ class Outbox:
             reporter.advance(sizes[stored_id] * replicas)
             crash_point("upload")
 
+        announced: list[bool] = []
+
         def book_early(phase: str | None = None) -> None:
-            """Book the recorded packs the early upload placed (of ``phase``)."""
+            """Book the recorded packs the early upload placed (of ``phase``): only
+            once this flush's own announcement, durable here, names them (booked, they
+            leave the outbox, and a later best-effort announcement must not drop them
+            while no decided version names them)."""
+            if not announced:
+                return
             for sid, kind in pending:
                 if sid in placed and sid not in booked and phase in (None, kind):
                     done(placed[sid])
 
         try:
+            if early_upload is not None:
+                # Before this flush's announcement: a late one of the early upload's
+                # (its packs only) must never overwrite it on a backend.
+                early_upload.finish()
             if pending:
                 self.publish_client_state([sid for sid, _ in pending])
+            announced.append(True)
             reporter.start("upload", sum(sizes.values()) * replicas)
-            if early_upload is not None:
-                early_upload.finish()
             for phase in ("pack", "index", "commit"):
                 if phase == "index":
                     # The packs are up and announced, nothing refers to them yet: a

@@ -265,3 +265,50 @@ def test_a_commit_that_fails_stops_its_early_uploads(
     clone = tmp_path / "clone"
     Repository.clone(f"dir:{backend}", clone, allow_unencrypted=True).close()
     assert snapshot(clone) == snapshot(folder)
+
+
+def test_the_flushs_announcement_is_never_overwritten_by_an_early_one(
+        tmp_path: Path, backends: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The early upload's announcements name its packs only; the flush's names the
+    indexes and the commit too. Here every early announcement is held until the
+    flush either announces or waits for the early upload: the flush waits first, so
+    its announcement is the last one a push in progress writes, and names the commit
+    (before the fix, the flush announced first and an early announcement written
+    after it dropped the commit and the index: a gc then deleted them)."""
+    from metasync.outbox import EarlyUpload, Outbox
+
+    folder = tmp_path / "f"
+    folder.mkdir()
+    rng = random.Random(13)
+    for n in range(30):
+        (folder / f"{n}.bin").write_bytes(rng.randbytes(100_000))
+    monkeypatch.setenv("METASYNC_PACK_SIZE", str(100_000))
+    go_on = threading.Event()
+    writes: list[tuple[str, set[str], bool]] = []
+    lock = threading.Lock()
+    write, finish = Outbox.write_client_state, EarlyUpload.finish
+
+    def watched_write(self: Outbox, head: Any, prev: Any, announced: set[str],
+                      required: bool) -> None:
+        early = threading.current_thread().name.startswith("metasync-early")
+        if early:
+            assert go_on.wait(30), "neither the flush nor its wait began"
+        else:
+            go_on.set()
+        with lock:
+            write(self, head, prev, announced, required)
+            writes.append((threading.current_thread().name, set(announced), required))
+
+    def watched_finish(self: EarlyUpload) -> Any:
+        go_on.set()
+        return finish(self)
+
+    monkeypatch.setattr(Outbox, "write_client_state", watched_write)
+    monkeypatch.setattr(EarlyUpload, "finish", watched_finish)
+    with Repository.init(folder, [f"dir:{b}" for b in backends], replicas=2,
+                         encrypt=False) as repo:
+        repo.push("announced")
+        head = repo.head
+    required = [w for w in writes if w[2]]
+    assert any(name.startswith("metasync-early") for name, _, _ in required), writes
+    assert head in required[-1][1], "the last announcement of the push drops its commit"
