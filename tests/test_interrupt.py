@@ -230,18 +230,16 @@ class Setup:
                    for p in temp_files(s))
 
     def flushing(self) -> bool:
-        """True once a push's flush has begun -- it has announced the commit it
-        queued (``announced`` holds the outbox's commit) -- and an upload is under
-        way: a push uploads its first packs while it still commits, so an upload
-        alone does not say it got that far."""
+        """True once a push has recorded its commit (queued with the objects it
+        names) and an upload is under way: the push is in its flush, waiting for the
+        packs it began uploading while it committed (an upload alone does not say
+        it got that far)."""
         if not self.uploading():
             return False
         db = self.work / ".metasync" / "state.db"
         try:
             with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
-                row = conn.execute(
-                    "SELECT 1 FROM outbox o JOIN settings s ON s.key = 'announced' "
-                    "WHERE o.kind = 'commit' AND instr(s.value, o.stored_id) > 0").fetchone()
+                row = conn.execute("SELECT 1 FROM outbox WHERE kind = 'commit'").fetchone()
         except sqlite3.Error:  # busy: ask again
             return False
         return row is not None
