@@ -491,6 +491,9 @@ class Outbox:
                     done(placed[sid])
 
         try:
+            # From here a Ctrl-C says how much was kept: tests/test_interrupt.py
+            # interrupts a push once it is here.
+            pause_point("upload:flush")
             if early_upload is not None:
                 # Before this flush's announcement: a late one of the early upload's
                 # (its packs only) must never overwrite it on a backend.

@@ -20,7 +20,6 @@ import random
 import re
 import signal
 import socket
-import sqlite3
 import subprocess
 import threading
 import time
@@ -190,14 +189,22 @@ class Setup:
         self.env["METASYNC_PASSPHRASE"] = PASSPHRASE
         # Many objects, so an interrupted push has finished some and not others.
         self.env["METASYNC_PACK_SIZE"] = str(256 * 1024)
+        self.pause = tmp_path / "pause"
 
     def cli(self, *args: str, cwd: Path | None = None, check: bool = True
             ) -> subprocess.CompletedProcess[str]:
         return run_cli(*args, cwd=cwd or self.work, check=check,
                        env_extra={"METASYNC_PACK_SIZE": self.env["METASYNC_PACK_SIZE"]})
 
-    def start(self, *args: str, cwd: Path | None = None) -> Running:
-        return Running(list(args), cwd or self.work, self.env)
+    def start(self, *args: str, cwd: Path | None = None, held_in_flush: bool = False
+              ) -> Running:
+        """Run a command in the background; ``held_in_flush``: a push holds at the
+        start of its flush until :meth:`flushing` sees it there."""
+        env = self.env
+        if held_in_flush:
+            env = {**env, "METASYNC_PAUSE_AT": "upload:flush",
+                   "METASYNC_PAUSE_FILE": str(self.pause)}
+        return Running(list(args), cwd or self.work, env)
 
     def interrupt_when(self, run: Running, ready: Callable[[], bool], what: str) -> str:
         """Once ``ready()``, Ctrl-C ``run``; check it exits 130 without a traceback and
@@ -230,19 +237,15 @@ class Setup:
                    for p in temp_files(s))
 
     def flushing(self) -> bool:
-        """True once a push has recorded its commit (queued with the objects it
-        names) and an upload is under way: the push is in its flush, waiting for the
-        packs it began uploading while it committed (an upload alone does not say
-        it got that far)."""
-        if not self.uploading():
+        """True once a push (started ``held_in_flush``) is in its flush, where a
+        Ctrl-C says how much it kept; it is let go on from there, its early uploads
+        running. No file on the backends can say so: the commit is recorded while
+        packs still upload, and a signal landing in the few steps between the two
+        reports "the push stopped" instead (CI saw it)."""
+        if not self.pause.with_suffix(".reached").exists():
             return False
-        db = self.work / ".metasync" / "state.db"
-        try:
-            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
-                row = conn.execute("SELECT 1 FROM outbox WHERE kind = 'commit'").fetchone()
-        except sqlite3.Error:  # busy: ask again
-            return False
-        return row is not None
+        self.pause.with_suffix(".release").touch()
+        return True
 
 
 @pytest.fixture
@@ -262,8 +265,8 @@ def test_ctrl_c_stops_a_push_and_the_next_push_finishes(setup: Setup) -> None:
     file; the next push finishes, fsck finds every copy, a clone is identical."""
     setup.fill(24)  # 24 MB, 48 MB of copies: far longer than the deadline at 1 MB/s
     setup.valve.rate["up"] = 1_000_000
-    err = setup.interrupt_when(setup.start("push", "-m", "big"), setup.flushing,
-                               "the push to commit and upload")
+    push = setup.start("push", "-m", "big", held_in_flush=True)
+    err = setup.interrupt_when(push, setup.flushing, "the push to commit and upload")
     kept = re.search(r"metasync: interrupted: (\d+) of (\d+) objects uploaded; the next push "
                      r"continues", err)
     assert kept, err
@@ -281,7 +284,7 @@ def test_sigterm_stops_a_push_like_ctrl_c(setup: Setup) -> None:
     """SIGTERM is handled as Ctrl-C is."""
     setup.fill(24)
     setup.valve.rate["up"] = 1_000_000
-    push = setup.start("push")
+    push = setup.start("push", held_in_flush=True)
     try:
         wait_until(setup.flushing, "the push to commit and upload")
         push.interrupt(signal.SIGTERM)
@@ -342,7 +345,7 @@ def test_read_only_commands_work_while_a_push_holds_the_folder(setup: Setup) -> 
     setup.cli("push", "-m", "first")
     setup.fill(24, seed=2)
     setup.valve.rate["up"] = 1_000_000
-    push = setup.start("push", "-m", "second")
+    push = setup.start("push", "-m", "second", held_in_flush=True)
     try:
         wait_until(setup.flushing, "the push to commit and upload")
         status = setup.cli("--timeout", "10", "status", check=False)
@@ -398,7 +401,7 @@ def test_stopping_the_daemon_stops_its_push(setup: Setup) -> None:
     finishes."""
     setup.fill(24)
     setup.valve.rate["up"] = 1_000_000
-    run = setup.start("daemon", "--settle", "0", "--poll", "3600")
+    run = setup.start("daemon", "--settle", "0", "--poll", "3600", held_in_flush=True)
     try:
         wait_until(setup.flushing, "the daemon to commit and upload")
         status = setup.cli("--timeout", "10", "status", check=False)
