@@ -488,6 +488,7 @@ class Consensus:
         removed = 0
         if below:
             removed = self.run(compact(self.setup, below))
+            crash_point("gc:compacted")  # logs removed, no new mark yet
         key = mark_key(latest.number)
         data = self.codec.encode("floor", key, json.dumps(
             {"mark": latest.number, "time_ns": learned_ns, "acceptors": list(ours)}).encode())

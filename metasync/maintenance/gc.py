@@ -25,7 +25,7 @@ from metasync.errors import (
     ObjectNotFound,
     ObjectUnavailable,
 )
-from metasync.faults import pause_point
+from metasync.faults import crash_point, pause_point
 from metasync.graph import ObjectGraph
 from metasync.layout import CLIENTS_PREFIX, fragment_key, object_key, spill_key
 from metasync.maintenance.reconfig import Reconfiguration
@@ -208,11 +208,14 @@ class GarbageCollector:
         new_id = self.reconfig.store_config(new, backends.values())
         consensus = versions.consensus_for(latest.config)
         proposal = Version(latest.number + 1, commit_id, new_id)
+        # Its commit, indexes and configuration are stored, nothing refers to them.
+        crash_point("gc:stored")
         pause_point("gc:propose")  # garbage chosen, not yet decided: a push may win first
         chosen = consensus.propose(proposal.number, proposal)
         if chosen != proposal:
             report.lost_race = True
             return report
+        crash_point("gc:decided")  # nothing deleted yet: the next gc deletes it all
         consensus.publish(chosen)
         report.version = chosen
 
@@ -220,6 +223,7 @@ class GarbageCollector:
             _, held = item
             done = size = failed = 0
             for backend_id, keys in held.items():
+                crash_point("gc:delete")  # some copies gone: the next gc deletes the rest
                 d, s, f = self.replicator.delete(backends[backend_id], keys)
                 done, size, failed = done + d, size + s, failed + f
             return done, size, failed
