@@ -576,6 +576,10 @@ class BackendConformance:
     capabilities: Capabilities | None = None
     #: The backend talks over a network connection that ``faulty_location`` can break.
     transient_faults: bool = True
+    #: New connections reset as they open, after each operation's open ones, in the
+    #: transient-errors test. A backend that paces its own reconnects (rclone's sftp)
+    #: may lower it: its backoff doubles with each failed connect.
+    failed_reconnects: int = 2
     #: Appends by each of the 6 processes in the concurrent-append test. A backend
     #: whose appends cost many requests (Disk Paxos logs) may lower it; the test
     #: still runs 6 processes contending for every position.
@@ -1193,8 +1197,8 @@ class BackendConformance:
     # --- transient failures --------------------------------------------------------------
     @pytest.mark.needs_transient_faults
     def test_transient_errors_are_retried(self, faulty_location: tuple[str, str, Any]) -> None:
-        """With every open connection reset and the next two new connections reset as
-        soon as they open, each operation still succeeds (the backend reconnects and
+        """With every open connection reset and the next two (``failed_reconnects``)
+        new connections reset as soon as they open, each operation still succeeds (the backend reconnects and
         retries with backoff) and returns exactly the right result."""
         uri, namespace, proxy = faulty_location
         backend = open_backend(uri, namespace)
@@ -1218,9 +1222,10 @@ class BackendConformance:
             ]
             before = proxy.injected
             for name, operation, expected in operations:
-                proxy.break_connections(reset_next=2)
+                proxy.break_connections(reset_next=self.failed_reconnects)
                 assert operation() == expected, name
-            assert proxy.injected >= before + 2 * len(operations), "faults did not happen"
+            assert proxy.injected >= before + self.failed_reconnects * len(operations), (
+                "faults did not happen")
             proxy.break_connections()
             assert backend.get("k") == b"first"
             assert backend.logs.fetch("log") == [(0, b"e0"), (1, b"e1")]
