@@ -481,9 +481,10 @@ class Outbox:
 
         def book_early(phase: str | None = None) -> None:
             """Book the recorded packs the early upload placed (of ``phase``): only
-            once this flush's own announcement, durable here, names them (booked, they
-            leave the outbox, and a later best-effort announcement must not drop them
-            while no decided version names them)."""
+            once the local record of this client's announcement names them -- this
+            flush's announcement, or after a stop the early upload's own -- (booked,
+            they leave the outbox, and a later announcement must not drop them while
+            no decided version names them)."""
             if not announced:
                 return
             for sid, kind in pending:
@@ -513,6 +514,16 @@ class Outbox:
                 if items:
                     self.replicator.upload(items, done)
         except (Interrupted, KeyboardInterrupt) as exc:
+            if early_upload is not None and not announced:
+                # Stopped before this flush announced (while it waited for the early
+                # upload, on a slow link most of the push): each pack the early upload
+                # placed went up only after an announcement of its own that names it
+                # took the quorum. Recorded as announced, every later announcement of
+                # this client names it too, so it is kept, not uploaded again.
+                self.stop_early()
+                recorded = {sid for sid, _ in pending}
+                self._keep_announced([sid for sid in placed if sid in recorded])
+                announced.append(True)
             book_early()  # what the early upload placed before it stopped is kept too
             if not CANCEL.requested() and not isinstance(exc, Interrupted):
                 raise  # not the user's stop (a library caller's KeyboardInterrupt)
@@ -525,6 +536,13 @@ class Outbox:
             self.stop_early()  # an error above: no transfer is left running
             reporter.finish()
         return report
+
+    def _keep_announced(self, stored_ids: list[str]) -> None:
+        """Add objects already announced on the backends to the local record of
+        this client's announcement (:meth:`publish_client_state`)."""
+        state = self.ctx.state
+        with state.transaction():
+            state.announced = sorted(set(state.announced) | set(stored_ids))
 
     def stop_early(self) -> None:
         """Stop the early upload of the last commit, if any still runs (its placed
@@ -571,12 +589,10 @@ class Outbox:
         collection"). Announced objects stay in the state until a push of this
         client is decided. Without ``pending``, best effort."""
         state = self.ctx.state
-        announced = set(state.announced)
         if pending:
-            announced |= set(pending)
-            with state.transaction():
-                state.announced = sorted(announced)
-        self.write_client_state(state.head, state.prev, announced, required=bool(pending))
+            self._keep_announced(pending)
+        self.write_client_state(state.head, state.prev, set(state.announced),
+                                required=bool(pending))
 
     def write_client_state(self, head: str | None, prev: Version, announced: set[str],
                            required: bool) -> None:

@@ -236,6 +236,17 @@ class Setup:
         return any(p.parent.parent.name == "objects" for s in self.stores if s.exists()
                    for p in temp_files(s))
 
+    def stored(self) -> dict[Path, int]:
+        """Every whole object (not a temporary file) on the backends, with its inode
+        (an object uploaded again is a new file)."""
+        return {p: p.stat().st_ino for s in self.stores if s.exists() for p in s.rglob("*")
+                if p.parent.parent.name == "objects" and not p.name.startswith(".tmp-")}
+
+    def stored_everywhere(self) -> int:
+        """How many objects are whole on both backends."""
+        names = [{p.name for p in self.stored() if s in p.parents} for s in self.stores]
+        return len(names[0] & names[1])
+
     def flushing(self) -> bool:
         """True once a push (started ``held_in_flush``) is in its flush, where a
         Ctrl-C says how much it kept; it is let go on from there, its early uploads
@@ -262,18 +273,42 @@ def setup(tmp_path: Path, sshd_server: SshServer) -> Iterator[Setup]:
 def test_ctrl_c_stops_a_push_and_the_next_push_finishes(setup: Setup) -> None:
     """Ctrl-C during a push on a slow link stops the transfers in flight, says how
     many objects were kept, exits 130 without a traceback and leaves no temporary
-    file; the next push finishes, fsck finds every copy, a clone is identical."""
+    file. What it kept stays announced to gc: after a pull (which announces this
+    client's state again) and another client's gc that collects other garbage, the
+    next push leaves the kept objects as they are (neither collected nor uploaded
+    again), fsck finds every copy, a clone is identical."""
+    (setup.work / "old.bin").write_bytes(random.Random(9).randbytes(300_000))
+    setup.cli("push", "-m", "old")
+    (setup.work / "old.bin").unlink()
+    setup.cli("push", "-m", "without old")  # old.bin's pack is garbage at retention 0
+    other = setup.tmp / "other"  # another client, which cannot read this one's new commit
+    setup.cli("clone", setup.uris[0], str(other), "--backend", setup.uris[1], cwd=setup.tmp)
     setup.fill(24)  # 24 MB, 48 MB of copies: far longer than the deadline at 1 MB/s
     setup.valve.rate["up"] = 1_000_000
     push = setup.start("push", "-m", "big", held_in_flush=True)
-    err = setup.interrupt_when(push, setup.flushing, "the push to commit and upload")
+    # Interrupted while the flush waits for the packs it began uploading as it
+    # committed (most of a push on a slow link), once some are on both backends (the
+    # third: the first has long been recorded as placed).
+    before = setup.stored()
+    err = setup.interrupt_when(
+        push, lambda: setup.stored_everywhere() >= len(before) // 2 + 3 and setup.flushing(),
+        "the push to commit and upload three objects")
+    now = setup.stored()
+    on_both = {p.name for p in now if p not in before and sum(q.name == p.name for q in now) == 2}
+    went_up = {p: ino for p, ino in now.items() if p.name in on_both}
     kept = re.search(r"metasync: interrupted: (\d+) of (\d+) objects uploaded; the next push "
                      r"continues", err)
     assert kept, err
-    assert int(kept.group(1)) < int(kept.group(2))
+    uploaded, total = int(kept.group(1)), int(kept.group(2))
+    assert 0 < uploaded < total, err  # what went up is kept ...
     assert not [p for s in setup.stores for p in temp_files(s)]
     setup.valve.rate["up"] = None
-    assert "Pushed version 1" in setup.cli("push").stdout
+    setup.cli("config", "retention", "0", cwd=other)  # a new version ...
+    assert "Updated to version" in setup.cli("pull").stdout  # ... pulled: announced anew
+    assert "collected" in setup.cli("gc", cwd=other).stdout
+    setup.cli("push")
+    after = setup.stored()
+    assert {p: after.get(p) for p in went_up} == went_up  # ... neither collected nor sent again
     assert "ok:" in setup.cli("fsck").stdout
     clone = setup.tmp / "clone"
     setup.cli("clone", setup.uris[1], str(clone), "--backend", setup.uris[0], cwd=setup.tmp)
