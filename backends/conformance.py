@@ -1198,8 +1198,9 @@ class BackendConformance:
     @pytest.mark.needs_transient_faults
     def test_transient_errors_are_retried(self, faulty_location: tuple[str, str, Any]) -> None:
         """With every open connection reset and the next two (``failed_reconnects``)
-        new connections reset as soon as they open, each operation still succeeds (the backend reconnects and
-        retries with backoff) and returns exactly the right result."""
+        new connections reset as soon as they open, each operation still succeeds
+        (the backend reconnects and retries with backoff) and returns exactly the
+        right result."""
         uri, namespace, proxy = faulty_location
         backend = open_backend(uri, namespace)
         try:
