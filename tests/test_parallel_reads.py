@@ -21,10 +21,17 @@ MiB = 1 << 20
 
 
 def test_clone_reads_from_all_backends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """3 backends at 40 MB/s each, R = 2, 24 MiB in 2 MiB packs: a clone reads at
-    least a fifth of the bytes from each backend (an even spread is a third; one
-    backend per object would leave some with nothing), and the tree is identical."""
-    rate = 40e6
+    """3 backends at 10 MB/s each, R = 2, 24 MiB in 2 MiB packs: a clone reads at
+    least a tenth of the bytes from each backend (an even spread is a third; reading
+    from the backend cloned from, or from one backend while it answers, leaves the
+    others little or nothing), and the tree is identical.
+
+    Not a fifth: which backends hold a pack depends on its keyed id, new in every
+    repository, and each read goes where the link estimates say it ends first, so
+    on a loaded machine (three busy loops beside it) the smallest share fell to 14%
+    at 40 MB/s (1 run in 8 under a fifth; CI failed so once) and to 20% at 10 MB/s
+    (8 runs; the others 24-32%)."""
+    rate = 10e6
     folders = [tmp_path / f"b{i}" for i in range(3)]
     for f in folders:
         f.mkdir()
@@ -46,7 +53,7 @@ def test_clone_reads_from_all_backends(tmp_path: Path, monkeypatch: pytest.Monke
     read = {u: throttle.links[u.split(":", 2)[2]].bytes - before[u] for u in uris}
     total = sum(read.values())
     assert total >= 24 * MiB
-    assert all(n >= total / 5 for n in read.values()), read
+    assert all(n >= total / 10 for n in read.values()), read
     assert snapshot(tmp_path / "clone") == snapshot(src)
 
 
