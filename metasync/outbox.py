@@ -477,7 +477,7 @@ class Outbox:
             reporter.advance(sizes[stored_id] * replicas)
             crash_point("upload")
 
-        announced: list[bool] = []
+        announced = False  # this client's local record names the early packs
 
         def book_early(phase: str | None = None) -> None:
             """Book the recorded packs the early upload placed (of ``phase``): only
@@ -501,7 +501,7 @@ class Outbox:
                 early_upload.finish()
             if pending:
                 self.publish_client_state([sid for sid, _ in pending])
-            announced.append(True)
+            announced = True
             reporter.start("upload", sum(sizes.values()) * replicas)
             for phase in ("pack", "index", "commit"):
                 if phase == "index":
@@ -521,9 +521,8 @@ class Outbox:
                 # took the quorum. Recorded as announced, every later announcement of
                 # this client names it too, so it is kept, not uploaded again.
                 self.stop_early()
-                recorded = {sid for sid, _ in pending}
-                self._keep_announced([sid for sid in placed if sid in recorded])
-                announced.append(True)
+                self._keep_announced([sid for sid, _ in pending if sid in placed])
+                announced = True
             book_early()  # what the early upload placed before it stopped is kept too
             if not CANCEL.requested() and not isinstance(exc, Interrupted):
                 raise  # not the user's stop (a library caller's KeyboardInterrupt)

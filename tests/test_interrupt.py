@@ -242,10 +242,11 @@ class Setup:
         return {p: p.stat().st_ino for s in self.stores if s.exists() for p in s.rglob("*")
                 if p.parent.parent.name == "objects" and not p.name.startswith(".tmp-")}
 
-    def stored_everywhere(self) -> int:
-        """How many objects are whole on both backends."""
-        names = [{p.name for p in self.stored() if s in p.parents} for s in self.stores]
-        return len(names[0] & names[1])
+    def on_both(self, stored: dict[Path, int] | None = None) -> set[str]:
+        """The objects whole on both backends (of ``stored``, default: now)."""
+        stored = self.stored() if stored is None else stored
+        names = [{p.name for p in stored if s in p.parents} for s in self.stores]
+        return names[0] & names[1]
 
     def flushing(self) -> bool:
         """True once a push (started ``held_in_flush``) is in its flush, where a
@@ -291,11 +292,11 @@ def test_ctrl_c_stops_a_push_and_the_next_push_finishes(setup: Setup) -> None:
     # third: the first has long been recorded as placed).
     before = setup.stored()
     err = setup.interrupt_when(
-        push, lambda: setup.stored_everywhere() >= len(before) // 2 + 3 and setup.flushing(),
+        push, lambda: len(setup.on_both()) >= len(before) // 2 + 3 and setup.flushing(),
         "the push to commit and upload three objects")
     now = setup.stored()
-    on_both = {p.name for p in now if p not in before and sum(q.name == p.name for q in now) == 2}
-    went_up = {p: ino for p, ino in now.items() if p.name in on_both}
+    new = setup.on_both(now) - {p.name for p in before}
+    went_up = {p: ino for p, ino in now.items() if p.name in new}
     kept = re.search(r"metasync: interrupted: (\d+) of (\d+) objects uploaded; the next push "
                      r"continues", err)
     assert kept, err
