@@ -152,30 +152,46 @@ def check_scrypt_params(n: int, r: int, p: int) -> None:
 
 
 def kek(passphrase: str, salt: bytes, n: int, r: int, p: int) -> bytes:
-    """The key-encryption key scrypt derives from ``passphrase``."""
+    """The key-encryption key scrypt derives from ``passphrase``: the one
+    :func:`derive_slot_ahead` started for exactly these inputs if there is one
+    (taken once), else derived now."""
+    for ahead in _SLOTS_AHEAD:
+        if ahead.matches(passphrase, salt, (n, r, p)):
+            _SLOTS_AHEAD.remove(ahead)
+            ahead.thread.join()
+            if ahead.key:  # empty if the derivation failed: derived again here, raising
+                return ahead.key
+            break
     return Scrypt(salt=salt, length=32, n=n, r=r, p=p).derive(passphrase.encode())
 
 
 class _Ahead:
-    """A new key file's key-encryption key being derived in a thread (scrypt lets
-    go of the interpreter lock): :func:`derive_ahead`."""
+    """A key-encryption key being derived in a thread (scrypt lets go of the
+    interpreter lock): :func:`derive_ahead`, :func:`derive_slot_ahead`."""
 
-    def __init__(self, passphrase: str) -> None:
+    def __init__(self, passphrase: str, salt: bytes, cost: tuple[int, int, int]) -> None:
         self.passphrase = passphrase
-        self.salt, self.cost = os.urandom(16), (scrypt_write_n(), SCRYPT_R, SCRYPT_P)
+        self.salt, self.cost = salt, cost
         self.key = b""
         self.thread = threading.Thread(target=self._derive, name="metasync-kdf", daemon=True)
         self.thread.start()
 
     def _derive(self) -> None:
         try:
-            self.key = kek(self.passphrase, self.salt, *self.cost)
-        except Exception:  # said where it is asked for: new_kek derives again
+            self.key = Scrypt(salt=self.salt, length=32, n=self.cost[0], r=self.cost[1],
+                              p=self.cost[2]).derive(self.passphrase.encode())
+        except Exception:  # said where it is asked for: derived again there
             self.key = b""  # a passphrase that is not UTF-8: no traceback from this thread
 
+    def matches(self, passphrase: str, salt: bytes, cost: tuple[int, int, int]) -> bool:
+        return (self.cost == cost and hmac.compare_digest(self.salt, salt)
+                and hmac.compare_digest(self.passphrase.encode(), passphrase.encode()))
 
-#: The key derived ahead, until :func:`new_kek` takes it.
+
+#: The new key file's key derived ahead, until :func:`new_kek` takes it.
 _AHEAD: list[_Ahead] = []
+#: Keys of existing key files derived ahead, until :func:`kek` is asked for one.
+_SLOTS_AHEAD: list[_Ahead] = []
 
 
 def derive_ahead(passphrase: str) -> None:
@@ -183,7 +199,16 @@ def derive_ahead(passphrase: str) -> None:
     to write under ``passphrase``, with a new salt: ``metasync init`` with the
     passphrase in the environment starts it while the program loads (a third of
     a second of scrypt beside ~0.2 s of imports). Only :func:`new_kek` uses it."""
-    _AHEAD[:] = [_Ahead(passphrase)]
+    _AHEAD[:] = [_Ahead(passphrase, os.urandom(16), (scrypt_write_n(), SCRYPT_R, SCRYPT_P))]
+
+
+def derive_slot_ahead(passphrase: str, salt: bytes, n: int, r: int, p: int) -> None:
+    """Start deriving the key-encryption key of an existing key file (its salt and
+    cost, checked by :func:`check_scrypt_params`): ``metasync clone`` from a local
+    folder reads its key slot while the program loads. :func:`kek` uses it only
+    when asked for exactly this passphrase, salt and cost."""
+    check_scrypt_params(n, r, p)
+    _SLOTS_AHEAD[:] = [_Ahead(passphrase, salt, (n, r, p))]
 
 
 def new_kek(passphrase: str) -> tuple[bytes, tuple[int, int, int], bytes]:
@@ -192,8 +217,7 @@ def new_kek(passphrase: str) -> tuple[bytes, tuple[int, int, int], bytes]:
     once: a salt is never used twice), else derived now with a new salt."""
     cost = (scrypt_write_n(), SCRYPT_R, SCRYPT_P)
     ahead = _AHEAD.pop() if _AHEAD else None
-    if ahead is not None and ahead.cost == cost and hmac.compare_digest(
-            ahead.passphrase.encode(), passphrase.encode()):
+    if ahead is not None and ahead.matches(passphrase, ahead.salt, cost):
         ahead.thread.join()
         if ahead.key:  # empty if the derivation failed: derived again here, raising
             return ahead.salt, cost, ahead.key

@@ -33,6 +33,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from metasync.keys import (
     Keyring,
     MasterKey,
     check_scrypt_params,
+    derive_slot_ahead,
     kek,
     new_kek,
     repository_id,
@@ -299,6 +301,37 @@ def parse_slot(raw: bytes, slot_id: str) -> Slot:
         raise
     except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
         raise FormatError(f"key slot {slot_id} is damaged") from exc
+
+
+#: What :func:`derive_ahead_in` looks at: names listed, and bytes of a slot file.
+AHEAD_NAMES = 256
+AHEAD_FILE_BYTES = 64 * 1024
+
+
+def derive_ahead_in(folder: str, passphrase: str) -> None:
+    """Start deriving the key of the first live slot file in ``folder`` (a local
+    backend's ``keys`` folder: untrusted bytes, parsed by :func:`parse_slot`) while
+    the program loads: ``metasync clone dir:PATH``. The key is used only if the
+    clone then unlocks a slot of the same salt and cost with this passphrase
+    (:func:`metasync.keys.kek`); anything odd here -- no folder, a damaged or
+    oversized file, a link -- just leaves the work to the clone, which says why."""
+    try:
+        with os.scandir(folder) as listing:
+            names = sorted(e.name for e in itertools.islice(listing, AHEAD_NAMES)
+                           if is_slot_id(e.name))
+        for name in names:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            with open(fd, "rb") as f:
+                raw = f.read(AHEAD_FILE_BYTES + 1)
+            if len(raw) > AHEAD_FILE_BYTES:
+                return
+            slot = parse_slot(raw, name)
+            if slot.live:
+                n, r, p, salt = slot.kdf
+                derive_slot_ahead(passphrase, salt, n, r, p)
+                return
+    except (OSError, FormatError):
+        return
 
 
 def unlock(slot: Slot, passphrase: str) -> bytes:

@@ -9,6 +9,7 @@ changes passphrases; new key files cost scrypt N >= 2**17 and older ones open.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from dataclasses import replace
@@ -507,6 +508,117 @@ def test_a_key_derived_ahead_that_fails_says_nothing_until_it_is_asked_for(
     assert raised == []
     with pytest.raises(UnicodeEncodeError):
         keys.new_kek("\udcff")
+
+
+# ------------------------------------------------------ clone's key derived ahead
+
+
+def _slot_file(backend: Path) -> Path:
+    [path] = [p for p in _key_files(backend) if keyslots.is_slot_id(p.name)]
+    return path
+
+
+def test_clone_from_a_folder_derives_its_slot_key_while_the_program_loads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``metasync clone dir:PATH`` reads the folder's key slot and starts its scrypt
+    before the CLI loads; the clone's unlock takes that key -- once, and only for
+    the same passphrase, salt and cost -- and the clone (the console script, which
+    derives ahead) is whole."""
+    from metasync import entry
+
+    folder, dirs = _init(tmp_path, "a")
+    monkeypatch.setattr(keys, "_SLOTS_AHEAD", [])
+    monkeypatch.setenv("METASYNC_PASSPHRASE", PASSPHRASE)
+    entry.derive_clone_key_ahead(["--quiet", "clone", f"dir:{dirs[0]}", str(tmp_path / "c")])
+    [ahead] = keys._SLOTS_AHEAD
+    slot_path = _slot_file(dirs[0])
+    slot = parse_slot(slot_path.read_bytes(), slot_path.name)
+    assert (ahead.salt, ahead.cost) == (slot.kdf[3], slot.kdf[:3])
+    ahead.thread.join()
+    real_scrypt = keys.Scrypt
+
+    def no_scrypt(*args: object, **kwargs: object) -> object:
+        raise AssertionError("derived again")
+
+    with pytest.raises(WrongPassphrase):  # another passphrase: derived now, not the key ahead
+        keyslots.unlock(slot, "not it")
+    monkeypatch.setattr(keys, "Scrypt", no_scrypt)
+    assert keyslots.unlock(slot, PASSPHRASE) == _local(folder).private
+    assert not keys._SLOTS_AHEAD  # taken once
+    with pytest.raises(AssertionError, match="derived again"):
+        keyslots.unlock(slot, PASSPHRASE)
+    monkeypatch.setattr(keys, "Scrypt", real_scrypt)
+    run_cli("--quiet", "clone", f"dir:{dirs[0]}", str(tmp_path / "c"), cwd=tmp_path)
+    assert snapshot(tmp_path / "c") == snapshot(folder)
+
+
+def test_the_folder_clone_reads_ahead_is_where_a_dir_backend_keeps_its_slots(
+        tmp_path: Path) -> None:
+    from metasync import entry
+    from metasync.backends.local import LocalBackend
+    from metasync.layout import DEFAULT_NAMESPACE, slot_key
+
+    backend = LocalBackend(f"dir:{tmp_path}", DEFAULT_NAMESPACE)
+    assert backend._path(slot_key("ab12cd34ef56ab78")) == os.path.join(
+        tmp_path, *entry.CLONE_KEYS_FOLDER, "ab12cd34ef56ab78")
+
+
+def _as_link(path: Path) -> None:
+    target = path.with_name("elsewhere")
+    path.rename(target)
+    path.symlink_to(target)
+
+
+CLONE_AHEAD_REFUSED = {
+    "n huge": lambda p: p.write_bytes(_slot_edit(p.read_bytes(), ("kdf", "n"), 2**21)),
+    "damaged": lambda p: p.write_bytes(b"[" * 100_000),
+    "oversized": lambda p: p.write_bytes(p.read_bytes() + b" " * keyslots.AHEAD_FILE_BYTES),
+    "a link": _as_link,
+    "no keys folder": lambda p: shutil.rmtree(p.parent),
+}
+
+
+@pytest.mark.parametrize("spoil", CLONE_AHEAD_REFUSED.values(), ids=CLONE_AHEAD_REFUSED.keys())
+def test_a_slot_file_clone_may_not_trust_is_not_derived_ahead(
+        spoil: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend's slot file is untrusted: a cost out of range, a damaged or
+    oversized file, a link, or no folder -- nothing is derived ahead and nothing is
+    raised (the clone itself then reads the slots and says what is wrong)."""
+    from metasync import entry
+
+    _, dirs = _init(tmp_path, "a", n=1)
+    assert callable(spoil)
+    spoil(_slot_file(dirs[0]) if _key_files(dirs[0]) else None)
+    monkeypatch.setattr(keys, "_SLOTS_AHEAD", [])
+    monkeypatch.setenv("METASYNC_PASSPHRASE", PASSPHRASE)
+    entry.derive_clone_key_ahead(["clone", f"dir:{dirs[0]}", str(tmp_path / "c")])
+    assert not keys._SLOTS_AHEAD
+
+
+@pytest.mark.parametrize(("argv", "ahead"), [
+    (["clone", "dir:{b}"], True),
+    (["-q", "--debug", "clone", "{b}", "/x"], True),
+    (["clone", "dir:{b}", "/x", "--namespace", "n"], False),
+    (["clone", "dir:{b}", "/x", "--passphrase-file", "f"], False),
+    (["clone", "dir:relative", "/x"], False),
+    (["clone", "sftp://host/{b}", "/x"], False),
+    (["init", "/x", "--backend", "dir:{b}"], False),
+])
+def test_only_a_plain_clone_from_a_folder_derives_its_key_ahead(
+        argv: list[str], ahead: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from metasync import entry
+
+    _, dirs = _init(tmp_path, "a", n=1)
+    args = [arg.replace("{b}", str(dirs[0])) for arg in argv]
+    monkeypatch.setattr(keys, "_SLOTS_AHEAD", [])
+    monkeypatch.setattr(keys, "_AHEAD", [])
+    monkeypatch.setenv("METASYNC_PASSPHRASE", PASSPHRASE)
+    entry.derive_clone_key_ahead(args)
+    assert bool(keys._SLOTS_AHEAD) == ahead
+    keys._SLOTS_AHEAD.clear()
+    monkeypatch.delenv("METASYNC_PASSPHRASE")
+    entry.derive_clone_key_ahead(args)
+    assert not keys._SLOTS_AHEAD
 
 
 def test_a_passphrase_that_is_not_utf8_text_is_a_one_line_error(tmp_path: Path) -> None:
