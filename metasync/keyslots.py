@@ -36,6 +36,7 @@ import hmac
 import itertools
 import json
 import os
+import stat
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -320,8 +321,13 @@ def derive_ahead_in(folder: str, passphrase: str) -> None:
             names = sorted(e.name for e in itertools.islice(listing, AHEAD_NAMES)
                            if is_slot_id(e.name))
         for name in names:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            # Not blocking (a FIFO planted under a slot's name would wait for a
+            # writer), not following a link, and only a regular file is read.
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                         | getattr(os, "O_NONBLOCK", 0))
             with open(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return
                 raw = f.read(AHEAD_FILE_BYTES + 1)
             if len(raw) > AHEAD_FILE_BYTES:
                 return

@@ -574,6 +574,7 @@ CLONE_AHEAD_REFUSED = {
     "damaged": lambda p: p.write_bytes(b"[" * 100_000),
     "oversized": lambda p: p.write_bytes(p.read_bytes() + b" " * keyslots.AHEAD_FILE_BYTES),
     "a link": _as_link,
+    "a fifo": lambda p: (p.unlink(), os.mkfifo(p)),
     "no keys folder": lambda p: shutil.rmtree(p.parent),
 }
 
@@ -582,8 +583,9 @@ CLONE_AHEAD_REFUSED = {
 def test_a_slot_file_clone_may_not_trust_is_not_derived_ahead(
         spoil: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A backend's slot file is untrusted: a cost out of range, a damaged or
-    oversized file, a link, or no folder -- nothing is derived ahead and nothing is
-    raised (the clone itself then reads the slots and says what is wrong)."""
+    oversized file, a link, a FIFO (never waited on), or no folder -- nothing is
+    derived ahead and nothing is raised (the clone itself then reads the slots and
+    says what is wrong)."""
     from metasync import entry
 
     _, dirs = _init(tmp_path, "a", n=1)
