@@ -53,8 +53,6 @@ def derive_init_key_ahead(argv: list[str]) -> None:
         keys.derive_ahead(passphrase)
 
 
-#: Options that may stand beside ``clone URI [DIR]`` for :func:`derive_clone_key_ahead`.
-_GLOBAL_FLAGS = frozenset({"-q", "--quiet", "--debug"})
 #: Where a ``dir:`` backend keeps its key slot files: ``<path>/<default namespace>/keys``
 #: (:class:`metasync.backends.local.LocalBackend`, :data:`metasync.layout.KEYS_PREFIX`;
 #: a test keeps the three in step).
@@ -67,7 +65,7 @@ def derive_clone_key_ahead(argv: list[str]) -> None:
     before the CLI loads (~0.2 s of imports): :func:`metasync.keyslots.derive_ahead_in`.
     Any other option (``--namespace``, ``--passphrase-file``...) leaves it to the CLI."""
     passphrase = os.environ.get("METASYNC_PASSPHRASE")
-    args = [arg for arg in argv if arg not in _GLOBAL_FLAGS]
+    args = [arg for arg in argv if arg not in _OPTIONS]  # output flags: no bearing here
     if (not passphrase or len(args) not in (2, 3) or args[0] != "clone"
             or any(arg.startswith("-") for arg in args)):
         return

@@ -162,6 +162,11 @@ def kek(passphrase: str, salt: bytes, n: int, r: int, p: int) -> bytes:
             if ahead.key:  # empty if the derivation failed: derived again here, raising
                 return ahead.key
             break
+    return _scrypt(passphrase, salt, (n, r, p))
+
+
+def _scrypt(passphrase: str, salt: bytes, cost: tuple[int, int, int]) -> bytes:
+    n, r, p = cost
     return Scrypt(salt=salt, length=32, n=n, r=r, p=p).derive(passphrase.encode())
 
 
@@ -177,9 +182,8 @@ class _Ahead:
         self.thread.start()
 
     def _derive(self) -> None:
-        try:
-            self.key = Scrypt(salt=self.salt, length=32, n=self.cost[0], r=self.cost[1],
-                              p=self.cost[2]).derive(self.passphrase.encode())
+        try:  # not kek(): it would find this very derivation and wait for itself
+            self.key = _scrypt(self.passphrase, self.salt, self.cost)
         except Exception:  # said where it is asked for: derived again there
             self.key = b""  # a passphrase that is not UTF-8: no traceback from this thread
 
