@@ -97,6 +97,7 @@ from metasync.errors import (
     BackendFull,
     BackendUnavailable,
     FormatError,
+    NoAnswer,
     ObjectNotFound,
     UsageError,
 )
@@ -493,6 +494,9 @@ class GDriveBackend(CloudAccess, Backend):
             )
         if isinstance(exc, socket.gaierror):
             return BackendUnavailable(f"cannot {what}: cannot resolve the Google Drive host")
+        if isinstance(exc, TimeoutError):
+            return NoAnswer(f"cannot {what}: no answer from Google Drive in time "
+                            f"({one_line(exc)}); check the network, or allow longer with --timeout")
         if isinstance(exc, OSError | http.client.HTTPException | httplib2.HttpLib2Error):
             return TransientError(f"cannot {what}: connection failed ({one_line(exc)})")
         return exc

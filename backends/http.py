@@ -12,7 +12,7 @@ from typing import Any
 
 from metasync.backends.base import Backend, ObjectReader, one_line
 from metasync.backends.retry import TransientError
-from metasync.errors import BackendError, BackendUnavailable
+from metasync.errors import BackendError, BackendUnavailable, NoAnswer
 
 
 def pin_ca(session: Any, ca_file: str | None) -> Any:
@@ -71,7 +71,10 @@ def requests_failure(
             return BackendError(f"cannot {what}: TLS certificate check failed ({text})")
         return TransientError(f"cannot {what}: TLS connection failed ({text})")
     if isinstance(exc, rexc.ConnectTimeout):
-        return BackendUnavailable(f"cannot {what}: {service} cannot be reached (timed out)")
+        return NoAnswer(f"cannot {what}: {service} cannot be reached (timed out)")
+    if isinstance(exc, rexc.ReadTimeout | TimeoutError):
+        return NoAnswer(f"cannot {what}: no answer from {service} in time ({one_line(exc)}); "
+                        "check the network, or allow longer with --timeout")
     if isinstance(exc, rexc.ConnectionError):
         from urllib3.exceptions import NameResolutionError, NewConnectionError
 

@@ -77,6 +77,7 @@ from metasync.errors import (
     BackendFull,
     BackendUnavailable,
     InvalidKey,
+    NoAnswer,
     ObjectNotFound,
     UsageError,
 )
@@ -134,12 +135,12 @@ _FULL = (
     "storage_limit_exceeded",
     "quotalimitreached",
 )
+#: rclone's words for a wait on the remote that ran out (:class:`NoAnswer`).
+_SILENT = ("timed out", "timeout", "deadline exceeded")
 _TRANSIENT = (
     "connection lost",
     "use of closed network connection",
     "handshake failed",
-    "timeout",
-    "timed out",
     "reset by peer",
     "broken pipe",
     "eof",
@@ -655,6 +656,9 @@ class RcloneBackend(Backend):
             )
         if any(s in lower for s in _FULL):
             return BackendFull.of(self.name, text)
+        if any(s in lower for s in _SILENT):
+            return NoAnswer(f"{what} on {self.name}: no answer in time ({text}); check the "
+                            "remote, or allow longer with --timeout")
         if any(s in lower for s in _TRANSIENT):
             return TransientError(f"{what} on {self.name} failed: {text}")
         if any(s in lower for s in _DENIED):
@@ -1026,7 +1030,7 @@ class RcloneBackend(Backend):
                 if not self._atomic_rename():
                     try:
                         self._verify(key, count, resp.headers.get("last-modified"))
-                    except TransientError as exc:
+                    except (TransientError, NoAnswer) as exc:
                         raise BackendError(str(exc)) from exc
 
             raw = _ResponseReader(resp, at_end, lambda exc: self._http_error(exc, what))

@@ -16,10 +16,16 @@ A request's retries also stop once its policy's ``budget`` (the backend's networ
 timeout, never more than ``--timeout``: :func:`metasync.timeouts.network_timeout`)
 has passed since its first attempt, and a backoff that would end past it is not
 waited: a server that accepts connections and then says nothing costs one timeout,
-not one per attempt.
+not one per attempt. Once a request has ended with no answer
+(:class:`~metasync.errors.NoAnswer`), the backend's next requests fail at once for
+``silence_pause`` seconds (a circuit breaker), then one tries again: a push to a
+silent backend among answering ones costs one timeout, not one per request made to
+it (consensus, uploads, listings, the client state), and the daemon asks again
+after the pause. An answer of any kind ends the pause.
 
-Tuning, for tests and slow links: ``METASYNC_RETRY_ATTEMPTS`` (default 5) and
-``METASYNC_RETRY_BASE`` (seconds, default 0.2).
+Tuning, for tests and slow links: ``METASYNC_RETRY_ATTEMPTS`` (default 5),
+``METASYNC_RETRY_BASE`` (seconds, default 0.2) and ``METASYNC_SILENCE_PAUSE``
+(seconds, default 60).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from metasync.errors import BackendError
+from metasync.errors import BackendError, NoAnswer
 from metasync.errors import (
     TransientError as TransientError,  # re-exported: backends raise it from here
 )
@@ -88,9 +94,16 @@ class RetryPolicy:
     #: long upload that drops is still retried. A service's own ``Retry-After`` is
     #: bounded by ``max_retry_after`` instead. Backends set it to their network timeout.
     budget: float | None = None
+    #: Seconds the backend's requests fail at once after one ended with no answer.
+    silence_pause: float = field(default_factory=lambda: _env_number("METASYNC_SILENCE_PAUSE", 60.0))
     #: Counts retries made, for tests and progress output (shared by all threads).
     retries: int = 0
+    #: Requests failed at once because the backend had just gone silent (for tests).
+    skipped: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: Monotonic time until which requests fail at once, and the failure that began it.
+    _silent_until: float = field(default=0.0, repr=False)
+    _silence: tuple[float, str] = field(default=(0.0, ""), repr=False)
 
     def delay(self, attempt: int, retry_after: float | None) -> float:
         """Seconds to wait before retry number ``attempt`` (0-based)."""
@@ -101,6 +114,34 @@ class RetryPolicy:
     def count_retry(self) -> None:
         with self._lock:
             self.retries += 1
+
+    def went_silent(self, exc: NoAnswer) -> None:
+        """Note that a request ended with ``exc``: fail the next ones at once for
+        :attr:`silence_pause` seconds."""
+        now = time.monotonic()
+        with self._lock:
+            self._silent_until = now + self.silence_pause
+            self._silence = (now, str(exc))
+
+    def answered(self) -> None:
+        """Note an answer: the backend is not silent (ends a pause)."""
+        if self._silent_until:
+            with self._lock:
+                self._silent_until = 0.0
+
+    def silenced(self, what: str) -> NoAnswer | None:
+        """The error a new request ``what`` fails with at once while the backend is
+        paused after going silent; None if it may be sent."""
+        if not self._silent_until:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            if now >= self._silent_until:
+                self._silent_until = 0.0  # the pause is over: this request tries again
+                return None
+            self.skipped += 1
+            since, first = self._silence
+        return NoAnswer(f"{what}: not sent, the backend gave no answer {now - since:.0f}s ago ({first})")
 
 
 class RetryMark:
@@ -161,7 +202,33 @@ def retrying(
     ``request`` must be safe to repeat. Operations whose first attempt may have taken
     effect without the caller learning it (an exclusive create that timed out) handle
     that in ``on_retry`` or after the call (see ``put_if_absent`` in the backends).
+
+    While the backend is paused after a request got no answer
+    (:meth:`RetryPolicy.silenced`), ``request`` is not called: :class:`NoAnswer` at once.
     """
+    skipped = policy.silenced(what)
+    if skipped is not None:
+        raise skipped
+    try:
+        result = _attempts(policy, what, request, on_retry)
+    except NoAnswer as exc:
+        policy.went_silent(exc)
+        raise
+    except BackendError as exc:
+        if not exc.transient:  # "not found", "denied": an answer all the same
+            policy.answered()
+        raise
+    policy.answered()
+    return result
+
+
+def _attempts(
+    policy: RetryPolicy,
+    what: str,
+    request: Callable[[], T],
+    on_retry: Callable[[BaseException], None] | None,
+) -> T:
+    """:func:`retrying`'s loop of attempts."""
     attempt = 0
     first_failure: float | None = None
     while True:

@@ -56,6 +56,7 @@ from metasync.errors import (
     BackendFull,
     BackendUnavailable,
     InvalidKey,
+    NoAnswer,
     ObjectNotFound,
     UsageError,
 )
@@ -305,7 +306,13 @@ class S3Backend(Backend):
                 f"cannot {what}: no AWS credentials found; set AWS_ACCESS_KEY_ID and "
                 "AWS_SECRET_ACCESS_KEY, or use ?profile=NAME"
             )
-        if isinstance(exc, bexc.EndpointConnectionError | bexc.ConnectTimeoutError):
+        if isinstance(exc, bexc.ConnectTimeoutError):
+            return NoAnswer(
+                f"cannot {what}: no answer from {self.endpoint or 'S3'} within {self.timeout:g}s "
+                f"to a connection ({one_line(exc)}); is the endpoint right and the service "
+                "running? (or allow longer with --timeout)"
+            )
+        if isinstance(exc, bexc.EndpointConnectionError):
             # Connection refused, unknown host, no route: the service is not there.
             return BackendUnavailable(
                 f"cannot {what}: {self.endpoint or 'S3'} cannot be reached ({one_line(exc)}); "
@@ -322,7 +329,7 @@ class S3Backend(Backend):
             | OSError,
         ):
             if isinstance(exc, bexc.ReadTimeoutError | TimeoutError):
-                return TransientError(
+                return NoAnswer(
                     f"cannot {what}: no answer from {self.endpoint or 'S3'} within "
                     f"{self.timeout:g}s (it accepted the connection but did not reply); "
                     "check the service, or allow longer with --timeout"

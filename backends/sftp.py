@@ -57,6 +57,7 @@ import secrets
 import socket
 import stat
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -102,6 +103,7 @@ from metasync.errors import (
     BackendError,
     BackendFull,
     BackendUnavailable,
+    NoAnswer,
     ObjectNotFound,
     UsageError,
 )
@@ -150,6 +152,7 @@ def _one_line(exc: BaseException) -> str:
 def _fingerprint(key: paramiko.PKey) -> str:
     digest = hashlib.sha256(key.asbytes()).digest()
     return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
 
 
 
@@ -524,7 +527,7 @@ class SftpBackend(Backend):
                 f"{self.name}: cannot resolve host {self.host!r} ({exc.strerror}); check the host name"
             ) from exc
         except TimeoutError as exc:
-            raise BackendUnavailable(
+            raise NoAnswer(
                 f"{self.name}: no answer from {where} within {self.connect_timeout:g}s; "
                 "is the host up and the port right?"
             ) from exc
@@ -560,6 +563,7 @@ class SftpBackend(Backend):
                 f"{self.name}: identity file {self.identity} does not exist; "
                 "fix identity= in the URI"
             )
+        started = time.monotonic()
         try:
             client.connect(
                 self.host,
@@ -607,7 +611,11 @@ class SftpBackend(Backend):
         except (paramiko.SSHException, EOFError, OSError) as exc:
             # Dropped, reset or silent during the handshake: a retry on a new
             # connection may work (the retry loop stops within the timeout).
-            raise TransientError(
+            # Silent if it waited out the timeout: paramiko says so in many words
+            # ("Error reading SSH protocol banner", "No existing session" after a key
+            # exchange that never ended), or in none.
+            silent = time.monotonic() - started >= self.connect_timeout
+            raise (NoAnswer if silent else TransientError)(
                 f"{self.name}: the SSH handshake with {self.host}:{self.port} failed or got "
                 f"no answer within {self.connect_timeout:g}s ({_one_line(exc)}); check that "
                 "an SSH server answers there, or allow longer with --timeout"
@@ -617,6 +625,11 @@ class SftpBackend(Backend):
         """Translate an exception of a request on ``session`` into the error contract."""
         if isinstance(exc, BackendError):
             return exc
+        if isinstance(exc, TimeoutError):
+            return NoAnswer(
+                f"{self.name}: no answer during {what} within {self.timeout:g}s; "
+                "check the server, or allow longer with --timeout"
+            )
         if not session.alive() or isinstance(
             exc, EOFError | paramiko.SSHException | TimeoutError | ConnectionError
         ):

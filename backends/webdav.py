@@ -84,6 +84,7 @@ from metasync.errors import (
     BackendError,
     BackendFull,
     BackendUnavailable,
+    NoAnswer,
     ObjectNotFound,
     PrimitiveMissing,
     UsageError,
@@ -341,7 +342,7 @@ class WebdavBackend(Backend):
                 "is the server running and the host and port right?"
             )
         if isinstance(exc, httpx.TimeoutException):
-            return TransientError(
+            return NoAnswer(
                 f"{what} on {self.name}: no answer within {self._timeout:g}s (the server "
                 "accepted the connection but did not reply); check the server, or allow "
                 "longer with --timeout"

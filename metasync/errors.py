@@ -76,6 +76,14 @@ class BackendUnavailable(BackendError):
         super().__init__(message, transient=True)
 
 
+class NoAnswer(BackendUnavailable):
+    """The backend took the connection or the request and said nothing within its
+    network timeout (a hung server, a firewall that drops replies). After a request
+    ends this way its backend's next requests fail at once for a while
+    (:class:`metasync.backends.retry.RetryPolicy`): a silent backend costs a command
+    one timeout, not one per request."""
+
+
 class PrimitiveMissing(BackendUnavailable):
     """A backend accepts the requests of an atomic primitive metasync's logs need (an
     exclusive create, a lock) but does not honour it. Not transient: no retry cures

@@ -15,6 +15,7 @@ never assert on how long a command took.
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -88,38 +89,109 @@ def test_clone_from_a_silent_server_fails_with_one_line(
     assert "paramiko" not in proc.stderr
 
 
-def test_status_and_push_with_a_backend_gone_silent(
-    webdav_server: object, tmp_path: Path
-) -> None:
-    """A repository on two folders and a WebDAV server: once the server accepts
-    connections but answers nothing, ``status`` and ``push`` still return (the two
-    folders are a majority), name the silent backend, and print no traceback."""
-    from tests.servers.webdav import WebdavServer
+#: Connections the silent server may take during a push: the requests in flight when
+#: it went silent, each with its one retry, before the pause stops the rest. Before
+#: the pause, every request the push made to it waited its own timeout twice (28-30
+#: connections for this push, ~31 s with ``--timeout 2``).
+SILENT_PUSH_CONNECTIONS = 8
 
-    assert isinstance(webdav_server, WebdavServer)
+
+def _through_proxy(kind: str, request: pytest.FixtureRequest, tmp_path: Path
+                   ) -> tuple[tuple[str, int], Callable[[int], str]]:
+    """Where ``kind``'s real test server listens, and the URI of a repository on it
+    reached through another port (the silent server's)."""
+    if kind == "webdav":
+        server = request.getfixturevalue("webdav_server")
+        (server.root_dir / "silent17").mkdir(exist_ok=True)
+        return (server.host, server.port), lambda port: server.uri("silent17", port=port)
+    if kind == "sftp":
+        sshd = request.getfixturevalue("sshd_server")
+        root = sshd.root_dir / f"silent17-{tmp_path.name}"
+        return (sshd.host, sshd.port), lambda port: sshd.uri(
+            root, port=port, known_hosts=sshd.known_hosts_for(port, tmp_path / "known_hosts"))
+    s3 = request.getfixturevalue("seaweedfs")
+    return ("127.0.0.1", s3.port), lambda port: s3.uri(
+        f"silent17-{tmp_path.name}", endpoint=f"http://127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("kind", ["webdav", "sftp", "s3"])
+def test_status_and_push_with_a_backend_gone_silent(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A repository on two folders and a server: once the server accepts connections
+    but answers nothing, ``status`` and ``push`` still return (the two folders are a
+    majority), name the silent backend, and print no traceback. The push asks the
+    silent backend only until a request of it has got no answer: the others fail at
+    once (:class:`metasync.backends.retry.RetryPolicy`), so it costs one timeout, not
+    one per request."""
     dirs = backend_dirs(tmp_path, "b1", "b2")
-    (webdav_server.root_dir / "silent17").mkdir(exist_ok=True)
     folder = tmp_path / "folder"
     folder.mkdir()
     (folder / "a.txt").write_text("one\n")
-    with silent_server(target=(webdav_server.host, webdav_server.port)) as server:
-        uri = webdav_server.uri("silent17", port=server.port)
+    target, uri_at = _through_proxy(kind, request, tmp_path)
+    with silent_server(target=target) as server:
         run_cli("init", str(folder), "--backend", f"dir:{dirs['b1']}",
-                "--backend", f"dir:{dirs['b2']}", "--backend", uri)
+                "--backend", f"dir:{dirs['b2']}", "--backend", uri_at(server.port))
         run_cli("push", cwd=folder)
         server.silence()
         (folder / "b.txt").write_text("two\n")
-        status = run_bounded("status", cwd=folder)
+        status = run_cli("--timeout", TIMEOUT, "status", cwd=folder, check=False)
         assert "Traceback" not in status.stderr, status.stderr
         assert "b.txt" in status.stdout, status.stdout + status.stderr
-        push = run_bounded("push", cwd=folder)
+        before = server.accepted
+        push = run_cli("--timeout", TIMEOUT, "push", cwd=folder, check=False)
         assert "Traceback" not in push.stderr, push.stderr
-        if push.returncode != 0:
-            one_line_error(push, f"127.0.0.1:{server.port}")
+        assert push.returncode == 0, push.stderr
+        assert "did not answer" in push.stdout + push.stderr  # its copies went elsewhere
+        assert server.accepted - before <= SILENT_PUSH_CONNECTIONS, (
+            f"the push asked the silent server {server.accepted - before} times")
     # What the push committed is on the folders: a clone from one of them has it.
     clone = tmp_path / "clone"
     run_cli("clone", f"dir:{dirs['b1']}", str(clone))
     assert (clone / "b.txt").read_text() == "two\n"
+
+
+def test_a_request_to_a_backend_that_just_went_silent_is_not_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a request ends with :class:`NoAnswer`, the backend's next requests fail
+    at once with it (the request is never made) until the pause is over; then one is
+    sent again. An answer, even "not found", ends the pause."""
+    from metasync.backends import retry
+    from metasync.errors import NoAnswer, ObjectNotFound
+
+    now = [1000.0]
+    monkeypatch.setattr(retry.time, "monotonic", lambda: now[0])
+    policy = retry.RetryPolicy(attempts=1, silence_pause=60.0)
+    calls: list[str] = []
+
+    def silent() -> None:
+        calls.append("silent")
+        raise NoAnswer("list 'floor' on webdav://h/x: no answer within 2s")
+
+    def answers() -> str:
+        calls.append("answers")
+        return "ok"
+
+    with pytest.raises(NoAnswer):
+        retry.retrying(policy, "list 'floor'", silent)
+    now[0] += 59.0
+    with pytest.raises(NoAnswer, match=r"upload 'a': not sent, .* 59s ago .*no answer within 2s"):
+        retry.retrying(policy, "upload 'a'", answers)
+    assert calls == ["silent"] and policy.skipped == 1
+    now[0] += 1.0  # the pause is over: the next request is sent, and its answer ends it
+    assert retry.retrying(policy, "upload 'a'", answers) == "ok"
+
+    def not_found_meanwhile() -> None:
+        """A request in flight while another one gives up: its answer comes after."""
+        calls.append("not found")
+        policy.went_silent(NoAnswer("list 'floor': no answer within 2s"))
+        raise ObjectNotFound("no 'b'")
+
+    with pytest.raises(ObjectNotFound):
+        retry.retrying(policy, "read 'b'", not_found_meanwhile)
+    assert retry.retrying(policy, "upload 'a'", answers) == "ok"
+    assert calls == ["silent", "answers", "not found", "answers"]
 
 
 def test_retries_stop_within_the_timeout() -> None:
