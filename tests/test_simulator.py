@@ -268,6 +268,9 @@ def test_checker_catches_a_driver_that_drops_undecodable_entries(
 
     assert run(91, 0.0).ok
     monkeypatch.setattr(Simulation, "apply", dropping)
+    # The stall shows within a minute of simulated time as well as within ten: a
+    # shorter wait spares the checker simulating ~20 minutes of a client spinning.
+    monkeypatch.setattr(simulator.simulation, "HEAL_LIMIT", 60.0)
     found = first_violation([91], bft_share=0.0)
     assert found is not None and "liveness" in found and "did not finish its pushes" in found
 
