@@ -34,6 +34,10 @@ class TestRcloneLocal(BackendConformance):
     # Disk Paxos over rclone rcd costs ~15 rc calls an append: 6 x 8 keeps the
     # 6-way contention at a quarter of the test's time.
     appends_per_worker = 8
+    # A listing is one rc call that answers everything (rclone pages the remote
+    # itself): no page of ours to go beyond, and each key costs a put through rcd
+    # (1,537 keys: 25-29 s a class; 300: ~2 s).
+    many_keys = 300
     # A local remote has no connection to break. Its faulty_location could only be
     # the sftp remote behind the fault proxy, which TestRcloneSftp tests already
     # (the same URI, rclone config and proxy): a second run would repeat it exactly,
@@ -60,6 +64,10 @@ class TestRcloneSftp(BackendConformance):
     # Disk Paxos over rclone rcd costs ~15 rc calls an append: 6 x 8 keeps the
     # 6-way contention at a quarter of the test's time.
     appends_per_worker = 8
+    # A listing is one rc call that answers everything (rclone pages the remote
+    # itself): no page of ours to go beyond, and each key costs a put through rcd
+    # (1,537 keys: 25-29 s a class; 300: ~2 s).
+    many_keys = 300
 
     @pytest.fixture
     def backend_location(self, rclone_env: RcloneEnv) -> Location:
