@@ -58,8 +58,8 @@ def requests_failure(
 
     - a failed TLS certificate or host name check: :class:`BackendError` (a retry
       cannot help);
-    - a connect timeout: :class:`BackendUnavailable` saying ``service`` (the
-      provider's name) cannot be reached;
+    - a connect or read timeout: :class:`NoAnswer` (saying ``service``, the
+      provider's name, cannot be reached, or did not answer in time);
     - a host name that does not resolve, a refused connection: :class:`BackendUnavailable`
       naming ``base_url`` (where the API is);
     - any other TLS, connection or OS failure: :class:`TransientError` (retried)."""

@@ -135,12 +135,15 @@ _FULL = (
     "storage_limit_exceeded",
     "quotalimitreached",
 )
-#: rclone's words for a wait on the remote that ran out (:class:`NoAnswer`).
-_SILENT = ("timed out", "timeout", "deadline exceeded")
+#: rclone's words for a wait on the remote that ran out (:class:`NoAnswer`). Not a
+#: bare "timeout": "504 Gateway Timeout", S3's "RequestTimeout" and "408 Request
+#: Timeout" are answers (transient, below).
+_SILENT = ("i/o timeout", "timed out", "deadline exceeded", "tls handshake timeout")
 _TRANSIENT = (
     "connection lost",
     "use of closed network connection",
     "handshake failed",
+    "timeout",
     "reset by peer",
     "broken pipe",
     "eof",

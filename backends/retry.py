@@ -17,15 +17,18 @@ timeout, never more than ``--timeout``: :func:`metasync.timeouts.network_timeout
 has passed since its first attempt, and a backoff that would end past it is not
 waited: a server that accepts connections and then says nothing costs one timeout,
 not one per attempt. Once a request has ended with no answer
-(:class:`~metasync.errors.NoAnswer`), the backend's next requests fail at once for
-``silence_pause`` seconds (a circuit breaker), then one tries again: a push to a
-silent backend among answering ones costs one timeout, not one per request made to
-it (consensus, uploads, listings, the client state), and the daemon asks again
-after the pause. An answer of any kind ends the pause.
+(:class:`~metasync.errors.NoAnswer`), the backend's next requests fail at once
+(:class:`~metasync.errors.PausedBackend`, never sent) for a pause as long as the
+silence already seen (twice the budget, 5-60 s; :class:`Silence`, a circuit
+breaker); then one request is let through, and until it answers or fails the others
+still fail at once. A push to a silent backend among answering ones costs one
+timeout, not one per request made to it (consensus, uploads, listings, the client
+state). An answer of any kind, even "not found", ends the pause; a timeout of a
+request sent before the backend's last answer does not start one.
 
 Tuning, for tests and slow links: ``METASYNC_RETRY_ATTEMPTS`` (default 5),
 ``METASYNC_RETRY_BASE`` (seconds, default 0.2) and ``METASYNC_SILENCE_PAUSE``
-(seconds, default 60).
+(seconds; default twice the budget, 5-60).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from metasync.errors import BackendError, NoAnswer
+from metasync.errors import BackendError, NoAnswer, PausedBackend
 from metasync.errors import (
     TransientError as TransientError,  # re-exported: backends raise it from here
 )
@@ -94,16 +97,11 @@ class RetryPolicy:
     #: long upload that drops is still retried. A service's own ``Retry-After`` is
     #: bounded by ``max_retry_after`` instead. Backends set it to their network timeout.
     budget: float | None = None
-    #: Seconds the backend's requests fail at once after one ended with no answer.
-    silence_pause: float = field(default_factory=lambda: _env_number("METASYNC_SILENCE_PAUSE", 60.0))
     #: Counts retries made, for tests and progress output (shared by all threads).
     retries: int = 0
-    #: Requests failed at once because the backend had just gone silent (for tests).
-    skipped: int = 0
+    #: The backend's pause after a request got no answer (shared by all threads).
+    silence: Silence = field(default_factory=lambda: Silence())
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    #: Monotonic time until which requests fail at once, and the failure that began it.
-    _silent_until: float = field(default=0.0, repr=False)
-    _silence: tuple[float, str] = field(default=(0.0, ""), repr=False)
 
     def delay(self, attempt: int, retry_after: float | None) -> float:
         """Seconds to wait before retry number ``attempt`` (0-based)."""
@@ -115,33 +113,79 @@ class RetryPolicy:
         with self._lock:
             self.retries += 1
 
-    def went_silent(self, exc: NoAnswer) -> None:
-        """Note that a request ended with ``exc``: fail the next ones at once for
-        :attr:`silence_pause` seconds."""
+
+class Silence:
+    """A backend's pause after one of its requests got no answer: a circuit breaker
+    (closed; open for :meth:`pause_for` seconds after a :class:`NoAnswer`; then
+    half-open, one request let through). Thread-safe: one per backend."""
+
+    def __init__(self, pause: float | None = None) -> None:
+        #: Seconds of a pause (None: :meth:`pause_for` the policy's budget).
+        self.pause = pause if pause is not None else _env_pause()
+        #: Requests refused while paused (for tests).
+        self.skipped = 0
+        self._lock = threading.Lock()
+        self._until = 0.0  # 0: not paused
+        self._probing = False  # the one request let through after a pause is out
+        self._prober = 0  # the thread that sent it (its nested requests go too)
+        self._began = (0.0, "")  # when the pause began, and the failure that began it
+        self._answered_at = float("-inf")
+
+    def pause_for(self, budget: float | None) -> float:
+        """How long a pause lasts: :attr:`pause`, else as long as the silence already
+        seen (a request's two attempts: twice ``budget``), at least 5 s and at most 60."""
+        if self.pause is not None:
+            return self.pause
+        return 60.0 if budget is None else min(60.0, max(5.0, 2 * budget))
+
+    def admit(self, what: str) -> tuple[bool, PausedBackend | None]:
+        """Whether request ``what`` is the one let through after a pause, and the
+        error it fails with at once instead (None: it may be sent)."""
+        if not self._until:
+            return False, None
         now = time.monotonic()
         with self._lock:
-            self._silent_until = now + self.silence_pause
-            self._silence = (now, str(exc))
+            if not self._until:
+                return False, None
+            if now >= self._until and not self._probing:
+                self._probing, self._prober = True, threading.get_ident()
+                return True, None
+            if self._probing and self._prober == threading.get_ident():
+                return False, None  # a request the probe makes on its way
+            self.skipped += 1
+            since, first = self._began
+        return False, PausedBackend(
+            f"{what}: not sent, the backend gave no answer {now - since:.0f}s ago ({first})")
 
     def answered(self) -> None:
-        """Note an answer: the backend is not silent (ends a pause)."""
-        if self._silent_until:
-            with self._lock:
-                self._silent_until = 0.0
-
-    def silenced(self, what: str) -> NoAnswer | None:
-        """The error a new request ``what`` fails with at once while the backend is
-        paused after going silent; None if it may be sent."""
-        if not self._silent_until:
-            return None
+        """An answer came: the backend is not silent (ends a pause)."""
         now = time.monotonic()
         with self._lock:
-            if now >= self._silent_until:
-                self._silent_until = 0.0  # the pause is over: this request tries again
-                return None
-            self.skipped += 1
-            since, first = self._silence
-        return NoAnswer(f"{what}: not sent, the backend gave no answer {now - since:.0f}s ago ({first})")
+            self._answered_at = now
+            self._until = 0.0
+            self._probing = False
+
+    def went_silent(self, exc: NoAnswer, sent_at: float, budget: float | None) -> None:
+        """A request sent at ``sent_at`` (monotonic) ended with ``exc``: pause,
+        unless the backend answered another request since it was sent."""
+        now = time.monotonic()
+        with self._lock:
+            if self._answered_at >= sent_at:
+                return  # a stale failure: the backend answered since
+            self._until = now + self.pause_for(budget)
+            self._began = (now, str(exc))
+            self._probing = False
+
+    def probe_failed(self) -> None:
+        """The request let through failed otherwise (refused, dropped): let the next
+        request through in its place."""
+        with self._lock:
+            self._probing = False
+
+
+def _env_pause() -> float | None:
+    value = _env_number("METASYNC_SILENCE_PAUSE", -1.0)
+    return value if value >= 0 else None
 
 
 class RetryMark:
@@ -203,22 +247,34 @@ def retrying(
     effect without the caller learning it (an exclusive create that timed out) handle
     that in ``on_retry`` or after the call (see ``put_if_absent`` in the backends).
 
-    While the backend is paused after a request got no answer
-    (:meth:`RetryPolicy.silenced`), ``request`` is not called: :class:`NoAnswer` at once.
+    While the backend is paused after a request got no answer (:class:`Silence`),
+    ``request`` is not called: :class:`PausedBackend` at once.
     """
-    skipped = policy.silenced(what)
-    if skipped is not None:
-        raise skipped
+    silence = policy.silence
+    probe, refused = silence.admit(what)
+    if refused is not None:
+        raise refused
+    sent_at = time.monotonic()
     try:
         result = _attempts(policy, what, request, on_retry)
+    except PausedBackend:
+        if probe:  # refused by a request within (a nested call): not an answer
+            silence.probe_failed()
+        raise
     except NoAnswer as exc:
-        policy.went_silent(exc)
+        silence.went_silent(exc, sent_at, policy.budget)
         raise
     except BackendError as exc:
         if not exc.transient:  # "not found", "denied": an answer all the same
-            policy.answered()
+            silence.answered()
+        elif probe:
+            silence.probe_failed()
         raise
-    policy.answered()
+    except BaseException:
+        if probe:
+            silence.probe_failed()
+        raise
+    silence.answered()
     return result
 
 
@@ -235,7 +291,7 @@ def _attempts(
         try:
             return request()
         except BackendError as exc:
-            if not exc.transient or attempt + 1 >= policy.attempts:
+            if not exc.transient or attempt + 1 >= policy.attempts or isinstance(exc, PausedBackend):
                 raise
             retry_after = getattr(exc, "retry_after", None)
             if retry_after is not None and retry_after > policy.max_retry_after:

@@ -156,6 +156,20 @@ def _fingerprint(key: paramiko.PKey) -> str:
 
 
 
+
+#: How paramiko words a handshake that waited out its timeout.
+_SILENT_HANDSHAKE = ("timed out", "timeout", "protocol banner", "no existing session")
+
+
+def _says_silent(exc: BaseException) -> bool:
+    """True if ``exc``, or what it was raised from, is a wait that ran out."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, TimeoutError) or any(w in str(seen).lower() for w in _SILENT_HANDSHAKE):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
 class _HostKeyError(paramiko.SSHException):
     """The server's host key is not in known_hosts (raised by :class:`_RejectUnknown`)."""
 
@@ -611,10 +625,12 @@ class SftpBackend(Backend):
         except (paramiko.SSHException, EOFError, OSError) as exc:
             # Dropped, reset or silent during the handshake: a retry on a new
             # connection may work (the retry loop stops within the timeout).
-            # Silent if it waited out the timeout: paramiko says so in many words
-            # ("Error reading SSH protocol banner", "No existing session" after a key
-            # exchange that never ended), or in none.
-            silent = time.monotonic() - started >= self.connect_timeout
+            # Silent if it waited out the timeout and was not cut off: paramiko says
+            # so in many words ("Error reading SSH protocol banner", "No existing
+            # session" after a key exchange that never ended).
+            silent = (time.monotonic() - started >= self.connect_timeout
+                      and not isinstance(exc, EOFError | ConnectionError)
+                      and _says_silent(exc))
             raise (NoAnswer if silent else TransientError)(
                 f"{self.name}: the SSH handshake with {self.host}:{self.port} failed or got "
                 f"no answer within {self.connect_timeout:g}s ({_one_line(exc)}); check that "

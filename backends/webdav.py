@@ -341,6 +341,9 @@ class WebdavBackend(Backend):
                 f"cannot reach {self.name} to {what} ({exc or type(exc).__name__}); "
                 "is the server running and the host and port right?"
             )
+        if isinstance(exc, httpx.PoolTimeout):  # our own pool had no free connection
+            return TransientError(f"{what} on {self.name}: no free connection within "
+                                  f"{self._timeout:g}s (too many requests at once)")
         if isinstance(exc, httpx.TimeoutException):
             return NoAnswer(
                 f"{what} on {self.name}: no answer within {self._timeout:g}s (the server "

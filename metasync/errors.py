@@ -80,8 +80,14 @@ class NoAnswer(BackendUnavailable):
     """The backend took the connection or the request and said nothing within its
     network timeout (a hung server, a firewall that drops replies). After a request
     ends this way its backend's next requests fail at once for a while
-    (:class:`metasync.backends.retry.RetryPolicy`): a silent backend costs a command
+    (:class:`metasync.backends.retry.Silence`): a silent backend costs a command
     one timeout, not one per request."""
+
+
+class PausedBackend(NoAnswer):
+    """A request not sent at all: its backend is paused after another request got
+    no answer (:class:`metasync.backends.retry.Silence`). Never retried by the
+    request's own loop."""
 
 
 class PrimitiveMissing(BackendUnavailable):

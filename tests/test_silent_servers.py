@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -155,18 +156,22 @@ def test_a_request_to_a_backend_that_just_went_silent_is_not_sent(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """After a request ends with :class:`NoAnswer`, the backend's next requests fail
-    at once with it (the request is never made) until the pause is over; then one is
-    sent again. An answer, even "not found", ends the pause."""
+    at once (:class:`PausedBackend`: never sent, never retried) until the pause is
+    over; then one is let through, the others still refused until it is answered.
+    An answer, even "not found", ends the pause; a request that was sent before the
+    backend's last answer and then timed out does not start one."""
     from metasync.backends import retry
-    from metasync.errors import NoAnswer, ObjectNotFound
+    from metasync.errors import NoAnswer, ObjectNotFound, PausedBackend
 
     now = [1000.0]
     monkeypatch.setattr(retry.time, "monotonic", lambda: now[0])
-    policy = retry.RetryPolicy(attempts=1, silence_pause=60.0)
+    policy = retry.RetryPolicy(attempts=3, base=0.0, budget=2.0)
+    assert policy.silence.pause_for(2.0) == 5.0 and policy.silence.pause_for(30.0) == 60.0
     calls: list[str] = []
 
     def silent() -> None:
         calls.append("silent")
+        now[0] += 2.0  # each attempt waits out the timeout
         raise NoAnswer("list 'floor' on webdav://h/x: no answer within 2s")
 
     def answers() -> str:
@@ -175,23 +180,70 @@ def test_a_request_to_a_backend_that_just_went_silent_is_not_sent(
 
     with pytest.raises(NoAnswer):
         retry.retrying(policy, "list 'floor'", silent)
-    now[0] += 59.0
-    with pytest.raises(NoAnswer, match=r"upload 'a': not sent, .* 59s ago .*no answer within 2s"):
+    assert calls == ["silent", "silent"]  # one retry within the budget, as before
+    now[0] += 4.0  # 4 s into the 5 s pause
+    with pytest.raises(PausedBackend, match=r"upload 'a': not sent, .* 4s ago .*no answer within 2s"):
         retry.retrying(policy, "upload 'a'", answers)
-    assert calls == ["silent"] and policy.skipped == 1
-    now[0] += 1.0  # the pause is over: the next request is sent, and its answer ends it
-    assert retry.retrying(policy, "upload 'a'", answers) == "ok"
+    assert calls == ["silent", "silent"] and policy.silence.skipped == 1
+
+    now[0] += 1.0  # the pause is over: one request is let through
+
+    def probe() -> str:
+        calls.append("probe")
+        other = ThreadPoolExecutor(1)
+        with pytest.raises(PausedBackend):  # the others wait for the probe's answer
+            other.submit(retry.retrying, policy, "upload 'b'", answers).result()
+        other.shutdown()
+        return retry.retrying(policy, "create folder", lambda: "ok")  # its own request goes
+
+    assert retry.retrying(policy, "upload 'a'", probe) == "ok"
+    assert retry.retrying(policy, "upload 'b'", answers) == "ok"  # answered: open again
+    assert calls == ["silent", "silent", "probe", "answers"]
 
     def not_found_meanwhile() -> None:
         """A request in flight while another one gives up: its answer comes after."""
         calls.append("not found")
-        policy.went_silent(NoAnswer("list 'floor': no answer within 2s"))
+        policy.silence.went_silent(NoAnswer("list 'floor': no answer"), now[0] - 1, 2.0)
         raise ObjectNotFound("no 'b'")
 
     with pytest.raises(ObjectNotFound):
         retry.retrying(policy, "read 'b'", not_found_meanwhile)
-    assert retry.retrying(policy, "upload 'a'", answers) == "ok"
-    assert calls == ["silent", "answers", "not found", "answers"]
+    assert retry.retrying(policy, "upload 'c'", answers) == "ok"
+
+    def silent_after_an_answer() -> None:
+        """A request sent before another got an answer, timing out after it."""
+        calls.append("stale")
+        policy.silence.answered()
+        now[0] += 2.0
+        raise NoAnswer("upload 'big': no answer within 2s")
+
+    with pytest.raises(NoAnswer):
+        retry.retrying(retry.RetryPolicy(attempts=1, silence=policy.silence), "upload 'big'",
+                       silent_after_an_answer)
+    assert retry.retrying(policy, "upload 'd'", answers) == "ok"  # not paused
+    assert calls == ["silent", "silent", "probe", "answers", "not found", "answers", "stale",
+                     "answers"]
+
+
+def test_rclone_words_only_a_wait_that_ran_out_as_no_answer() -> None:
+    """rclone's "i/o timeout" and "timed out" are silence; "504 Gateway Timeout",
+    S3's "RequestTimeout" and "408 Request Timeout" are answers (transient)."""
+    from types import SimpleNamespace
+
+    from metasync.backends.rclone import RcloneBackend
+    from metasync.errors import NoAnswer, TransientError
+
+    fake = SimpleNamespace(name="rclone:remote:x", location="remote:x", options=None)
+
+    def error(text: str) -> Exception:
+        return RcloneBackend._error(fake, text, "read 'k'")  # type: ignore[arg-type]
+
+    for text in ("dial tcp 10.0.0.1:443: i/o timeout", "read: connection timed out",
+                 "context deadline exceeded", "net/http: TLS handshake timeout"):
+        assert isinstance(error(text), NoAnswer), text
+    for text in ("HTTP error 504 (504 Gateway Timeout) returned", "RequestTimeout: Your socket "
+                 "connection to the server was not read from or written to", "408 Request Timeout"):
+        assert type(error(text)) is TransientError, text
 
 
 def test_retries_stop_within_the_timeout() -> None:
