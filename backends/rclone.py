@@ -138,7 +138,8 @@ _FULL = (
 #: rclone's words for a wait on the remote that ran out (:class:`NoAnswer`). Not a
 #: bare "timeout": "504 Gateway Timeout", S3's "RequestTimeout" and "408 Request
 #: Timeout" are answers (transient, below).
-_SILENT = ("i/o timeout", "timed out", "deadline exceeded", "tls handshake timeout")
+_SILENT = ("i/o timeout", "timed out", "deadline exceeded", "tls handshake timeout",
+           "awaiting response headers", "awaiting headers")
 _TRANSIENT = (
     "connection lost",
     "use of closed network connection",

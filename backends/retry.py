@@ -126,8 +126,13 @@ class Silence:
         self.skipped = 0
         self._lock = threading.Lock()
         self._until = 0.0  # 0: not paused
-        self._probing = False  # the one request let through after a pause is out
-        self._prober = 0  # the thread that sent it (its nested requests go too)
+        self._length = 0.0  # of the current pause
+        # The one request let through after a pause (its number; 0: none out), the
+        # thread that sent it (its nested requests go too) and when it was sent.
+        self._probe = 0
+        self._probes = 0
+        self._prober = 0
+        self._probe_sent = 0.0
         self._began = (0.0, "")  # when the pause began, and the failure that began it
         self._answered_at = float("-inf")
 
@@ -138,32 +143,39 @@ class Silence:
             return self.pause
         return 60.0 if budget is None else min(60.0, max(5.0, 2 * budget))
 
-    def admit(self, what: str) -> tuple[bool, PausedBackend | None]:
-        """Whether request ``what`` is the one let through after a pause, and the
-        error it fails with at once instead (None: it may be sent)."""
+    def admit(self, what: str) -> tuple[int, PausedBackend | None]:
+        """The number of the probe if request ``what`` is the one let through after
+        a pause (else 0), and the error it fails with at once instead (None: it may
+        be sent)."""
         if not self._until:
-            return False, None
+            return 0, None
         now = time.monotonic()
         with self._lock:
             if not self._until:
-                return False, None
-            if now >= self._until and not self._probing:
-                self._probing, self._prober = True, threading.get_ident()
-                return True, None
-            if self._probing and self._prober == threading.get_ident():
-                return False, None  # a request the probe makes on its way
+                return 0, None
+            if self._probe and now - self._probe_sent > self._length:
+                # Out for longer than a silent backend would keep it: answers are
+                # coming (a big transfer on a slow link). Open again.
+                self._until, self._probe = 0.0, 0
+                return 0, None
+            if now >= self._until and not self._probe:
+                self._probes += 1
+                self._probe, self._prober, self._probe_sent = (
+                    self._probes, threading.get_ident(), now)
+                return self._probe, None
+            if self._probe and self._prober == threading.get_ident():
+                return 0, None  # a request the probe makes on its way
             self.skipped += 1
             since, first = self._began
-        return False, PausedBackend(
+        return 0, PausedBackend(
             f"{what}: not sent, the backend gave no answer {now - since:.0f}s ago ({first})")
 
     def answered(self) -> None:
         """An answer came: the backend is not silent (ends a pause)."""
         now = time.monotonic()
         with self._lock:
-            self._answered_at = now
-            self._until = 0.0
-            self._probing = False
+            self._answered_at = max(self._answered_at, now)
+            self._until, self._probe = 0.0, 0
 
     def went_silent(self, exc: NoAnswer, sent_at: float, budget: float | None) -> None:
         """A request sent at ``sent_at`` (monotonic) ended with ``exc``: pause,
@@ -172,15 +184,17 @@ class Silence:
         with self._lock:
             if self._answered_at >= sent_at:
                 return  # a stale failure: the backend answered since
-            self._until = now + self.pause_for(budget)
+            self._length = self.pause_for(budget)
+            self._until = now + self._length
             self._began = (now, str(exc))
-            self._probing = False
+            self._probe = 0
 
-    def probe_failed(self) -> None:
-        """The request let through failed otherwise (refused, dropped): let the next
-        request through in its place."""
+    def probe_failed(self, probe: int) -> None:
+        """Probe number ``probe`` failed otherwise (refused, dropped): let the next
+        request through in its place (unless a newer pause or probe came since)."""
         with self._lock:
-            self._probing = False
+            if self._probe == probe:
+                self._probe = 0
 
 
 def _env_pause() -> float | None:
@@ -259,7 +273,7 @@ def retrying(
         result = _attempts(policy, what, request, on_retry)
     except PausedBackend:
         if probe:  # refused by a request within (a nested call): not an answer
-            silence.probe_failed()
+            silence.probe_failed(probe)
         raise
     except NoAnswer as exc:
         silence.went_silent(exc, sent_at, policy.budget)
@@ -268,11 +282,11 @@ def retrying(
         if not exc.transient:  # "not found", "denied": an answer all the same
             silence.answered()
         elif probe:
-            silence.probe_failed()
+            silence.probe_failed(probe)
         raise
     except BaseException:
         if probe:
-            silence.probe_failed()
+            silence.probe_failed(probe)
         raise
     silence.answered()
     return result

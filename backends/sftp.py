@@ -157,18 +157,23 @@ def _fingerprint(key: paramiko.PKey) -> str:
 
 
 
-#: How paramiko words a handshake that waited out its timeout.
-_SILENT_HANDSHAKE = ("timed out", "timeout", "protocol banner", "no existing session")
+#: How paramiko words a handshake that waited out its timeout (a banner that never
+#: came has the socket's timeout in its chain).
+_SILENT_HANDSHAKE = ("timed out", "timeout", "no existing session")
 
 
 def _says_silent(exc: BaseException) -> bool:
-    """True if ``exc``, or what it was raised from, is a wait that ran out."""
+    """True if ``exc``, or what it was raised from, is a wait that ran out; False if
+    the connection was cut off (an end of file or a reset anywhere in the chain)."""
     seen: BaseException | None = exc
+    silent = False
     while seen is not None:
+        if isinstance(seen, EOFError | ConnectionError):
+            return False
         if isinstance(seen, TimeoutError) or any(w in str(seen).lower() for w in _SILENT_HANDSHAKE):
-            return True
+            silent = True
         seen = seen.__cause__ or seen.__context__
-    return False
+    return silent
 
 class _HostKeyError(paramiko.SSHException):
     """The server's host key is not in known_hosts (raised by :class:`_RejectUnknown`)."""
@@ -616,6 +621,12 @@ class SftpBackend(Backend):
                 "add it to ssh-agent (ssh-add) and drop identity=, or use an unencrypted key"
             ) from exc
         except paramiko.AuthenticationException as exc:
+            if "timeout" in str(exc).lower():  # "Authentication timeout.": no answer
+                raise NoAnswer(
+                    f"{self.name}: no answer from {self.host}:{self.port} to the SSH "
+                    f"authentication within {self.connect_timeout:g}s; check the server, "
+                    "or allow longer with --timeout"
+                ) from exc
             keys = f"the key {self.identity}" if self.identity else "the agent's and ~/.ssh keys"
             raise BackendError(
                 f"{self.name}: authentication as {self.user!r} failed with {keys} ({exc}); "
@@ -628,9 +639,7 @@ class SftpBackend(Backend):
             # Silent if it waited out the timeout and was not cut off: paramiko says
             # so in many words ("Error reading SSH protocol banner", "No existing
             # session" after a key exchange that never ended).
-            silent = (time.monotonic() - started >= self.connect_timeout
-                      and not isinstance(exc, EOFError | ConnectionError)
-                      and _says_silent(exc))
+            silent = time.monotonic() - started >= self.connect_timeout and _says_silent(exc)
             raise (NoAnswer if silent else TransientError)(
                 f"{self.name}: the SSH handshake with {self.host}:{self.port} failed or got "
                 f"no answer within {self.connect_timeout:g}s ({_one_line(exc)}); check that "

@@ -198,6 +198,22 @@ def test_a_request_to_a_backend_that_just_went_silent_is_not_sent(
 
     assert retry.retrying(policy, "upload 'a'", probe) == "ok"
     assert retry.retrying(policy, "upload 'b'", answers) == "ok"  # answered: open again
+
+    # A probe out for longer than a silent backend would keep it (a big transfer on
+    # a slow link, still answering) does not keep the others out any longer.
+    with pytest.raises(NoAnswer):
+        retry.retrying(policy, "list 'floor'", silent)
+    now[0] += 5.0
+
+    def slow_probe() -> str:
+        now[0] += 6.0
+        other = ThreadPoolExecutor(1)
+        assert other.submit(retry.retrying, policy, "upload 'e'", lambda: "e").result() == "e"
+        other.shutdown()
+        return "ok"
+
+    assert retry.retrying(policy, "upload 'big'", slow_probe) == "ok"
+    del calls[-2:]  # the two attempts of this second silence
     assert calls == ["silent", "silent", "probe", "answers"]
 
     def not_found_meanwhile() -> None:
@@ -225,8 +241,34 @@ def test_a_request_to_a_backend_that_just_went_silent_is_not_sent(
                      "answers"]
 
 
+def test_a_probe_from_before_a_new_pause_does_not_end_the_next_probe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Probe T is out when an older request times out (a new pause); after it probe
+    U goes out. T failing then must not let a third request through beside U."""
+    from metasync.backends import retry
+    from metasync.errors import NoAnswer, PausedBackend
+
+    now = [1000.0]
+    monkeypatch.setattr(retry.time, "monotonic", lambda: now[0])
+    silence = retry.Silence(5.0)
+    other = ThreadPoolExecutor(1)
+    silence.went_silent(NoAnswer("a"), 999.0, 2.0)
+    now[0] += 5.0
+    t, _ = silence.admit("t")
+    silence.went_silent(NoAnswer("older"), 998.0, 2.0)
+    now[0] += 5.0
+    u, _ = other.submit(silence.admit, "u").result()
+    assert t and u and t != u
+    silence.probe_failed(t)
+    assert isinstance(silence.admit("v")[1], PausedBackend)  # U is still the probe
+    silence.probe_failed(u)
+    assert silence.admit("w") == (u + 1, None)
+    other.shutdown()
+
+
 def test_rclone_words_only_a_wait_that_ran_out_as_no_answer() -> None:
-    """rclone's "i/o timeout" and "timed out" are silence; "504 Gateway Timeout",
+    """rclone's "i/o timeout", "timed out" and "awaiting response headers" are silence; "504 Gateway Timeout",
     S3's "RequestTimeout" and "408 Request Timeout" are answers (transient)."""
     from types import SimpleNamespace
 
@@ -239,7 +281,8 @@ def test_rclone_words_only_a_wait_that_ran_out_as_no_answer() -> None:
         return RcloneBackend._error(fake, text, "read 'k'")  # type: ignore[arg-type]
 
     for text in ("dial tcp 10.0.0.1:443: i/o timeout", "read: connection timed out",
-                 "context deadline exceeded", "net/http: TLS handshake timeout"):
+                 "context deadline exceeded", "net/http: TLS handshake timeout",
+                 "net/http: timeout awaiting response headers"):
         assert isinstance(error(text), NoAnswer), text
     for text in ("HTTP error 504 (504 Gateway Timeout) returned", "RequestTimeout: Your socket "
                  "connection to the server was not read from or written to", "408 Request Timeout"):
