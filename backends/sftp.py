@@ -154,9 +154,6 @@ def _fingerprint(key: paramiko.PKey) -> str:
     return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
 
 
-
-
-
 #: How paramiko words a handshake that waited out its timeout (a banner that never
 #: came has the socket's timeout in its chain).
 _SILENT_HANDSHAKE = ("timed out", "timeout", "no existing session")
@@ -174,6 +171,7 @@ def _says_silent(exc: BaseException) -> bool:
             silent = True
         seen = seen.__cause__ or seen.__context__
     return silent
+
 
 class _HostKeyError(paramiko.SSHException):
     """The server's host key is not in known_hosts (raised by :class:`_RejectUnknown`)."""
