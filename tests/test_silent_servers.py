@@ -140,7 +140,10 @@ def test_status_and_push_with_a_backend_gone_silent(
         assert "Traceback" not in status.stderr, status.stderr
         assert "b.txt" in status.stdout, status.stdout + status.stderr
         before = server.accepted
-        push = run_cli("--timeout", TIMEOUT, "push", cwd=folder, check=False)
+        # A pause longer than any push: the count below does not depend on how fast
+        # this machine is (the default, twice the timeout, is 5 s here).
+        push = run_cli("--timeout", TIMEOUT, "push", cwd=folder, check=False,
+                       env_extra={"METASYNC_SILENCE_PAUSE": "600"})
         assert "Traceback" not in push.stderr, push.stderr
         assert push.returncode == 0, push.stderr
         assert "did not answer" in push.stdout + push.stderr  # its copies went elsewhere
