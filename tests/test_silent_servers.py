@@ -146,7 +146,6 @@ def test_status_and_push_with_a_backend_gone_silent(
                        env_extra={"METASYNC_SILENCE_PAUSE": "600"})
         assert "Traceback" not in push.stderr, push.stderr
         assert push.returncode == 0, push.stderr
-        assert "did not answer" in push.stdout + push.stderr  # its copies went elsewhere
         assert server.accepted - before <= SILENT_PUSH_CONNECTIONS, (
             f"the push asked the silent server {server.accepted - before} times")
     # What the push committed is on the folders: a clone from one of them has it.
