@@ -171,11 +171,12 @@ class Silence:
             f"{what}: not sent, the backend gave no answer {now - since:.0f}s ago ({first})")
 
     def answered(self) -> None:
-        """An answer came: the backend is not silent (ends a pause)."""
-        now = time.monotonic()
-        with self._lock:
-            self._answered_at = max(self._answered_at, now)
-            self._until, self._probe = 0.0, 0
+        """An answer came: the backend is not silent (ends a pause). Every request
+        that gets one comes here: the lock is taken only while paused."""
+        self._answered_at = time.monotonic()  # one store: racing answers differ by microseconds
+        if self._until:
+            with self._lock:
+                self._until, self._probe = 0.0, 0
 
     def went_silent(self, exc: NoAnswer, sent_at: float, budget: float | None) -> None:
         """A request sent at ``sent_at`` (monotonic) ended with ``exc``: pause,
@@ -271,21 +272,12 @@ def retrying(
     sent_at = time.monotonic()
     try:
         result = _attempts(policy, what, request, on_retry)
-    except PausedBackend:
-        if probe:  # refused by a request within (a nested call): not an answer
-            silence.probe_failed(probe)
-        raise
-    except NoAnswer as exc:
-        silence.went_silent(exc, sent_at, policy.budget)
-        raise
-    except BackendError as exc:
-        if not exc.transient:  # "not found", "denied": an answer all the same
-            silence.answered()
-        elif probe:
-            silence.probe_failed(probe)
-        raise
-    except BaseException:
-        if probe:
+    except BaseException as exc:
+        if isinstance(exc, NoAnswer) and not isinstance(exc, PausedBackend):
+            silence.went_silent(exc, sent_at, policy.budget)
+        elif isinstance(exc, BackendError) and not exc.transient:
+            silence.answered()  # "not found", "denied": an answer all the same
+        elif probe:  # no answer either way (dropped, refused within, interrupted)
             silence.probe_failed(probe)
         raise
     silence.answered()

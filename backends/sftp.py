@@ -653,9 +653,7 @@ class SftpBackend(Backend):
                 f"{self.name}: no answer during {what} within {self.timeout:g}s; "
                 "check the server, or allow longer with --timeout"
             )
-        if not session.alive() or isinstance(
-            exc, EOFError | paramiko.SSHException | TimeoutError | ConnectionError
-        ):
+        if not session.alive() or isinstance(exc, EOFError | paramiko.SSHException | ConnectionError):
             return TransientError(
                 f"{self.name}: connection lost or silent during {what} ({_one_line(exc)}); "
                 "check the server, or allow longer with --timeout"
