@@ -78,6 +78,7 @@ from metasync.backends.retry import (
     describe,
     parse_retry_after,
     retrying,
+    silence_of,
     translated,
 )
 from metasync.errors import AuthorizationRequired, BackendError, UsageError
@@ -557,7 +558,7 @@ class CloudAccess:
         self._base_url = where.base_url
         self._ca_file = where.ca_file
         self.tokens = TokenSource(provider, self.account, refresher(where.base_url, where.ca_file))
-        self.policy = RetryPolicy(budget=self.timeout)
+        self.policy = RetryPolicy(budget=self.timeout, silence=silence_of(uri))
         self._slots = threading.BoundedSemaphore(self.transfers)
 
     @property

@@ -71,7 +71,7 @@ from metasync.backends.base import (
     check_prefix,
     temp_path_parts,
 )
-from metasync.backends.retry import RetryPolicy, TransientError, retrying
+from metasync.backends.retry import RetryPolicy, TransientError, retrying, silence_of
 from metasync.errors import (
     BackendError,
     BackendFull,
@@ -605,7 +605,7 @@ class RcloneBackend(Backend):
         self.options = parse_uri(uri)
         check_namespace(namespace)
         self.location = self.options.location
-        self.policy = RetryPolicy(budget=network_timeout(IDLE_TIMEOUT))
+        self.policy = RetryPolicy(budget=network_timeout(IDLE_TIMEOUT), silence=silence_of(self.uri))
         self._slots = threading.BoundedSemaphore(self.options.transfers)
         self._lock = threading.Lock()
         self._daemon: _Daemon | None = None

@@ -20,8 +20,11 @@ not one per attempt. Once a request has ended with no answer
 (:class:`~metasync.errors.NoAnswer`), the backend's next requests fail at once
 (:class:`~metasync.errors.PausedBackend`, never sent) for a pause as long as the
 silence already seen (twice the budget, 5-60 s; :class:`Silence`, a circuit
-breaker); then one request is let through, and until it answers or fails the others
-still fail at once. A push to a silent backend among answering ones costs one
+breaker); then one request is let through (the probe, not retried), and until it
+answers or fails the others still fail at once; a probe that gets no answer starts
+a pause as long as the whole silence so far (at most 10 minutes). The pause belongs
+to the backend's URI, not to one object of it: a daemon's next sync pass, which
+opens its backends afresh, does not ask a silent backend again before it is over. A push to a silent backend among answering ones costs one
 timeout, not one per request made to it (consensus, uploads, listings, the client
 state). An answer of any kind, even "not found", ends the pause; a timeout of a
 request sent before the backend's last answer does not start one.
@@ -137,8 +140,10 @@ class Silence:
         self._answered_at = float("-inf")
 
     def pause_for(self, budget: float | None) -> float:
-        """How long a pause lasts: :attr:`pause`, else as long as the silence already
-        seen (a request's two attempts: twice ``budget``), at least 5 s and at most 60."""
+        """How long a first pause lasts: :attr:`pause`, else as long as the silence
+        already seen (a request's two attempts: twice ``budget``), at least 5 s and at
+        most 60. A probe that gets no answer either starts a longer one
+        (:meth:`went_silent`)."""
         if self.pause is not None:
             return self.pause
         return 60.0 if budget is None else min(60.0, max(5.0, 2 * budget))
@@ -178,16 +183,25 @@ class Silence:
             with self._lock:
                 self._until, self._probe = 0.0, 0
 
-    def went_silent(self, exc: NoAnswer, sent_at: float, budget: float | None) -> None:
+    def went_silent(self, exc: NoAnswer, sent_at: float, budget: float | None,
+                    probe: int = 0) -> None:
         """A request sent at ``sent_at`` (monotonic) ended with ``exc``: pause,
-        unless the backend answered another request since it was sent."""
+        unless the backend answered another request since it was sent. ``probe``: the
+        number of the probe that it was (:meth:`admit`); the silence goes on, and the
+        next pause is as long as all of it so far, up to :data:`LONGEST_PAUSE` (a
+        daemon facing a provider gone for hours waits out a probe's timeout once in
+        a long pause, not once a minute)."""
         now = time.monotonic()
         with self._lock:
             if self._answered_at >= sent_at:
                 return  # a stale failure: the backend answered since
-            self._length = self.pause_for(budget)
-            self._until = now + self._length
-            self._began = (now, str(exc))
+            length = self.pause_for(budget)
+            if probe and probe == self._probe and self.pause is None:
+                length = min(LONGEST_PAUSE, max(length, now - self._began[0]))
+            else:
+                self._began = (now, str(exc))
+            self._length = length
+            self._until = now + length
             self._probe = 0
 
     def probe_failed(self, probe: int) -> None:
@@ -196,6 +210,26 @@ class Silence:
         with self._lock:
             if self._probe == probe:
                 self._probe = 0
+
+
+#: The longest pause (seconds) after probes of a silent backend got no answer.
+LONGEST_PAUSE = 600.0
+
+#: Every network backend's pause in this process, by the backend's URI: a service's
+#: silence outlives the backend object that met it (the daemon opens its backends
+#: afresh for each sync pass; without this each pass waited out the timeout again).
+_silences: dict[str, Silence] = {}
+_silences_lock = threading.Lock()
+
+
+def silence_of(uri: str) -> Silence:
+    """The pause of the backend at ``uri``: one :class:`Silence` for every object of
+    that backend this process opens."""
+    with _silences_lock:
+        silence = _silences.get(uri)
+        if silence is None:
+            silence = _silences[uri] = Silence()
+        return silence
 
 
 def _env_pause() -> float | None:
@@ -271,10 +305,10 @@ def retrying(
         raise refused
     sent_at = time.monotonic()
     try:
-        result = _attempts(policy, what, request, on_retry)
+        result = _attempts(policy, what, request, on_retry, probe=bool(probe))
     except BaseException as exc:
         if isinstance(exc, NoAnswer) and not isinstance(exc, PausedBackend):
-            silence.went_silent(exc, sent_at, policy.budget)
+            silence.went_silent(exc, sent_at, policy.budget, probe)
         elif isinstance(exc, BackendError) and not exc.transient:
             silence.answered()  # "not found", "denied": an answer all the same
         elif probe:  # no answer either way (dropped, refused within, interrupted)
@@ -289,15 +323,19 @@ def _attempts(
     what: str,
     request: Callable[[], T],
     on_retry: Callable[[BaseException], None] | None,
+    *,
+    probe: bool = False,
 ) -> T:
-    """:func:`retrying`'s loop of attempts."""
+    """:func:`retrying`'s loop of attempts. A ``probe`` (the request let through after
+    a pause) is not tried again if it gets no answer: the backend is still silent."""
     attempt = 0
     first_failure: float | None = None
     while True:
         try:
             return request()
         except BackendError as exc:
-            if not exc.transient or attempt + 1 >= policy.attempts or isinstance(exc, PausedBackend):
+            if (not exc.transient or attempt + 1 >= policy.attempts
+                    or isinstance(exc, PausedBackend) or (probe and isinstance(exc, NoAnswer))):
                 raise
             retry_after = getattr(exc, "retry_after", None)
             if retry_after is not None and retry_after > policy.max_retry_after:

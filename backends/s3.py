@@ -49,6 +49,7 @@ from metasync.backends.retry import (
     TransientError,
     describe,
     retrying,
+    silence_of,
     translated,
 )
 from metasync.errors import (
@@ -239,7 +240,7 @@ class S3Backend(Backend):
         self.endpoint: str | None = options.get("endpoint") or None
         #: Every key of the namespace starts with this (ends in "/").
         self.base = f"{self.prefix}/{namespace}/" if self.prefix else f"{namespace}/"
-        self.policy = RetryPolicy(budget=self.timeout)
+        self.policy = RetryPolicy(budget=self.timeout, silence=silence_of(self.uri))
         self._slots = threading.BoundedSemaphore(self.transfers)
         try:
             session = boto3.session.Session(profile_name=options.get("profile") or None)

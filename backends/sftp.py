@@ -98,7 +98,7 @@ from metasync.backends.base import (
     temp_path_parts,
 )
 from metasync.backends.capabilities import LOGS_MODES, logs_mode_capabilities
-from metasync.backends.retry import RetryPolicy, TransientError, retrying
+from metasync.backends.retry import RetryPolicy, TransientError, retrying, silence_of
 from metasync.errors import (
     BackendError,
     BackendFull,
@@ -506,7 +506,7 @@ class SftpBackend(Backend):
         self.location: str = posixpath.normpath(path)
         #: The namespace folder holding every key.
         self.root: str = posixpath.join(self.location, namespace)
-        self._policy = RetryPolicy(budget=self.timeout)
+        self._policy = RetryPolicy(budget=self.timeout, silence=silence_of(self.uri))
         self._pool = _Pool(self._connect, self.transfers)
         #: Folders known to exist (so each is made, or checked, once per instance).
         self._folders: set[str] = set()

@@ -79,7 +79,13 @@ from metasync.backends.logs import (
     entry_position,
     log_children,
 )
-from metasync.backends.retry import RetryPolicy, TransientError, parse_retry_after, retrying
+from metasync.backends.retry import (
+    RetryPolicy,
+    TransientError,
+    parse_retry_after,
+    retrying,
+    silence_of,
+)
 from metasync.errors import (
     BackendError,
     BackendFull,
@@ -303,7 +309,7 @@ class WebdavBackend(Backend):
             follow_redirects=False,
         )
         self._slots = threading.BoundedSemaphore(transfers)
-        self._policy = RetryPolicy(budget=self._timeout)
+        self._policy = RetryPolicy(budget=self._timeout, silence=silence_of(self.uri))
         # Folders known to exist (saves a MKCOL chain before most writes).
         self._folders: set[str] = set()
         self._folders_lock = threading.Lock()

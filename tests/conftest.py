@@ -244,6 +244,17 @@ def make_edge_case_tree(root: Path) -> None:
     (root / "big.bin").write_bytes(rng.randbytes(5 * 1024 * 1024))
 
 
+@pytest.fixture(autouse=True)
+def _no_pause_from_an_earlier_test() -> None:
+    """Backends opened in this process share each URI's pause after a silence
+    (:func:`metasync.backends.retry.silence_of`); a test starts with none, so a
+    server on a port an earlier test's silent server had is asked."""
+    from metasync.backends import retry
+
+    with retry._silences_lock:
+        retry._silences.clear()
+
+
 @pytest.fixture
 def backends(tmp_path: Path) -> list[Path]:
     """Three empty backend folders."""

@@ -14,6 +14,9 @@ never assert on how long a command took.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import backend_dirs, one_line_error, run_cli
+from tests.conftest import METASYNC, PASSPHRASE, backend_dirs, one_line_error, run_cli, wait_until
 from tests.servers.silent import SilentServer, silent_server
 
 #: Seconds after which a command counts as hung (the bound given is 2 s).
@@ -104,8 +107,9 @@ def _through_proxy(kind: str, request: pytest.FixtureRequest, tmp_path: Path
     reached through another port (the silent server's)."""
     if kind == "webdav":
         server = request.getfixturevalue("webdav_server")
-        (server.root_dir / "silent17").mkdir(exist_ok=True)
-        return (server.host, server.port), lambda port: server.uri("silent17", port=port)
+        name = f"silent17-{tmp_path.name}"
+        (server.root_dir / name).mkdir(exist_ok=True)
+        return (server.host, server.port), lambda port: server.uri(name, port=port)
     if kind == "sftp":
         sshd = request.getfixturevalue("sshd_server")
         root = sshd.root_dir / f"silent17-{tmp_path.name}"
@@ -153,6 +157,66 @@ def test_status_and_push_with_a_backend_gone_silent(
     clone = tmp_path / "clone"
     run_cli("clone", f"dir:{dirs['b1']}", str(clone))
     assert (clone / "b.txt").read_text() == "two\n"
+
+
+#: Daemon passes made while the server is silent, each committing one new file.
+DAEMON_PASSES = 4
+
+
+def _daemon_version(folder: Path) -> int:
+    doc = json.loads((folder / ".metasync" / "daemon.json").read_text())
+    return int(doc["version"]) if doc.get("state") == "idle" else -1
+
+
+def test_a_daemon_asks_a_silent_backend_once_a_pause_not_once_a_pass(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """The daemon opens its backends afresh for each sync pass. A backend that went
+    silent is still paused in the next pass (the pause belongs to the backend, not
+    to the pass's copy of it): passes committing four changes ask it no more than
+    one push does, instead of waiting out the timeout again in every pass (a pass
+    per change, each waiting twice the backend's 60 s timeout by default)."""
+    dirs = backend_dirs(tmp_path, "b1", "b2")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.txt").write_text("one\n")
+    target, uri_at = _through_proxy("webdav", request, tmp_path)
+    with silent_server(target=target) as server:
+        run_cli("init", str(folder), "--backend", f"dir:{dirs['b1']}",
+                "--backend", f"dir:{dirs['b2']}", "--backend", uri_at(server.port))
+        run_cli("push", cwd=folder)
+        server.silence()
+        before = server.accepted
+        env = {k: v for k, v in os.environ.items() if not k.startswith("METASYNC_")}
+        env.update(METASYNC_PASSPHRASE=PASSPHRASE, METASYNC_SILENCE_PAUSE="600")
+        out = tmp_path / "daemon.out"
+        with open(out, "wb") as fh:
+            proc = subprocess.Popen(
+                [METASYNC, "--timeout", TIMEOUT, "daemon", "--settle", "0.2", "--poll", "0.5",
+                 "--rescan", "600"],
+                cwd=folder, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            version = wait_until(lambda: _daemon_version(folder) > 0, HANG, "the daemon's first pass",
+                                 out.read_text)
+            for n in range(DAEMON_PASSES):
+                (folder / f"new{n}.txt").write_text(f"{n}\n")
+                version = wait_until(lambda v=version: _daemon_version(folder) > v and
+                                     _daemon_version(folder), HANG, f"the pass committing new{n}.txt",
+                                     out.read_text)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=HANG)
+            except subprocess.TimeoutExpired:  # pragma: no cover - the failure itself
+                proc.kill()
+                proc.wait()
+        assert "Traceback" not in out.read_text(), out.read_text()
+        asked = server.accepted - before
+        assert asked <= SILENT_PUSH_CONNECTIONS, (
+            f"{DAEMON_PASSES + 1} daemon passes asked the silent server {asked} times")
+    clone = tmp_path / "clone"
+    run_cli("clone", f"dir:{dirs['b1']}", str(clone))
+    assert (clone / f"new{DAEMON_PASSES - 1}.txt").read_text() == f"{DAEMON_PASSES - 1}\n"
 
 
 def test_a_request_to_a_backend_that_just_went_silent_is_not_sent(
@@ -268,6 +332,58 @@ def test_a_probe_from_before_a_new_pause_does_not_end_the_next_probe(
     silence.probe_failed(u)
     assert silence.admit("w") == (u + 1, None)
     other.shutdown()
+
+
+def test_a_probe_that_gets_no_answer_is_not_retried_and_starts_a_longer_pause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The request let through after a pause is sent once: a timeout says the backend
+    is still silent. The next pause is as long as the whole silence so far, growing
+    with each probe that gets no answer up to ten minutes; an answer ends it, and the
+    next silence starts from the short pause again. Every object of one backend URI
+    shares the pause (the daemon opens its backends for each pass)."""
+    from metasync.backends import retry
+    from metasync.errors import NoAnswer, PausedBackend
+
+    now = [1000.0]
+    monkeypatch.setattr(retry.time, "monotonic", lambda: now[0])
+    monkeypatch.delenv("METASYNC_SILENCE_PAUSE", raising=False)
+    uri = "webdav://127.0.0.1:9/x"
+    policy = retry.RetryPolicy(attempts=3, base=0.0, budget=30.0, silence=retry.silence_of(uri))
+    assert retry.silence_of(uri) is policy.silence
+    assert retry.silence_of("webdav://127.0.0.1:9/y") is not policy.silence
+    sent: list[float] = []
+
+    def silent() -> None:
+        sent.append(now[0])
+        now[0] += 30.0
+        raise NoAnswer("no answer within 30s")
+
+    with pytest.raises(NoAnswer):
+        retry.retrying(policy, "list", silent)
+    assert len(sent) == 2  # a request's one retry, as before
+    pauses = []
+    for _ in range(6):
+        # The next pass's backend object for the same URI is refused until the end.
+        later = retry.RetryPolicy(budget=30.0, silence=retry.silence_of(uri))
+        with pytest.raises(PausedBackend):
+            retry.retrying(later, "list", silent)
+        until = policy.silence._until
+        pauses.append(until - now[0])
+        now[0] = until
+        count = len(sent)
+        with pytest.raises(NoAnswer):
+            retry.retrying(later, "probe", silent)
+        assert len(sent) == count + 1  # the probe: once
+    # 60 s after a request's two timeouts; then as long as the silence since that
+    # request gave up: 60 + 30 s of probe, then 90 + 90 + 30, ..., at most 600.
+    assert pauses == [60.0, 90.0, 210.0, 450.0, 600.0, 600.0]
+    now[0] = policy.silence._until
+    assert retry.retrying(policy, "probe", lambda: "ok") == "ok"
+    now[0] += 1.0
+    with pytest.raises(NoAnswer):
+        retry.retrying(policy, "list", silent)
+    assert policy.silence._until - now[0] == 60.0  # a new silence: a short pause again
 
 
 def test_rclone_words_only_a_wait_that_ran_out_as_no_answer() -> None:
