@@ -522,6 +522,8 @@ class CloudAccess:
     #: Access tokens of ``account``, refreshed as needed.
     tokens: TokenSource
     policy: RetryPolicy
+    #: The retries of a change feed's long-poll: a pause of its own.
+    feed_policy: RetryPolicy
     #: The API base URL (None: the real service) and the CA file to trust for it.
     _base_url: str | None
     _ca_file: str | None
@@ -559,6 +561,9 @@ class CloudAccess:
         self._ca_file = where.ca_file
         self.tokens = TokenSource(provider, self.account, refresher(where.base_url, where.ca_file))
         self.policy = RetryPolicy(budget=self.timeout, silence=silence_of(uri))
+        # A change feed's long-poll is held open for minutes by a service that is
+        # there: it is never the probe a pause lets through for the others.
+        self.feed_policy = RetryPolicy(budget=self.timeout)
         self._slots = threading.BoundedSemaphore(self.transfers)
 
     @property
@@ -616,10 +621,13 @@ class CloudAccess:
         action: str,
         attempt: Callable[[], T],
         on_retry: Callable[[BaseException], None] | None = None,
+        policy: RetryPolicy | None = None,
     ) -> T:
         """``attempt()`` with retries of transient failures under the backend's policy
-        (:func:`retrying`); ``attempt`` must be safe to repeat."""
-        return retrying(self.policy, self._what(action, key), attempt, on_retry=on_retry)
+        (:func:`retrying`; ``policy`` instead if given); ``attempt`` must be safe to
+        repeat."""
+        return retrying(policy or self.policy, self._what(action, key), attempt,
+                        on_retry=on_retry)
 
     def _call(
         self,
@@ -633,13 +641,15 @@ class CloudAccess:
         """``fn(client)`` on the client of :meth:`_connect` (asked again for each
         attempt: the token may have been refreshed), each attempt by
         :meth:`_attempt` (``slotted`` as there), with retries of transient failures;
-        ``fn`` must be safe to repeat."""
+        ``fn`` must be safe to repeat. A request without a slot (a long-poll) runs under
+        :attr:`feed_policy`, out of the backend's pause after a silence."""
 
         def attempt() -> T:
             client, token = self._connect()
             return self._attempt(key, action, lambda: fn(client), token, slotted=slotted)
 
-        return self._retried(key, action, attempt, on_retry)
+        return self._retried(key, action, attempt, on_retry,
+                             None if slotted else self.feed_policy)
 
 
 # --- sign-in ---------------------------------------------------------------------------

@@ -20,14 +20,17 @@ not one per attempt. Once a request has ended with no answer
 (:class:`~metasync.errors.NoAnswer`), the backend's next requests fail at once
 (:class:`~metasync.errors.PausedBackend`, never sent) for a pause as long as the
 silence already seen (twice the budget, 5-60 s; :class:`Silence`, a circuit
-breaker); then one request is let through (the probe, not retried), and until it
-answers or fails the others still fail at once; a probe that gets no answer starts
-a pause as long as the whole silence so far (at most 10 minutes). The pause belongs
-to the backend's URI, not to one object of it: a daemon's next sync pass, which
-opens its backends afresh, does not ask a silent backend again before it is over. A push to a silent backend among answering ones costs one
+breaker); then one request is let through (the probe), and until it answers or
+fails (or has been out for three times the budget: answers are coming) the others
+still fail at once; a probe that gets no answer starts a pause as long as the whole
+silence so far (at most 10 minutes; unless ``METASYNC_SILENCE_PAUSE`` fixes it).
+The pause belongs to the backend's URI, not to one object of it: a daemon's next
+sync pass, which opens its backends afresh, does not ask a silent backend again
+before it is over. A push to a silent backend among answering ones costs one
 timeout, not one per request made to it (consensus, uploads, listings, the client
 state). An answer of any kind, even "not found", ends the pause; a timeout of a
-request sent before the backend's last answer does not start one.
+request sent before the backend's last answer does not start one, and one sent
+before the silence began changes nothing.
 
 Tuning, for tests and slow links: ``METASYNC_RETRY_ATTEMPTS`` (default 5),
 ``METASYNC_RETRY_BASE`` (seconds, default 0.2) and ``METASYNC_SILENCE_PAUSE``
@@ -136,6 +139,7 @@ class Silence:
         self._probes = 0
         self._prober = 0
         self._probe_sent = 0.0
+        self._probe_limit = 0.0  # seconds after which the probe counts as answered
         self._began = (0.0, "")  # when the pause began, and the failure that began it
         self._answered_at = float("-inf")
 
@@ -148,25 +152,27 @@ class Silence:
             return self.pause
         return 60.0 if budget is None else min(60.0, max(5.0, 2 * budget))
 
-    def admit(self, what: str) -> tuple[int, PausedBackend | None]:
-        """The number of the probe if request ``what`` is the one let through after
-        a pause (else 0), and the error it fails with at once instead (None: it may
-        be sent)."""
+    def admit(self, what: str, budget: float | None = None) -> tuple[int, PausedBackend | None]:
+        """The number of the probe if request ``what`` (whose policy's budget is
+        ``budget``) is the one let through after a pause (else 0), and the error it
+        fails with at once instead (None: it may be sent)."""
         if not self._until:
             return 0, None
         now = time.monotonic()
         with self._lock:
             if not self._until:
                 return 0, None
-            if self._probe and now - self._probe_sent > self._length:
-                # Out for longer than a silent backend would keep it: answers are
-                # coming (a big transfer on a slow link). Open again.
+            if self._probe and now - self._probe_sent > self._probe_limit:
+                # Out for longer than a silent backend would keep it (its attempts'
+                # timeouts): answers are coming (a big transfer on a slow link).
                 self._until, self._probe = 0.0, 0
                 return 0, None
             if now >= self._until and not self._probe:
                 self._probes += 1
                 self._probe, self._prober, self._probe_sent = (
                     self._probes, threading.get_ident(), now)
+                self._probe_limit = (PROBE_LIMIT * budget if budget is not None
+                                     else self._length)
                 return self._probe, None
             if self._probe and self._prober == threading.get_ident():
                 return 0, None  # a request the probe makes on its way
@@ -183,26 +189,40 @@ class Silence:
             with self._lock:
                 self._until, self._probe = 0.0, 0
 
+    def end(self) -> None:
+        """End the pause now (the user asked to sync now: a backend that is back
+        should not wait out up to ten minutes)."""
+        with self._lock:
+            self._until, self._probe = 0.0, 0
+
     def went_silent(self, exc: NoAnswer, sent_at: float, budget: float | None,
                     probe: int = 0) -> None:
         """A request sent at ``sent_at`` (monotonic) ended with ``exc``: pause,
-        unless the backend answered another request since it was sent. ``probe``: the
-        number of the probe that it was (:meth:`admit`); the silence goes on, and the
-        next pause is as long as all of it so far, up to :data:`LONGEST_PAUSE` (a
-        daemon facing a provider gone for hours waits out a probe's timeout once in
-        a long pause, not once a minute)."""
+        unless the backend answered another request since it was sent.
+
+        While a silence is under way, a request sent before it began says nothing
+        new and changes nothing; the probe's failure (``probe``: its number from
+        :meth:`admit`) starts a pause as long as the whole silence so far, up to
+        :data:`LONGEST_PAUSE` (a daemon facing a provider gone for hours waits out a
+        probe's timeouts once in a long pause, not once a minute); no failure
+        shortens a pause."""
         now = time.monotonic()
         with self._lock:
             if self._answered_at >= sent_at:
                 return  # a stale failure: the backend answered since
             length = self.pause_for(budget)
-            if probe and probe == self._probe and self.pause is None:
-                length = min(LONGEST_PAUSE, max(length, now - self._began[0]))
-            else:
+            if not self._until:  # a new silence
                 self._began = (now, str(exc))
-            self._length = length
-            self._until = now + length
-            self._probe = 0
+                self._length, self._until, self._probe = length, now + length, 0
+                return
+            if sent_at < self._began[0]:
+                return  # sent before this silence began: nothing new
+            if probe and probe == self._probe:
+                self._probe = 0
+                if self.pause is None:
+                    length = min(LONGEST_PAUSE, max(length, now - self._began[0]))
+            if now + length > self._until:
+                self._length, self._until = length, now + length
 
     def probe_failed(self, probe: int) -> None:
         """Probe number ``probe`` failed otherwise (refused, dropped): let the next
@@ -214,6 +234,9 @@ class Silence:
 
 #: The longest pause (seconds) after probes of a silent backend got no answer.
 LONGEST_PAUSE = 600.0
+#: A probe out for this many times its budget is getting answers (a silent backend
+#: fails it within two timeouts, its one retry included): the others go too.
+PROBE_LIMIT = 3
 
 #: Every network backend's pause in this process, by the backend's URI: a service's
 #: silence outlives the backend object that met it (the daemon opens its backends
@@ -230,6 +253,14 @@ def silence_of(uri: str) -> Silence:
         if silence is None:
             silence = _silences[uri] = Silence()
         return silence
+
+
+def end_pause(uri: str) -> None:
+    """End the pause of the backend at ``uri`` now, if it has one (:meth:`Silence.end`)."""
+    with _silences_lock:
+        silence = _silences.get(uri)
+    if silence is not None:
+        silence.end()
 
 
 def _env_pause() -> float | None:
@@ -300,12 +331,12 @@ def retrying(
     ``request`` is not called: :class:`PausedBackend` at once.
     """
     silence = policy.silence
-    probe, refused = silence.admit(what)
+    probe, refused = silence.admit(what, policy.budget)
     if refused is not None:
         raise refused
     sent_at = time.monotonic()
     try:
-        result = _attempts(policy, what, request, on_retry, probe=bool(probe))
+        result = _attempts(policy, what, request, on_retry)
     except BaseException as exc:
         if isinstance(exc, NoAnswer) and not isinstance(exc, PausedBackend):
             silence.went_silent(exc, sent_at, policy.budget, probe)
@@ -323,19 +354,15 @@ def _attempts(
     what: str,
     request: Callable[[], T],
     on_retry: Callable[[BaseException], None] | None,
-    *,
-    probe: bool = False,
 ) -> T:
-    """:func:`retrying`'s loop of attempts. A ``probe`` (the request let through after
-    a pause) is not tried again if it gets no answer: the backend is still silent."""
+    """:func:`retrying`'s loop of attempts."""
     attempt = 0
     first_failure: float | None = None
     while True:
         try:
             return request()
         except BackendError as exc:
-            if (not exc.transient or attempt + 1 >= policy.attempts
-                    or isinstance(exc, PausedBackend) or (probe and isinstance(exc, NoAnswer))):
+            if not exc.transient or attempt + 1 >= policy.attempts or isinstance(exc, PausedBackend):
                 raise
             retry_after = getattr(exc, "retry_after", None)
             if retry_after is not None and retry_after > policy.max_retry_after:

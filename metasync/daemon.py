@@ -21,6 +21,7 @@ State for ``metasync daemon status`` is written atomically to
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from metasync.backends import Backend, open_backend, public_uri
+from metasync.backends.retry import end_pause
 from metasync.committer import Change
 from metasync.context import DAEMON_LOCK, PID_FILE, daemon_running
 from metasync.daemon_health import EventSink, FolderStats, Health, LogNotes, Settings
@@ -160,7 +162,9 @@ class Daemon:
         self._wake.set()
 
     def sync_now(self) -> None:
-        """Sync at once: a full check of the folder and the backends."""
+        """Sync at once: a full check of the folder and every backend (paused ones too)."""
+        for backend in list(self._acceptors.values()):
+            end_pause(backend.uri)
         self._remote_pending = True
         self._dirty = True
         self._last_event = 0.0
@@ -185,10 +189,8 @@ class Daemon:
         try:
             self.serve()
         finally:
-            try:
+            with contextlib.suppress(OSError):
                 (self.meta / PID_FILE).unlink(missing_ok=True)
-            except OSError:
-                pass
             os.close(pid_fd)
         return 0
 

@@ -219,6 +219,33 @@ def test_a_daemon_asks_a_silent_backend_once_a_pause_not_once_a_pass(
     assert (clone / f"new{DAEMON_PASSES - 1}.txt").read_text() == f"{DAEMON_PASSES - 1}\n"
 
 
+def test_sync_now_ends_the_pause_of_the_folders_backends(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """The user's "Sync now" (the service's button and API) tries a paused backend
+    again at once: it may be back, and the pause can last ten minutes."""
+    from metasync.backends import retry
+    from metasync.daemon import Daemon
+    from metasync.errors import NoAnswer
+
+    dirs = backend_dirs(tmp_path, "b1", "b2")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    target, uri_at = _through_proxy("webdav", request, tmp_path)
+    with silent_server(target=target) as server:
+        run_cli("init", str(folder), "--backend", f"dir:{dirs['b1']}",
+                "--backend", f"dir:{dirs['b2']}", "--backend", uri_at(server.port))
+        daemon = Daemon(folder)
+        daemon._open_acceptors()
+    webdav = [b for b in daemon._acceptors.values() if b.uri.startswith("webdav")]
+    assert len(webdav) == 1, daemon._acceptors
+    silence = retry.silence_of(webdav[0].uri)
+    silence.went_silent(NoAnswer("no answer within 2s"), 0.0, 2.0)
+    assert silence.admit("list")[1] is not None  # paused
+    daemon.sync_now()
+    assert silence.admit("list") == (0, None)
+
+
 def test_a_request_to_a_backend_that_just_went_silent_is_not_sent(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -266,15 +293,20 @@ def test_a_request_to_a_backend_that_just_went_silent_is_not_sent(
     assert retry.retrying(policy, "upload 'a'", probe) == "ok"
     assert retry.retrying(policy, "upload 'b'", answers) == "ok"  # answered: open again
 
-    # A probe out for longer than a silent backend would keep it (a big transfer on
-    # a slow link, still answering) does not keep the others out any longer.
+    # A probe out for longer than a silent backend would keep it (three times the
+    # budget: a big transfer on a slow link, still answering) does not keep the
+    # others out any longer; until then they are.
+    now[0] += 1.0  # (a request sent in the same instant as an answer is stale)
     with pytest.raises(NoAnswer):
         retry.retrying(policy, "list 'floor'", silent)
     now[0] += 5.0
 
     def slow_probe() -> str:
-        now[0] += 6.0
         other = ThreadPoolExecutor(1)
+        now[0] += 6.0
+        with pytest.raises(PausedBackend):
+            other.submit(retry.retrying, policy, "upload 'e'", lambda: "e").result()
+        now[0] += 0.5
         assert other.submit(retry.retrying, policy, "upload 'e'", lambda: "e").result() == "e"
         other.shutdown()
         return "ok"
@@ -308,11 +340,11 @@ def test_a_request_to_a_backend_that_just_went_silent_is_not_sent(
                      "answers"]
 
 
-def test_a_probe_from_before_a_new_pause_does_not_end_the_next_probe(
+def test_a_failure_from_before_a_pause_changes_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Probe T is out when an older request times out (a new pause); after it probe
-    U goes out. T failing then must not let a third request through beside U."""
+    """A request sent before the silence began that then times out says nothing new:
+    it neither shortens the pause nor lets a second probe out beside the first."""
     from metasync.backends import retry
     from metasync.errors import NoAnswer, PausedBackend
 
@@ -321,27 +353,27 @@ def test_a_probe_from_before_a_new_pause_does_not_end_the_next_probe(
     silence = retry.Silence(5.0)
     other = ThreadPoolExecutor(1)
     silence.went_silent(NoAnswer("a"), 999.0, 2.0)
+    silence.went_silent(NoAnswer("older"), 998.0, 2.0)
+    assert silence._until == 1005.0
     now[0] += 5.0
     t, _ = silence.admit("t")
-    silence.went_silent(NoAnswer("older"), 998.0, 2.0)
-    now[0] += 5.0
-    u, _ = other.submit(silence.admit, "u").result()
-    assert t and u and t != u
-    silence.probe_failed(t)
-    assert isinstance(silence.admit("v")[1], PausedBackend)  # U is still the probe
-    silence.probe_failed(u)
-    assert silence.admit("w") == (u + 1, None)
+    silence.went_silent(NoAnswer("older still"), 998.5, 2.0)
+    now[0] += 1.0
+    u, refused = other.submit(silence.admit, "u").result()
+    assert t and not u and isinstance(refused, PausedBackend)  # T is still the probe
+    silence.probe_failed(t)  # T refused otherwise: the next request goes in its place
+    assert silence.admit("w") == (t + 1, None)
     other.shutdown()
 
 
-def test_a_probe_that_gets_no_answer_is_not_retried_and_starts_a_longer_pause(
+def test_a_probe_that_gets_no_answer_starts_a_longer_pause(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The request let through after a pause is sent once: a timeout says the backend
-    is still silent. The next pause is as long as the whole silence so far, growing
-    with each probe that gets no answer up to ten minutes; an answer ends it, and the
-    next silence starts from the short pause again. Every object of one backend URI
-    shares the pause (the daemon opens its backends for each pass)."""
+    """While probes get no answer, each pause is as long as the whole silence so far,
+    up to ten minutes; the others stay refused while a probe waits out its timeouts
+    (the backends' default budget, 60 s, as long as the first pause); an answer ends
+    it, and the next silence starts from the short pause again. Every object of one
+    backend URI shares the pause (the daemon opens its backends for each pass)."""
     from metasync.backends import retry
     from metasync.errors import NoAnswer, PausedBackend
 
@@ -349,15 +381,16 @@ def test_a_probe_that_gets_no_answer_is_not_retried_and_starts_a_longer_pause(
     monkeypatch.setattr(retry.time, "monotonic", lambda: now[0])
     monkeypatch.delenv("METASYNC_SILENCE_PAUSE", raising=False)
     uri = "webdav://127.0.0.1:9/x"
-    policy = retry.RetryPolicy(attempts=3, base=0.0, budget=30.0, silence=retry.silence_of(uri))
+    policy = retry.RetryPolicy(attempts=3, base=0.0, budget=60.0, silence=retry.silence_of(uri))
     assert retry.silence_of(uri) is policy.silence
     assert retry.silence_of("webdav://127.0.0.1:9/y") is not policy.silence
     sent: list[float] = []
+    other = ThreadPoolExecutor(1)
 
     def silent() -> None:
         sent.append(now[0])
-        now[0] += 30.0
-        raise NoAnswer("no answer within 30s")
+        now[0] += 60.0
+        raise NoAnswer("no answer within 60s")
 
     with pytest.raises(NoAnswer):
         retry.retrying(policy, "list", silent)
@@ -365,25 +398,33 @@ def test_a_probe_that_gets_no_answer_is_not_retried_and_starts_a_longer_pause(
     pauses = []
     for _ in range(6):
         # The next pass's backend object for the same URI is refused until the end.
-        later = retry.RetryPolicy(budget=30.0, silence=retry.silence_of(uri))
+        later = retry.RetryPolicy(attempts=3, base=0.0, budget=60.0,
+                                  silence=retry.silence_of(uri))
         with pytest.raises(PausedBackend):
             retry.retrying(later, "list", silent)
         until = policy.silence._until
         pauses.append(until - now[0])
         now[0] = until
-        count = len(sent)
+
+        def probe() -> None:
+            sent.append(now[0])
+            now[0] += 60.0
+            refused = other.submit(retry.retrying, policy, "upload", lambda: "sent").exception()
+            assert isinstance(refused, PausedBackend)  # the probe is out: not sent
+            raise NoAnswer("no answer within 60s")
+
         with pytest.raises(NoAnswer):
-            retry.retrying(later, "probe", silent)
-        assert len(sent) == count + 1  # the probe: once
+            retry.retrying(later, "probe", probe)
     # 60 s after a request's two timeouts; then as long as the silence since that
-    # request gave up: 60 + 30 s of probe, then 90 + 90 + 30, ..., at most 600.
-    assert pauses == [60.0, 90.0, 210.0, 450.0, 600.0, 600.0]
+    # request gave up: 60 + 120 s of probe, then 180 + 180 + 120, ..., at most 600.
+    assert pauses == [60.0, 180.0, 480.0, 600.0, 600.0, 600.0]
     now[0] = policy.silence._until
     assert retry.retrying(policy, "probe", lambda: "ok") == "ok"
     now[0] += 1.0
     with pytest.raises(NoAnswer):
         retry.retrying(policy, "list", silent)
     assert policy.silence._until - now[0] == 60.0  # a new silence: a short pause again
+    other.shutdown()
 
 
 def test_rclone_words_only_a_wait_that_ran_out_as_no_answer() -> None:

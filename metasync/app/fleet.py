@@ -30,7 +30,10 @@ Process-wide state that could couple folders, and what is done about it:
   ``Repository`` (opened per sync); the backends' module-level lock guards only the
   creation of a log store (no I/O under it); ``metasync.verification`` remembers
   per backend when it last checked it (shared by folders on the same backend, which
-  is correct). Crash and pause points (``metasync.faults``) are test-only.
+  is correct), and ``metasync.backends.retry`` each backend URI's pause after it
+  went silent (shared too, which is correct: a silent server is silent for every
+  folder on it; "Sync now" of a folder ends the pauses of its backends). Crash and
+  pause points (``metasync.faults``) are test-only.
 """
 
 from __future__ import annotations
