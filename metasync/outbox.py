@@ -348,6 +348,9 @@ class Outbox:
         self.folder = ctx.outbox_dir
         self.graph = graph
         self.replicator = replicator
+        #: What an earlier command left queued (a Ctrl-C or a crash in its flush): its
+        #: uploads may have reached some backends, which are not sent it again.
+        self._left = {stored_id for stored_id, _ in self.db.outbox()}
 
         #: Packs a push uploaded while it committed (see :class:`EarlyUpload`),
         #: booked by the next flush.
@@ -512,7 +515,7 @@ class Outbox:
                 items = [(sid, self._loader(sid)) for sid, kind in pending
                          if kind == phase and sid not in placed]
                 if items:
-                    self.replicator.upload(items, done)
+                    self.replicator.upload(items, done, self._left)
         except (Interrupted, KeyboardInterrupt) as exc:
             if early_upload is not None and not announced:
                 # Stopped before this flush announced (while it waited for the early

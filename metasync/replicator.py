@@ -32,7 +32,7 @@ The rules it keeps:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import CancelledError, Future, wait
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -63,7 +63,8 @@ class Uploaded:
     """Where one upload put an object."""
 
     stored_id: str
-    #: Bytes stored on backends, all copies or fragments together.
+    #: Bytes sent to backends, all copies or fragments together (a copy a backend
+    #: already held, whole, is not sent: :meth:`Replicator.upload`'s ``resumed``).
     written: int
     #: The backends that should hold it (its R holders, or its n fragment holders).
     holders: tuple[str, ...]
@@ -175,6 +176,7 @@ class Replicator:
         self,
         items: Iterable[tuple[str, Callable[[], BinaryIO]]],
         on_done: Callable[[Uploaded], None],
+        resumed: Collection[str] = (),
     ) -> None:
         """Upload every ``(stored_id, open)`` (bytes this client made), many at once;
         ``open()`` returns a fresh readable, seekable stream of the stored bytes.
@@ -190,6 +192,10 @@ class Replicator:
         :class:`ObjectUnavailable` if some object reached no backend at all (it is
         not reported done: it stays queued). Stopped (Ctrl-C, see :func:`_results`),
         it raises once no transfer runs, every finished object reported done.
+
+        ``resumed``: ids an earlier command may have begun uploading (left queued by
+        a Ctrl-C or a crash); a backend that already holds one, whole, is not sent
+        it again.
         """
         store = self.store
 
@@ -205,18 +211,23 @@ class Replicator:
                 holders = order[: store.config.replicas]
                 copies: dict[str, int | None] = {}
                 missed: dict[str, str] = {}
+                written = 0
                 for backend_id in order:
                     if len(copies) >= len(holders):
                         break
                     if backend_id not in holders and backend_id in store.down:
                         continue  # a spill goes only where writes work
+                    if stored_id in resumed and store.has_copy(backend_id, stored_id, size):
+                        copies[backend_id] = None
+                        continue
                     stream.seek(0)
                     reason = store.put_copy(backend_id, stored_id, stream)
                     if reason is None:
                         copies[backend_id] = None
+                        written += size
                     elif backend_id in holders:
                         missed[backend_id] = reason
-            placed = Uploaded(stored_id, size * len(copies), holders, copies, missed)
+            placed = Uploaded(stored_id, written, holders, copies, missed)
             self._record_spill(placed)
             return placed
 

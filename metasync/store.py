@@ -351,6 +351,16 @@ class RemoteStore:
         self.stats.add_put(len(data) if isinstance(data, bytes) else data.tell() - start)
         return None
 
+    def has_copy(self, backend_id: str, stored_id: str, size: int) -> bool:
+        """True if ``backend_id`` already holds an object of ``size`` bytes at the
+        object's key (a copy an interrupted upload finished before it was booked).
+        As much trust as a put's acknowledgement: stored ids name content, and what
+        a backend says it holds is checked by fsck either way."""
+        try:
+            return self._backend(backend_id).size(object_key(stored_id)) == size
+        except MetasyncError:
+            return False
+
     # --- reads --------------------------------------------------------------------
     def get_standalone(self, kind: str, object_id: str) -> bytes:
         """Plaintext of a standalone object, from the best backend with a good copy

@@ -316,6 +316,37 @@ def test_ctrl_c_stops_a_push_and_the_next_push_finishes(setup: Setup) -> None:
     assert snapshot(clone) == snapshot(setup.work)
 
 
+def test_the_next_push_sends_no_copy_an_interrupted_push_finished(setup: Setup) -> None:
+    """An object of an interrupted push that got its copy on one backend but not yet
+    on the other stays queued (it is not placed); the next push sends it only to the
+    backend that lacks it, not again to the one that holds it whole (before, such
+    objects -- every one in flight at the Ctrl-C -- were sent again to every holder).
+    fsck finds every copy, a clone is identical."""
+    setup.fill(8)  # 8 MB, 16 MB of copies at 1 MB/s
+    setup.valve.rate["up"] = 1_000_000
+    push = setup.start("push", "-m", "big", held_in_flush=True)
+
+    def one_only() -> set[str]:
+        stored = setup.stored()
+        names = [{p.name for p in stored if s in p.parents} for s in setup.stores]
+        return names[0] ^ names[1]
+
+    setup.interrupt_when(push, lambda: setup.flushing() and len(one_only()) >= 2,
+                         "the push to upload the first copies of two objects")
+    stored = setup.stored()
+    partial = {p: ino for p, ino in stored.items() if p.name in one_only()}
+    assert partial, "no object was left with one copy"
+    setup.valve.rate["up"] = None
+    setup.cli("push")
+    after = setup.stored()
+    assert {p: after.get(p) for p in partial} == partial  # not sent again
+    assert {p.name for p in partial} <= setup.on_both(after)  # the other copy made
+    assert "ok:" in setup.cli("fsck").stdout
+    clone = setup.tmp / "clone"
+    setup.cli("clone", setup.uris[1], str(clone), "--backend", setup.uris[0], cwd=setup.tmp)
+    assert snapshot(clone) == snapshot(setup.work)
+
+
 def test_sigterm_stops_a_push_like_ctrl_c(setup: Setup) -> None:
     """SIGTERM is handled as Ctrl-C is."""
     setup.fill(24)

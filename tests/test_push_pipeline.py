@@ -187,10 +187,10 @@ def _watch_uploads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     asked: list[tuple[str, str]] = []
     upload = Replicator.upload
 
-    def watched(self: Replicator, items: Any, on_done: Any) -> None:
+    def watched(self: Replicator, items: Any, on_done: Any, resumed: Any = ()) -> None:
         items = list(items)
         asked.extend((threading.current_thread().name, stored_id) for stored_id, _ in items)
-        upload(self, items, on_done)
+        upload(self, items, on_done, resumed)
 
     monkeypatch.setattr(Replicator, "upload", watched)
     return asked
