@@ -249,10 +249,7 @@ def silence_of(uri: str) -> Silence:
     """The pause of the backend at ``uri``: one :class:`Silence` for every object of
     that backend this process opens."""
     with _silences_lock:
-        silence = _silences.get(uri)
-        if silence is None:
-            silence = _silences[uri] = Silence()
-        return silence
+        return _silences.setdefault(uri, Silence())
 
 
 def end_pause(uri: str) -> None:
