@@ -242,6 +242,8 @@ class EarlyUpload:
         self._uploads: list[threading.Thread] = []
         #: Packs on enough backends, by id, with where their copies went.
         self.placed: dict[str, Uploaded] = {}
+        #: Packs handed to an upload once their announcement took the quorum.
+        self.sent: set[str] = set()
 
     def offer(self, pack_id: str) -> None:
         """Queue a pack now durable in the outbox (from any thread)."""
@@ -271,6 +273,7 @@ class EarlyUpload:
                 except Exception:  # the flush does it again, and reports it
                     self._give_up()
                     return
+                self.sent.update(batch)
                 upload = threading.Thread(target=self._upload, args=(batch,),
                                           name="metasync-early-upload", daemon=True)
                 upload.start()
@@ -348,9 +351,12 @@ class Outbox:
         self.folder = ctx.outbox_dir
         self.graph = graph
         self.replicator = replicator
-        #: What an earlier command left queued (a Ctrl-C or a crash in its flush): its
-        #: uploads may have reached some backends, which are not sent it again.
-        self._left = {stored_id for stored_id, _ in self.db.outbox()}
+        #: What an earlier command left queued after it began uploading it (announced
+        #: first, always: a Ctrl-C or a crash in its flush): copies may be on some
+        #: backends, which are not sent it again. Only those: a copy of what was
+        #: never sent (an offline commit's) is not looked for.
+        self._left = ({stored_id for stored_id, _ in self.db.outbox()}
+                      & set(ctx.state.announced))
 
         #: Packs a push uploaded while it committed (see :class:`EarlyUpload`),
         #: booked by the next flush.
@@ -523,8 +529,11 @@ class Outbox:
                 # placed went up only after an announcement of its own that names it
                 # took the quorum. Recorded as announced, every later announcement of
                 # this client names it too, so it is kept, not uploaded again.
+                # So is each it began to upload (announced the same way): copies of
+                # it may be whole on some backends, which the next flush asks first.
                 self.stop_early()
-                self._keep_announced([sid for sid, _ in pending if sid in placed])
+                self._keep_announced([sid for sid, _ in pending
+                                      if sid in placed or sid in early_upload.sent])
                 announced = True
             book_early()  # what the early upload placed before it stopped is kept too
             if not CANCEL.requested() and not isinstance(exc, Interrupted):

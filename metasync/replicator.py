@@ -194,8 +194,8 @@ class Replicator:
         it raises once no transfer runs, every finished object reported done.
 
         ``resumed``: ids an earlier command may have begun uploading (left queued by
-        a Ctrl-C or a crash); a backend that already holds one, whole, is not sent
-        it again.
+        a Ctrl-C or a crash); a backend that already holds a whole copy of one is not
+        sent it again (fragments of an erasure-coded object are sent again).
         """
         store = self.store
 
@@ -217,7 +217,8 @@ class Replicator:
                         break
                     if backend_id not in holders and backend_id in store.down:
                         continue  # a spill goes only where writes work
-                    if stored_id in resumed and store.has_copy(backend_id, stored_id, size):
+                    if (stored_id in resumed and backend_id not in store.down
+                            and store.has_copy(backend_id, stored_id, size)):
                         copies[backend_id] = None
                         continue
                     stream.seek(0)

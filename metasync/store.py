@@ -358,6 +358,8 @@ class RemoteStore:
         a backend says it holds is checked by fsck either way."""
         try:
             return self._backend(backend_id).size(object_key(stored_id)) == size
+        except Interrupted:
+            raise  # the user's stop, not the backend's answer
         except MetasyncError:
             return False
 

@@ -154,6 +154,42 @@ def test_upload_writes_every_holder(make_world: Callable[..., World]) -> None:
                    if b not in holders)
 
 
+def test_a_resumed_upload_sends_only_the_copies_a_holder_lacks_whole(
+        make_world: Callable[..., World]) -> None:
+    """Ids an earlier command began uploading (``resumed``): a holder with a whole
+    copy (same size) is not sent it again and counts as a copy; one with a truncated
+    object at the key is sent it (overwritten). Bytes written count only what was
+    sent. Ids not resumed are sent as ever."""
+    world = make_world()
+    whole, truncated, fresh = (_pack(world) for _ in range(3))
+    for (sid, _), planted in ((whole, whole[1]), (truncated, truncated[1][:-1])):
+        first = world.store.mapping.locate(sid)[0]
+        world.backends[first].inner.put(object_key(sid), planted)
+    puts: list[tuple[str, str]] = []
+    for backend_id, backend in world.backends.items():
+        real = backend.put
+
+        def put(key: str, data: object, real: Callable[..., None] = real,
+                backend_id: str = backend_id) -> None:
+            puts.append((backend_id, key))
+            real(key, data)
+
+        backend.put = put  # type: ignore[method-assign]
+    placed: dict[str, Uploaded] = {}
+    world.replicator.upload([(sid, _loader(data)) for sid, data in (whole, truncated, fresh)],
+                            lambda up: placed.__setitem__(up.stored_id, up),
+                            {whole[0], truncated[0]})
+    for sid, data in (whole, truncated, fresh):
+        holders = world.store.mapping.locate(sid)
+        assert all(world.stored(b, object_key(sid)) == data for b in holders)
+        assert sorted(placed[sid].copies) == sorted(holders) and not placed[sid].missed
+    whole_first = world.store.mapping.locate(whole[0])[0]
+    assert (whole_first, object_key(whole[0])) not in puts  # not sent again
+    assert placed[whole[0]].written == len(whole[1])  # the other holder's copy only
+    assert placed[truncated[0]].written == 2 * len(truncated[1])
+    assert placed[fresh[0]].written == 2 * len(fresh[1])
+
+
 def test_upload_records_a_refused_copy_and_fails_only_when_no_holder_took_it(
         make_world: Callable[..., World]) -> None:
     world = make_world()
