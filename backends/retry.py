@@ -178,8 +178,12 @@ class Silence:
                 return 0, None  # a request the probe makes on its way
             self.skipped += 1
             since, first = self._began
+            # When it is asked again: what a user looking at a paused backend wants.
+            again = ("is being asked again now" if self._probe
+                     else f"is asked again in {max(1.0, self._until - now):.0f}s")
         return 0, PausedBackend(
-            f"{what}: not sent, the backend gave no answer {now - since:.0f}s ago ({first})")
+            f"{what}: not sent, the backend gave no answer {now - since:.0f}s ago and "
+            f"{again} ({first})")
 
     def answered(self) -> None:
         """An answer came: the backend is not silent (ends a pause). Every request

@@ -276,7 +276,8 @@ def test_a_request_to_a_backend_that_just_went_silent_is_not_sent(
         retry.retrying(policy, "list 'floor'", silent)
     assert calls == ["silent", "silent"]  # one retry within the budget, as before
     now[0] += 4.0  # 4 s into the 5 s pause
-    with pytest.raises(PausedBackend, match=r"upload 'a': not sent, .* 4s ago .*no answer within 2s"):
+    with pytest.raises(PausedBackend, match=r"upload 'a': not sent, .* 4s ago and is asked "
+                                            r"again in 1s .*no answer within 2s"):
         retry.retrying(policy, "upload 'a'", answers)
     assert calls == ["silent", "silent"] and policy.silence.skipped == 1
 
@@ -411,6 +412,7 @@ def test_a_probe_that_gets_no_answer_starts_a_longer_pause(
             now[0] += 60.0
             refused = other.submit(retry.retrying, policy, "upload", lambda: "sent").exception()
             assert isinstance(refused, PausedBackend)  # the probe is out: not sent
+            assert "is being asked again now" in str(refused)
             raise NoAnswer("no answer within 60s")
 
         with pytest.raises(NoAnswer):
