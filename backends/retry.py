@@ -106,7 +106,7 @@ class RetryPolicy:
     #: Counts retries made, for tests and progress output (shared by all threads).
     retries: int = 0
     #: The backend's pause after a request got no answer (shared by all threads).
-    silence: Silence = field(default_factory=lambda: Silence())
+    silence: Silence = field(default_factory=lambda: Silence())  # defined below
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def delay(self, attempt: int, retry_after: float | None) -> float:
@@ -190,12 +190,11 @@ class Silence:
         that gets one comes here: the lock is taken only while paused."""
         self._answered_at = time.monotonic()  # one store: racing answers differ by microseconds
         if self._until:
-            with self._lock:
-                self._until, self._probe = 0.0, 0
+            self.end()
 
     def end(self) -> None:
-        """End the pause now (the user asked to sync now: a backend that is back
-        should not wait out up to ten minutes)."""
+        """End the pause now: an answer came, or the user asked to sync now (a
+        backend that is back should not wait out up to ten minutes)."""
         with self._lock:
             self._until, self._probe = 0.0, 0
 
