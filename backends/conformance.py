@@ -69,6 +69,7 @@ from typing import Any, BinaryIO, cast
 import pytest
 
 from metasync.backends import Backend, open_backend
+from metasync.backends.base import TempFile
 from metasync.backends.capabilities import Capabilities
 from metasync.backends.logs import LogStore
 from metasync.errors import BackendError, InvalidKey, ObjectNotFound
@@ -1263,9 +1264,13 @@ class BackendConformance:
         assert left, "the killed put left no temporary file to find"
         assert all(t.path.startswith("keep/") and t.size >= 0 for t in left), left
         assert sorted(backend.list()) == ["keep/x"]
-        assert backend.sweep_temp_files(later, delete=False) == left  # nothing removed
-        assert sorted(backend.sweep_temp_files(later, delete=True), key=str) == sorted(
-            left, key=str)
+        # Compared by path: a server may still be applying the writes the killed
+        # client had in flight (SFTP pipelines them), so the size can still grow.
+        def paths(found: list[TempFile]) -> list[str]:
+            return sorted(t.path for t in found)
+
+        assert paths(backend.sweep_temp_files(later, delete=False)) == paths(left)  # nothing removed
+        assert paths(backend.sweep_temp_files(later, delete=True)) == paths(left)
         assert backend.sweep_temp_files(later, delete=False) == []
         assert backend.get("keep/x") == b"kept"
         assert sorted(backend.list()) == ["keep/x"]
