@@ -24,12 +24,18 @@ from typing import Any, BinaryIO
 from metasync.backends import Backend
 from metasync.codec import PACK_TARGET_SIZE, FinishedPack, PackBuilder
 from metasync.context import RepoContext
-from metasync.errors import BackendUnavailable, Interrupted, MetasyncError, UsageError
+from metasync.errors import (
+    BackendUnavailable,
+    CorruptObject,
+    Interrupted,
+    MetasyncError,
+    UsageError,
+)
 from metasync.faults import crash_point, pause_point
 from metasync.graph import ObjectGraph
 from metasync.layout import client_key
 from metasync.localdb import IndexRow
-from metasync.objects import Commit, Index, PackEntry, Version
+from metasync.objects import Commit, FileObject, Index, PackEntry, Version, is_object_id
 from metasync.progress import CANCEL
 from metasync.replicator import Replicator, Uploaded
 from metasync.worktree import write_durable
@@ -449,13 +455,72 @@ class Outbox:
             self.db.upsert_index(refreshed)
 
     def clean(self) -> None:
-        """Remove outbox files no transaction recorded: what an interrupted commit
-        wrote before it could record it (nothing refers to them)."""
+        """Deal with the outbox files no transaction recorded: what an interrupted
+        commit wrote before it could record it (nothing refers to them). Its whole
+        packs are kept and queued (:meth:`_adopt`), so the next commit neither packs
+        nor uploads their objects again; anything else is removed."""
         recorded = {stored_id for stored_id, _ in self.db.outbox()}
         with os.scandir(self.folder) as it:
-            for entry in it:
-                if entry.name not in recorded:
-                    Path(entry.path).unlink(missing_ok=True)
+            unrecorded = [Path(entry.path) for entry in it if entry.name not in recorded]
+        adopted = self._whole_packs([p for p in unrecorded if is_object_id(p.name)])
+        # Removed before the adopted packs' index is written: it may have the name
+        # of an index the interrupted commit wrote (the same packs, the same bytes).
+        for path in unrecorded:
+            if path.name not in adopted:
+                path.unlink(missing_ok=True)
+        self._adopt(adopted)
+
+    def _whole_packs(self, candidates: list[Path]) -> dict[str, list[PackEntry]]:
+        """The finished packs among ``candidates`` (outbox files an interrupted
+        commit -- Ctrl-C, a crash, an error -- wrote but never recorded) that can be
+        kept, with their entries.
+
+        A candidate is kept only if it is a whole pack under its name (the codec's
+        full check) and every file object in it has all its chunks in a kept pack or
+        already located: the next scan trusts an index row whose content is located,
+        so a file object kept without its chunks would be committed without them."""
+        codec, db = self.ctx.codec, self.db
+        packs: dict[str, list[PackEntry]] = {}
+        needs: dict[str, set[str]] = {}
+        for path in candidates:
+            try:
+                data = path.read_bytes()
+                entries = codec.pack_entries(path.name, data)
+                chunks: set[str] = set()
+                for e in entries:
+                    if e.kind == "file":
+                        plain = codec.decode("file", e.object_id, data[e.offset:e.offset + e.length])
+                        chunks.update(c.blob_id for c in FileObject.from_bytes(plain).chunks)
+            except (OSError, CorruptObject):
+                continue  # not a pack, or not whole: removed
+            packs[path.name], needs[path.name] = entries, chunks
+        while True:  # dropping a pack can leave another's file objects without chunks
+            held = {e.object_id for entries in packs.values() for e in entries}
+            lacking = [pack_id for pack_id, chunks in needs.items()
+                       if any(c not in held and not db.is_located(c) for c in chunks)]
+            if not lacking:
+                break
+            for pack_id in lacking:
+                del packs[pack_id], needs[pack_id]
+        return packs
+
+    def _adopt(self, packs: dict[str, list[PackEntry]]) -> None:
+        """Queue ``packs`` (:meth:`_whole_packs`) with an index object listing them,
+        as a commit records its own. Those the early upload had announced keep that
+        record (see :meth:`stop_early`), so the flush sends no copy a backend
+        already holds whole."""
+        if not packs:
+            return
+        db = self.db
+        listed = sorted(packs.items())
+        stored = self.index_objects([(pack_id, tuple(entries)) for pack_id, entries in listed])
+        self.store_standalone(stored)
+        with db.transaction():
+            for pack_id, entries in listed:
+                db.add_locations(pack_id, entries)
+                db.add_outbox(pack_id, "pack")
+            self.record_standalone(stored)
+        self._left |= set(packs) & set(self.ctx.state.announced)
 
     # ---------------------------------------------------------------- uploading
     def flush(self) -> FlushReport:
@@ -561,6 +626,11 @@ class Outbox:
         early, self._early = self._early, None
         if early is not None:
             early.stop()
+            # Stopped before its flush (Ctrl-C while the commit is built): what it
+            # announced stays announced, and the next commit keeps those packs.
+            unrecorded = early.sent - set(self.ctx.state.announced)
+            if unrecorded:
+                self._keep_announced(sorted(unrecorded))
 
     def _record_missed(self, placed: Uploaded) -> None:
         """Remember (inside the caller's transaction) the holders an upload missed,

@@ -17,6 +17,7 @@ from pyfastcdc import FastCDC
 from conftest import snapshot, wait_until
 from metasync import Repository
 from metasync.codec import Codec, PackBuilder
+from metasync.errors import Interrupted
 from metasync.localdb import LocalDB
 from metasync.objects import ObjectHasher, PackEntry
 from metasync.outbox import SINK_BATCH, KnownIds
@@ -231,9 +232,9 @@ def test_a_push_uploads_its_packs_while_it_commits_each_once(
 def test_a_commit_that_fails_stops_its_early_uploads(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A push whose commit fails after packs were uploaded early (here: building its
-    trees fails) leaves no upload thread running and nothing queued; the packs it
-    uploaded are garbage nothing names, and the next push stores everything again
-    and completes."""
+    trees fails) leaves no upload thread running and nothing queued; the next push
+    keeps the packs it left whole in the outbox (as after a Ctrl-C, below) and
+    completes."""
     from metasync.scanner import Scanner
 
     backend = tmp_path / "b"
@@ -264,6 +265,65 @@ def test_a_commit_that_fails_stops_its_early_uploads(
         assert result.version is not None and repo.fsck().ok
     clone = tmp_path / "clone"
     Repository.clone(f"dir:{backend}", clone, allow_unencrypted=True).close()
+    assert snapshot(clone) == snapshot(folder)
+
+
+def _stored_packs(backends: list[Path]) -> dict[Path, int]:
+    """Every stored object file (named by a 64-hex id) on ``backends``, with its inode."""
+    return {p: p.stat().st_ino for b in backends for p in (b / "metasync" / "objects").rglob("*")
+            if p.is_file() and len(p.name) == 64}
+
+
+def test_the_push_after_a_ctrl_c_keeps_the_packs_the_stopped_commit_made(
+        tmp_path: Path, backends: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while a push still builds its commit, after some packs went up early:
+    the next push keeps those packs (they are whole in the outbox) instead of packing
+    and uploading their objects again, sends no copy a backend already holds, and its
+    version lists them. Before, the next push removed them from the outbox and packed
+    and uploaded everything again (a large first push stopped near its end started
+    over). fsck is clean, a clone is the folder."""
+    from metasync.progress import CANCEL
+    from metasync.scanner import Scanner
+
+    folder = tmp_path / "f"
+    folder.mkdir()
+    rng = random.Random(14)
+    for n in range(30):
+        (folder / f"{n}.bin").write_bytes(rng.randbytes(100_000))
+    monkeypatch.setenv("METASYNC_PACK_SIZE", str(100_000))
+    stored_at_stop: dict[Path, int] = {}
+
+    def ctrl_c(*args: object, **kwargs: object) -> None:
+        wait_until(lambda: len(_stored_packs(backends)) >= 4, 30, "early uploads")
+        stored_at_stop.update(_stored_packs(backends))
+        CANCEL.request()
+        raise KeyboardInterrupt
+
+    with Repository.init(folder, [f"dir:{b}" for b in backends], replicas=2,
+                         encrypt=False) as repo:
+        monkeypatch.setattr(Scanner, "build_trees", ctrl_c)
+        try:
+            with pytest.raises(Interrupted):
+                repo.push("stopped")
+        finally:
+            CANCEL.clear()
+        assert repo.head is None
+        monkeypatch.setattr(Scanner, "build_trees", _build_trees)
+        asked = _watch_uploads(monkeypatch)
+        result = repo.push("continued")
+        assert result.version is not None and result.commit is not None
+        located = {row[0] for row in repo.outbox.db.conn.execute(
+            "SELECT DISTINCT pack_id FROM locations")}
+        report = repo.fsck()
+    early = {p.name for p in stored_at_stop}
+    assert early <= located, "the continued push did not keep the stopped one's packs"
+    assert result.commit.new_objects.get("blob", 0) <= 30 - len(early), result.commit
+    after = _stored_packs(backends)
+    assert {p: after.get(p) for p in stored_at_stop} == stored_at_stop  # no copy sent again
+    assert {stored_id for _, stored_id in asked} >= early  # asked, and found whole
+    assert report.ok, report.problems
+    clone = tmp_path / "clone"
+    Repository.clone(f"dir:{backends[2]}", clone, allow_unencrypted=True).close()
     assert snapshot(clone) == snapshot(folder)
 
 
