@@ -133,17 +133,22 @@ class Codec:
         ctx = Context(kind, object_id)
         return self._aes.put(self._aes.get(stored, ctx), ctx)
 
-    def rekey_pack(self, pack_id: str, stored: bytes) -> bytes | None:
-        """The pack re-encrypted under the current data key (a re-keyed pack, FORMAT.md
-        §6), or None if nothing in it is under an older key. Checks the pack first."""
-        entries = self.pack_entries(pack_id, stored)
+    def pack_is_stale(self, pack_id: str, stored: bytes, entries: list[PackEntry]) -> bool:
+        """True if the pack ``stored`` -- checked, its ``entries`` from
+        :meth:`pack_entries` -- holds anything under an older data key."""
         header_len = _TRAILER.unpack_from(stored, len(stored) - _TRAILER.size)[0]
         start = len(stored) - _TRAILER.size - header_len
         rekeyed = stored[-4:] == REKEYED_PACK_MAGIC
         header_ctx = ("packheader", pack_id if rekeyed else "pack")
-        if self.stale(stored[start : start + header_len], *header_ctx) or any(
-            self.stale(stored[e.offset : e.offset + e.length], e.kind, e.object_id) for e in entries
-        ):
+        return self.stale(stored[start : start + header_len], *header_ctx) or any(
+            self.stale(stored[e.offset : e.offset + e.length], e.kind, e.object_id) for e in entries)
+
+    def rekey_pack(self, pack_id: str, stored: bytes) -> bytes | None:
+        """The pack re-encrypted under the current data key (a re-keyed pack, FORMAT.md
+        §6), or None if nothing in it is under an older key. Checks the pack first."""
+        entries = self.pack_entries(pack_id, stored)
+        if self.pack_is_stale(pack_id, stored, entries):
+            start = len(stored) - _TRAILER.size - _TRAILER.unpack_from(stored, len(stored) - _TRAILER.size)[0]
             parts = [self.reencrypt(stored[e.offset : e.offset + e.length], e.kind, e.object_id)
                      for e in entries]
             body = b"".join(parts)

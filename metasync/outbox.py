@@ -478,14 +478,24 @@ class Outbox:
         A candidate is kept only if it is a whole pack under its name (the codec's
         full check) and every file object in it has all its chunks in a kept pack or
         already located: the next scan trusts an index row whose content is located,
-        so a file object kept without its chunks would be committed without them."""
+        so a file object kept without its chunks would be committed without them.
+        Not kept either: a pack already located (a flush stopped between booking its
+        upload and removing its file: it is on the backends) and one under an older
+        data key (a key rotation under way would have to re-key it again)."""
         codec, db = self.ctx.codec, self.db
         packs: dict[str, list[PackEntry]] = {}
         needs: dict[str, set[str]] = {}
+        located = db.pack_ids() if candidates else set()
+        # Only while a rotation is under way can a pack be under an older key.
+        rotating = codec.keyring is not None and len(codec.keyring.data_keys) > 1
         for path in candidates:
+            if path.name in located:
+                continue
             try:
                 data = path.read_bytes()
                 entries = codec.pack_entries(path.name, data)
+                if rotating and codec.pack_is_stale(path.name, data, entries):
+                    continue
                 chunks: set[str] = set()
                 for e in entries:
                     if e.kind == "file":

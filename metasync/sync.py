@@ -172,12 +172,23 @@ class Sync:
         )
 
     def record_decided(self, version: Version) -> None:
-        """``version`` (whose master is our head) is decided: it is the new base."""
+        """``version`` (whose master is our head) is decided: it is the new base.
+
+        The local indexes master lists are now the line's. One it does not list --
+        packs a commit made without using them (one that found the folder unchanged
+        after a busy file, or what :meth:`Outbox.clean` kept of a stopped commit) --
+        stays local for the next commit to list, and stays announced with its packs
+        so no gc collects them meanwhile: their objects are located, so the next
+        commit refers to them instead of storing them again."""
         db = self.ctx.db
+        listed = set(self.graph.load_commit(version.master).indexes) if version.master else set()
+        unlisted = [i for i in db.local_indexes() if i not in listed]
+        still_announced = {p for i in unlisted for p, _ in self.graph.read_index(i).packs}
         with self.state.transaction():
             self.versions.set_base(version)
-            self.state.announced = []  # all of it is reachable from master now
-            for index_id in db.local_indexes():
+            # All the rest is reachable from master now.
+            self.state.announced = sorted(still_announced | set(unlisted))
+            for index_id in listed & set(db.local_indexes()):
                 db.set_index_state(index_id, "remote")
         self.versions.adopt_config()
 

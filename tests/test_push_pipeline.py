@@ -22,6 +22,7 @@ from metasync.localdb import LocalDB
 from metasync.objects import ObjectHasher, PackEntry
 from metasync.outbox import SINK_BATCH, KnownIds
 from metasync.scanner import Scanner
+from metasync.store import RemoteStore
 from metasync.worktree import CHUNK_AVG, CHUNK_MAX, CHUNK_MIN, Chunker, ScanEntry
 
 #: The real tree builder, for a test that breaks it and mends it again.
@@ -309,7 +310,16 @@ def test_the_push_after_a_ctrl_c_keeps_the_packs_the_stopped_commit_made(
             CANCEL.clear()
         assert repo.head is None
         monkeypatch.setattr(Scanner, "build_trees", _build_trees)
-        asked = _watch_uploads(monkeypatch)
+        found_whole: set[str] = set()
+        has_copy = RemoteStore.has_copy
+
+        def watched_has_copy(self: RemoteStore, backend_id: str, stored_id: str, size: int) -> bool:
+            whole = has_copy(self, backend_id, stored_id, size)
+            if whole:
+                found_whole.add(stored_id)
+            return whole
+
+        monkeypatch.setattr(RemoteStore, "has_copy", watched_has_copy)
         result = repo.push("continued")
         assert result.version is not None and result.commit is not None
         located = {row[0] for row in repo.outbox.db.conn.execute(
@@ -320,8 +330,58 @@ def test_the_push_after_a_ctrl_c_keeps_the_packs_the_stopped_commit_made(
     assert result.commit.new_objects.get("blob", 0) <= 30 - len(early), result.commit
     after = _stored_packs(backends)
     assert {p: after.get(p) for p in stored_at_stop} == stored_at_stop  # no copy sent again
-    assert {stored_id for _, stored_id in asked} >= early  # asked, and found whole
+    assert found_whole >= early  # each holder asked first, and found to hold it whole
     assert report.ok, report.problems
+    clone = tmp_path / "clone"
+    Repository.clone(f"dir:{backends[2]}", clone, allow_unencrypted=True).close()
+    assert snapshot(clone) == snapshot(folder)
+
+
+def test_packs_kept_from_a_stopped_commit_that_a_decided_version_does_not_use_stay_listed(
+        tmp_path: Path, backends: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A commit stops after packing new files; the files are moved away and an
+    earlier local commit is pushed (the folder is unchanged: no new commit lists
+    the packs kept from the stopped one). Once that version is decided, the index
+    of the kept packs stays local, and announced with its packs, so the push after
+    the files come back lists it: a clone has every file. Before, deciding a version
+    made every local index "remote", listed or not: the next version referred to
+    objects in packs no version listed, and a clone failed ("in no known pack")."""
+    import shutil
+
+    folder = tmp_path / "f"
+    folder.mkdir()
+    (folder / "a.txt").write_text("a")
+    monkeypatch.setenv("METASYNC_PACK_SIZE", str(100_000))
+    rng = random.Random(15)
+    big = {f"{n}.bin": rng.randbytes(100_000) for n in range(20)}
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("stopped")
+
+    with Repository.init(folder, [f"dir:{b}" for b in backends], replicas=2,
+                         encrypt=False) as repo:
+        repo.push("v1")
+        (folder / "a.txt").write_text("b")
+        repo.commit("offline")
+        for name, data in big.items():
+            (folder / name).write_bytes(data)
+        monkeypatch.setattr(Scanner, "build_trees", fail)
+        with pytest.raises(RuntimeError, match="stopped"):
+            repo.commit("stopped")
+        monkeypatch.setattr(Scanner, "build_trees", _build_trees)
+        aside = tmp_path / "aside"
+        aside.mkdir()
+        for name in big:
+            shutil.move(folder / name, aside / name)
+        assert repo.push("the offline commit").version is not None
+        kept = repo.outbox.db.local_indexes()
+        assert kept, "the kept packs' index was taken as the decided version's"
+        for name in big:
+            shutil.move(aside / name, folder / name)
+        result = repo.push("with the files")
+        assert result.commit is not None
+        assert set(kept) <= set(repo.graph.head_commit().indexes)  # type: ignore[union-attr]
+        assert repo.fsck().ok
     clone = tmp_path / "clone"
     Repository.clone(f"dir:{backends[2]}", clone, allow_unencrypted=True).close()
     assert snapshot(clone) == snapshot(folder)
