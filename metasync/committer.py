@@ -347,7 +347,7 @@ class Committer:
         for tid, data in trees.items():
             writer.sink("tree", tid, data)
         stored = writer.finish()
-        indexes = self.outbox.commit_indexes(inherited, stored)
+        indexes, merged_away = self.outbox.commit_indexes(inherited, stored)
         commit = Commit(
             tree=root_id,
             parents=parents,
@@ -371,6 +371,8 @@ class Committer:
             for tid, data in trees.items():
                 db.cache_object(tid, "tree", data)
             self.outbox.record_standalone(stored)
+            for index_id in merged_away:
+                db.set_index_state(index_id, "remote")
             self.state.head = commit_id
             if then is not None:
                 then()

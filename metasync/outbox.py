@@ -397,23 +397,28 @@ class Outbox:
         data = Index(tuple(packs)).to_bytes()
         return "index", self.ctx.codec.id_of("index", data), data
 
-    def commit_indexes(self, inherited: list[Commit], stored: list[Standalone]) -> set[str]:
+    def commit_indexes(self, inherited: list[Commit],
+                       stored: list[Standalone]) -> tuple[set[str], set[str]]:
         """The indexes a new commit lists: this client's unpublished ones, those of
         the current line the ``inherited`` commits list, and the new ``stored`` ones.
-        Past MAX_INDEXES they are merged into a few new ones, appended to ``stored``."""
+        Past MAX_INDEXES they are merged into a few new ones, appended to ``stored``.
+        Second: the unpublished and new ones merged away, which the caller records
+        as no longer local when it records the commit (their packs are listed by the
+        merged ones; left local, each later commit would list and merge them again,
+        and a decided version would keep them announced)."""
         db = self.db
-        indexes = set(db.local_indexes())
+        own = set(db.local_indexes()) | {object_id for _, object_id, _ in stored}
+        indexes = set(own)
         for c in inherited:
             # Only indexes of the current line: after a gc, older ones may list
             # collected packs (see LocalState.forget_collected).
             indexes |= {i for i in c.indexes if db.index_state(i) in ("remote", "local")}
-        indexes |= {object_id for _, object_id, _ in stored}
         if len(indexes) > MAX_INDEXES:
             fresh = {object_id: data for _, object_id, data in stored}
             merged = self.index_objects(self._merged_index_packs(indexes, fresh))
             stored += merged
             indexes = {object_id for _, object_id, _ in merged}
-        return indexes
+        return indexes, own - indexes
 
     def _merged_index_packs(
         self, index_ids: set[str], fresh: dict[str, bytes]

@@ -387,6 +387,34 @@ def test_packs_kept_from_a_stopped_commit_that_a_decided_version_does_not_use_st
     assert snapshot(clone) == snapshot(folder)
 
 
+def test_indexes_merged_into_a_commits_are_no_longer_local(
+        tmp_path: Path, backends: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_INDEXES a commit merges its indexes into new ones; the local ones it
+    merged away are recorded as no longer local with it, so once its version is
+    decided nothing is left local or announced, and later commits do not merge them
+    again (before, with a decided version keeping unlisted local indexes, every
+    later push merged again and kept one more index and its packs announced)."""
+    from metasync import outbox
+
+    monkeypatch.setattr(outbox, "MAX_INDEXES", 3)
+    folder = tmp_path / "f"
+    folder.mkdir()
+    with Repository.init(folder, [f"dir:{b}" for b in backends], replicas=2,
+                         encrypt=False) as repo:
+        for n in range(4):  # commits made offline: more local indexes than one commit lists
+            (folder / f"offline-{n}.txt").write_text(f"offline {n}\n")
+            repo.commit(f"offline {n}")
+        for n in range(6):
+            (folder / f"pushed-{n}.txt").write_text(f"pushed {n}\n")
+            assert repo.push(f"push {n}").version is not None
+            assert repo.outbox.db.local_indexes() == [], n
+            assert repo.outbox.ctx.state.announced == [], n
+            assert len(repo.graph.head_commit().indexes) <= 3  # type: ignore[union-attr]
+    clone = tmp_path / "clone"
+    Repository.clone(f"dir:{backends[2]}", clone, allow_unencrypted=True).close()
+    assert snapshot(clone) == snapshot(folder)
+
+
 def test_the_flushs_announcement_is_never_overwritten_by_an_early_one(
         tmp_path: Path, backends: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """The early upload's announcements name its packs only; the flush's names the
