@@ -337,6 +337,32 @@ def test_the_push_after_a_ctrl_c_keeps_the_packs_the_stopped_commit_made(
     assert snapshot(clone) == snapshot(folder)
 
 
+def test_a_left_over_file_of_a_pack_already_uploaded_is_removed_not_queued(
+        tmp_path: Path, backends: list[Path]) -> None:
+    """A flush stopped between booking a pack's upload and removing its file leaves
+    the file of a pack that is located and on the backends: the next commit removes
+    it, as before, rather than keeping it as a stopped commit's (it would be
+    uploaded again, under a second index)."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+    (folder / "a.txt").write_text("a\n")
+    with Repository.init(folder, [f"dir:{b}" for b in backends], replicas=2,
+                         encrypt=False) as repo:
+        repo.push("v1")
+        db = repo.outbox.db
+        (pack_id,) = db.pack_ids()
+        (copy,) = [p for b in backends for p in b.rglob(pack_id)][:1]
+        left_over = repo.outbox.folder / pack_id
+        left_over.write_bytes(copy.read_bytes())
+        indexes = set(db.conn.execute("SELECT index_id FROM indexes").fetchall())
+        (folder / "b.txt").write_text("b\n")
+        repo.commit("v2")
+        assert pack_id not in {stored_id for stored_id, _ in db.outbox()}
+        assert not left_over.exists()
+        listed = set(repo.graph.head_commit().indexes)  # type: ignore[union-attr]
+        assert len(listed - {i for (i,) in indexes}) == 1  # the new commit's own index only
+
+
 def test_packs_kept_from_a_stopped_commit_that_a_decided_version_does_not_use_stay_listed(
         tmp_path: Path, backends: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """A commit stops after packing new files; the files are moved away and an
