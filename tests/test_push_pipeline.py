@@ -182,6 +182,18 @@ def test_a_failed_commit_closes_and_removes_the_pack_it_was_spooling(
         assert repo.commit("works") is not None
 
 
+def _folder_of_packs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int) -> Path:
+    """A folder of 30 random 100 kB files, with packs of 100 kB: more than a sink
+    batch's bytes, so packs finish while the scan still runs, and when it ends."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+    rng = random.Random(seed)
+    for n in range(30):
+        (folder / f"{n}.bin").write_bytes(rng.randbytes(100_000))
+    monkeypatch.setenv("METASYNC_PACK_SIZE", str(100_000))
+    return folder
+
+
 def _watch_uploads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     """Every ``(thread name, stored id)`` the replicator is asked to upload, from now."""
     from metasync.replicator import Replicator
@@ -205,12 +217,7 @@ def test_a_push_uploads_its_packs_while_it_commits_each_once(
     again (issue 21): every pack is asked for exactly once, and the flush uploads
     only the indexes and the commit. The version holds every object: a fresh clone
     is the folder, fsck finds nothing."""
-    folder = tmp_path / "f"
-    folder.mkdir()
-    rng = random.Random(11)
-    for n in range(30):  # packs finish during the scan and when it ends
-        (folder / f"{n}.bin").write_bytes(rng.randbytes(100_000))
-    monkeypatch.setenv("METASYNC_PACK_SIZE", str(100_000))
+    folder = _folder_of_packs(tmp_path, monkeypatch, 11)
     with Repository.init(folder, [f"dir:{b}" for b in backends], replicas=2,
                          encrypt=False) as repo:
         asked = _watch_uploads(monkeypatch)
@@ -240,12 +247,7 @@ def test_a_commit_that_fails_stops_its_early_uploads(
 
     backend = tmp_path / "b"
     backend.mkdir()
-    folder = tmp_path / "f"
-    folder.mkdir()
-    rng = random.Random(12)
-    for n in range(30):  # more than a sink batch's bytes: packs finish during the scan
-        (folder / f"{n}.bin").write_bytes(rng.randbytes(100_000))
-    monkeypatch.setenv("METASYNC_PACK_SIZE", str(100_000))
+    folder = _folder_of_packs(tmp_path, monkeypatch, 12)
 
     asked: list[tuple[str, str]] = []
 
@@ -286,12 +288,7 @@ def test_the_push_after_a_ctrl_c_keeps_the_packs_the_stopped_commit_made(
     from metasync.progress import CANCEL
     from metasync.scanner import Scanner
 
-    folder = tmp_path / "f"
-    folder.mkdir()
-    rng = random.Random(14)
-    for n in range(30):
-        (folder / f"{n}.bin").write_bytes(rng.randbytes(100_000))
-    monkeypatch.setenv("METASYNC_PACK_SIZE", str(100_000))
+    folder = _folder_of_packs(tmp_path, monkeypatch, 14)
     stored_at_stop: dict[Path, int] = {}
 
     def ctrl_c(*args: object, **kwargs: object) -> None:
@@ -451,12 +448,7 @@ def test_the_flushs_announcement_is_never_overwritten_by_an_early_one(
     after it dropped the commit and the index: a gc then deleted them)."""
     from metasync.outbox import EarlyUpload, Outbox
 
-    folder = tmp_path / "f"
-    folder.mkdir()
-    rng = random.Random(13)
-    for n in range(30):
-        (folder / f"{n}.bin").write_bytes(rng.randbytes(100_000))
-    monkeypatch.setenv("METASYNC_PACK_SIZE", str(100_000))
+    folder = _folder_of_packs(tmp_path, monkeypatch, 13)
     go_on = threading.Event()
     writes: list[tuple[str, set[str], bool]] = []
     lock = threading.Lock()
