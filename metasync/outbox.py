@@ -523,7 +523,10 @@ class Outbox:
         """Queue ``packs`` (:meth:`_whole_packs`) with an index object listing them,
         as a commit records its own. Those the early upload had announced keep that
         record (see :meth:`stop_early`), so the flush sends no copy a backend
-        already holds whole."""
+        already holds whole. Only those: after a crash the local record lacks the
+        others, and a command that publishes it (a pull) ends their announcement on
+        the backends, so a gc may be collecting a copy found there; they are sent
+        again."""
         if not packs:
             return
         db = self.db
