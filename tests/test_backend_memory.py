@@ -195,3 +195,27 @@ def test_small_requests_measure_the_latency_and_transfers_and_listings_do_not() 
     assert measured(lambda: backend.get("small"))
     assert measured(lambda: backend.size("small"))
     assert measured(lambda: backend.poll("small"))
+
+
+def test_a_register_append_that_finds_another_entry_in_place_moves_on() -> None:
+    """Register logs: an attempt that passes phase 2 but finds another value's entry
+    already at its position (a listing that ran while that entry was created and its
+    blocks removed can miss both: 6 processes racing on one folder did this about
+    once in ten runs) returns that entry's value, so its append takes the next
+    position. Before, it returned its own position, whose entry held the other
+    value: two appends returned one position and one message was lost."""
+    backend = open_backend(f"memory:{fresh_name('registers')}", "ns")
+    backend.create()
+    other = RegisterLogs(backend)
+    assert other.append("log", b"first") == 0
+    hidden = {"log/0000000000"}
+    listed = backend.list
+
+    def listing_that_missed_it(prefix: str = "") -> Iterator[str]:
+        return (key for key in listed(prefix) if key not in hidden)
+
+    backend.list = listing_that_missed_it  # type: ignore[method-assign]
+    late = RegisterLogs(backend)
+    assert late.append("log", b"second") == 1
+    hidden.clear()
+    assert RegisterLogs(backend).fetch("log") == [(0, b"first"), (1, b"second")]
