@@ -607,16 +607,27 @@ class LocalBackend(Backend):
         hand) are skipped. A missing prefix folder yields nothing. The namespace
         folder is checked when ``list`` is called, not when iteration starts.
         """
-        return (key for key, _ in self.list_sizes(prefix))
+        return (key for key, _ in self._listing(prefix, sizes=False))
 
     def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        return self._listing(prefix, sizes=True)
+
+    def _listing(self, prefix: str, sizes: bool) -> Iterator[tuple[str, int]]:
         prefix = check_prefix(prefix)
         if prefix:
             self._check_reserved(prefix)
         self._require_root()
-        return self._walk(prefix)
+        return self._walk(prefix, sizes)
 
-    def _walk(self, prefix: str) -> Iterator[tuple[str, int]]:
+    def _walk(self, prefix: str, sizes: bool) -> Iterator[tuple[str, int]]:
+        """``(key, size)`` under ``prefix``; without ``sizes`` the size is -1 and a
+        file is named as each folder's read found it: one removed before its type
+        could be checked is still named. A listing is then one moment of each
+        folder, as register logs need (a decided attempt creates the entry, then
+        removes its blocks: a listing that took the names before the entry existed
+        and dropped the blocks it could no longer stat showed neither, and another
+        attempt decided a second value). Sizes need a stat, so ``list_sizes``
+        leaves such a file out."""
         stack = [(self._path(prefix) if prefix else self.root, prefix)]
         while stack:
             folder, rel = stack.pop()
@@ -638,10 +649,21 @@ class LocalBackend(Backend):
                     # Not following folder symlinks keeps a symlink loop from hanging us.
                     if entry.is_dir(follow_symlinks=False):
                         stack.append((entry.path, key))
-                    elif entry.is_file():
-                        yield key, entry.stat().st_size
+                        continue
+                    # is_dir and is_file say False for a name removed since the read
+                    # (where the read gave no type, they stat it).
+                    if not entry.is_file():
+                        if not sizes and not os.path.lexists(entry.path):
+                            yield key, -1
+                        continue
+                    size = entry.stat().st_size if sizes else -1
+                except FileNotFoundError:
+                    if sizes:
+                        continue  # removed while we were listing: no size to give
+                    size = -1
                 except OSError:
-                    continue  # removed while we were listing
+                    continue
+                yield key, size
 
     def poll(self, key: str) -> str | None:
         """A token of (mtime_ns, size, inode), or None if ``key`` does not exist.

@@ -449,16 +449,7 @@ class RegisterLogs(CachedEntries):
         written: builtins.list[int] = []
         decided = self._attempt(log, position, value, mine, written)
         try:
-            # The newest version last: a listing takes an attempt's highest version
-            # for its register, and one that runs while these go (and misses the
-            # entry, created during it) must not find an older version as the
-            # newest: it would read a lower ballot than this attempt joined and
-            # could decide another value. (Removing the blocks at all is not safe
-            # either: see the entry's creation in _attempt.)
-            delete = lambda v: self.backend.delete(_block_key(log, position, mine, v))  # noqa: E731
-            _read_all(delete, written[:-1])
-            if written:
-                delete(written[-1])
+            _read_all(lambda v: self.backend.delete(_block_key(log, position, mine, v)), written)
         except BackendError:
             pass  # garbage only: a leftover block never changes a decided position
         return decided
@@ -506,11 +497,13 @@ class RegisterLogs(CachedEntries):
             # do by deleting it first. The entry is what every reader takes as the
             # position's value, so an attempt whose create found another value there
             # returns that value, not its own. Two attempts can pass phase 2 with
-            # different values: a listing that runs while a decided attempt creates
-            # the entry and then removes its blocks (see _decide) can miss both,
-            # which Disk Paxos, whose registers are never erased, does not allow for.
-            # Seen with 6 processes racing on one folder, ~1 run in 10 under load:
-            # each of the two returned its own position, one of the entries lost.
+            # different values where a listing misses both the entry a decided
+            # attempt creates and the blocks it then removes (see _decide), which
+            # Disk Paxos, whose registers are never erased, does not allow for: a
+            # listing of names read at two moments did (``dir:`` before the fix in
+            # LocalBackend._walk; 6 processes racing, ~1 run in 10 under load, each
+            # of the two returned its own position and one message was lost), and
+            # a service whose listings are not one moment still can.
             if self.backend.put_if_absent(entry_key, encode_entry(chosen)):
                 return chosen
             return self._decided_value(log, position)
