@@ -650,19 +650,16 @@ class LocalBackend(Backend):
                     if entry.is_dir(follow_symlinks=False):
                         stack.append((entry.path, key))
                         continue
-                    # is_dir and is_file say False for a name removed since the read
-                    # (where the read gave no type, they stat it).
-                    if not entry.is_file():
-                        if not sizes and not os.path.lexists(entry.path):
-                            yield key, -1
-                        continue
-                    size = entry.stat().st_size if sizes else -1
-                except FileNotFoundError:
-                    if sizes:
-                        continue  # removed while we were listing: no size to give
-                    size = -1
+                    if entry.is_file():
+                        size = entry.stat().st_size if sizes else -1
+                    elif sizes or os.path.lexists(entry.path):
+                        continue  # not a regular file (or no size to give)
+                    else:
+                        # is_dir and is_file say False for a name removed since the
+                        # folder was read (where the read gave no type, they stat it).
+                        size = -1
                 except OSError:
-                    continue
+                    continue  # removed while we were listing, and a size was asked
                 yield key, size
 
     def poll(self, key: str) -> str | None:

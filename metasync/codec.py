@@ -136,8 +136,7 @@ class Codec:
     def pack_is_stale(self, pack_id: str, stored: bytes, entries: list[PackEntry]) -> bool:
         """True if the pack ``stored`` -- checked, its ``entries`` from
         :meth:`pack_entries` -- holds anything under an older data key."""
-        header_len = _TRAILER.unpack_from(stored, len(stored) - _TRAILER.size)[0]
-        start = len(stored) - _TRAILER.size - header_len
+        start, header_len = _header_span(stored)
         rekeyed = stored[-4:] == REKEYED_PACK_MAGIC
         header_ctx = ("packheader", pack_id if rekeyed else "pack")
         return self.stale(stored[start : start + header_len], *header_ctx) or any(
@@ -148,7 +147,7 @@ class Codec:
         §6), or None if nothing in it is under an older key. Checks the pack first."""
         entries = self.pack_entries(pack_id, stored)
         if self.pack_is_stale(pack_id, stored, entries):
-            start = len(stored) - _TRAILER.size - _TRAILER.unpack_from(stored, len(stored) - _TRAILER.size)[0]
+            start = _header_span(stored)[0]
             parts = [self.reencrypt(stored[e.offset : e.offset + e.length], e.kind, e.object_id)
                      for e in entries]
             body = b"".join(parts)
@@ -160,6 +159,12 @@ class Codec:
             }))
             return body + header + _TRAILER.pack(len(header), REKEYED_PACK_MAGIC)
         return None  # written under the current key already (a plain pack stays plain)
+
+
+def _header_span(stored: bytes) -> tuple[int, int]:
+    """Where a checked pack's encoded header starts, and its length (from the trailer)."""
+    header_len = _TRAILER.unpack_from(stored, len(stored) - _TRAILER.size)[0]
+    return len(stored) - _TRAILER.size - header_len, header_len
 
 
 @dataclass

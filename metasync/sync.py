@@ -182,13 +182,14 @@ class Sync:
         commit refers to them instead of storing them again."""
         db = self.ctx.db
         listed = set(self.graph.load_commit(version.master).indexes) if version.master else set()
-        unlisted = [i for i in db.local_indexes() if i not in listed]
+        local = set(db.local_indexes())
+        unlisted = local - listed
         still_announced = {p for i in unlisted for p, _ in self.graph.read_index(i).packs}
         with self.state.transaction():
             self.versions.set_base(version)
             # All the rest is reachable from master now.
-            self.state.announced = sorted(still_announced | set(unlisted))
-            for index_id in listed & set(db.local_indexes()):
+            self.state.announced = sorted(still_announced | unlisted)
+            for index_id in listed & local:
                 db.set_index_state(index_id, "remote")
         self.versions.adopt_config()
 
