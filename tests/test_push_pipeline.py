@@ -243,7 +243,6 @@ def test_a_commit_that_fails_stops_its_early_uploads(
     trees fails) leaves no upload thread running and nothing queued; the next push
     keeps the packs it left whole in the outbox (as after a Ctrl-C, below) and
     completes."""
-    from metasync.scanner import Scanner
 
     backend = tmp_path / "b"
     backend.mkdir()
@@ -286,7 +285,6 @@ def test_the_push_after_a_ctrl_c_keeps_the_packs_the_stopped_commit_made(
     and uploaded everything again (a large first push stopped near its end started
     over). fsck is clean, a clone is the folder."""
     from metasync.progress import CANCEL
-    from metasync.scanner import Scanner
 
     folder = _folder_of_packs(tmp_path, monkeypatch, 14)
     stored_at_stop: dict[Path, int] = {}
